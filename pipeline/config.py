@@ -1,0 +1,379 @@
+"""Typed run configuration: one YAML file, decoded into msgspec Structs.
+
+Guarantees:
+- Every field is typed and bounded; an unknown key, a wrong type or an out-of-range
+  value raises ``ConfigError`` naming the dotted path and the reason, before any actor
+  starts (the CLI turns it into exit status 2).
+- Dotted overrides (``train.lr=1e-5``) are applied to the raw mapping before decoding,
+  so they are validated exactly like the file.
+- Cross-field rules (``check_config``) run after decoding, also before any actor starts.
+
+Section names follow the seed config users know: ``model``, ``data``, ``rollout``,
+``reward``, ``reference``, ``train``, ``algorithm``, ``dataflow``, ``placement``, ``run``,
+``record``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+from msgspec import Meta
+
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+Ratio = Annotated[float, Meta(gt=0, le=1)]
+Probability = Annotated[float, Meta(gt=0, le=1)]
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid; the message names the dotted path and the reason."""
+
+
+def _section(**kw: Any) -> Any:
+    return dict(kw, forbid_unknown_fields=True, kw_only=True, frozen=True)
+
+
+class TinyModelConfig(msgspec.Struct, **_section()):
+    """Shape of the embedded default model (a random-init Llama with a char tokenizer)."""
+
+    hidden_size: PosInt = 128
+    num_layers: PosInt = 2
+    num_heads: PosInt = 2
+    num_kv_heads: PosInt = 2
+    head_dim: PosInt = 64
+    intermediate_size: PosInt = 256
+    max_position_embeddings: PosInt = 256
+    seed: NonNegInt = 0
+
+
+class ModelConfig(msgspec.Struct, **_section()):
+    """``path: tiny`` builds the embedded default locally; any local HF checkpoint dir works."""
+
+    path: str = "tiny"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    tiny: TinyModelConfig = TinyModelConfig()
+    cache_dir: str = "~/.cache/conveyor"
+
+
+class DataConfig(msgspec.Struct, **_section()):
+    """Prompts: a built-in task (or ``module:attr`` task) or a local JSONL/Parquet file."""
+
+    task: str = "first_digit"
+    path: str | None = None
+    max_prompt_len: PosInt = 64
+    num_prompts: NonNegInt = 0  # 0 = as many as the run needs
+    shuffle: bool = True
+    task_kwargs: dict[str, Any] = {}
+
+
+class MemoryConfig(msgspec.Struct, **_section()):
+    """Admission control for one stage (see ``pipeline/admission.py``)."""
+
+    oom_protection: bool = True
+    max_memory_ratio: Ratio = 0.85
+    budget_bytes: Annotated[int, Meta(ge=1)] | None = None
+    defer_timeout_s: PosFloat = 120.0
+
+
+class PlacementEntry(msgspec.Struct, **_section()):
+    """Ray resources of one stage actor."""
+
+    num_cpus: NonNegFloat = 0.0
+    num_gpus: NonNegFloat = 0.0
+
+
+class RolloutConfig(msgspec.Struct, **_section()):
+    backend: str = "vllm"  # "vllm", "hf", or "module:attr"
+    num_workers: PosInt = 1
+    tensor_parallel_size: PosInt = 1
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    n: PosInt = 8
+    temperature: NonNegFloat = 1.0
+    top_p: Probability = 1.0
+    top_k: int = -1
+    max_tokens: PosInt = 8
+    max_inflight: PosInt = 4  # micro-batches generating concurrently per worker
+    kv_cache_gib: PosFloat = 1.0  # CPU backend: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: Ratio = 0.5
+    enforce_eager: bool = True
+    seed: NonNegInt = 0
+    memory: MemoryConfig = MemoryConfig()
+    max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio
+
+
+class RewardConfig(msgspec.Struct, **_section()):
+    """``function`` is a built-in name (``task`` = the data task's own) or ``module:attr``."""
+
+    function: str = "task"
+    signature: Literal["auto", "score", "batched"] = "auto"
+    on_error: float = 0.0
+
+
+class ReferenceConfig(msgspec.Struct, **_section()):
+    """Frozen reference model; skipped when ``algorithm.kl_coef`` is 0 and ``enabled: auto``."""
+
+    enabled: Literal["auto", "on", "off"] = "auto"
+    path: str | None = None  # default: model.path
+    memory: MemoryConfig = MemoryConfig()
+
+
+class TrainConfig(msgspec.Struct, **_section()):
+    lr: PosFloat = 3e-4
+    weight_decay: NonNegFloat = 0.0
+    grad_clip: NonNegFloat = 1.0
+    zero_stage: Annotated[int, Meta(ge=0, le=3)] = 0
+    prompts_per_step: PosInt = 8  # GRPO groups per optimizer step
+    sync_interval: PosInt = 1
+    weight_sync_monitor: bool = True
+    weight_sync_timeout_s: PosFloat = 300.0
+    save_checkpoint: bool = True
+    threads: NonNegInt = 0  # torch threads in the trainer; 0 = leave default
+    memory: MemoryConfig = MemoryConfig()
+
+
+class AlgorithmConfig(msgspec.Struct, **_section()):
+    name: Literal["grpo"] = "grpo"
+    kl_coef: NonNegFloat = 0.04
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    clip_eps_low: NonNegFloat = 0.2
+    clip_eps_high: NonNegFloat = 0.2
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    norm_adv_by_std: bool = True
+
+
+class NodeSpec(msgspec.Struct, **_section()):
+    """A custom DataFlow node from YAML: ``node_class`` is ``module:attr``."""
+
+    name: str
+    node_class: str
+    input_from: str | None = None
+    kwargs: dict[str, Any] = {}
+
+
+class DataflowConfig(msgspec.Struct, **_section()):
+    """``max_staleness`` is η: 0 with ``async_execution: false`` is exactly on-policy.
+
+    With ``async_execution: true`` generation of step k's samples may begin once the
+    rollout serves version ``k - max_staleness``; η = 0 still overlaps stages inside a
+    step but never trains on a sample older than the current weights.
+    """
+
+    async_execution: bool = True
+    max_staleness: NonNegInt = 1
+    prompts_per_micro_batch: PosInt = 4
+    queue_size: PosInt = 4  # default bound (micro-batches) of every edge
+    queue_sizes: dict[str, PosInt] = {}  # per edge, "producer->consumer": bound
+    nodes: list[NodeSpec] = []  # custom graph; empty = the built-in RL graph
+
+
+class PlacementConfig(msgspec.Struct, **_section()):
+    source: PlacementEntry = PlacementEntry()
+    rollout: PlacementEntry = PlacementEntry()
+    reward: PlacementEntry = PlacementEntry()
+    reference: PlacementEntry = PlacementEntry()
+    trainer: PlacementEntry = PlacementEntry()
+
+
+class RunConfig(msgspec.Struct, **_section()):
+    dir: str = "runs/{name}"
+    name: str = "conveyor"
+    seed: NonNegInt = 0
+    steps: PosInt = 100
+    progress: bool = True
+    tensorboard: bool = True
+    address: str | None = None  # Ray address; default RAY_ADDRESS or a local cluster
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class RecordConfig(msgspec.Struct, **_section()):
+    """Tap DataFlow edges to disk (``pipeline/recorder.py``)."""
+
+    edges: list[str] = []
+    every: PosInt = 1
+    dir: str | None = None  # default: <run dir>/recording
+
+
+class ConveyorConfig(msgspec.Struct, **_section()):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    reference: ReferenceConfig = ReferenceConfig()
+    train: TrainConfig = TrainConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    dataflow: DataflowConfig = DataflowConfig()
+    placement: PlacementConfig = PlacementConfig()
+    run: RunConfig = RunConfig()
+    record: RecordConfig = RecordConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir.format(name=self.run.name)).expanduser()
+
+    @property
+    def reference_enabled(self) -> bool:
+        if self.reference.enabled == "auto":
+            return self.algorithm.kl_coef > 0
+        return self.reference.enabled == "on"
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return -(-self.train.prompts_per_step // self.dataflow.prompts_per_micro_batch)
+
+
+# ---------------------------------------------------------------------------- loading
+
+_PATH_RE = re.compile(r"at `\$(.*?)`")
+
+
+def _render_error(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
+    """``Expected `int` >= 0 - at `$.dataflow.max_staleness``` ->
+    ``dataflow.max_staleness: expected int >= 0, got -1``."""
+    text = str(err)
+    m = _PATH_RE.search(text)
+    path = m.group(1).lstrip(".") if m else ""
+    reason = _PATH_RE.sub("", text).rstrip(" -").replace("`", "")
+    reason = reason[:1].lower() + reason[1:]
+    field = re.match(r"object (contains unknown|missing required) field (\S+)", reason)
+    if field:
+        kind, name = field.groups()
+        path = f"{path}.{name}" if path else name
+        return f"{path}: " + ("unknown field (not in the schema)" if kind == "contains unknown" else "required field missing")
+    if path and ", got" not in reason:
+        found, value = _lookup(raw, path)
+        if found:
+            reason += f", got {value!r}"
+    return f"{path}: {reason}" if path else reason
+
+
+def _lookup(raw: Any, path: str) -> tuple[bool, Any]:
+    node = raw
+    for part in re.findall(r"[^.\[\]]+", path):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False, None
+    return True, node
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``train.lr=1e-5`` -> (["train", "lr"], 1e-5); the value is read as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY.PATH=VALUE")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({exc})") from exc
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with dotted overrides applied (sections created as needed)."""
+    out = _deep_copy(raw)
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {item!r}: {where} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deep_copy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deep_copy(v) for v in d]
+    return d
+
+
+def decode_config(raw: dict[str, Any]) -> ConveyorConfig:
+    """Decode and cross-check a raw mapping; raise ``ConfigError`` with the dotted path."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
+    try:
+        # strict=False: YAML 1.1 reads ``3e-4`` as a string; numbers in strings convert.
+        cfg = msgspec.convert(raw, ConveyorConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_render_error(exc, raw)) from None
+    cfg = _normalise(cfg)
+    check_config(cfg)
+    return cfg
+
+
+def _normalise(cfg: ConveyorConfig) -> ConveyorConfig:
+    """Fold shorthands into their canonical place (``rollout.max_memory_ratio``)."""
+    if cfg.rollout.max_memory_ratio is not None:
+        mem = msgspec.structs.replace(cfg.rollout.memory, max_memory_ratio=cfg.rollout.max_memory_ratio)
+        cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, memory=mem))
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ConveyorConfig:
+    """Read a YAML file (or defaults when ``path`` is None), apply overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r}: not found")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r}: invalid YAML ({exc})") from None
+        raw = loaded if loaded is not None else {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
+    return decode_config(apply_overrides(raw, overrides or []))
+
+
+def check_config(cfg: ConveyorConfig) -> None:
+    """Cross-field rules that a single field's bounds cannot express."""
+    df, tr, ro = cfg.dataflow, cfg.train, cfg.rollout
+    if tr.prompts_per_step % df.prompts_per_micro_batch:
+        raise ConfigError(
+            f"train.prompts_per_step: expected a multiple of dataflow.prompts_per_micro_batch "
+            f"({df.prompts_per_micro_batch}) so GRPO groups never straddle a step, "
+            f"got {tr.prompts_per_step}"
+        )
+    if df.async_execution and df.max_staleness < tr.sync_interval - 1:
+        raise ConfigError(
+            f"dataflow.max_staleness: expected >= train.sync_interval - 1 "
+            f"({tr.sync_interval - 1}) in async mode, or no sample could ever be trained, "
+            f"got {df.max_staleness}"
+        )
+    if ro.n < 2 and cfg.algorithm.name == "grpo":
+        raise ConfigError(f"rollout.n: expected >= 2 for GRPO (group baseline), got {ro.n}")
+    if ro.top_k == 0 or ro.top_k < -1:
+        raise ConfigError(f"rollout.top_k: expected -1 (off) or >= 1, got {ro.top_k}")
+    if ro.backend not in ("vllm", "hf") and ":" not in ro.backend:
+        raise ConfigError(f"rollout.backend: expected 'vllm', 'hf' or 'module:attr', got {ro.backend!r}")
+    for edge in df.queue_sizes:
+        if "->" not in edge:
+            raise ConfigError(f"dataflow.queue_sizes.{edge}: expected an edge 'producer->consumer'")
+    for i, node in enumerate(df.nodes):
+        if ":" not in node.node_class:
+            raise ConfigError(f"dataflow.nodes[{i}].node_class: expected 'module:attr', got {node.node_class!r}")
+    for edge in cfg.record.edges:
+        if "->" not in edge:
+            raise ConfigError(f"record.edges: expected 'producer->consumer', got {edge!r}")
+
+
+def to_dict(cfg: ConveyorConfig) -> dict[str, Any]:
+    """The fully resolved config as plain data (written next to every run)."""
+    return msgspec.to_builtins(cfg)
