@@ -1,0 +1,186 @@
+"""The DataFlow graph: named nodes, each fed by at most one other node.
+
+Guarantees, checked by ``validate`` before any actor starts:
+- names are unique and non-empty; every ``input_from`` names a node of the graph;
+- the graph has no cycle and at least one source (a node with ``input_from=None``);
+- exactly one node is terminal (nobody consumes it): any other unconsumed node would
+  fill its output queue and stall the run, so it is an error that names the node.
+
+A node fans out to all its consumers (each gets every item). ``replicas`` copies of a
+node share its input queue and output queues (e.g. several rollout workers).
+
+    df = DataFlow()
+    df.add_node(name="rollout", node_class=MyRollout, input_from=None, n=8)
+    df.add_node(name="reward", node_class="my_pkg.reward:Scorer", input_from="rollout")
+    df.run()
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class GraphError(ValueError):
+    """The graph is invalid; the message names the node and the reason."""
+
+
+def import_object(path: str, what: str = "object") -> Any:
+    """``"package.module:attr"`` -> the attribute; errors name the path."""
+    if ":" not in path:
+        raise ImportError(f"{what} {path!r}: expected 'module:attr'")
+    module_name, attr = path.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"{what} {path!r}: cannot import module {module_name!r} ({exc})") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ImportError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass
+class Node:
+    name: str
+    node_class: Any  # a class, or "module:attr"
+    input_from: str | None = None
+    replicas: int = 1
+    concurrency: int = 1  # items one replica processes at once (outputs then in completion order)
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def resolve_class(self) -> type:
+        if isinstance(self.node_class, str):
+            return import_object(self.node_class, f"node {self.name!r} node_class")
+        return self.node_class
+
+
+class DataFlow:
+    def __init__(self) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.queue_sizes: dict[str, int] = {}
+        self.default_queue_size = 4
+
+    def add_node(
+        self,
+        name: str,
+        node_class: Any,
+        input_from: str | None = None,
+        *,
+        replicas: int = 1,
+        concurrency: int = 1,
+        num_cpus: float = 0.0,
+        num_gpus: float = 0.0,
+        queue_size: int | None = None,
+        **kwargs: Any,
+    ) -> DataFlow:
+        if not name or not isinstance(name, str):
+            raise GraphError(f"node name: expected a non-empty string, got {name!r}")
+        if name in self.nodes:
+            raise GraphError(f"node {name!r}: duplicate name")
+        if replicas < 1 or concurrency < 1:
+            raise GraphError(f"node {name!r}: replicas and concurrency must be >= 1")
+        self.nodes[name] = Node(name, node_class, input_from, replicas, concurrency, num_cpus, num_gpus, kwargs)
+        if queue_size is not None and input_from is not None:
+            self.queue_sizes[f"{input_from}->{name}"] = queue_size
+        return self
+
+    # ---------------------------------------------------------------- structure
+    def consumers(self, name: str) -> list[str]:
+        return [n.name for n in self.nodes.values() if n.input_from == name]
+
+    @property
+    def edges(self) -> list[tuple[str, str]]:
+        return [(n.input_from, n.name) for n in self.nodes.values() if n.input_from is not None]
+
+    def queue_bound(self, producer: str, consumer: str) -> int:
+        return self.queue_sizes.get(f"{producer}->{consumer}", self.default_queue_size)
+
+    @property
+    def sources(self) -> list[str]:
+        return [n.name for n in self.nodes.values() if n.input_from is None]
+
+    @property
+    def terminal(self) -> str:
+        self.validate()
+        return next(n for n in self.nodes if not self.consumers(n))
+
+    def validate(self) -> None:
+        if not self.nodes:
+            raise GraphError("dataflow: no nodes")
+        for node in self.nodes.values():
+            if node.input_from is not None and node.input_from not in self.nodes:
+                raise GraphError(
+                    f"node {node.name!r}: input_from {node.input_from!r} is not a node "
+                    f"(known: {', '.join(self.nodes)})"
+                )
+            if node.input_from == node.name:
+                raise GraphError(f"node {node.name!r}: consumes its own output (cycle)")
+        for node in self.nodes.values():
+            seen = [node.name]
+            cur = node.input_from
+            while cur is not None:
+                if cur in seen:
+                    raise GraphError(f"dataflow: cycle {' <- '.join([*seen, cur])}")
+                seen.append(cur)
+                cur = self.nodes[cur].input_from
+        if not self.sources:
+            raise GraphError("dataflow: no source node (a node with input_from=None)")
+        unconsumed = [n for n in self.nodes if not self.consumers(n)]
+        if len(unconsumed) > 1:
+            raise GraphError(
+                f"dataflow: nodes {', '.join(repr(n) for n in unconsumed)} are not consumed by "
+                f"any node; exactly one terminal node is allowed (its output would fill a queue "
+                f"nobody reads)"
+            )
+        for edge in self.queue_sizes:
+            producer, _, consumer = edge.partition("->")
+            if (producer, consumer) not in self.edges:
+                raise GraphError(f"queue size for {edge!r}: no such edge (edges: {self.edge_names})")
+
+    @property
+    def edge_names(self) -> list[str]:
+        return [f"{p}->{c}" for p, c in self.edges]
+
+    def topological_order(self) -> list[str]:
+        self.validate()
+        order: list[str] = []
+        ready = list(self.sources)
+        while ready:
+            name = ready.pop(0)
+            order.append(name)
+            ready.extend(self.consumers(name))
+        return order
+
+    def describe(self) -> dict[str, Any]:
+        """Stages and queues as plain data (``conveyor status``)."""
+        return {
+            "stages": [
+                {
+                    "name": n.name,
+                    "class": n.node_class if isinstance(n.node_class, str)
+                    else f"{n.node_class.__module__}:{n.node_class.__qualname__}",
+                    "input_from": n.input_from,
+                    "replicas": n.replicas,
+                    "concurrency": n.concurrency,
+                    "num_cpus": n.num_cpus,
+                    "num_gpus": n.num_gpus,
+                }
+                for n in (self.nodes[k] for k in self.topological_order())
+            ],
+            "queues": [
+                {"queue": f"{p}->{c}", "producer": p, "consumer": c, "bound": self.queue_bound(p, c)}
+                for p, c in self.edges
+            ],
+        }
+
+    def run(self, config: Any = None, **runner_kwargs: Any) -> Any:
+        """Validate, start every node as a Ray actor, stream to the end; see ``pipeline.runner``."""
+        from pipeline.runner import run_dataflow
+
+        return run_dataflow(self, config, **runner_kwargs)

@@ -1,0 +1,163 @@
+"""Metrics outputs of a run: ``metrics.jsonl``, TensorBoard scalars and ``summary.json``.
+
+Guarantees:
+- ``MetricsWriter.log`` appends exactly one JSON object per call to
+  ``<run_dir>/metrics.jsonl`` and flushes it before returning, so a run that crashes
+  leaves every logged step readable. Each line is ``{"step": int, "time": float,
+  <metric>: float | null, ...}``; a non-finite value (NaN, inf) is written as ``null``
+  because JSON has no NaN. The file is opened for append: a resumed run continues it.
+- TensorBoard is optional: tensorboard's event writer is imported lazily; when it does
+  not import, one warning is logged and the JSONL file is still written.
+- ``read_metrics`` returns the logged rows in order; a torn last line (the process died
+  mid-write) is skipped, a malformed line elsewhere raises ``ValueError`` with its number.
+- ``write_summary`` replaces ``summary.json`` atomically: readers see the old file or
+  the new one, never a partial one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Self, TextIO
+
+import structlog
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+TENSORBOARD_DIR = "tensorboard"
+_RESERVED = ("step", "time")
+
+log = structlog.get_logger(__name__)
+
+
+class MetricsWriter:
+    """Per-step scalars to ``<run_dir>/metrics.jsonl`` and, optionally, TensorBoard
+    (event files under ``<run_dir>/tensorboard``). Use as a context manager or ``close()``."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self._tb: _Scalars | None = _open_tensorboard(self.run_dir / TENSORBOARD_DIR) if tensorboard else None
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._file is None:
+            raise RuntimeError(f"MetricsWriter for {self.path} is closed")
+        clash = [k for k in _RESERVED if k in metrics]
+        if clash:
+            raise ValueError(f"metric names {clash} are reserved for the row's own fields")
+        values = {k: float(v) for k, v in metrics.items()}
+        row: dict[str, Any] = {"step": int(step), "time": time.time()}
+        row.update({k: v if math.isfinite(v) else None for k, v in values.items()})
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            self._tb.write(int(step), values)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a ``metrics.jsonl`` (a file or a run directory), in logged order."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    rows: list[dict[str, Any]] = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            # Only the very last line can be torn by a crash; it was never flushed whole.
+            if i == len(lines) and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{i}: not a JSON object ({exc})") from None
+    return rows
+
+
+def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
+    """Write ``<run_dir>/summary.json`` atomically (temp file in the same dir, fsync,
+    rename). numpy scalars and arrays become numbers and lists, paths strings,
+    non-finite floats ``null``."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / SUMMARY_FILE
+    text = json.dumps(_to_json(dict(summary)), indent=2, sort_keys=True, allow_nan=False)
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{SUMMARY_FILE}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if hasattr(value, "tolist"):  # numpy scalars and arrays, without importing numpy here
+        return _to_json(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+# -------------------------------------------------------------------- TensorBoard
+
+class _Scalars:
+    """Scalars to a TensorBoard event file with tensorboard's own writer (no torch
+    import; ``torch.utils.tensorboard`` needs these same modules anyway)."""
+
+    def __init__(self, logdir: Path) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(str(logdir))
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        value = [self._summary.Value(tag=k, simple_value=v) for k, v in values.items()]
+        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=value)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _open_tensorboard(logdir: Path) -> _Scalars | None:
+    """A TensorBoard writer, or None after one warning when tensorboard is not installed."""
+    try:
+        return _Scalars(logdir)
+    except ImportError as exc:
+        log.warning("tensorboard_unavailable", reason=str(exc), logdir=str(logdir),
+                    note="metrics go to metrics.jsonl only")
+        return None

@@ -1,0 +1,280 @@
+"""The runner: turns a validated DataFlow into Ray actors and drives it to the end.
+
+Two modes over the same actors and cores:
+- streaming (``async_execution: true``): every stage loops on its input queue; bounded
+  queues give backpressure; the runner only supervises;
+- lock-step (``async_execution: false``): the runner moves one step's micro-batches
+  through each stage in turn (generate all, score all, ..., train), the synchronous
+  baseline every benchmark compares against.
+
+Guarantees:
+- ``ray.init`` starts a local cluster, or joins the one named by ``RAY_ADDRESS`` /
+  ``run.address``;
+- a stage that raises stops the run: the controller is told, every actor is killed and
+  ``StageError`` carries the stage name and its remote traceback;
+- at a clean end-of-stream every stage has drained, closed its outputs and reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from pipeline.controller import ControllerActor
+from pipeline.dataflow import DataFlow
+from pipeline.log import get_logger
+from pipeline.queue import QueueHandle, create_queue
+from pipeline.stage import StageActor, StageError
+from pipeline.types import Span
+
+log = get_logger(stage="driver")
+
+
+@dataclass
+class RunResult:
+    mode: str
+    wall_s: float
+    reports: dict[str, list[dict[str, Any]]]
+    queues: dict[str, dict[str, Any]]
+    controller: dict[str, Any]
+    spans: list[Span] = field(default_factory=list)
+
+    def result(self, stage: str, replica: int = 0) -> Any:
+        return self.reports[stage][replica].get("result")
+
+
+@dataclass
+class Graph:
+    """The live actors of a run, handed to tick callbacks."""
+
+    dataflow: DataFlow
+    controller: Any
+    actors: dict[str, list[Any]]
+    queues: dict[str, QueueHandle]
+    spans: list[Span] = field(default_factory=list)
+
+    async def collect_spans(self) -> list[Span]:
+        calls = [a.drain_spans.remote() for reps in self.actors.values() for a in reps]
+        new = [s for batch in await asyncio.gather(*calls) for s in batch]
+        self.spans.extend(new)
+        return new
+
+    async def queue_stats(self) -> dict[str, dict[str, Any]]:
+        names = list(self.queues)
+        stats = await asyncio.gather(*(self.queues[n].stats() for n in names))
+        return dict(zip(names, stats, strict=True))
+
+
+def init_ray(address: str | None = None) -> None:
+    """Join ``address`` / ``RAY_ADDRESS`` if given, else start a local cluster (once)."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    # Workers import ``pipeline``/``stages`` from the installed package; the driver's
+    # cwd is shipped too so graphs defined in user scripts and tests resolve.
+    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+
+
+def run_dataflow(
+    df: DataFlow,
+    config: Any = None,
+    *,
+    async_execution: bool | None = None,
+    micro_batches_per_step: int | None = None,
+    target_prompts: int = 10**12,
+    prompts_per_step: int = 1,
+    target_steps: int = 0,
+    taps: dict[str, str] | None = None,
+    on_tick: Callable[[Graph], Any] | None = None,
+    tick_s: float = 0.5,
+) -> RunResult:
+    """Run ``df`` to the end; see the module docstring for the two modes."""
+    df.validate()
+    if config is not None:
+        async_execution = config.dataflow.async_execution if async_execution is None else async_execution
+        micro_batches_per_step = micro_batches_per_step or config.micro_batches_per_step
+        init_ray(config.run.address)
+    else:
+        init_ray()
+    coro = _run(
+        df, config, bool(True if async_execution is None else async_execution), micro_batches_per_step or 1,
+        target_prompts, prompts_per_step, target_steps, taps or {}, on_tick, tick_s,
+    )
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep plain asyncio working
+        return asyncio.run(coro)
+
+
+async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str]) -> Graph:
+    queues: dict[str, QueueHandle] = {}
+    for producer, consumer in df.edges:
+        q = create_queue(producer, consumer, df.queue_bound(producer, consumer), df.nodes[producer].replicas)
+        queues[q.name] = q
+    level = config.run.log_level if config is not None else os.environ.get("CONVEYOR_LOG_LEVEL", "info")
+    actors: dict[str, list[Any]] = {}
+    for name in df.topological_order():
+        node = df.nodes[name]
+        node_taps = {e: root for e, root in taps.items() if e.startswith(f"{name}->")}
+        actors[name] = [
+            StageActor.options(
+                num_cpus=node.num_cpus,
+                num_gpus=node.num_gpus,
+                max_concurrency=max(64, 4 * node.concurrency),
+            ).remote(name, r, node.node_class, node.kwargs, config, controller, node.concurrency, node_taps, level)
+            for r in range(node.replicas)
+        ]
+    graph = Graph(df, controller, actors, queues)
+    setups = {a.setup.remote(): name for name, reps in actors.items() for a in reps}
+    for ref, name in setups.items():
+        try:
+            await ref
+        except Exception as exc:  # noqa: BLE001 - reported with the stage name
+            await _teardown(graph, kill=True)
+            raise _stage_error(name, exc) from None
+    return graph
+
+
+def _stage_error(name: str, exc: BaseException) -> StageError:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, StageError):
+        return cause
+    if isinstance(exc, StageError):
+        return exc
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return StageError(name, f"actor died: {exc}")
+    text = str(exc)
+    return StageError(name, text.strip().splitlines()[-1] if text.strip() else type(exc).__name__, text)
+
+
+async def _teardown(graph: Graph, kill: bool) -> None:
+    if not kill:
+        calls = [a.shutdown.remote() for reps in graph.actors.values() for a in reps]
+        try:
+            await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
+        except TimeoutError:
+            log.warning("shutdown_timeout")
+    for reps in graph.actors.values():
+        for a in reps:
+            ray.kill(a, no_restart=True)
+    for q in graph.queues.values():
+        ray.kill(q.actor, no_restart=True)
+    ray.kill(graph.controller, no_restart=True)
+
+
+async def _run(
+    df: DataFlow, config: Any, async_mode: bool, mb_per_step: int, target_prompts: int,
+    prompts_per_step: int, target_steps: int, taps: dict[str, str],
+    on_tick: Callable[[Graph], Any] | None, tick_s: float,
+) -> RunResult:
+    controller = ControllerActor.remote(target_prompts, prompts_per_step, target_steps)
+    graph = await _start(df, config, controller, taps)
+    t0 = time.time()
+    try:
+        if async_mode:
+            reports = await _run_streaming(graph, on_tick, tick_s)
+        else:
+            reports = await _run_lockstep(graph, mb_per_step, on_tick)
+    except BaseException:
+        try:
+            await controller.stop.remote("stage failed")
+        finally:
+            await _teardown(graph, kill=True)
+        raise
+    wall = time.time() - t0
+    await graph.collect_spans()
+    result = RunResult(
+        mode="async" if async_mode else "sync",
+        wall_s=wall,
+        reports=reports,
+        queues=await graph.queue_stats(),
+        controller=await controller.summary.remote(),
+        spans=graph.spans,
+    )
+    if on_tick is not None:
+        await _maybe_await(on_tick(graph))
+    await _teardown(graph, kill=False)
+    return result
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if asyncio.iscoroutine(value) else value
+
+
+async def _run_streaming(graph: Graph, on_tick: Callable[[Graph], Any] | None, tick_s: float) -> dict[str, list[dict[str, Any]]]:
+    df = graph.dataflow
+    running: dict[asyncio.Future[Any], tuple[str, int]] = {}
+    for name, reps in graph.actors.items():
+        node = df.nodes[name]
+        inp = graph.queues[f"{node.input_from}->{name}"] if node.input_from else None
+        outs = [graph.queues[f"{name}->{c}"] for c in df.consumers(name)]
+        for r, actor in enumerate(reps):
+            fut = asyncio.wrap_future(actor.run.remote(inp, outs).future())
+            running[fut] = (name, r)
+    reports: dict[str, list[dict[str, Any]]] = {n: [{}] * len(reps) for n, reps in graph.actors.items()}
+    pending = set(running)
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=tick_s, return_when=asyncio.FIRST_COMPLETED)
+        for fut in done:
+            name, r = running[fut]
+            try:
+                reports[name][r] = fut.result()
+            except Exception as exc:  # noqa: BLE001 - re-raised as StageError
+                err = _stage_error(name, exc)
+                log.error("stage_failed", failed=name, error=str(err))
+                for other in pending:
+                    other.cancel()
+                raise err from None
+        if on_tick is not None:
+            await _maybe_await(on_tick(graph))
+    return reports
+
+
+async def _run_lockstep(graph: Graph, mb_per_step: int, on_tick: Callable[[Graph], Any] | None) -> dict[str, list[dict[str, Any]]]:
+    df = graph.dataflow
+    order = df.topological_order()
+    if len(df.sources) != 1 or any(len(df.consumers(n)) > 1 for n in order):
+        raise ValueError("lock-step mode needs a chain: one source and no fan-out")
+    source, rest = order[0], order[1:]
+
+    async def through(refs: list[Any], final: bool) -> None:
+        for name in rest:
+            reps = graph.actors[name]
+            chunks = [refs[i :: len(reps)] for i in range(len(reps))]
+            try:
+                outs = await asyncio.gather(
+                    *(rep.process_refs.remote(chunk, final) for rep, chunk in zip(reps, chunks, strict=True))
+                )
+            except Exception as exc:  # noqa: BLE001
+                raise _stage_error(name, exc) from None
+            refs = [r for out in outs for r in out]
+
+    while True:
+        try:
+            refs = await graph.actors[source][0].produce.remote(mb_per_step)
+        except Exception as exc:  # noqa: BLE001
+            raise _stage_error(source, exc) from None
+        if not refs:
+            break
+        await through(refs, final=False)
+        if on_tick is not None:
+            await _maybe_await(on_tick(graph))
+    await through([], final=True)
+    for reps in graph.actors.values():
+        await asyncio.gather(*(a.close_taps.remote() for a in reps))
+    reports: dict[str, list[dict[str, Any]]] = {}
+    for name, reps in graph.actors.items():
+        reports[name] = list(await asyncio.gather(*(a.report.remote() for a in reps)))
+    return reports

@@ -1,0 +1,283 @@
+"""The thin Ray actor shell every DataFlow node runs in.
+
+A node's ``node_class`` is a plain *core* object; the shell owns everything Ray:
+awaiting the input queue, storing outputs in the object store, putting references on
+the output queues, recording spans, taps and status. A core implements
+
+    async def setup(self, ctx: StageContext) -> None          # optional
+    async def generate(self) -> AsyncIterator[item]            # sources (input_from=None)
+    async def process(self, item) -> item | list[item] | None  # every other node
+    async def finish(self) -> list[item] | None                # optional, at end-of-stream
+    def status(self) -> dict                                   # optional
+    def result(self) -> Any                                    # optional, returned by run()
+
+Guarantees:
+- with ``concurrency == 1`` outputs leave in input order; with more, in completion order;
+- every input item is processed exactly once; an exception in a core ends ``run`` with
+  that exception (the runner stops the whole graph and reports the stage);
+- the event loop never runs heavy compute: cores hand it to a thread
+  (``asyncio.to_thread``), so control calls (status, spans, shutdown) are answered while
+  a core works;
+- output queues are closed exactly once, at end-of-stream, so consumers drain and stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import traceback
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from pipeline.log import configure_logging, get_logger
+from pipeline.profiler import SpanRecorder
+from pipeline.queue import END, QueueHandle
+
+
+class StageError(RuntimeError):
+    """A stage's core raised; carries the stage name and the remote traceback."""
+
+    def __init__(self, stage: str, message: str, remote_traceback: str = "") -> None:
+        super().__init__(f"stage {stage!r} failed: {message}")
+        self.stage = stage
+        self.message = message
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exceptions pickle their ``args``; ours has three, so say how to rebuild it.
+        return (StageError, (self.stage, self.message, self.remote_traceback))
+
+
+class StageContext:
+    """What a core may use: its identity, the config, the controller, spans and a logger."""
+
+    def __init__(self, name: str, replica: int, config: Any, controller: Any, spans: SpanRecorder) -> None:
+        self.name = name
+        self.replica = replica
+        self.worker_id = f"{name}:{replica}"
+        self.config = config
+        self.controller = controller
+        self.spans = spans
+        self.log = get_logger(stage=name, replica=replica)
+        self.recorder: Any = None  # set by the shell when a tap needs it
+
+
+def _as_list(out: Any) -> list[Any]:
+    if out is None:
+        return []
+    return list(out) if isinstance(out, list) else [out]
+
+
+@ray.remote(num_cpus=0)
+class StageActor:
+    def __init__(
+        self,
+        name: str,
+        replica: int,
+        node_class: Any,
+        kwargs: dict[str, Any],
+        config: Any,
+        controller: Any,
+        concurrency: int,
+        taps: dict[str, str] | None = None,
+        log_level: str = "info",
+    ) -> None:
+        configure_logging(log_level)
+        self.name = name
+        self.concurrency = concurrency
+        self.spans = SpanRecorder(stage=name if replica == 0 else f"{name}:{replica}")
+        self.ctx = StageContext(name, replica, config, controller, self.spans)
+        if isinstance(node_class, str):
+            from pipeline.dataflow import import_object
+
+            node_class = import_object(node_class, f"node {name!r} node_class")
+        self.core = node_class(**kwargs)
+        self._gen: AsyncIterator[Any] | None = None
+        self._processed = 0
+        self._emitted = 0
+        self._state = "created"
+        self._taps = taps or {}  # output edge name -> recording root
+        self._recorders: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- lifecycle
+    async def setup(self) -> str:
+        self._state = "setup"
+        if hasattr(self.core, "setup"):
+            await self.core.setup(self.ctx)
+        self._open_taps()
+        self._state = "ready"
+        return self.name
+
+    def _open_taps(self) -> None:
+        if not self._taps:
+            return
+        from pipeline.recorder import RecordingWriter
+
+        every = getattr(getattr(self.ctx.config, "record", None), "every", 1)
+        for edge, root in self._taps.items():
+            self._recorders[edge] = RecordingWriter(root, None, every=every)
+        self.ctx.recorder = next(iter(self._recorders.values()))
+
+    async def run(self, inp: QueueHandle | None, outs: list[QueueHandle]) -> dict[str, Any]:
+        """Stream until end-of-stream; returns counters and the core's result."""
+        self._state = "running"
+        try:
+            if inp is None:
+                async for item in self._source_items():
+                    await self._emit(item, outs)
+            else:
+                await self._consume(inp, outs)
+            if hasattr(self.core, "finish"):
+                for item in _as_list(await self.core.finish()):
+                    await self._emit(item, outs)
+        except BaseException as exc:
+            self._state = "failed"
+            raise StageError(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+        finally:
+            for out in outs:
+                await out.close()
+            for rec in self._recorders.values():
+                rec.close()
+        self._state = "done"
+        return self.report()
+
+    def _source_items(self) -> AsyncIterator[Any]:
+        if self._gen is None:
+            if not hasattr(self.core, "generate"):
+                raise TypeError(f"node {self.name!r} has no input and its core has no generate()")
+            self._gen = self.core.generate()
+        return self._gen
+
+    async def _consume(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
+        pending: set[asyncio.Task[None]] = set()
+        errors: list[BaseException] = []
+        slots = asyncio.Semaphore(self.concurrency)
+
+        def done(task: asyncio.Task[None]) -> None:
+            pending.discard(task)
+            slots.release()
+            if not task.cancelled() and task.exception() is not None:
+                errors.append(task.exception())  # type: ignore[arg-type]
+
+        while True:
+            await slots.acquire()
+            if errors:
+                raise errors[0]
+            t0 = time.time()
+            ref = await inp.get_ref()
+            if ref is END or ref == END:
+                slots.release()
+                self.spans.add("wait_input", t0, time.time())
+                break
+            item = await ref
+            self.spans.add("wait_input", t0, time.time(), getattr(item, "batch_id", -1))
+            if self.concurrency == 1:
+                await self._handle(item, outs)
+                slots.release()
+                continue
+            task = asyncio.create_task(self._handle(item, outs))
+            pending.add(task)
+            task.add_done_callback(done)
+        if pending:
+            await asyncio.gather(*pending)
+        if errors:
+            raise errors[0]
+
+    async def _handle(self, item: Any, outs: list[QueueHandle]) -> None:
+        with self.spans.span("busy", batch_id=getattr(item, "batch_id", -1)):
+            out = await self.core.process(item)
+        self._processed += 1
+        for o in _as_list(out):
+            await self._emit(o, outs)
+
+    async def _emit(self, item: Any, outs: list[QueueHandle]) -> list[ray.ObjectRef]:
+        ref = ray.put(item)
+        self._emitted += 1
+        for out in outs:
+            rec = self._recorders.get(out.name)
+            if rec is not None:
+                rec.write_item(out.name, item)
+            with self.spans.span("wait_output", batch_id=getattr(item, "batch_id", -1)):
+                await out.put_ref(ref)
+        return [ref]
+
+    # ---------------------------------------------------------------- lock-step mode
+    async def produce(self, count: int) -> list[ray.ObjectRef]:
+        """Sync mode, sources: the next ``count`` items as references (fewer at the end)."""
+        refs: list[ray.ObjectRef] = []
+        gen = self._source_items()
+        while len(refs) < count:
+            try:
+                item = await gen.__anext__()
+            except StopAsyncIteration:
+                break
+            refs.append(ray.put(item))
+            self._emitted += 1
+            self._tap_sync(item)
+        return refs
+
+    async def process_refs(self, refs: list[ray.ObjectRef], final: bool = False) -> list[ray.ObjectRef]:
+        """Sync mode: process a whole step's items (``concurrency`` at a time), return outputs."""
+        slots = asyncio.Semaphore(self.concurrency)
+        results: list[list[Any]] = [[] for _ in refs]
+
+        async def one(i: int, ref: ray.ObjectRef) -> None:
+            async with slots:
+                item = await ref
+                with self.spans.span("busy", batch_id=getattr(item, "batch_id", -1)):
+                    results[i] = _as_list(await self.core.process(item))
+                self._processed += 1
+
+        try:
+            await asyncio.gather(*(one(i, r) for i, r in enumerate(refs)))
+            flat = [o for r in results for o in r]
+            if final and hasattr(self.core, "finish"):
+                flat += _as_list(await self.core.finish())
+        except BaseException as exc:
+            raise StageError(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+        for o in flat:
+            self._tap_sync(o)
+        self._emitted += len(flat)
+        return [ray.put(o) for o in flat]
+
+    def _tap_sync(self, item: Any) -> None:
+        for edge, rec in self._recorders.items():
+            rec.write_item(edge, item)
+
+    def close_taps(self) -> None:
+        for rec in self._recorders.values():
+            rec.close()
+
+    # ---------------------------------------------------------------- control calls
+    def drain_spans(self) -> list[Any]:
+        return self.spans.drain()
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "stage": self.name,
+            "state": self._state,
+            "processed": self._processed,
+            "emitted": self._emitted,
+        }
+        if hasattr(self.core, "status"):
+            out["core"] = self.core.status()
+        if hasattr(self.core, "result"):
+            out["result"] = self.core.result()
+        if self._recorders:
+            out["recording"] = {e: r.stats() for e, r in self._recorders.items()}
+        return out
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Invoke a core method by name (benchmarks and replay use this)."""
+        fn = getattr(self.core, method)
+        res = fn(*args, **kwargs)
+        return await res if inspect.isawaitable(res) else res
+
+    async def shutdown(self) -> None:
+        if hasattr(self.core, "shutdown"):
+            res = self.core.shutdown()
+            if inspect.isawaitable(res):
+                await res

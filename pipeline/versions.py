@@ -1,0 +1,107 @@
+"""Policy versions, the staleness rules and exact sample accounting (pure, no Ray).
+
+Invariants stated where they are enforced:
+- The policy version is the number of optimizer steps the trainer has taken; it only
+  grows. A rollout worker serves exactly one version at a time and tags each token with it.
+- Staleness of a batch = trainer version at consumption − the oldest version that
+  produced any of its tokens. ``is_too_stale`` is applied where data is consumed (the
+  trainer), so nothing staler than ``max_staleness`` is ever trained on, whatever the
+  producers did.
+- ``may_generate`` is only an economy: it holds generation of step k's prompts until the
+  rollout serves version ``k - max_staleness``, so samples are rarely produced only to
+  be dropped. η = 0 in sync mode is exactly on-policy.
+- ``Ledger`` reconciles: admitted = trained + dropped + in flight, per prompt, at all times.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+def compute_staleness(trainer_version: int, policy_version: int) -> int:
+    return trainer_version - policy_version
+
+
+def is_too_stale(trainer_version: int, policy_version: int, max_staleness: int) -> bool:
+    """The gate at the trainer: drop when ``trainer_version - policy_version > max_staleness``."""
+    return compute_staleness(trainer_version, policy_version) > max_staleness
+
+
+def may_generate(step: int, served_version: int, max_staleness: int) -> bool:
+    """Generation for train step ``step`` may start once the served version is at least
+    ``step - max_staleness`` (AReaL's bound, expressed per step)."""
+    return served_version >= step - max_staleness
+
+
+def required_version(step: int, max_staleness: int) -> int:
+    return max(0, step - max_staleness)
+
+
+@dataclass
+class Ledger:
+    """Prompt accounting for a run that must train ``target`` prompts.
+
+    ``admit`` hands out prompts (with the step they are destined for) until the prompts
+    that are trained or still in flight cover the target; a drop reopens room, so
+    dropped prompts are replaced and the run still trains ``target`` prompts.
+    """
+
+    target: int
+    prompts_per_step: int
+    admitted: int = 0
+    trained: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+    @property
+    def in_flight(self) -> int:
+        return self.admitted - self.trained - self.dropped_total
+
+    @property
+    def live(self) -> int:
+        """Prompts trained or still on their way to be."""
+        return self.trained + self.in_flight
+
+    @property
+    def room(self) -> int:
+        return max(0, self.target - self.live)
+
+    @property
+    def finished(self) -> bool:
+        return self.trained >= self.target
+
+    def admit(self, want: int) -> tuple[int, int]:
+        """Grant up to ``want`` prompts; returns (granted, destined step)."""
+        granted = min(want, self.room)
+        step = self.live // self.prompts_per_step
+        self.admitted += granted
+        return granted, step
+
+    def record_trained(self, prompts: int) -> None:
+        self._check(prompts)
+        self.trained += prompts
+
+    def record_dropped(self, prompts: int, reason: str) -> None:
+        self._check(prompts)
+        self.dropped[reason] += prompts
+
+    def _check(self, prompts: int) -> None:
+        if prompts > self.in_flight:
+            raise ValueError(
+                f"ledger: {prompts} prompts reported but only {self.in_flight} in flight "
+                f"(admitted {self.admitted}, trained {self.trained}, dropped {self.dropped_total})"
+            )
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "admitted": self.admitted,
+            "trained": self.trained,
+            "dropped": dict(self.dropped),
+            "dropped_total": self.dropped_total,
+            "in_flight": self.in_flight,
+            "reconciles": self.admitted == self.trained + self.dropped_total + self.in_flight,
+        }
