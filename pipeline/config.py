@@ -197,6 +197,7 @@ class RecordConfig(msgspec.Struct, **_section()):
     edges: list[str] = []
     every: PosInt = 1
     dir: str | None = None  # default: <run dir>/recording
+    state_every: NonNegInt = 10  # trainer state saved every k steps (replay starts there)
 
 
 class ConveyorConfig(msgspec.Struct, **_section()):
@@ -245,11 +246,36 @@ def _render_error(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
         kind, name = field.groups()
         path = f"{path}.{name}" if path else name
         return f"{path}: " + ("unknown field (not in the schema)" if kind == "contains unknown" else "required field missing")
+    enum = re.match(r"invalid enum value (.*)", reason)
+    if enum:
+        allowed = _enum_values(path)
+        return f"{path}: expected one of {allowed}, got {enum.group(1)}" if allowed else f"{path}: {reason}"
     if path and ", got" not in reason:
         found, value = _lookup(raw, path)
         if found:
             reason += f", got {value!r}"
     return f"{path}: {reason}" if path else reason
+
+
+def _enum_values(path: str) -> list[Any] | None:
+    """The allowed values of the ``Literal`` field at ``path`` (None if not found)."""
+    import typing
+
+    typ: Any = ConveyorConfig
+    for part in re.findall(r"[^.\[\]]+", path):
+        if part.isdigit():
+            args = typing.get_args(typ)
+            typ = args[0] if args else typ
+            continue
+        hints = typing.get_type_hints(typ, include_extras=True) if isinstance(typ, type) else {}
+        if part not in hints:
+            return None
+        typ = hints[part]
+        while typing.get_origin(typ) is typing.Annotated:
+            typ = typing.get_args(typ)[0]
+        if typing.get_origin(typ) is list:
+            typ = typing.get_args(typ)[0]
+    return list(typing.get_args(typ)) if typing.get_origin(typ) is typing.Literal else None
 
 
 def _lookup(raw: Any, path: str) -> tuple[bool, Any]:

@@ -426,7 +426,7 @@ class GpuSampler:
         try:
             self._query = self._query or self._find_backend()
             value = self._query()
-        except Exception:  # noqa: BLE001 - any backend failure means "not here", never a crash
+        except Exception:
             value = None
         self._disabled = value is None
         return None if value is None else float(value)
@@ -438,7 +438,7 @@ class GpuSampler:
             pynvml.nvmlInit()
             handle = pynvml.nvmlDeviceGetHandleByIndex(self.device_index)
             return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-        except Exception:  # noqa: BLE001 - no NVML (not installed, no driver): try torch
+        except Exception:
             torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             return lambda: float(torch.cuda.utilization(self.device_index))

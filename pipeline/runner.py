@@ -94,7 +94,7 @@ def run_dataflow(
     target_prompts: int = 10**12,
     prompts_per_step: int = 1,
     target_steps: int = 0,
-    taps: dict[str, str] | None = None,
+    taps: dict[str, str] | None = None,  # edge -> recording dir, written by the consumer
     on_tick: Callable[[Graph], Any] | None = None,
     tick_s: float = 0.5,
 ) -> RunResult:
@@ -127,13 +127,14 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
     actors: dict[str, list[Any]] = {}
     for name in df.topological_order():
         node = df.nodes[name]
-        node_taps = {e: root for e, root in taps.items() if e.startswith(f"{name}->")}
+        edge = f"{node.input_from}->{name}"
+        tap = (edge, taps[edge]) if edge in taps else None
         actors[name] = [
             StageActor.options(
                 num_cpus=node.num_cpus,
                 num_gpus=node.num_gpus,
                 max_concurrency=max(64, 4 * node.concurrency),
-            ).remote(name, r, node.node_class, node.kwargs, config, controller, node.concurrency, node_taps, level)
+            ).remote(name, r, node.node_class, node.kwargs, config, controller, node.concurrency, tap, level)
             for r in range(node.replicas)
         ]
     graph = Graph(df, controller, actors, queues)
@@ -141,7 +142,7 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
     for ref, name in setups.items():
         try:
             await ref
-        except Exception as exc:  # noqa: BLE001 - reported with the stage name
+        except Exception as exc:
             await _teardown(graph, kill=True)
             raise _stage_error(name, exc) from None
     return graph
@@ -231,7 +232,7 @@ async def _run_streaming(graph: Graph, on_tick: Callable[[Graph], Any] | None, t
             name, r = running[fut]
             try:
                 reports[name][r] = fut.result()
-            except Exception as exc:  # noqa: BLE001 - re-raised as StageError
+            except Exception as exc:
                 err = _stage_error(name, exc)
                 log.error("stage_failed", failed=name, error=str(err))
                 for other in pending:
@@ -242,7 +243,9 @@ async def _run_streaming(graph: Graph, on_tick: Callable[[Graph], Any] | None, t
     return reports
 
 
-async def _run_lockstep(graph: Graph, mb_per_step: int, on_tick: Callable[[Graph], Any] | None) -> dict[str, list[dict[str, Any]]]:
+async def _run_lockstep(
+    graph: Graph, mb_per_step: int, on_tick: Callable[[Graph], Any] | None
+) -> dict[str, list[dict[str, Any]]]:
     df = graph.dataflow
     order = df.topological_order()
     if len(df.sources) != 1 or any(len(df.consumers(n)) > 1 for n in order):
@@ -257,14 +260,14 @@ async def _run_lockstep(graph: Graph, mb_per_step: int, on_tick: Callable[[Graph
                 outs = await asyncio.gather(
                     *(rep.process_refs.remote(chunk, final) for rep, chunk in zip(reps, chunks, strict=True))
                 )
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise _stage_error(name, exc) from None
             refs = [r for out in outs for r in out]
 
     while True:
         try:
             refs = await graph.actors[source][0].produce.remote(mb_per_step)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise _stage_error(source, exc) from None
         if not refs:
             break

@@ -82,7 +82,7 @@ class StageActor:
         config: Any,
         controller: Any,
         concurrency: int,
-        taps: dict[str, str] | None = None,
+        tap: tuple[str, str] | None = None,
         log_level: str = "info",
     ) -> None:
         configure_logging(log_level)
@@ -99,8 +99,10 @@ class StageActor:
         self._processed = 0
         self._emitted = 0
         self._state = "created"
-        self._taps = taps or {}  # output edge name -> recording root
-        self._recorders: dict[str, Any] = {}
+        # (input edge, recording dir): what this stage consumes is written there, so a
+        # recording holds exactly what the consumer saw (and the trainer's step records).
+        self._tap = tap
+        self._recorder: Any = None
 
     # ---------------------------------------------------------------- lifecycle
     async def setup(self) -> str:
@@ -112,14 +114,23 @@ class StageActor:
         return self.name
 
     def _open_taps(self) -> None:
-        if not self._taps:
+        if self._tap is None:
             return
+        from pipeline.config import to_dict
         from pipeline.recorder import RecordingWriter
 
-        every = getattr(getattr(self.ctx.config, "record", None), "every", 1)
-        for edge, root in self._taps.items():
-            self._recorders[edge] = RecordingWriter(root, None, every=every)
-        self.ctx.recorder = next(iter(self._recorders.values()))
+        edge, root = self._tap
+        cfg = self.ctx.config
+        self._recorder = RecordingWriter(
+            root, to_dict(cfg) if cfg is not None else None,
+            every=cfg.record.every if cfg is not None else 1,
+            run_name=cfg.run.name if cfg is not None else "", edges=[edge],
+        )
+        self.ctx.recorder = self._recorder
+
+    def _record_input(self, item: Any) -> None:
+        if self._recorder is not None:
+            self._recorder.write_item(self._tap[0], item)
 
     async def run(self, inp: QueueHandle | None, outs: list[QueueHandle]) -> dict[str, Any]:
         """Stream until end-of-stream; returns counters and the core's result."""
@@ -139,8 +150,7 @@ class StageActor:
         finally:
             for out in outs:
                 await out.close()
-            for rec in self._recorders.values():
-                rec.close()
+            self.close_taps()
         self._state = "done"
         return self.report()
 
@@ -174,6 +184,7 @@ class StageActor:
                 break
             item = await ref
             self.spans.add("wait_input", t0, time.time(), getattr(item, "batch_id", -1))
+            self._record_input(item)
             if self.concurrency == 1:
                 await self._handle(item, outs)
                 slots.release()
@@ -197,9 +208,6 @@ class StageActor:
         ref = ray.put(item)
         self._emitted += 1
         for out in outs:
-            rec = self._recorders.get(out.name)
-            if rec is not None:
-                rec.write_item(out.name, item)
             with self.spans.span("wait_output", batch_id=getattr(item, "batch_id", -1)):
                 await out.put_ref(ref)
         return [ref]
@@ -216,7 +224,6 @@ class StageActor:
                 break
             refs.append(ray.put(item))
             self._emitted += 1
-            self._tap_sync(item)
         return refs
 
     async def process_refs(self, refs: list[ray.ObjectRef], final: bool = False) -> list[ray.ObjectRef]:
@@ -227,6 +234,7 @@ class StageActor:
         async def one(i: int, ref: ray.ObjectRef) -> None:
             async with slots:
                 item = await ref
+                self._record_input(item)
                 with self.spans.span("busy", batch_id=getattr(item, "batch_id", -1)):
                     results[i] = _as_list(await self.core.process(item))
                 self._processed += 1
@@ -238,18 +246,12 @@ class StageActor:
                 flat += _as_list(await self.core.finish())
         except BaseException as exc:
             raise StageError(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
-        for o in flat:
-            self._tap_sync(o)
         self._emitted += len(flat)
         return [ray.put(o) for o in flat]
 
-    def _tap_sync(self, item: Any) -> None:
-        for edge, rec in self._recorders.items():
-            rec.write_item(edge, item)
-
     def close_taps(self) -> None:
-        for rec in self._recorders.values():
-            rec.close()
+        if self._recorder is not None:
+            self._recorder.close()
 
     # ---------------------------------------------------------------- control calls
     def drain_spans(self) -> list[Any]:
@@ -266,8 +268,8 @@ class StageActor:
             out["core"] = self.core.status()
         if hasattr(self.core, "result"):
             out["result"] = self.core.result()
-        if self._recorders:
-            out["recording"] = {e: r.stats() for e, r in self._recorders.items()}
+        if self._recorder is not None:
+            out["recording"] = self._recorder.stats()
         return out
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

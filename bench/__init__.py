@@ -1,0 +1,1 @@
+"""Throughput benchmarks; each writes bench/results/NAME.json and a PNG."""

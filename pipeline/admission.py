@@ -1,0 +1,375 @@
+"""Admission control: estimate a micro-batch's bytes, then admit, defer or split it.
+
+Invariant (per stage, while ``oom_protection`` is on): an item is admitted only if
+  max(used, resident + in_flight) + estimate <= budget  and
+  estimate + (in-flight bytes not yet allocated) <= free,
+where ``resident`` is what the stage holds with nothing in flight (weights, optimizer
+state, caches; re-measured whenever nothing is in flight) and ``in_flight`` the sum of
+admitted, unreleased estimates. An item that could never satisfy it (estimate >
+budget - resident) is split, never deferred forever; one that cannot be split (a single
+GRPO group) is admitted only when it runs alone. Deferral of one item is bounded by
+``defer_timeout_s``, after which ``AdmissionTimeout`` says why with the numbers.
+Splitting itself (whole GRPO groups, every sample once) lives in ``pipeline/splitting.py``.
+
+The controller is a pure state machine (no asyncio, no threads, an injectable clock).
+An asyncio actor drives it like this (DEFER: wait and ask again; SPLIT reserves
+nothing: run each part through the same steps, then merge the parts' results)::
+
+    ctl = AdmissionController("reference", cfg.reference.memory)
+    est = estimate_batch_bytes("reference", shape, count_seq_lens(batch))
+    while (d := ctl.decide(est, read_memory(), key=batch.batch_id,
+                           max_parts=count_groups(batch))).kind is DecisionKind.DEFER:
+        await asyncio.sleep(d.retry_after_s)
+    if d.kind is DecisionKind.SPLIT:
+        parts = split_rollout_batch(batch, d.parts)  # each: estimate, decide, run; merge
+    else:
+        try:
+            out = await run_with_oom_recovery(score, batch, split=split_rollout_batch,
+                                              merge=merge_rollout_batches, stage="reference",
+                                              size=count_groups, on_event=ctl.record_oom_event)
+        finally:
+            ctl.release(d.bytes)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from pipeline.config import MemoryConfig
+from pipeline.memory import MemoryReading, OomEvent
+from pipeline.types import RolloutBatch
+
+StageKind = Literal["rollout", "reference", "trainer"]
+MiB = float(1 << 20)
+
+# ---------------------------------------------------------------------- estimators
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
+
+
+class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
+    """What memory estimates need to know of a decoder-only model.
+    ``intermediate_size`` 0 means unknown (4 × hidden_size is assumed)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    num_params: int
+    dtype_bytes: int = 4
+    intermediate_size: int = 0
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Mapping[str, Any] | Any, *, dtype_bytes: int | None = None, num_params: int | None = None
+    ) -> ModelShape:
+        """From a Hugging Face config (object or ``config.json`` dict). ``num_params``
+        is counted for a Llama-style layout (q/k/v/o, gated MLP, two norms per layer)
+        unless given."""
+        d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        if "num_hidden_layers" not in d and isinstance(d.get("text_config"), Mapping):
+            d = {**d["text_config"], **{k: v for k, v in d.items() if k == "torch_dtype"}}
+        layers = int(d.get("num_hidden_layers", d.get("n_layer", 0)))
+        hidden = int(d["hidden_size"])
+        heads = int(d.get("num_attention_heads", d.get("n_head", 1)))
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        inter = int(d.get("intermediate_size") or 4 * hidden)
+        vocab = int(d["vocab_size"])
+        if num_params is None:
+            attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o; k, v
+            per_layer = attention + 3 * hidden * inter + 2 * hidden  # + gate/up/down, two norms
+            embeddings = vocab * hidden * (1 if d.get("tie_word_embeddings", False) else 2)
+            num_params = layers * per_layer + embeddings + hidden
+        if dtype_bytes is None:
+            dtype = str(d.get("torch_dtype") or d.get("dtype") or "float32").replace("torch.", "")
+            dtype_bytes = _DTYPE_BYTES.get(dtype, 4)
+        return cls(
+            num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden,
+            vocab_size=vocab, num_params=num_params, dtype_bytes=dtype_bytes, intermediate_size=inter,
+        )
+
+
+def estimate_kv_cache_bytes(shape: ModelShape, num_tokens: int) -> int:
+    """layers × kv heads × head_dim × 2 (K and V) × dtype bytes × tokens."""
+    return shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 * shape.dtype_bytes * num_tokens
+
+
+def estimate_forward_bytes(shape: ModelShape, num_sequences: int, seq_len: int, with_grad: bool) -> int:
+    """Transient bytes of one forward pass over ``[num_sequences, seq_len]`` tokens.
+
+    Counted, with T = num_sequences × seq_len, H hidden, I intermediate, K = kv heads ×
+    head_dim, in the model dtype:
+      - per token per layer the tensors a Llama layer keeps: two norm inputs and two
+        norm outputs, q and the attention output (6·H), k and v (2·K), the MLP's gate,
+        up, activation and product (4·I); with grad every layer's stay alive for
+        backward (× layers), without grad only one layer's are alive at a time;
+      - logits [S, L, V] in float32 and their log_softmax (8 bytes each), plus their
+        float32 gradient with grad (12 bytes).
+    Not counted: weights, gradients and optimizer state (resident, measured by the
+    reading); [S, heads, L, L] attention scores (a fused kernel never builds them).
+    """
+    tokens = num_sequences * seq_len
+    inter = shape.intermediate_size or 4 * shape.hidden_size
+    per_layer = (6 * shape.hidden_size + 2 * shape.num_kv_heads * shape.head_dim + 4 * inter) * shape.dtype_bytes
+    activations = tokens * per_layer * (shape.num_layers if with_grad else 1)
+    logits = tokens * shape.vocab_size * (12 if with_grad else 8)
+    return activations + logits
+
+
+def estimate_resident_bytes(shape: ModelShape, stage_kind: StageKind) -> int:
+    """Weights only for inference; weights, gradients and Adam state for the trainer:
+    16 bytes per parameter in float32 (4 + 4 + 4 + 4) and in mixed precision alike
+    (2 + 2 + 4 master + 4 + 4)."""
+    if stage_kind == "trainer":
+        return shape.num_params * 16
+    return shape.num_params * shape.dtype_bytes
+
+
+def estimate_batch_bytes(
+    stage_kind: StageKind, shape: ModelShape, seq_lens: Sequence[int], *, chunk_size: int | None = None
+) -> int:
+    """Bytes one micro-batch adds to a stage; ``seq_lens`` has one total length per sample.
+
+    rollout: the KV cache of every sample's full length (give prompt + max_tokens, see
+    ``expand_rollout_seq_lens``) plus one decode step's float32 logits and probabilities
+    per sequence. reference / trainer: the largest forward pass over chunks of
+    ``chunk_size`` samples, each padded to its own longest (trainer: with grad, assuming
+    each chunk's backward runs before the next chunk's forward).
+    """
+    lens = [int(n) for n in seq_lens]
+    if not lens:
+        return 0
+    if stage_kind == "rollout":
+        return estimate_kv_cache_bytes(shape, sum(lens)) + len(lens) * shape.vocab_size * 8
+    if stage_kind not in ("reference", "trainer"):
+        raise ValueError(f"stage_kind: expected 'rollout', 'reference' or 'trainer', got {stage_kind!r}")
+    step = chunk_size or len(lens)
+    return max(
+        estimate_forward_bytes(shape, len(chunk), max(chunk), with_grad=stage_kind == "trainer")
+        for chunk in (lens[i : i + step] for i in range(0, len(lens), step))
+    )
+
+
+def expand_rollout_seq_lens(prompt_token_lens: Sequence[int], group_size: int, max_tokens: int) -> list[int]:
+    """One length per sample a rollout will generate: each prompt × ``group_size``,
+    each as long as it may grow (prompt + ``max_tokens``)."""
+    return [int(p) + max_tokens for p in prompt_token_lens for _ in range(group_size)]
+
+
+def count_seq_lens(batch: RolloutBatch) -> list[int]:
+    """Prompt + completion tokens of each sample."""
+    return [int(n) for n in np.asarray(batch.prompt_lens) + np.asarray(batch.completion_lens)]
+
+
+class Calibration:
+    """Learns how far estimates are from measured peaks: ``factor`` is an exponential
+    moving average of observed / estimated (raw, uncalibrated) bytes, each ratio clamped
+    to [low, high] so one odd measurement cannot swing it far. The first observation
+    sets the factor outright: it is the only evidence there is."""
+
+    def __init__(self, alpha: float = 0.3, low: float = 0.25, high: float = 8.0) -> None:
+        if not 0 < alpha <= 1 or not 0 < low <= 1 <= high:
+            raise ValueError(f"Calibration: need 0 < alpha <= 1 and 0 < low <= 1 <= high, got {alpha}, {low}, {high}")
+        self.alpha, self.low, self.high = alpha, low, high
+        self.factor = 1.0
+        self.observations = 0
+
+    def observe(self, estimated_bytes: int, observed_bytes: int) -> float:
+        """Fold one (raw estimate, measured peak above baseline) pair in; return the factor."""
+        if estimated_bytes <= 0 or observed_bytes < 0:
+            return self.factor  # nothing to learn from an empty item or a bad window
+        ratio = min(self.high, max(self.low, observed_bytes / estimated_bytes))
+        self.factor = ratio if self.observations == 0 else (1 - self.alpha) * self.factor + self.alpha * ratio
+        self.observations += 1
+        return self.factor
+
+    def apply(self, estimated_bytes: int) -> int:
+        return math.ceil(estimated_bytes * self.factor)
+
+
+# --------------------------------------------------------------------- controller
+
+class DecisionKind(enum.Enum):
+    ADMIT = "admit"
+    DEFER = "defer"
+    SPLIT = "split"
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """ADMIT: ``bytes`` are now reserved; pass them to ``release`` when the work ends.
+    DEFER: ask again after ``retry_after_s``. SPLIT: split into ``parts`` and decide on
+    each part (its own estimate) again."""
+
+    kind: DecisionKind
+    bytes: int
+    parts: int = 1
+    retry_after_s: float = 0.0
+    reason: str = ""
+
+
+class AdmissionTimeout(TimeoutError):
+    """One item stayed deferred for longer than ``defer_timeout_s``."""
+
+
+# Stage name -> config section, so that errors name the knob to turn.
+_CONFIG_SECTION = {"rollout": "rollout", "reference": "reference", "trainer": "train", "train": "train"}
+
+
+class AdmissionController:
+    """Per-stage admission state (see the module invariant). Not thread-safe: call it
+    from the actor's event loop only."""
+
+    def __init__(
+        self,
+        stage: str,
+        config: MemoryConfig,
+        *,
+        now: Callable[[], float] = time.monotonic,
+        calibration: Calibration | None = None,
+        poll_interval_s: float = 0.1,
+    ) -> None:
+        self.stage = stage
+        self.config = config
+        self.calibration = calibration or Calibration()
+        self.poll_interval_s = poll_interval_s
+        self.admitted = self.deferred = self.splits = self.oom_recovered = self.oom_events = 0
+        self._now = now
+        self._in_flight = 0
+        self._resident: int | None = None
+        self._last: MemoryReading | None = None
+        self._deferred_since: dict[Hashable, float] = {}
+
+    @property
+    def in_flight_bytes(self) -> int:
+        return self._in_flight
+
+    def budget_for(self, reading: MemoryReading) -> int:
+        if self.config.budget_bytes is not None:
+            return self.config.budget_bytes
+        return int(self.config.max_memory_ratio * reading.total_bytes)
+
+    def decide(
+        self,
+        estimate_bytes: int,
+        reading: MemoryReading,
+        in_flight_bytes: int | None = None,
+        *,
+        key: Hashable = None,
+        max_parts: int | None = None,
+    ) -> Decision:
+        """Admit, defer or split one item. ``estimate_bytes`` is the raw estimate (the
+        calibration factor is applied here); ``in_flight_bytes`` defaults to this
+        controller's admitted, unreleased bytes; ``key`` names the item so deferral time
+        accrues per item; ``max_parts`` (its GRPO groups) caps a split. Raises
+        ``AdmissionTimeout`` when the item has been deferred for ``defer_timeout_s``."""
+        if estimate_bytes < 0:
+            raise ValueError(f"estimate_bytes: expected >= 0, got {estimate_bytes}")
+        self._last = reading
+        est = self.calibration.apply(estimate_bytes)
+        if not self.config.oom_protection or est == 0:
+            return self._admit(est, key, "oom_protection off" if est else "empty item")
+        budget = self.budget_for(reading)
+        in_flight = self._in_flight if in_flight_bytes is None else in_flight_bytes
+        if in_flight == 0:
+            self._resident = reading.used_bytes
+        resident = self._resident if self._resident is not None else max(0, reading.used_bytes - in_flight)
+        capacity = budget - resident
+        if 0 < capacity < est:
+            parts = 1
+            while est > capacity * parts:
+                parts *= 2
+            if max_parts is None or max_parts > 1:
+                parts = parts if max_parts is None else min(parts, max_parts)
+                self.splits += 1
+                self._deferred_since.pop(key, None)
+                return Decision(
+                    kind=DecisionKind.SPLIT, bytes=est, parts=parts,
+                    reason=f"{est / MiB:.1f} MiB exceeds the {capacity / MiB:.1f} MiB left in the budget",
+                )
+            if in_flight == 0:
+                # A single group cannot shrink; the estimate may be pessimistic, so try
+                # it with the stage to itself and let OOM recovery have the last word.
+                return self._admit(est, key, "over budget, atomic: admitted alone")
+            return self._defer(key, est, reading, budget, in_flight, resident)
+        pending = max(0, resident + in_flight - reading.used_bytes)  # admitted, not yet allocated
+        projected = max(reading.used_bytes, resident + in_flight) + est
+        if projected <= budget and est + pending <= reading.free_bytes:
+            return self._admit(est, key, "fits")
+        return self._defer(key, est, reading, budget, in_flight, resident)
+
+    def _admit(self, est: int, key: Hashable, reason: str) -> Decision:
+        self._deferred_since.pop(key, None)
+        self._in_flight += est
+        self.admitted += 1
+        return Decision(kind=DecisionKind.ADMIT, bytes=est, reason=reason)
+
+    def _defer(
+        self, key: Hashable, est: int, reading: MemoryReading, budget: int, in_flight: int, resident: int
+    ) -> Decision:
+        now = self._now()
+        since = self._deferred_since.get(key)
+        if since is None:
+            since = self._deferred_since[key] = now
+            self.deferred += 1  # counts items, not polls
+        numbers = (
+            f"estimate {est / MiB:.1f} MiB, free {reading.free_bytes / MiB:.1f} MiB, "
+            f"budget {budget / MiB:.1f} MiB, in flight {in_flight / MiB:.1f} MiB, "
+            f"resident {resident / MiB:.1f} MiB"
+        )
+        waited = now - since
+        if waited >= self.config.defer_timeout_s:
+            del self._deferred_since[key]
+            section = _CONFIG_SECTION.get(self.stage)
+            knob = f"{section}.memory.budget_bytes or max_memory_ratio" if section else "the stage's memory budget"
+            raise AdmissionTimeout(
+                f"stage {self.stage!r}: an item waited {waited:.1f} s for memory "
+                f"(defer_timeout_s {self.config.defer_timeout_s:g}): {numbers}. Raise {knob}, "
+                f"lower dataflow.prompts_per_micro_batch, or free memory held by other processes."
+            )
+        return Decision(kind=DecisionKind.DEFER, bytes=est, retry_after_s=self.poll_interval_s, reason=numbers)
+
+    def forget(self, key: Hashable) -> None:
+        """Drop the deferral clock of an item the caller gave up on."""
+        self._deferred_since.pop(key, None)
+
+    def release(self, nbytes: int) -> None:
+        """Return the bytes of an admitted item whose work has ended (or failed)."""
+        if not 0 <= nbytes <= self._in_flight:
+            raise ValueError(f"release: {nbytes} bytes, but {self._in_flight} are in flight in stage {self.stage!r}")
+        self._in_flight -= nbytes
+
+    def observe_peak(self, estimate_bytes: int, peak_bytes: int) -> float:
+        """Teach the calibration one measured peak (bytes above the window's baseline)."""
+        return self.calibration.observe(estimate_bytes, peak_bytes)
+
+    def record_oom_event(self, event: OomEvent) -> None:
+        """``on_event`` for ``run_with_oom_recovery``."""
+        if event.kind == "oom":
+            self.oom_events += 1
+        elif event.kind == "recovered":
+            self.oom_recovered += event.count
+
+    def metrics(self) -> dict[str, float]:
+        s = self.stage
+        last = self._last
+        budget = self.budget_for(last) if last is not None else float(self.config.budget_bytes or 0)
+        return {
+            f"memory/{s}/used_bytes": float(last.used_bytes if last is not None else 0),
+            f"memory/{s}/budget_bytes": float(budget),
+            f"memory/{s}/in_flight_bytes": float(self._in_flight),
+            f"admission/{s}/admitted": float(self.admitted),
+            f"admission/{s}/deferred": float(self.deferred),
+            f"admission/{s}/splits": float(self.splits),
+            f"admission/{s}/calibration": self.calibration.factor,
+            f"oom/{s}/events": float(self.oom_events),
+            f"oom/{s}/recovered": float(self.oom_recovered),
+        }

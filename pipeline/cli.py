@@ -1,0 +1,158 @@
+"""The ``conveyor`` command.
+
+    conveyor launch --config PATH [key.path=value ...]
+    conveyor status --config PATH | --run-dir DIR [--watch]
+    conveyor replay RECORDING --config PATH [--from-step K --steps N] [--verify] | --inspect
+    conveyor bench NAME [--quick]
+    conveyor --version
+
+A bad config (unknown key, wrong type, out of range, invalid graph) stops the command
+before any actor starts, prints the dotted path and the reason, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline import __version__
+from pipeline.config import ConfigError, ConveyorConfig, load_config
+from pipeline.dataflow import GraphError
+
+EXIT_BAD_CONFIG = 2
+
+
+def _load(args: argparse.Namespace) -> tuple[ConveyorConfig, Any]:
+    from pipeline.launch import build_dataflow, record_taps
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        df = build_dataflow(cfg)
+    except (GraphError, ImportError) as exc:
+        raise ConfigError(f"dataflow: {exc}") from None
+    record_taps(cfg, df)
+    return cfg, df
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    cfg, _ = _load(args)
+    from pipeline.launch import launch_run
+
+    summary = launch_run(cfg)
+    return 0 if summary["samples"]["reconciles"] else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    run_dir: Path | None = Path(args.run_dir) if args.run_dir else None
+    cfg = df = None
+    if args.config:
+        cfg, df = _load(args)
+        run_dir = run_dir or cfg.run_dir
+    live = _read_live_status(run_dir) if run_dir else None
+    if live is None:
+        if df is None:
+            console.print(f"no live run in {run_dir} and no --config given")
+            return 1
+        from pipeline.status import render_plan
+
+        console.print(render_plan(cfg, df))
+        return 0
+    from pipeline.status import render_live
+
+    if not args.watch:
+        console.print(render_live(live))
+        return 0
+    from rich.live import Live
+
+    with Live(render_live(live), console=console, refresh_per_second=2) as view:
+        while live is not None:
+            time.sleep(1.0)
+            live = _read_live_status(run_dir)
+            if live is not None:
+                view.update(render_live(live))
+    return 0
+
+
+def _read_live_status(run_dir: Path) -> dict[str, Any] | None:
+    """The run's ``status.json`` if its driver process is still alive."""
+    path = run_dir / "status.json"
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(int(status["pid"]), 0)
+    except (OSError, KeyError, ValueError):
+        return None
+    if time.time() - float(status.get("time", 0)) > 60:
+        return None
+    return status
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from pipeline.replay import run_replay_command
+
+    return run_replay_command(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.__main__ import main as bench_main
+
+    return bench_main([args.name, *(["--quick"] if args.quick else [])])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="conveyor", description="Asynchronous streaming RL post-training.")
+    p.add_argument("--version", action="version", version=f"conveyor {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    launch = sub.add_parser("launch", help="run a training job")
+    launch.add_argument("--config", required=True)
+    launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
+    launch.set_defaults(fn=cmd_launch)
+
+    status = sub.add_parser("status", help="a live run's state, or the static plan of a config")
+    status.add_argument("--config")
+    status.add_argument("--run-dir")
+    status.add_argument("--watch", action="store_true", help="refresh in place while the run is live")
+    status.add_argument("overrides", nargs="*")
+    status.set_defaults(fn=cmd_status)
+
+    replay = sub.add_parser("replay", help="feed a recording into one stage, or inspect it")
+    replay.add_argument("recording")
+    replay.add_argument("--config")
+    replay.add_argument("--stage", default="trainer")
+    replay.add_argument("--from-step", type=int, default=0)
+    replay.add_argument("--steps", type=int, default=1)
+    replay.add_argument("--verify", action="store_true")
+    replay.add_argument("--inspect", action="store_true")
+    replay.add_argument("--limit", type=int, default=20, help="items shown by --inspect")
+    replay.add_argument("overrides", nargs="*")
+    replay.set_defaults(fn=cmd_replay)
+
+    bench = sub.add_parser("bench", help="run a benchmark from bench/")
+    bench.add_argument("name")
+    bench.add_argument("--quick", action="store_true")
+    bench.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        print(f"conveyor: invalid config: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

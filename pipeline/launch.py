@@ -1,0 +1,231 @@
+"""``conveyor launch``: build the RL DataFlow from a config and drive it to the end.
+
+The built-in graph is a chain ``source -> rollout -> reward [-> reference] -> trainer``;
+``dataflow.nodes`` replaces it with a custom graph. Stage classes are named by import
+path, so this module imports no model code.
+
+Run directory (``run.dir``): ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per
+optimizer step), ``tensorboard/``, ``status.json`` (live, for ``conveyor status``),
+``summary.json``, ``trace.json`` (Perfetto), ``timeline.png``, ``checkpoint/`` (HF format)
+and ``recording/`` when edges are tapped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.config import ConfigError, ConveyorConfig, to_dict
+from pipeline.dataflow import DataFlow
+from pipeline.log import configure_logging, get_logger
+from pipeline.metrics import MetricsWriter, write_summary
+from pipeline.profiler import (
+    aggregate_spans,
+    compute_stage_metrics,
+    format_summary_table,
+    plot_timeline,
+    write_chrome_trace,
+)
+from pipeline.runner import Graph, RunResult, run_dataflow
+
+STAGE_CLASSES = {
+    "source": "stages.source:PromptSource",
+    "rollout": "stages.rollout.stage:RolloutStage",
+    "reward": "stages.reward:RewardStage",
+    "reference": "stages.reference:ReferenceStage",
+    "trainer": "stages.trainer:TrainerStage",
+}
+
+log = get_logger(stage="driver")
+
+
+def build_dataflow(cfg: ConveyorConfig) -> DataFlow:
+    """The run's graph, validated (raises ``GraphError`` naming the node)."""
+    df = DataFlow()
+    df.default_queue_size = cfg.dataflow.queue_size
+    if cfg.dataflow.nodes:
+        for spec in cfg.dataflow.nodes:
+            place = getattr(cfg.placement, spec.name, None)
+            df.add_node(spec.name, spec.node_class, spec.input_from,
+                        num_cpus=place.num_cpus if place else 0.0,
+                        num_gpus=place.num_gpus if place else 0.0, **spec.kwargs)
+    else:
+        chain = ["source", "rollout", "reward"] + (["reference"] if cfg.reference_enabled else []) + ["trainer"]
+        prev = None
+        for name in chain:
+            place = getattr(cfg.placement, name)
+            extra: dict[str, Any] = {}
+            if name == "rollout":
+                extra = {"replicas": cfg.rollout.num_workers, "concurrency": cfg.rollout.max_inflight}
+            df.add_node(name, STAGE_CLASSES[name], prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus, **extra)
+            prev = name
+    df.queue_sizes.update(cfg.dataflow.queue_sizes)
+    df.validate()
+    return df
+
+
+def record_taps(cfg: ConveyorConfig, df: DataFlow) -> dict[str, str]:
+    """Edge name -> recording dir (``<record.dir>/<consumer>``: one writer per directory)."""
+    root = Path(cfg.record.dir).expanduser() if cfg.record.dir else cfg.run_dir / "recording"
+    for edge in cfg.record.edges:
+        if edge not in df.edge_names:
+            raise ConfigError(f"record.edges: {edge!r} is not an edge of the graph (edges: {df.edge_names})")
+    return {edge: str(root / edge.split("->")[1]) for edge in cfg.record.edges}
+
+
+class Reporter:
+    """The driver's tick: per-step metrics, the progress bar and ``status.json``."""
+
+    def __init__(self, cfg: ConveyorConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.writer = MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard)
+        self.steps: list[dict[str, Any]] = []
+        self.syncs: list[dict[str, Any]] = []
+        self.last_drain: dict[str, Any] = {}
+        self._last_step_end = time.time()
+        self._progress = _Progress(cfg.run.steps) if cfg.run.progress else None
+        self.started = time.time()
+
+    async def __call__(self, graph: Graph) -> None:
+        drain = await graph.controller.drain.remote()
+        self.last_drain = drain
+        self.syncs.extend(drain["syncs"])
+        new_spans = await graph.collect_spans()
+        del new_spans  # kept on the graph; aggregated per step window below
+        queues = await graph.queue_stats() if drain["steps"] else {}
+        for step in drain["steps"]:
+            end = step.get("time", time.time())
+            agg = aggregate_spans([s for s in graph.spans if s.end >= self._last_step_end], (self._last_step_end, end))
+            metrics = dict(step)
+            metrics.update(compute_stage_metrics(agg))
+            for name, q in queues.items():
+                metrics[f"queue/{name}/depth"] = q["depth"]
+                metrics[f"queue/{name}/mean_depth"] = q["mean_depth"]
+            metrics["samples/in_flight"] = drain["ledger"]["in_flight"] * self.cfg.rollout.n
+            self._last_step_end = end
+            self.writer.log(int(step["step"]), {k: v for k, v in metrics.items() if _is_number(v)})
+            self.steps.append(metrics)
+            if self._progress:
+                self._progress.update(metrics)
+        self._write_status(drain, queues)
+
+    def _write_status(self, drain: dict[str, Any], queues: dict[str, Any]) -> None:
+        status = {
+            "pid": os.getpid(),
+            "time": time.time(),
+            "elapsed_s": time.time() - self.started,
+            "run": self.cfg.run.name,
+            "steps_target": self.cfg.run.steps,
+            "trainer_version": drain["trainer_version"],
+            "served": drain["served"],
+            "ledger": drain["ledger"],
+            "stages": drain["status"],
+            "queues": queues,
+            "last_step": self.steps[-1] if self.steps else None,
+        }
+        tmp = self.run_dir / "status.json.tmp"
+        tmp.write_text(json.dumps(status, default=str))
+        tmp.replace(self.run_dir / "status.json")
+
+    def close(self) -> None:
+        self.writer.close()
+        if self._progress:
+            self._progress.close()
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+class _Progress:
+    """A one-line console progress bar: step, reward, staleness."""
+
+    def __init__(self, total: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"), transient=False,
+        )
+        self.task = self.bar.add_task("train", total=total, info="")
+        self.bar.start()
+
+    def update(self, m: dict[str, Any]) -> None:
+        info = (f"reward {m.get('reward/mean', float('nan')):.3f}  staleness {m.get('staleness/mean', 0):.2f}"
+                f"  {m.get('throughput/tokens_per_s', 0):.0f} tok/s")
+        self.bar.update(self.task, completed=int(m["step"]) + 1, info=info)
+
+    def close(self) -> None:
+        self.bar.stop()
+
+
+def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
+    """Run the configured job; returns the summary (also written to ``summary.json``)."""
+    configure_logging(cfg.run.log_level)
+    df = build_dataflow(cfg)
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    taps = record_taps(cfg, df)
+    reporter = Reporter(cfg, run_dir)
+    log.info("launch", run_dir=str(run_dir), mode="async" if cfg.dataflow.async_execution else "sync",
+             stages=df.topological_order())
+    try:
+        result = run_dataflow(
+            df, cfg,
+            target_prompts=cfg.run.steps * cfg.train.prompts_per_step,
+            prompts_per_step=cfg.train.prompts_per_step,
+            target_steps=cfg.run.steps,
+            taps=taps,
+            on_tick=reporter,
+        )
+    finally:
+        reporter.close()
+    return finish_run(cfg, run_dir, result, reporter)
+
+
+def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: Reporter) -> dict[str, Any]:
+    agg = aggregate_spans(result.spans) if result.spans else {}
+    markers = [(s["time"], f"sync v{s['version']}") for s in reporter.syncs if "time" in s]
+    if result.spans:
+        write_chrome_trace(result.spans, run_dir / "trace.json", markers)
+        plot_timeline(result.spans, run_dir / "timeline.png", markers)
+    ledger = result.controller["ledger"]
+    n = cfg.rollout.n
+    trainer = result.result("trainer") or {}
+    source = result.result("source") or {}
+    summary = {
+        "run": cfg.run.name,
+        "mode": result.mode,
+        "wall_s": result.wall_s,
+        "steps": len(reporter.steps),
+        "policy_version": result.controller["trainer_version"],
+        "prompts": ledger,
+        "samples": {
+            "produced": ledger["admitted"] * n,
+            "trained": ledger["trained"] * n,
+            "dropped": {k: v * n for k, v in ledger["dropped"].items()},
+            "in_flight": ledger["in_flight"] * n,
+            "reconciles": ledger["reconciles"],
+        },
+        "source_rows_skipped": source.get("skipped", {}),
+        "trainer": trainer,
+        "served": result.controller["served"],
+        "queues": result.queues,
+        "stages": {name: {"busy_s": t.seconds.get("busy", 0.0), "busy_ratio": t.busy_ratio} for name, t in agg.items()},
+        "reward_first": reporter.steps[0].get("reward/mean") if reporter.steps else None,
+        "reward_last": reporter.steps[-1].get("reward/mean") if reporter.steps else None,
+    }
+    write_summary(run_dir, summary)
+    if agg:
+        print(format_summary_table(agg))
+    log.info("done", wall_s=round(result.wall_s, 1), steps=summary["steps"],
+             reward_first=summary["reward_first"], reward_last=summary["reward_last"],
+             dropped=summary["samples"]["dropped"], run_dir=str(run_dir))
+    return summary

@@ -1,0 +1,402 @@
+"""Memory readings, out-of-memory recognition and recovery by halving.
+
+Guarantees:
+- ``read_memory`` is cheap (a few syscalls, no allocation on the device) and never
+  imports torch unless a CUDA device is asked for by name: a process that has not
+  imported torch holds no CUDA tensors, so it is read as a CPU process.
+- ``is_oom_error`` is true for exactly the errors a smaller batch can cure: torch's
+  ``OutOfMemoryError``, ``MemoryError``, and ``RuntimeError``s whose message says the
+  allocator ran out of memory (also when raised ``from`` one of those). It is false for
+  ``OomUnrecoverable``, so nested recovery never retries a verdict already given.
+- Recovery (``OomRecovery`` and its two drivers) processes every sample of a batch
+  exactly once: a piece either succeeds and its result is kept, or fails as a whole and
+  only that piece is split in two and retried; results come back in the batch's order.
+  A piece that cannot be split any further and still fails raises ``OomUnrecoverable``
+  naming the stage. ``fn`` must therefore leave no trace of a failed call (for a
+  trainer: no gradients accumulated by a forward/backward that ran out of memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import os
+import sys
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+import msgspec
+import psutil
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# cgroup v1 reports "no limit" as a page-aligned number close to 2**63.
+_CGROUP_V1_UNLIMITED = 1 << 60
+
+
+class MemoryReading(msgspec.Struct, frozen=True, kw_only=True):
+    """One reading. ``used_bytes``: held by this process (CUDA: allocated tensors; CPU:
+    resident set). ``free_bytes``: what this process could still allocate (CUDA: free on
+    the device plus the allocator's cached blocks; CPU: available memory, within the
+    container's limit when one is set). ``source``: ``cuda:N``, ``cpu`` or ``cgroup``."""
+
+    used_bytes: int
+    free_bytes: int
+    total_bytes: int
+    source: str
+
+
+# ------------------------------------------------------------------------ readings
+
+def read_memory(device: str | None = None) -> MemoryReading:
+    """Read memory for ``device`` (``None``: CUDA if torch is loaded and sees a GPU,
+    else CPU; ``"cpu"``; ``"cuda"``; ``"cuda:N"``)."""
+    if device is None:
+        torch = sys.modules.get("torch")
+        device = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return _read_cpu_memory()
+    if device == "cuda" or device.startswith("cuda:"):
+        return _read_cuda_memory(device)
+    raise ValueError(f"device: expected None, 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def _cuda_index(torch: Any, device: str) -> int:
+    return torch.cuda.current_device() if device == "cuda" else int(device.split(":", 1)[1])
+
+
+def _read_cuda_memory(device: str) -> MemoryReading:
+    import torch
+
+    index = _cuda_index(torch, device)
+    free_on_device, total = torch.cuda.mem_get_info(index)
+    allocated = torch.cuda.memory_allocated(index)
+    reserved = torch.cuda.memory_reserved(index)
+    # Blocks the caching allocator reserved but no tensor uses are free to this process
+    # even though the driver counts them as taken.
+    free = free_on_device + max(0, reserved - allocated)
+    return MemoryReading(used_bytes=allocated, free_bytes=free, total_bytes=total, source=f"cuda:{index}")
+
+
+def _read_cpu_memory() -> MemoryReading:
+    vm = psutil.virtual_memory()
+    rss = psutil.Process(os.getpid()).memory_info().rss
+    return combine_cpu_reading(rss, vm.available, vm.total, read_cgroup_memory())
+
+
+def combine_cpu_reading(
+    rss: int, available: int, total: int, cgroup: tuple[int, int] | None
+) -> MemoryReading:
+    """A CPU reading from the process RSS, the machine's available and total memory and,
+    when the process runs under a cgroup limit, ``(limit, working_set)``: the container
+    is killed at its limit long before the machine runs dry, so the limit wins."""
+    if cgroup is None:
+        return MemoryReading(used_bytes=rss, free_bytes=available, total_bytes=total, source="cpu")
+    limit, working_set = cgroup
+    return MemoryReading(
+        used_bytes=rss,
+        free_bytes=max(0, min(available, limit - working_set)),
+        total_bytes=min(total, limit),
+        source="cgroup",
+    )
+
+
+def read_cgroup_memory(root: Path = CGROUP_ROOT) -> tuple[int, int] | None:
+    """``(limit, working_set)`` of this container's memory cgroup, or ``None`` without a
+    limit. The working set leaves out inactive file cache, which the kernel reclaims
+    before it kills anything (the same measure kubelet and docker use)."""
+    v2, v1 = root / "memory.max", root / "memory" / "memory.limit_in_bytes"
+    try:
+        if v2.is_file():
+            raw = v2.read_text().strip()
+            if raw == "max":
+                return None
+            usage = int((root / "memory.current").read_text())
+            stat_file, inactive_key = root / "memory.stat", "inactive_file"
+        elif v1.is_file():
+            raw = v1.read_text().strip()
+            if int(raw) >= _CGROUP_V1_UNLIMITED:
+                return None
+            usage = int((root / "memory" / "memory.usage_in_bytes").read_text())
+            stat_file, inactive_key = root / "memory" / "memory.stat", "total_inactive_file"
+        else:
+            return None
+        inactive = 0
+        if stat_file.is_file():
+            for line in stat_file.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == inactive_key:
+                    inactive = int(value)
+        return int(raw), max(0, usage - inactive)
+    except (OSError, ValueError):
+        return None  # unreadable or malformed: fall back to the machine's numbers
+
+
+def reset_peak_memory(device: str | None = None) -> int:
+    """Start a peak window and return the bytes used now (the window's baseline).
+
+    The window is per process (CPU) or per process and device (CUDA): measure one item
+    at a time, or the peaks of concurrent items mix."""
+    reading = read_memory(device)
+    if reading.source.startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(int(reading.source.split(":")[1]))
+    else:
+        try:
+            # "5" resets only the peak RSS (VmHWM); it touches no page state.
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass  # not Linux, or not permitted: read_peak_memory answers None
+    return reading.used_bytes
+
+
+def read_peak_memory(device: str | None = None) -> int | None:
+    """Peak bytes used since ``reset_peak_memory`` (``None`` where it cannot be known)."""
+    reading = read_memory(device)
+    if reading.source.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(int(reading.source.split(":")[1])))
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# ------------------------------------------------------------------ OOM recognition
+
+class OomUnrecoverable(RuntimeError):
+    """A piece that cannot be split any further still ran out of memory."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+_OOM_MESSAGES = ("out of memory", "can't allocate memory")  # CUDA/HIP/XPU; DefaultCPUAllocator
+
+
+def _torch_oom_types() -> tuple[type, ...]:
+    torch = sys.modules.get("torch")  # no torch loaded: no torch error can exist
+    if torch is None:
+        return ()
+    found = (getattr(torch, "OutOfMemoryError", None), getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None))
+    return tuple(t for t in found if isinstance(t, type))
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the error it was raised ``from``) is an out-of-memory error."""
+    torch_types = _torch_oom_types()
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OomUnrecoverable):
+            return False
+        if isinstance(current, MemoryError) or (torch_types and isinstance(current, torch_types)):
+            return True
+        if isinstance(current, RuntimeError) and any(m in str(current).lower() for m in _OOM_MESSAGES):
+            return True
+        current = current.__cause__
+    return False
+
+
+def free_cached_memory() -> None:
+    """Collect garbage cycles and hand the CUDA allocator's cached blocks back."""
+    gc.collect()
+    torch = sys.modules.get("torch")  # not loaded: there is no CUDA cache to empty
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------- OOM recovery
+
+class OomEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """``oom``: a piece of ``size`` ran out of memory and was split into ``parts``.
+    ``recovered``: the whole batch finished after ``count`` such errors."""
+
+    stage: str
+    kind: Literal["oom", "recovered"]
+    error: str = ""
+    size: int | None = None
+    parts: int = 0
+    count: int = 0
+
+
+class OomRecovery(Generic[T, R]):
+    """Pure work list for one batch: ``next_piece`` → run it → ``succeeded(result)`` or
+    ``failed(oom_error)``; ``results`` holds the pieces' results in batch order.
+
+    ``split(piece, 2)`` must return pieces that together hold exactly the piece's
+    samples, and raise ``ValueError`` for a piece that cannot be split. With ``size``
+    (e.g. GRPO groups per piece), a pending piece at least as large as one that already
+    ran out of memory is split before it runs, instead of failing the same way again.
+    """
+
+    def __init__(
+        self,
+        batch: T,
+        split: Callable[[T, int], Sequence[T]],
+        *,
+        stage: str,
+        size: Callable[[T], int] | None = None,
+    ) -> None:
+        self.stage = stage
+        self.results: list[R] = []
+        self.events: list[OomEvent] = []
+        self._split = split
+        self._size = size
+        self._pending: deque[T] = deque([batch])
+        self._running: list[T] = []  # at most one piece: the one handed out last
+        self._failed_size: int | None = None
+
+    @property
+    def oom_count(self) -> int:
+        return len(self.events)
+
+    def next_piece(self) -> T | None:
+        """The next piece to run, or ``None`` when every piece has succeeded."""
+        if self._running:
+            raise RuntimeError("next_piece: report the running piece first (succeeded/failed)")
+        while self._pending:
+            piece = self._pending.popleft()
+            if self._should_presplit(piece):
+                self._pending.extendleft(reversed(list(self._split(piece, 2))))
+                continue
+            self._running.append(piece)
+            return piece
+        return None
+
+    def _should_presplit(self, piece: T) -> bool:
+        if self._size is None or self._failed_size is None:
+            return False
+        size = self._size(piece)
+        return size > 1 and size >= self._failed_size
+
+    def succeeded(self, result: R) -> None:
+        if not self._running:
+            raise RuntimeError("succeeded: no piece is running")
+        self._running.pop()
+        self.results.append(result)
+
+    def failed(self, error: BaseException) -> OomEvent:
+        """Split the running piece in two and queue the halves first; raise
+        ``OomUnrecoverable`` when it cannot be split."""
+        if not self._running:
+            raise RuntimeError("failed: no piece is running")
+        piece = self._running.pop()
+        size = self._size(piece) if self._size is not None else None
+        text = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        try:
+            halves = list(self._split(piece, 2))
+        except ValueError as exc:
+            raise OomUnrecoverable(
+                self.stage,
+                f"stage {self.stage!r}: out of memory on a piece that cannot be split further "
+                f"({exc}) after {self.oom_count} halving(s); last error: {text}. Lower the "
+                f"sequence lengths or give the stage more memory.",
+            ) from error
+        if len(halves) < 2:
+            raise OomUnrecoverable(
+                self.stage,
+                f"stage {self.stage!r}: out of memory and split returned {len(halves)} piece(s); last error: {text}",
+            ) from error
+        self._pending.extendleft(reversed(halves))
+        if size is not None:
+            self._failed_size = size if self._failed_size is None else min(self._failed_size, size)
+        event = OomEvent(stage=self.stage, kind="oom", error=text, size=size, parts=len(halves))
+        self.events.append(event)
+        return event
+
+    def recovered_event(self) -> OomEvent | None:
+        """The closing event once every piece succeeded after at least one OOM."""
+        if self._pending or self._running or not self.events:
+            return None
+        return OomEvent(stage=self.stage, kind="recovered", count=self.oom_count)
+
+
+def _finish(
+    rec: OomRecovery[T, R], merge: Callable[[list[R]], Any] | None, on_event: Callable[[OomEvent], None] | None
+) -> Any:
+    done = rec.recovered_event()
+    if done is not None and on_event is not None:
+        on_event(done)
+    return merge(rec.results) if merge is not None else rec.results
+
+
+def run_with_oom_recovery_sync(
+    fn: Callable[[T], R],
+    batch: T,
+    *,
+    split: Callable[[T, int], Sequence[T]],
+    stage: str,
+    merge: Callable[[list[R]], Any] | None = None,
+    size: Callable[[T], int] | None = None,
+    on_event: Callable[[OomEvent], None] | None = None,
+    free_memory: Callable[[], None] = free_cached_memory,
+) -> Any:
+    """Run ``fn`` over ``batch`` on this thread, halving pieces on OOM; returns
+    ``merge(results)`` or the list of per-piece results (see the module guarantees)."""
+    rec: OomRecovery[T, R] = OomRecovery(batch, split, stage=stage, size=size)
+    while (piece := rec.next_piece()) is not None:
+        try:
+            result = fn(piece)
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            event = rec.failed(exc)
+        else:
+            rec.succeeded(result)
+            continue
+        # Only after the except block has dropped the error and its traceback (whose
+        # frames hold the failed piece's tensors) can that memory actually be freed.
+        free_memory()
+        if on_event is not None:
+            on_event(event)
+    return _finish(rec, merge, on_event)
+
+
+async def run_with_oom_recovery(
+    fn: Callable[[T], R] | Callable[[T], Awaitable[R]],
+    batch: T,
+    *,
+    split: Callable[[T, int], Sequence[T]],
+    stage: str,
+    merge: Callable[[list[R]], Any] | None = None,
+    size: Callable[[T], int] | None = None,
+    on_event: Callable[[OomEvent], None] | None = None,
+    free_memory: Callable[[], None] = free_cached_memory,
+    in_thread: bool = True,
+) -> Any:
+    """Async twin of ``run_with_oom_recovery_sync``: a coroutine function is awaited;
+    a plain one runs in a worker thread (``in_thread``) so the actor's event loop keeps
+    answering control calls while it computes."""
+    rec: OomRecovery[T, R] = OomRecovery(batch, split, stage=stage, size=size)
+    while (piece := rec.next_piece()) is not None:
+        try:
+            if inspect.iscoroutinefunction(fn) or not in_thread:
+                result = fn(piece)
+            else:
+                result = await asyncio.to_thread(fn, piece)
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            event = rec.failed(exc)
+        else:
+            rec.succeeded(result)
+            continue
+        free_memory()  # outside the except block, as in the sync driver
+        if on_event is not None:
+            on_event(event)
+    return _finish(rec, merge, on_event)

@@ -1,0 +1,188 @@
+"""Splitting micro-batches along GRPO groups, and merging the pieces back.
+
+Guarantees:
+- A split never cuts a GRPO group (``group_size`` consecutive samples of one prompt):
+  pieces are runs of whole groups, in order, as equal in group count as possible.
+- Every sample lands in exactly one piece with all of its per-sample values (ids,
+  lengths, token arrays, texts, log-probs, versions, finish reasons, rewards, reward
+  extras, reward errors, reference log-probs); columns beyond a piece's longest prompt
+  or completion are dropped, so a short piece does not pay for a long one.
+- Pieces keep the batch's ``batch_id``, ``step``, ``group_size`` and ``policy_version``
+  (the oldest version of the whole batch: still a lower bound for every piece, so the
+  staleness gate stays conservative).
+- ``merge_rollout_batches`` is the inverse: it concatenates pieces in the given order,
+  re-pads with 0 (the wire convention, see ``stages/logprobs.py``) and refuses pieces
+  of different batches or a sample seen twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from pipeline.types import PromptBatch, RolloutBatch
+
+_ROW_ARRAYS = ("prompt_lens", "completion_lens", "rewards")
+_PROMPT_COLS = ("prompt_ids",)
+_COMPLETION_COLS = ("completion_ids", "behaviour_logprobs", "token_versions", "ref_logprobs")
+
+
+class CannotSplitError(ValueError):
+    """The batch holds a single GRPO group (or prompt), which is never split."""
+
+
+def count_groups(batch: RolloutBatch | PromptBatch) -> int:
+    """GRPO groups in a batch: one per prompt."""
+    return len(batch.prompts)
+
+
+def _group_bounds(num_groups: int, parts: int, what: str) -> list[tuple[int, int]]:
+    """[start, end) group ranges of at most ``parts`` near-equal runs."""
+    if parts < 1:
+        raise ValueError(f"parts: expected >= 1, got {parts}")
+    if num_groups <= 1 and parts > 1:
+        raise CannotSplitError(f"{what} holds {num_groups} GRPO group(s); a group is never split")
+    parts = min(parts, num_groups) if num_groups else 1
+    base, extra = divmod(num_groups, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def split_prompt_batch(batch: PromptBatch, parts: int) -> list[PromptBatch]:
+    """At most ``parts`` pieces of whole prompts (each prompt is one future group)."""
+    bounds = _group_bounds(len(batch.prompts), parts, f"prompt batch {batch.batch_id}")
+    return [msgspec.structs.replace(batch, prompts=batch.prompts[a:b]) for a, b in bounds]
+
+
+def check_rollout_batch(batch: RolloutBatch) -> None:
+    """Raise ``ValueError`` naming the field whose length is not one per sample."""
+    num = batch.num_samples
+    if batch.group_size < 1 or num != len(batch.prompts) * batch.group_size:
+        raise ValueError(
+            f"batch {batch.batch_id}: {num} samples is not {len(batch.prompts)} prompts x group_size {batch.group_size}"
+        )
+    rows: dict[str, Any] = {
+        "completions": batch.completions,
+        **{f: getattr(batch, f) for f in _ROW_ARRAYS + _PROMPT_COLS + _COMPLETION_COLS},
+        **{f"reward_extras[{k!r}]": v for k, v in batch.reward_extras.items()},
+    }
+    if batch.finish_reasons:
+        rows["finish_reasons"] = batch.finish_reasons
+    for name, value in rows.items():
+        if value is not None and len(value) != num:
+            raise ValueError(f"batch {batch.batch_id}: {name} has {len(value)} rows, expected {num}")
+
+
+def _owner(error: str, ids: set[str]) -> str | None:
+    """The sample id an error "sample_id: message" belongs to (ids may contain ':')."""
+    at = error.find(":")
+    while at != -1:
+        if error[:at] in ids:
+            return error[:at]
+        at = error.find(":", at + 1)
+    return None
+
+
+def _take(arr: np.ndarray | None, rows: slice, width: int | None = None) -> np.ndarray | None:
+    if arr is None:
+        return None
+    piece = arr[rows] if width is None else arr[rows, :width]
+    # A contiguous copy: independent of the parent batch, and shareable out of band by
+    # Ray's object store (a strided view would be copied through pickle instead).
+    return np.ascontiguousarray(piece)
+
+
+def split_rollout_batch(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
+    """At most ``parts`` pieces of whole GRPO groups (fewer when there are fewer
+    groups); raises ``CannotSplitError`` for a single group and ``parts > 1``."""
+    check_rollout_batch(batch)
+    bounds = _group_bounds(len(batch.prompts), parts, f"micro-batch {batch.batch_id}")
+    if len(bounds) == 1:
+        return [batch]
+    g = batch.group_size
+    owners = {e: _owner(e, set(batch.sample_ids)) for e in batch.reward_errors}
+    pieces = []
+    for index, (a, b) in enumerate(bounds):
+        rows = slice(a * g, b * g)
+        ids = batch.sample_ids[rows]
+        plen = int(batch.prompt_lens[rows].max(initial=0))
+        clen = int(batch.completion_lens[rows].max(initial=0))
+        id_set = set(ids)
+        fields: dict[str, Any] = {
+            "prompts": batch.prompts[a:b],
+            "sample_ids": ids,
+            "completions": batch.completions[rows],
+            "finish_reasons": batch.finish_reasons[rows],
+            "reward_extras": {k: v[rows] for k, v in batch.reward_extras.items()},
+            # An error naming no sample of the batch stays with the first piece: kept once.
+            "reward_errors": [
+                e for e, who in owners.items() if who in id_set or (who is None and index == 0)
+            ],
+        }
+        fields.update({f: _take(getattr(batch, f), rows) for f in _ROW_ARRAYS})
+        fields.update({f: _take(getattr(batch, f), rows, plen) for f in _PROMPT_COLS})
+        fields.update({f: _take(getattr(batch, f), rows, clen) for f in _COMPLETION_COLS})
+        pieces.append(msgspec.structs.replace(batch, **fields))
+    return pieces
+
+
+def _pad_cat(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    width = max(a.shape[1] for a in arrays)
+    return np.concatenate([np.pad(a, ((0, 0), (0, width - a.shape[1]))) for a in arrays])
+
+
+def _merge_optional(name: str, values: list[np.ndarray | None], pad: bool) -> np.ndarray | None:
+    present = [v is not None for v in values]
+    if not any(present):
+        return None
+    if not all(present):
+        raise ValueError(f"merge: some pieces have {name} and some do not")
+    arrays = [v for v in values if v is not None]
+    return _pad_cat(arrays) if pad else np.concatenate(arrays)
+
+
+def merge_rollout_batches(parts: Sequence[RolloutBatch]) -> RolloutBatch:
+    """Concatenate pieces of one micro-batch, in order (see the module guarantees)."""
+    if not parts:
+        raise ValueError("merge: no pieces")
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    for p in parts:
+        if (p.batch_id, p.step, p.group_size) != (first.batch_id, first.step, first.group_size):
+            raise ValueError(
+                f"merge: piece of batch {p.batch_id} (step {p.step}, group_size {p.group_size}) does not "
+                f"belong with batch {first.batch_id} (step {first.step}, group_size {first.group_size})"
+            )
+        check_rollout_batch(p)
+    ids = [s for p in parts for s in p.sample_ids]
+    if len(set(ids)) != len(ids):
+        twice = sorted({s for s in ids if ids.count(s) > 1})
+        raise ValueError(f"merge: batch {first.batch_id}: samples present twice: {twice[:5]}")
+    keys = set(first.reward_extras)
+    if any(set(p.reward_extras) != keys for p in parts):
+        raise ValueError(f"merge: batch {first.batch_id}: pieces disagree on reward_extras keys")
+    finish = [r for p in parts for r in p.finish_reasons]
+    if finish and len(finish) != len(ids):
+        raise ValueError(f"merge: batch {first.batch_id}: some pieces lack finish_reasons")
+    fields: dict[str, Any] = {
+        "prompts": [q for p in parts for q in p.prompts],
+        "sample_ids": ids,
+        "completions": [c for p in parts for c in p.completions],
+        "finish_reasons": finish,
+        "reward_errors": [e for p in parts for e in p.reward_errors],
+        "reward_extras": {k: [x for p in parts for x in p.reward_extras[k]] for k in first.reward_extras},
+        "policy_version": min(p.policy_version for p in parts),
+    }
+    for name in _ROW_ARRAYS:
+        fields[name] = _merge_optional(name, [getattr(p, name) for p in parts], pad=False)
+    for name in _PROMPT_COLS + _COMPLETION_COLS:
+        fields[name] = _merge_optional(name, [getattr(p, name) for p in parts], pad=True)
+    return msgspec.structs.replace(first, **fields)

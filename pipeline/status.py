@@ -1,0 +1,69 @@
+"""Terminal views for ``conveyor status``: the static plan of a config, or a live run.
+
+Both render rich tables; the queue table has the same columns as the README's
+(queue, producer, consumer, bound).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+
+from pipeline.config import ConveyorConfig
+from pipeline.dataflow import DataFlow
+
+
+def render_plan(cfg: ConveyorConfig, df: DataFlow) -> Group:
+    desc = df.describe()
+    stages = Table(title=f"stages ({'async' if cfg.dataflow.async_execution else 'sync'} mode, "
+                   f"max_staleness {cfg.dataflow.max_staleness})")
+    for col in ("stage", "class", "input", "replicas", "concurrency"):
+        stages.add_column(col)
+    for s in desc["stages"]:
+        stages.add_row(s["name"], s["class"], s["input_from"] or "-", str(s["replicas"]), str(s["concurrency"]))
+    queues = Table(title="queues (micro-batches)")
+    for col in ("queue", "producer", "consumer", "bound"):
+        queues.add_column(col)
+    for q in desc["queues"]:
+        queues.add_row(q["queue"], q["producer"], q["consumer"], str(q["bound"]))
+    place = Table(title="placement (Ray resources per actor)")
+    for col in ("stage", "num_cpus", "num_gpus"):
+        place.add_column(col)
+    for s in desc["stages"]:
+        place.add_row(s["name"], f"{s['num_cpus']:g}", f"{s['num_gpus']:g}")
+    return Group(stages, queues, place)
+
+
+def render_live(status: dict[str, Any]) -> Group:
+    last = status.get("last_step") or {}
+    head = Table(title=f"run {status['run']}: live, {status['elapsed_s']:.0f}s")
+    for col in ("step", "trainer version", "reward", "staleness mean/max", "tokens/s", "samples in flight"):
+        head.add_column(col)
+    head.add_row(
+        f"{last.get('step', -1) + 1}/{status['steps_target']}",
+        str(status["trainer_version"]),
+        f"{last.get('reward/mean', float('nan')):.3f}",
+        f"{last.get('staleness/mean', 0):.2f}/{last.get('staleness/max', 0)}",
+        f"{last.get('throughput/tokens_per_s', 0):.0f}",
+        str(status["ledger"]["in_flight"]),
+    )
+    stages = Table(title="stages")
+    for col in ("stage", "state", "busy ratio", "memory used / budget (MiB)"):
+        stages.add_column(col)
+    for name, st in sorted(status.get("stages", {}).items()):
+        used, budget = st.get("memory_used_bytes"), st.get("memory_budget_bytes")
+        mem = f"{used / 2**20:.0f} / {budget / 2**20:.0f}" if used and budget else "-"
+        stages.add_row(name, str(st.get("state", "-")), f"{last.get(f'{name}/busy_ratio', 0):.2f}", mem)
+    workers = Table(title="rollout workers")
+    for col in ("worker", "serves version", "fingerprint ok"):
+        workers.add_column(col)
+    for w, s in sorted(status.get("served", {}).items()):
+        workers.add_row(w, str(s["version"]), "yes" if s["ok"] else "NO")
+    queues = Table(title="queues")
+    for col in ("queue", "depth", "bound", "put wait s", "get wait s"):
+        queues.add_column(col)
+    for name, q in status.get("queues", {}).items():
+        queues.add_row(name, str(q["depth"]), str(q["bound"]), f"{q['put_wait_s']:.1f}", f"{q['get_wait_s']:.1f}")
+    return Group(head, stages, workers, queues)

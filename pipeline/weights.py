@@ -1,0 +1,137 @@
+"""Weight transport: trainer state dict -> bytes -> rollout engine, and proof of arrival.
+
+Guarantees:
+- ``serialize_weights`` produces safetensors bytes (no pickle: loading never runs code)
+  of CPU, contiguous copies of the tensors; ``deserialize_weights`` is its exact inverse
+  (names, dtypes, shapes and values round-trip bit for bit; the order of names is
+  safetensors' own, by dtype then name).
+- Tied parameters travel once. Names whose tensor is the very same view as an earlier
+  name's (same storage, offset, shape, stride and dtype, as ``lm_head.weight`` and
+  ``model.embed_tokens.weight`` are in a checkpoint with tied embeddings) are dropped;
+  the first name in state-dict order is kept. Distinct views of one storage (the flat
+  buffers of ZeRO optimizers) are copied apart, never dropped.
+- ``compute_fingerprint`` is (sum, sum of squares) of every element in float64. Both are
+  invariant to any reshaping, permutation, splitting or concatenation of the tensors,
+  so an engine that fuses q/k/v into ``qkv_proj`` or gate/up into ``gate_up_proj``
+  still reports the trainer's numbers; zero padding (vLLM pads the vocabulary rows of
+  embeddings and ``lm_head`` with zeros) adds nothing to either. The counting rule is
+  therefore: every parameter once, tied parameters once, buffers never.
+- ``fingerprints_match`` compares with a relative tolerance; it fails on any change of
+  weights larger than rounding, and a mismatch is reported as ``WeightSyncError``.
+
+This module is plumbing: it knows tensors, not models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping
+
+import safetensors.torch
+import torch
+
+Fingerprint = tuple[float, float]
+
+# Elements per float64 chunk in ``compute_fingerprint``: bounds the temporary memory to
+# 128 MiB whatever the size of one parameter (an embedding can hold billions).
+_CHUNK = 1 << 24
+
+
+class WeightSyncError(RuntimeError):
+    """Weights a rollout worker serves are not the weights the trainer published."""
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    """Identity of a view: two names with equal keys are the same tensor (tied)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def drop_tied_duplicates(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep the first name of every distinct tensor view; see the module's tying rule."""
+    seen: set[tuple] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        key = _view_key(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor
+    return out
+
+
+def serialize_weights(state_dict: Mapping[str, torch.Tensor]) -> bytes:
+    """State dict -> safetensors bytes of contiguous CPU tensors, tied names dropped."""
+    unique = drop_tied_duplicates(state_dict)
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[tuple] = set()
+    for name, tensor in unique.items():
+        t = tensor.detach().to("cpu").contiguous()
+        storage = (t.untyped_storage().data_ptr(), t.device)
+        # safetensors refuses tensors that share memory; views of one flat buffer are
+        # distinct parameters, so they are copied apart rather than dropped.
+        if storage in storages or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        storages.add((t.untyped_storage().data_ptr(), t.device))
+        tensors[name] = t
+    return safetensors.torch.save(tensors)
+
+
+def deserialize_weights(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Safetensors bytes -> name -> CPU tensor (inverse of ``serialize_weights``)."""
+    return safetensors.torch.load(bytes(data))
+
+
+def compute_sha256(data: bytes | bytearray | memoryview) -> str:
+    """Hex sha256 of the payload; guards the transport, not the engine's copy."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def compute_fingerprint(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None) -> Fingerprint:
+    """(sum, sum of squares) over all elements of all tensors, accumulated in float64.
+
+    ``dtype``: round every tensor to this dtype first. A worker whose engine serves
+    bfloat16 weights from a float32 payload passes ``torch.bfloat16`` to predict the
+    fingerprint of what its engine should now hold.
+    """
+    total = 0.0
+    total_sq = 0.0
+    with torch.no_grad():
+        for tensor in tensors:
+            flat = tensor.detach().reshape(-1)
+            for start in range(0, flat.numel(), _CHUNK):
+                chunk = flat[start : start + _CHUNK]
+                if dtype is not None:
+                    chunk = chunk.to(dtype)
+                chunk = chunk.to(torch.float64)
+                total += float(chunk.sum())
+                total_sq += float(chunk.square().sum())
+    return (total, total_sq)
+
+
+def fingerprints_match(a: Fingerprint, b: Fingerprint, rtol: float = 1e-6) -> bool:
+    """True when both sums agree to ``rtol``.
+
+    The sum of zero-mean weights can be near 0 while each term is not, so its tolerance
+    is scaled by the root of the sum of squares (an upper bound on the size of the
+    rounding errors of a sum of that many terms, up to the element count's root).
+    """
+    (s_a, q_a), (s_b, q_b) = a, b
+    if not all(math.isfinite(x) for x in (s_a, q_a, s_b, q_b)):
+        return False
+    scale = math.sqrt(max(q_a, q_b))
+    return math.isclose(q_a, q_b, rel_tol=rtol, abs_tol=0.0) and math.isclose(
+        s_a, s_b, rel_tol=rtol, abs_tol=rtol * scale
+    )
+
+
+def verify_fingerprint(expected: Fingerprint, live: Fingerprint, *, version: int, rtol: float = 1e-6) -> None:
+    """Raise ``WeightSyncError`` unless the live weights are the expected ones."""
+    if not fingerprints_match(expected, live, rtol):
+        raise WeightSyncError(
+            f"weights of version {version} did not arrive intact: the engine's live "
+            f"parameters have fingerprint (sum={live[0]:.9g}, sumsq={live[1]:.9g}) but the "
+            f"payload has (sum={expected[0]:.9g}, sumsq={expected[1]:.9g}) "
+            f"(relative tolerance {rtol:g}); a parameter was not loaded, was loaded into "
+            f"the wrong place, or the engine serves another dtype than the fingerprint assumes"
+        )

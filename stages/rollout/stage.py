@@ -1,0 +1,193 @@
+"""The rollout stage: the Ray actor shell around a generation backend (vLLM by default).
+
+Guarantees:
+- a micro-batch of prompts becomes one ``RolloutBatch`` holding every prompt's ``n``
+  samples consecutively (GRPO groups stay whole), with behaviour log-probs and the
+  policy version of every token;
+- up to ``rollout.max_inflight`` micro-batches generate at once inside the engine
+  (continuous batching) and each is emitted as soon as its sequences finish;
+- weights are applied as soon as the trainer publishes them, by a watcher task, while
+  generation goes on (in-flight update: tokens sampled afterwards carry the new version);
+  the payload's sha256 is checked before applying and the engine's live fingerprint
+  after; a mismatch stops the run when ``train.weight_sync_monitor`` is on;
+- generation for step k waits until this worker serves the newest version the trainer
+  will have published by step ``k - max_staleness`` (see ``required_serving_version``),
+  so samples are not produced only to be dropped as stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+
+from pipeline.types import PromptBatch, RolloutBatch
+from pipeline.versions import required_version
+from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
+from stages.rollout.base import GenerationResult
+
+
+def required_serving_version(step: int, max_staleness: int, sync_interval: int) -> int:
+    """The version a worker must serve before generating for ``step``: the last version
+    published (a multiple of ``sync_interval``) at or before ``step - max_staleness``."""
+    need = required_version(step, max_staleness)
+    return (need // sync_interval) * sync_interval
+
+
+def pad_rows(rows: list[list[Any]], dtype: Any, fill: Any = 0) -> np.ndarray:
+    """Right-pad ragged rows into a [len(rows), max_len] array (max_len >= 1)."""
+    width = max((len(r) for r in rows), default=0) or 1
+    out = np.full((len(rows), width), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def build_rollout_batch(pb: PromptBatch, results: list[GenerationResult], n: int, pad_id: int) -> RolloutBatch:
+    """Assemble the wire batch: sample ``i*n + j`` is completion j of prompt i."""
+    if len(results) != len(pb.prompts):
+        raise ValueError(f"batch {pb.batch_id}: {len(results)} generation results for {len(pb.prompts)} prompts")
+    prompt_rows, comp_rows, lp_rows, ver_rows = [], [], [], []
+    sample_ids, texts, reasons = [], [], []
+    for prompt, res in zip(pb.prompts, results, strict=True):
+        if len(res.completions) != n:
+            raise ValueError(f"prompt {prompt.prompt_id}: {len(res.completions)} completions, expected n={n}")
+        for j, c in enumerate(res.completions):
+            prompt_rows.append(res.prompt_token_ids)
+            comp_rows.append(c.token_ids)
+            lp_rows.append(c.logprobs)
+            ver_rows.append(c.token_versions)
+            sample_ids.append(f"{prompt.prompt_id}/{j}")
+            texts.append(c.text)
+            reasons.append(c.finish_reason)
+    versions = [v for row in ver_rows for v in row]
+    return RolloutBatch(
+        batch_id=pb.batch_id,
+        step=pb.step,
+        prompts=pb.prompts,
+        group_size=n,
+        sample_ids=sample_ids,
+        prompt_ids=pad_rows(prompt_rows, np.int32, pad_id),
+        prompt_lens=np.array([len(r) for r in prompt_rows], dtype=np.int32),
+        completion_ids=pad_rows(comp_rows, np.int32, pad_id),
+        completion_lens=np.array([len(r) for r in comp_rows], dtype=np.int32),
+        completions=texts,
+        behaviour_logprobs=pad_rows(lp_rows, np.float32, 0.0),
+        token_versions=pad_rows(ver_rows, np.int32, -1),
+        policy_version=min(versions) if versions else 0,
+        finish_reasons=reasons,
+    )
+
+
+class RolloutStage:
+    def __init__(self) -> None:
+        self.generated_samples = 0
+        self.generated_tokens = 0
+        self.applied: list[dict[str, Any]] = []
+        self._watch_error: BaseException | None = None
+
+    async def setup(self, ctx: Any) -> None:
+        from transformers import AutoTokenizer
+
+        from stages.rollout import build_backend, build_sampling_settings
+        from stages.tiny import resolve_model_path
+
+        self.ctx = ctx
+        cfg = ctx.config
+        self.cfg = cfg
+        model_path = resolve_model_path(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+        self.backend = build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
+        await self.backend.start()
+        self.sampling = build_sampling_settings(cfg.rollout, None)
+        self._version_changed = asyncio.Condition()
+        self._watcher = asyncio.create_task(self._watch_weights())
+
+    # ------------------------------------------------------------------ weights
+    async def _watch_weights(self) -> None:
+        try:
+            while True:
+                update, payload = await self.ctx.controller.wait_for_update.remote(self.backend.version, None)
+                if update is None:
+                    return  # the run is stopping
+                await self._apply(update, payload[0])
+        except BaseException as exc:  # surfaced by the next process() call
+            self._watch_error = exc
+            async with self._version_changed:
+                self._version_changed.notify_all()
+            raise
+
+    async def _apply(self, update: Any, payload_ref: Any) -> None:
+        t0 = time.time()
+        with self.ctx.spans.span("sync"):
+            data = await payload_ref
+            sha = compute_sha256(data)
+            if sha != update.sha256:
+                raise WeightSyncError(
+                    f"{self.ctx.worker_id}: weights v{update.version} arrived corrupt "
+                    f"(sha256 {sha[:12]} != published {update.sha256[:12]})"
+                )
+            fingerprint = await self.backend.update_weights(data, update.version)
+        ok = fingerprints_match(fingerprint, update.fingerprint)
+        seconds = time.time() - t0
+        await self.ctx.controller.confirm.remote(self.ctx.worker_id, update.version, fingerprint, ok, seconds)
+        self.applied.append({"version": update.version, "apply_s": seconds, "ok": ok})
+        self.ctx.log.info("weights_applied", policy_version=update.version, seconds=round(seconds, 3), fingerprint_ok=ok)
+        if not ok and self.cfg.train.weight_sync_monitor:
+            raise WeightSyncError(
+                f"{self.ctx.worker_id}: live weights after v{update.version} do not match the trainer's "
+                f"(fingerprint {fingerprint} != {tuple(update.fingerprint)})"
+            )
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
+    async def _wait_for_version(self, need: int, batch_id: int) -> None:
+        if self.backend.version >= need and self._watch_error is None:
+            return
+        timeout = self.cfg.train.weight_sync_timeout_s
+        t0 = time.time()
+        with self.ctx.spans.span("wait_input", batch_id):
+            async with self._version_changed:
+                try:
+                    await asyncio.wait_for(
+                        self._version_changed.wait_for(
+                            lambda: self.backend.version >= need or self._watch_error is not None),
+                        timeout,
+                    )
+                except TimeoutError:
+                    raise WeightSyncError(
+                        f"{self.ctx.worker_id}: waited {time.time() - t0:.0f}s (train.weight_sync_timeout_s) for "
+                        f"policy version {need} to generate batch {batch_id}; still serving "
+                        f"v{self.backend.version}"
+                    ) from None
+        if self._watch_error is not None:
+            raise self._watch_error
+
+    # ------------------------------------------------------------------ generation
+    async def process(self, pb: PromptBatch) -> RolloutBatch:
+        if self._watch_error is not None:
+            raise self._watch_error
+        df, tr = self.cfg.dataflow, self.cfg.train
+        await self._wait_for_version(required_serving_version(pb.step, df.max_staleness, tr.sync_interval), pb.batch_id)
+        prompt_ids = [self.tokenizer(p.text, add_special_tokens=True)["input_ids"] for p in pb.prompts]
+        results = await self.backend.generate(prompt_ids, self.sampling)
+        batch = build_rollout_batch(pb, results, self.sampling.n, self.pad_id)
+        self.generated_samples += batch.num_samples
+        self.generated_tokens += batch.completion_tokens
+        await self.ctx.controller.record_generated.remote(batch.num_samples)
+        return batch
+
+    def status(self) -> dict[str, Any]:
+        return {"state": "generating", "policy_version": self.backend.version,
+                "samples": self.generated_samples, "tokens": self.generated_tokens}
+
+    def result(self) -> dict[str, Any]:
+        return {**self.status(), "weight_updates": self.applied}
+
+    async def shutdown(self) -> None:
+        self._watcher.cancel()
+        await self.backend.shutdown()

@@ -1,0 +1,58 @@
+"""Staleness rules and the prompt ledger."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.versions import Ledger, is_too_stale, may_generate
+from stages.rollout.stage import required_serving_version
+
+
+def test_staleness_gate():
+    # trainer at v5: a batch from v4 is 1 step stale, from v3 is 2.
+    assert not is_too_stale(5, 4, max_staleness=1)
+    assert is_too_stale(5, 3, max_staleness=1)
+    assert not is_too_stale(5, 5, max_staleness=0)
+    assert is_too_stale(5, 4, max_staleness=0)
+
+
+def test_generation_gate():
+    assert may_generate(step=3, served_version=2, max_staleness=1)
+    assert not may_generate(step=3, served_version=1, max_staleness=1)
+
+
+@pytest.mark.parametrize(
+    ("step", "eta", "interval", "need"),
+    [
+        (0, 0, 1, 0),  # the first step runs on the initial weights
+        (5, 0, 1, 5),  # on-policy: wait for the previous step's weights
+        (5, 2, 1, 3),
+        (5, 1, 2, 4),  # versions are only published at multiples of 2: 4 is the last <= 5-1
+        (3, 1, 2, 2),
+    ],
+)
+def test_required_serving_version(step, eta, interval, need):
+    assert required_serving_version(step, eta, interval) == need
+
+
+def test_ledger_reconciles_and_replaces_drops():
+    led = Ledger(target=8, prompts_per_step=4)
+    assert led.admit(4) == (4, 0)
+    assert led.admit(4) == (4, 1)
+    assert led.admit(4) == (0, 2)  # target covered by what is in flight
+    led.record_dropped(4, "stale")
+    assert led.admit(4) == (4, 1)  # the drop reopened room; the replacement goes to step 1
+    led.record_trained(4)
+    assert not led.finished
+    led.record_trained(4)
+    assert led.finished
+    s = led.summary()
+    assert s == {"admitted": 12, "trained": 8, "dropped": {"stale": 4}, "dropped_total": 4,
+                 "in_flight": 0, "reconciles": True}
+
+
+def test_ledger_refuses_more_than_in_flight():
+    led = Ledger(target=4, prompts_per_step=4)
+    led.admit(2)
+    with pytest.raises(ValueError, match="only 2 in flight"):
+        led.record_trained(3)
