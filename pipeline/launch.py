@@ -88,7 +88,7 @@ class Reporter:
         self.steps: list[dict[str, Any]] = []
         self.syncs: list[dict[str, Any]] = []
         self.last_drain: dict[str, Any] = {}
-        self._last_step_end = time.time()
+        self._last_step_end: float | None = None  # the first window opens at the first span
         self._progress = _Progress(cfg.run.steps) if cfg.run.progress else None
         self.started = time.time()
 
@@ -99,8 +99,11 @@ class Reporter:
         new_spans = await graph.collect_spans()
         del new_spans  # kept on the graph; aggregated per step window below
         queues = await graph.queue_stats() if drain["steps"] else {}
+        if self._last_step_end is None and graph.spans:
+            self._last_step_end = min(s.start for s in graph.spans)
         for step in drain["steps"]:
             end = step.get("time", time.time())
+            self._last_step_end = self._last_step_end or end
             agg = aggregate_spans([s for s in graph.spans if s.end >= self._last_step_end], (self._last_step_end, end))
             metrics = dict(step)
             metrics.update(compute_stage_metrics(agg))
@@ -109,7 +112,8 @@ class Reporter:
                 metrics[f"queue/{name}/mean_depth"] = q["mean_depth"]
             metrics["samples/in_flight"] = drain["ledger"]["in_flight"] * self.cfg.rollout.n
             self._last_step_end = end
-            self.writer.log(int(step["step"]), {k: v for k, v in metrics.items() if _is_number(v)})
+            self.writer.log(int(step["step"]), {k: v for k, v in metrics.items()
+                                                if _is_number(v) and k not in ("step", "time")})
             self.steps.append(metrics)
             if self._progress:
                 self._progress.update(metrics)

@@ -223,6 +223,8 @@ async def _run_streaming(graph: Graph, on_tick: Callable[[Graph], Any] | None, t
         outs = [graph.queues[f"{name}->{c}"] for c in df.consumers(name)]
         for r, actor in enumerate(reps):
             fut = asyncio.wrap_future(actor.run.remote(inp, outs).future())
+            # Killed actors fail their futures after a stop; mark them read, not "never retrieved".
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             running[fut] = (name, r)
     reports: dict[str, list[dict[str, Any]]] = {n: [{}] * len(reps) for n, reps in graph.actors.items()}
     pending = set(running)

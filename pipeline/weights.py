@@ -16,6 +16,10 @@ Guarantees:
   still reports the trainer's numbers; zero padding (vLLM pads the vocabulary rows of
   embeddings and ``lm_head`` with zeros) adds nothing to either. The counting rule is
   therefore: every parameter once, tied parameters once, buffers never.
+- ``read_payload_shapes`` / ``read_checkpoint_shapes`` read names and shapes from
+  safetensors headers alone (no tensor data is touched), so a receiver can refuse a
+  payload that does not fit its model (``check_payload_fits``) before it loads anything:
+  an engine that loads a misshaped tensor part-way can be left unusable.
 - ``fingerprints_match`` compares with a relative tolerance; it fails on any change of
   weights larger than rounding, and a mismatch is reported as ``WeightSyncError``.
 
@@ -25,8 +29,11 @@ This module is plumbing: it knows tensors, not models.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import struct
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import safetensors.torch
 import torch
@@ -80,6 +87,45 @@ def serialize_weights(state_dict: Mapping[str, torch.Tensor]) -> bytes:
 def deserialize_weights(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     """Safetensors bytes -> name -> CPU tensor (inverse of ``serialize_weights``)."""
     return safetensors.torch.load(bytes(data))
+
+
+def read_payload_shapes(data: bytes | bytearray | memoryview) -> dict[str, tuple[int, ...]]:
+    """Name -> shape from a safetensors header (8-byte little-endian length, JSON)."""
+    view = memoryview(data)
+    if len(view) < 8:
+        raise WeightSyncError(f"weight payload of {len(view)} bytes is too short to be safetensors")
+    (size,) = struct.unpack("<Q", view[:8])
+    if size > len(view) - 8:
+        raise WeightSyncError(f"weight payload header claims {size} bytes, only {len(view) - 8} follow")
+    try:
+        header = json.loads(bytes(view[8 : 8 + size]))
+    except ValueError as exc:
+        raise WeightSyncError(f"weight payload header is not valid JSON ({exc})") from None
+    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+
+
+def read_checkpoint_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a checkpoint directory's ``*.safetensors`` files."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            shapes.update(read_payload_shapes(struct.pack("<Q", size) + f.read(size)))
+    return shapes
+
+
+def check_payload_fits(payload: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise ``WeightSyncError`` if the payload names a tensor ``expected`` lacks or gives
+    one another shape. Names ``expected`` has and the payload lacks are allowed here (a
+    tied alias, a buffer); the fingerprint check after loading catches a real omission."""
+    unknown = sorted(set(payload) - set(expected))
+    misshaped = sorted(f"{n} {payload[n]} != {expected[n]}" for n in payload if n in expected and payload[n] != expected[n])
+    if unknown or misshaped:
+        raise WeightSyncError(
+            f"weight payload does not fit the served model: unknown names {unknown[:5]}"
+            f"{' ...' if len(unknown) > 5 else ''}, wrong shapes {misshaped[:5]}"
+            f"{' ...' if len(misshaped) > 5 else ''}; nothing was loaded"
+        )
 
 
 def compute_sha256(data: bytes | bytearray | memoryview) -> str:

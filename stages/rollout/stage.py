@@ -105,6 +105,7 @@ class RolloutStage:
         await self.backend.start()
         self.sampling = build_sampling_settings(cfg.rollout, None)
         self._version_changed = asyncio.Condition()
+        self._applying = asyncio.Lock()  # shutdown waits for an update in progress
         self._watcher = asyncio.create_task(self._watch_weights())
 
     # ------------------------------------------------------------------ weights
@@ -122,6 +123,10 @@ class RolloutStage:
             raise
 
     async def _apply(self, update: Any, payload_ref: Any) -> None:
+        async with self._applying:
+            await self._apply_locked(update, payload_ref)
+
+    async def _apply_locked(self, update: Any, payload_ref: Any) -> None:
         t0 = time.time()
         with self.ctx.spans.span("sync"):
             data = await payload_ref
@@ -189,5 +194,6 @@ class RolloutStage:
         return {**self.status(), "weight_updates": self.applied}
 
     async def shutdown(self) -> None:
-        self._watcher.cancel()
+        async with self._applying:  # never cancel an update half-applied inside the engine
+            self._watcher.cancel()
         await self.backend.shutdown()

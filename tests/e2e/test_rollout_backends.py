@@ -1,0 +1,213 @@
+"""Rollout backends on the tiny checkpoint: real vLLM (CPU) and transformers.
+
+One backend of each kind serves the whole module (vLLM's engine takes ~20 s to start),
+driven from one event loop, as the rollout actor drives it. Every test that depends on
+the weights first pushes its own payload, so none depends on the order the others ran
+in. Log-probs are checked against an independent transformers forward pass over the
+sampled tokens with the weights the test pushed: that proves at once that the payload
+reached the engine's live model and that the behaviour log-probs are the ones the
+trainer's importance ratio needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from pipeline.config import RolloutConfig, TinyModelConfig
+from pipeline.weights import WeightSyncError, compute_fingerprint, fingerprints_match, serialize_weights
+from stages.rollout import build_backend
+from stages.rollout.base import GenerationResult, SamplingSettings
+from stages.tiny import ensure_tiny_checkpoint
+
+PROMPTS = [[1, 5, 6, 7], [1, 20, 21], [1, 40, 41, 42, 43, 44], [1, 66]]
+# float32 on both sides: measured max |diff| ~6e-7; 1e-4 leaves room for other CPUs.
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return ensure_tiny_checkpoint(TinyModelConfig(), tmp_path_factory.mktemp("rollout-models"))
+
+
+@pytest.fixture(scope="module", params=["vllm", "hf"])
+def backend(request, loop, checkpoint):
+    cfg = RolloutConfig(backend=request.param, kv_cache_gib=0.25, seed=0)
+    backend = build_backend(request.param, checkpoint, cfg, "float32")
+    loop.run_until_complete(backend.start())
+    yield backend
+    loop.run_until_complete(backend.shutdown())
+
+
+def perturbed_weights(checkpoint, seed: int, scale: float) -> dict[str, torch.Tensor]:
+    """The checkpoint plus Gaussian noise (the tiny model's init std is 0.02)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in load_file(checkpoint / "model.safetensors").items()}
+
+
+def reference_model(checkpoint, state_dict: dict[str, torch.Tensor]):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model.load_state_dict(state_dict)
+    return model
+
+
+def recompute_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """log p(tokens[t] | prompt, tokens[:t]) at temperature 1, by one forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].double()
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
+    return torch.log_softmax(logits, dim=-1)[positions, torch.tensor(tokens)].tolist()
+
+
+def push(loop, backend, state_dict: dict[str, torch.Tensor]) -> tuple[tuple[float, float], int]:
+    version = backend.version + 1
+    fingerprint = loop.run_until_complete(backend.update_weights(serialize_weights(state_dict), version))
+    return fingerprint, version
+
+
+def check_shapes(results: list[GenerationResult], sampling: SamplingSettings, versions: set[int]) -> None:
+    assert [r.prompt_token_ids for r in results] == PROMPTS
+    for result in results:
+        assert len(result.completions) == sampling.n
+        for c in result.completions:
+            assert 1 <= len(c.token_ids) <= sampling.max_tokens
+            assert len(c.logprobs) == len(c.token_ids) == len(c.token_versions)
+            assert all(math.isfinite(lp) and lp <= 0.0 for lp in c.logprobs)
+            assert set(c.token_versions) <= versions
+            assert c.finish_reason in ("stop", "length")
+            # "stop" ends with the tiny vocabulary's <eos> (id 2), included in the tokens.
+            ends_with_eos = c.token_ids[-1] == 2
+            assert (c.finish_reason == "stop") == ends_with_eos
+            assert c.finish_reason == "stop" or len(c.token_ids) == sampling.max_tokens
+
+
+def test_concurrent_calls_return_n_samples_with_behaviour_logprobs(loop, backend, checkpoint) -> None:
+    state = perturbed_weights(checkpoint, seed=1, scale=0.01)
+    _, version = push(loop, backend, state)
+    sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=12, seed=7)
+
+    async def run_concurrently():
+        return await asyncio.gather(*[backend.generate(PROMPTS, sampling) for _ in range(3)])
+
+    calls = loop.run_until_complete(run_concurrently())
+    model = reference_model(checkpoint, state)
+    for results in calls:
+        check_shapes(results, sampling, {version})
+        for prompt, result in zip(PROMPTS, results, strict=True):
+            for c in result.completions:
+                expected = recompute_logprobs(model, prompt, c.token_ids)
+                assert max(abs(a - b) for a, b in zip(c.logprobs, expected, strict=True)) < LOGPROB_ATOL
+    # Samples of one prompt differ (each has its own seed), so the group is not degenerate.
+    assert len({tuple(c.token_ids) for c in calls[0][0].completions}) > 1
+
+
+def test_logprobs_are_those_of_the_processed_distribution(loop, backend) -> None:
+    # top_k=1 leaves one token with probability 1: its processed log-prob is exactly 0,
+    # whereas the raw log-prob of a near-uniform 89-token model is about -4.5.
+    sampling = SamplingSettings(n=2, temperature=1.0, top_k=1, max_tokens=6)
+    results = loop.run_until_complete(backend.generate(PROMPTS, sampling))
+    check_shapes(results, sampling, {backend.version})
+    assert all(abs(lp) < 1e-6 for r in results for c in r.completions for lp in c.logprobs)
+    greedy = loop.run_until_complete(backend.generate(PROMPTS, SamplingSettings(n=1, temperature=0.0, max_tokens=6)))
+    assert [r.completions[0].token_ids for r in results] == [g.completions[0].token_ids for g in greedy]
+
+
+def test_update_weights_is_verified_and_changes_greedy_output(loop, backend, checkpoint) -> None:
+    greedy = SamplingSettings(n=1, temperature=0.0, max_tokens=16)
+    before_state = perturbed_weights(checkpoint, seed=2, scale=0.0)
+    push(loop, backend, before_state)
+    before = loop.run_until_complete(backend.generate(PROMPTS, greedy))
+
+    after_state = perturbed_weights(checkpoint, seed=3, scale=0.05)
+    fingerprint, version = push(loop, backend, after_state)
+    assert backend.version == version
+    assert fingerprints_match(fingerprint, compute_fingerprint(after_state.values()))
+    assert not fingerprints_match(fingerprint, compute_fingerprint(before_state.values()))
+    assert fingerprints_match(loop.run_until_complete(backend.live_fingerprint()), fingerprint)
+
+    after = loop.run_until_complete(backend.generate(PROMPTS, greedy))
+    check_shapes(after, greedy, {version})
+    assert [r.completions[0].token_ids for r in after] != [r.completions[0].token_ids for r in before]
+    with pytest.raises(ValueError, match="older"):
+        loop.run_until_complete(backend.update_weights(serialize_weights(after_state), version - 1))
+
+
+def test_update_in_flight_tags_every_token_with_the_weights_that_sampled_it(loop, backend, checkpoint) -> None:
+    old_state = perturbed_weights(checkpoint, seed=4, scale=0.01)
+    new_state = perturbed_weights(checkpoint, seed=5, scale=0.01)
+    _, old = push(loop, backend, old_state)
+    long = SamplingSettings(n=8, temperature=1.0, max_tokens=120, seed=11)
+
+    async def update_mid_generation():
+        start = backend.tokens_generated
+        task = asyncio.ensure_future(backend.generate(PROMPTS, long))
+        # Update as soon as the first tokens of the long requests have arrived (vLLM), or
+        # after the whole call (HF: it applies updates between calls only).
+        while backend.tokens_generated == start:
+            await asyncio.sleep(0.001)
+        await backend.update_weights(serialize_weights(new_state), old + 1)
+        return await task
+
+    results = loop.run_until_complete(update_mid_generation())
+    new = old + 1
+    check_shapes(results, long, {old, new})
+    old_model, new_model = reference_model(checkpoint, old_state), reference_model(checkpoint, new_state)
+    switched = 0
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        for c in result.completions:
+            assert c.token_versions == sorted(c.token_versions)
+            switched += len(set(c.token_versions)) == 2
+            under_old = recompute_logprobs(old_model, prompt, c.token_ids)
+            under_new = recompute_logprobs(new_model, prompt, c.token_ids)
+            for lp, v, a, b in zip(c.logprobs, c.token_versions, under_old, under_new, strict=True):
+                assert abs(lp - (a if v == old else b)) < LOGPROB_ATOL
+    if backend.__class__.__name__ == "VLLMBackend":
+        # 32 completions of up to 120 tokens and the update lands a step or two after
+        # their first token: some are still generating (each stops with p ~ 1/89 a token).
+        assert switched > 0
+    else:
+        assert switched == 0  # HF applies updates between generate calls only
+
+
+def test_a_bad_payload_never_serves_unverified_weights(loop, backend, checkpoint) -> None:
+    good = perturbed_weights(checkpoint, seed=6, scale=0.01)
+    good_fp, old = push(loop, backend, good)
+    sampling = SamplingSettings(n=1, temperature=0.0, max_tokens=4)
+
+    misshaped = dict(good, **{"model.norm.weight": torch.ones(3)})
+    with pytest.raises(WeightSyncError, match="wrong shapes"):
+        loop.run_until_complete(backend.update_weights(serialize_weights(misshaped), old + 1))
+    # Refused before loading: the old weights keep serving under the old version.
+    assert backend.version == old
+    assert fingerprints_match(loop.run_until_complete(backend.live_fingerprint()), good_fp)
+    results = loop.run_until_complete(backend.generate(PROMPTS, sampling))
+    assert {v for r in results for v in r.completions[0].token_versions} == {old}
+
+    incomplete = {k: v + 0.01 for k, v in good.items() if k != "model.norm.weight"}
+    with pytest.raises(WeightSyncError):
+        loop.run_until_complete(backend.update_weights(serialize_weights(incomplete), old + 1))
+    assert backend.version == old
+    try:
+        results = loop.run_until_complete(backend.generate(PROMPTS, sampling))
+    except WeightSyncError:
+        pass  # vLLM: loaded in part, unverified, so generation stays paused
+    else:  # HF: refused before copying, so the old weights still serve
+        assert fingerprints_match(loop.run_until_complete(backend.live_fingerprint()), good_fp)
+        assert {v for r in results for v in r.completions[0].token_versions} == {old}
+
+    fingerprint, new = push(loop, backend, good)  # a good update recovers either way
+    assert fingerprints_match(fingerprint, good_fp) and backend.version == new
+    results = loop.run_until_complete(backend.generate(PROMPTS, sampling))
+    assert {v for r in results for v in r.completions[0].token_versions} == {new}

@@ -1,0 +1,248 @@
+"""TrainerEngine on the tiny checkpoint with real DeepSpeed on CPU (ZeRO 0).
+
+One engine serves the whole module (DeepSpeed starts in seconds, not milliseconds).
+Tests that need a known starting point take it from the engine's current state and
+derive the behaviour log-probs from the current weights, so none depends on the order
+the others ran in.
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import AlgorithmConfig, TinyModelConfig, TrainConfig
+from pipeline.splitting import split_rollout_batch
+from pipeline.types import Prompt, RolloutBatch
+from pipeline.weights import compute_fingerprint, compute_sha256, deserialize_weights
+from stages.logprobs import compute_completion_logprobs
+from stages.tiny import build_vocab, ensure_tiny_checkpoint
+from stages.trainer_engine import TrainerEngine, compute_piece_scale
+
+NUM_PROMPTS, GROUP, MAX_COMPLETION = 8, 8, 20
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.set_num_threads(1)
+    return ensure_tiny_checkpoint(TinyModelConfig(), tmp_path_factory.mktemp("models"))
+
+
+def build_engine(checkpoint, zero_stage: int = 0) -> TrainerEngine:
+    # chunk_size 24 does not divide the 32-sample halves of the 64-sample batch, so a
+    # split batch runs different forward passes than the whole one (a real test of
+    # accumulation, not a replay of identical arithmetic).
+    train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1)
+    return TrainerEngine(checkpoint, train, AlgorithmConfig(kl_coef=0.04), temperature=1.0,
+                         dtype="float32", seed=0, chunk_size=24)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return build_engine(checkpoint)
+
+
+def make_batch(seed: int = 0) -> RolloutBatch:
+    """64 samples (8 prompts x 8), prompts of 3..11 chars, completions of 10..20 chars
+    from the tiny vocabulary; in every group samples 0, 2, 4, 6 are rewarded."""
+    rng = np.random.default_rng(seed)
+    vocab = build_vocab()
+    first_char, last_char = vocab["0"], len(vocab) - 1
+    num = NUM_PROMPTS * GROUP
+    prompt_lens = np.repeat(rng.integers(3, 12, NUM_PROMPTS), GROUP).astype(np.int32)
+    prompt_ids = np.zeros((num, int(prompt_lens.max())), np.int32)
+    for g in range(NUM_PROMPTS):
+        row = rng.integers(first_char, last_char + 1, prompt_ids.shape[1])
+        row[0] = vocab["<bos>"]
+        prompt_ids[g * GROUP : (g + 1) * GROUP] = np.where(np.arange(row.size) < prompt_lens[g * GROUP], row, 0)
+    completion_lens = rng.integers(MAX_COMPLETION // 2, MAX_COMPLETION + 1, num).astype(np.int32)
+    completion_ids = rng.integers(first_char, last_char + 1, (num, MAX_COMPLETION)).astype(np.int32)
+    completion_ids[np.arange(MAX_COMPLETION)[None, :] >= completion_lens[:, None]] = 0
+    return RolloutBatch(
+        batch_id=7,
+        step=0,
+        prompts=[Prompt(prompt_id=f"p{g}", text="") for g in range(NUM_PROMPTS)],
+        group_size=GROUP,
+        sample_ids=[f"p{i // GROUP}-{i % GROUP}" for i in range(num)],
+        prompt_ids=prompt_ids,
+        prompt_lens=prompt_lens,
+        completion_ids=completion_ids,
+        completion_lens=completion_lens,
+        completions=[""] * num,
+        behaviour_logprobs=np.zeros((num, MAX_COMPLETION), np.float32),
+        token_versions=np.zeros((num, MAX_COMPLETION), np.int32),
+        policy_version=0,
+        rewards=(np.arange(num) % 2 == 0).astype(np.float32),
+    )
+
+
+def on_policy(engine: TrainerEngine, batch: RolloutBatch) -> RolloutBatch:
+    """The batch as if the engine's current weights had generated it (ratio exactly 1)."""
+    with torch.no_grad():
+        logprobs = compute_completion_logprobs(engine.module, batch).numpy()
+    return msgspec.structs.replace(batch, behaviour_logprobs=logprobs, policy_version=engine.version)
+
+
+def rewarded_gap(engine: TrainerEngine, batch: RolloutBatch) -> float:
+    """Mean token log-prob of rewarded completions minus that of unrewarded ones."""
+    with torch.no_grad():
+        logprobs = compute_completion_logprobs(engine.module, batch).numpy()
+    per_sample = logprobs.sum(axis=1) / batch.completion_lens
+    good = batch.rewards > 0
+    return float(per_sample[good].mean() - per_sample[~good].mean())
+
+
+def gradients(engine: TrainerEngine) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+
+
+def test_training_raises_logprob_of_rewarded_completions(engine):
+    batch = on_policy(engine, make_batch(seed=1))
+    # The reference is the starting policy, so the KL starts at exactly 0.
+    batch = msgspec.structs.replace(batch, ref_logprobs=batch.behaviour_logprobs.copy())
+    gap_before = rewarded_gap(engine, batch)
+    history = []
+    for _ in range(6):
+        metrics = engine.train_micro_batch(batch, 1.0)
+        metrics.update(engine.optimizer_step())
+        history.append(metrics)
+    gap_after = rewarded_gap(engine, batch)
+    # Rewarded and unrewarded completions are random strings: before training their
+    # log-probs differ by noise only; six steps at lr 1e-3 separate them clearly.
+    assert gap_after > gap_before + 0.5, (gap_before, gap_after)
+    assert history[-1]["loss"] < history[0]["loss"] - 0.1
+    assert abs(history[0]["ratio_mean"] - 1.0) < 1e-5  # behaviour = current weights
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6) and history[-1]["kl"] > 0.01
+    assert all(np.isfinite(m["grad_norm"]) and m["grad_norm"] > 0 for m in history)
+    assert history[0]["num_tokens"] == float(batch.completion_lens.sum())
+    assert history[0]["reward_mean"] == pytest.approx(0.5)
+
+
+def test_split_halves_accumulate_to_the_whole_batch_update(engine, tmp_path):
+    batch = on_policy(engine, make_batch(seed=2))
+    engine.save_state(tmp_path / "start")
+
+    whole = engine.train_micro_batch(batch, 1.0)
+    grads_whole = gradients(engine)
+    step_whole = engine.optimizer_step()
+    weights_whole = engine.state_dict_for_sync()
+
+    engine.load_state(tmp_path / "start")
+    pieces = split_rollout_batch(batch, 2)
+    # Unequal token counts on purpose: the scale must be the token share under token-mean.
+    assert pieces[0].completion_tokens != pieces[1].completion_tokens
+    scales = [compute_piece_scale(p, batch.num_samples, batch.completion_tokens, "token-mean") for p in pieces]
+    losses = [engine.train_micro_batch(p, s)["loss"] for p, s in zip(pieces, scales, strict=True)]
+    grads_split = gradients(engine)
+    step_split = engine.optimizer_step()
+    weights_split = engine.state_dict_for_sync()
+
+    assert sum(s * loss for s, loss in zip(scales, losses, strict=True)) == pytest.approx(whole["loss"], abs=1e-6)
+    assert step_split["num_pieces"] == 2 and step_whole["num_pieces"] == 1
+    assert step_split["grad_norm"] == pytest.approx(step_whole["grad_norm"], rel=1e-5)
+    for name, grad in grads_whole.items():
+        torch.testing.assert_close(grads_split[name], grad, rtol=1e-5, atol=1e-7)
+    worst = max(float((weights_split[n] - w).abs().max()) for n, w in weights_whole.items())
+    assert worst <= 1e-5, worst
+
+
+def test_version_counts_optimizer_steps(engine):
+    batch = on_policy(engine, make_batch(seed=3))
+    version, ds_steps, sha = engine.version, engine.engine.global_steps, engine.weights_sha256()
+    halves = split_rollout_batch(batch, 2)
+
+    engine.train_micro_batch(halves[0], 0.5)
+    assert (engine.version, engine.weights_sha256()) == (version, sha)  # accumulate only
+    engine.train_micro_batch(halves[1], 0.5)
+    engine.optimizer_step()
+    assert engine.version == version + 1 and engine.engine.global_steps == ds_steps + 1
+    assert engine.weights_sha256() != sha
+
+    engine.train_micro_batch(batch, 1.0)
+    engine.optimizer_step()
+    assert engine.version == version + 2 and engine.engine.global_steps == ds_steps + 2
+    with pytest.raises(RuntimeError, match="no micro-batch"):
+        engine.optimizer_step()
+    assert engine.version == version + 2
+
+
+def test_export_weights_match_the_checkpoint_layout(engine, checkpoint):
+    payload, sha, fingerprint = engine.export_weights()
+    assert sha == compute_sha256(payload) == engine.weights_sha256()
+    shipped = deserialize_weights(payload)
+    on_disk = deserialize_weights((checkpoint / "model.safetensors").read_bytes())
+    assert sorted(shipped) == sorted(on_disk)
+    assert all(shipped[n].dtype == on_disk[n].dtype and shipped[n].shape == on_disk[n].shape for n in on_disk)
+    assert fingerprint == compute_fingerprint(engine.state_dict_for_sync().values())
+
+
+def test_saved_checkpoint_reloads_and_generates(engine, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = engine.save_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    live = engine.state_dict_for_sync()
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[n], t) for n, t in live.items())
+
+    inputs = tokenizer("12+3=", return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, engine.module(**inputs).logits, rtol=0, atol=1e-6)
+        generated = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert generated.shape == (1, inputs["input_ids"].shape[1] + 6)
+    assert isinstance(tokenizer.decode(generated[0], skip_special_tokens=True), str)
+
+
+def test_state_round_trip_reproduces_the_next_step(engine, tmp_path):
+    batch = on_policy(engine, make_batch(seed=4))
+    engine.save_state(tmp_path / "state")
+    draws = (torch.rand(3).tolist(), float(np.random.rand()), random.random())
+    version = engine.version
+
+    first = engine.train_micro_batch(batch, 1.0) | engine.optimizer_step()
+    sha_first = engine.weights_sha256()
+
+    engine.load_state(tmp_path / "state")
+    assert engine.version == version
+    assert (torch.rand(3).tolist(), float(np.random.rand()), random.random()) == draws
+    second = engine.train_micro_batch(batch, 1.0) | engine.optimizer_step()
+    # Bitwise: same state, same inputs, same thread count on CPU.
+    assert engine.weights_sha256() == sha_first
+    assert (second["loss"], second["grad_norm"]) == (first["loss"], first["grad_norm"])
+
+
+def train_one_split_step(engine: TrainerEngine, batch: RolloutBatch) -> dict[str, float]:
+    pieces = split_rollout_batch(batch, 2)
+    for piece in pieces:
+        engine.train_micro_batch(piece, compute_piece_scale(piece, batch.num_samples, batch.completion_tokens, "token-mean"))
+    return engine.optimizer_step()
+
+
+@pytest.fixture(scope="module")
+def stage0_reference(checkpoint):
+    """A fresh ZeRO-0 engine's first split step: (batch, step metrics, weights after)."""
+    fresh = build_engine(checkpoint, zero_stage=0)
+    batch = on_policy(fresh, make_batch(seed=5))
+    out = train_one_split_step(fresh, batch)
+    return batch, out, fresh.state_dict_for_sync()
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero_stages_1_and_2_match_stage_0(checkpoint, stage0_reference, zero_stage, tmp_path):
+    batch, want, weights = stage0_reference
+    engine = build_engine(checkpoint, zero_stage=zero_stage)
+    engine.save_state(tmp_path / "start")
+    got = train_one_split_step(engine, batch)
+    assert engine.version == 1
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
+    live = engine.state_dict_for_sync()
+    assert max(float((live[n] - w).abs().max()) for n, w in weights.items()) <= 1e-6
+    sha = engine.weights_sha256()
+    engine.load_state(tmp_path / "start")  # ZeRO keeps its own fp32 master copy
+    train_one_split_step(engine, batch)
+    assert engine.weights_sha256() == sha

@@ -1,0 +1,180 @@
+"""Pure parts of the rollout backends: registry, sampling settings, engine arguments,
+per-token versions, rank fingerprints and payload checks. No engine is started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.config import RolloutConfig
+from pipeline.weights import (
+    WeightSyncError,
+    check_payload_fits,
+    compute_fingerprint,
+    read_checkpoint_shapes,
+    read_payload_shapes,
+    serialize_weights,
+)
+from stages.rollout import BACKENDS, build_backend, resolve_backend
+from stages.rollout.base import SamplingSettings, build_sampling_settings, check_version_order
+from stages.rollout.hf_backend import check_payload_names, cut_at_stop, group_prompts_by_length
+from stages.rollout.vllm_backend import WORKER_EXTENSION, build_engine_kwargs, expand_version_spans
+from stages.rollout.vllm_worker_ext import combine_rank_fingerprints, read_packed_linear_weight
+
+
+class FakeBackend:
+    """A plug-in backend, named in tests by ``tests.unit.test_rollout_core:FakeBackend``."""
+
+    def __init__(self, model_path, rollout_cfg, dtype):
+        self.args = (model_path, rollout_cfg, dtype)
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    async def start(self): ...
+    async def generate(self, prompt_token_ids, sampling): ...
+    async def update_weights(self, data, version): ...
+    async def live_fingerprint(self): ...
+    async def shutdown(self): ...
+
+
+def build_not_a_backend(model_path, rollout_cfg, dtype) -> object:
+    return object()
+
+
+def test_build_backend_accepts_an_import_path_and_rejects_the_rest() -> None:
+    cfg = RolloutConfig()
+    backend = build_backend("tests.unit.test_rollout_core:FakeBackend", Path("/m"), cfg, "float32")
+    assert isinstance(backend, FakeBackend) and backend.args == (Path("/m"), cfg, "float32")
+    with pytest.raises(ValueError, match="expected one of"):
+        resolve_backend("nonsense")
+    with pytest.raises(ValueError, match="no attribute"):
+        resolve_backend("tests.unit.test_rollout_core:Missing")
+    with pytest.raises(ValueError, match="lacks the RolloutBackend methods"):
+        build_backend("tests.unit.test_rollout_core:build_not_a_backend", Path("/m"), cfg, "float32")
+    assert set(BACKENDS) == {"vllm", "hf"}
+
+
+def test_importing_the_registry_imports_no_engine() -> None:
+    code = "import sys, stages.rollout; print('vllm' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_sampling_settings_are_validated() -> None:
+    cfg = RolloutConfig(n=4, temperature=0.7, top_p=0.9, top_k=20, max_tokens=5)
+    s = build_sampling_settings(cfg, seed=3)
+    assert (s.n, s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed) == (4, 0.7, 0.9, 20, 5, 3)
+    assert SamplingSettings(temperature=0.0).greedy and not s.greedy
+    for bad in (dict(n=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=0), dict(max_tokens=0)):
+        with pytest.raises(ValueError, match="sampling"):
+            SamplingSettings(**bad)
+
+
+def test_versions_never_go_back() -> None:
+    check_version_order(3, 3)
+    check_version_order(3, 4)
+    with pytest.raises(ValueError, match="older"):
+        check_version_order(3, 2)
+
+
+def test_engine_kwargs_on_cpu_and_gpu() -> None:
+    cfg = RolloutConfig(kv_cache_gib=0.25, gpu_memory_utilization=0.4, tensor_parallel_size=2, seed=9)
+    cpu = build_engine_kwargs(Path("/ckpt"), cfg, "bfloat16", on_cpu=True)
+    assert cpu["kv_cache_memory_bytes"] == 268435456  # 0.25 * 2**30
+    assert "gpu_memory_utilization" not in cpu
+    assert (cpu["dtype"], cpu["seed"], cpu["tensor_parallel_size"]) == ("bfloat16", 9, 2)
+    assert cpu["logprobs_mode"] == "processed_logprobs"
+    assert cpu["enforce_eager"] is True
+    gpu = build_engine_kwargs(Path("/ckpt"), cfg, "auto", on_cpu=False)
+    assert gpu["gpu_memory_utilization"] == 0.4 and "kv_cache_memory_bytes" not in gpu
+    # An older vLLM without kv_cache_memory_bytes: the field is dropped (the env takes
+    # over); without logprobs_mode the behaviour log-probs would be wrong: refuse.
+    old = build_engine_kwargs(Path("/ckpt"), cfg, "auto", on_cpu=True, supported=set(cpu) - {"kv_cache_memory_bytes"})
+    assert old == {k: v for k, v in cpu.items() if k != "kv_cache_memory_bytes"} | {"dtype": "auto"}
+    with pytest.raises(RuntimeError, match="logprobs_mode"):
+        build_engine_kwargs(Path("/ckpt"), cfg, "auto", on_cpu=True, supported=set(cpu) - {"logprobs_mode"})
+    module, _, name = WORKER_EXTENSION.rpartition(".")
+    ext = getattr(__import__(module, fromlist=[name]), name)
+    assert callable(ext.apply_weights) and callable(ext.fingerprint)
+
+
+def test_version_spans_expand_to_one_version_per_token() -> None:
+    spans = [SimpleNamespace(version="3", start=0, end=2), SimpleNamespace(version="4", start=2, end=5)]
+    assert expand_version_spans(spans, 5) == [3, 3, 4, 4, 4]
+    assert expand_version_spans(spans, 6) is None  # does not cover the tokens
+    assert expand_version_spans([SimpleNamespace(version="default", start=0, end=1)], 1) is None
+    assert expand_version_spans(None, 0) is None
+
+
+def test_rank_fingerprints_count_replicated_parameters_once() -> None:
+    # Two tensor-parallel ranks: the norm is replicated (same numbers), qkv is sharded.
+    rank0 = {"norm.weight": (4.0, 4.0), "qkv.weight": (1.0, 2.0)}
+    rank1 = {"norm.weight": (4.0, 4.0), "qkv.weight": (-3.0, 5.0)}
+    # norm once: (4, 4); qkv summed: (1 - 3, 2 + 5) = (-2, 7); total (2, 11).
+    assert combine_rank_fingerprints([rank0, rank1]) == (2.0, 11.0)
+    assert combine_rank_fingerprints([rank0]) == (5.0, 6.0)
+
+
+def test_packed_linear_weight_is_read_back_through_its_kernel() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 5, generator=g)  # [out, in]
+    layer = SimpleNamespace(
+        weight=torch.nn.Parameter(torch.empty(0), requires_grad=False),  # what vLLM leaves
+        input_size_per_partition=5,
+        cpu_linear=lambda x, weight, bias: torch.nn.functional.linear(x, w, bias),
+    )
+    chunks = list(read_packed_linear_weight(layer, rows=2))  # 5 inputs in chunks 2, 2, 1
+    assert [tuple(c.shape) for c in chunks] == [(2, 6), (2, 6), (1, 6)]
+    assert torch.equal(torch.cat(chunks), w.t())
+    assert compute_fingerprint(chunks) == compute_fingerprint([w])
+
+
+def test_payload_shapes_are_read_from_the_header_alone(tmp_path) -> None:
+    sd = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}
+    data = serialize_weights(sd)
+    assert read_payload_shapes(data) == {"a": (2, 3), "b": (4,)}
+    (tmp_path / "model.safetensors").write_bytes(data)
+    assert read_checkpoint_shapes(tmp_path) == {"a": (2, 3), "b": (4,)}
+    with pytest.raises(WeightSyncError, match="too short"):
+        read_payload_shapes(b"\x01")
+    with pytest.raises(WeightSyncError, match="claims"):
+        read_payload_shapes(data[:20])
+
+
+def test_payload_must_fit_the_model() -> None:
+    expected = {"a": (2, 3), "b": (4,), "lm_head": (4, 2)}
+    check_payload_fits({"a": (2, 3), "b": (4,)}, expected)  # a missing alias is allowed here
+    with pytest.raises(WeightSyncError, match=r"unknown names \['c'\]"):
+        check_payload_fits({"a": (2, 3), "c": (1,)}, expected)
+    with pytest.raises(WeightSyncError, match=r"b \(5,\) != \(4,\)"):
+        check_payload_fits({"b": (5,)}, expected)
+
+
+def test_hf_payload_names_accept_either_name_of_a_tied_parameter() -> None:
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(5, 2)
+    model.head = torch.nn.Linear(2, 5, bias=False)
+    model.head.weight = model.embed.weight  # tied
+    model.norm = torch.nn.LayerNorm(2)
+    full = {"embed.weight": torch.zeros(5, 2), "norm.weight": torch.ones(2), "norm.bias": torch.zeros(2)}
+    check_payload_names(model, full)
+    check_payload_names(model, {"head.weight": torch.zeros(5, 2), "norm.weight": torch.ones(2), "norm.bias": torch.zeros(2)})
+    with pytest.raises(WeightSyncError, match=r"missing parameters \['norm.bias'\]"):
+        check_payload_names(model, {k: v for k, v in full.items() if k != "norm.bias"})
+    with pytest.raises(WeightSyncError, match="wrong shapes"):
+        check_payload_names(model, dict(full, **{"norm.weight": torch.ones(3)}))
+    with pytest.raises(WeightSyncError, match=r"unknown names \['extra'\]"):
+        check_payload_names(model, dict(full, extra=torch.ones(1)))
+
+
+def test_completions_stop_after_the_first_stop_token() -> None:
+    assert cut_at_stop([5, 6, 2, 7, 0], {2}) == ([5, 6, 2], "stop")
+    assert cut_at_stop([5, 6, 7], {2}) == ([5, 6, 7], "length")
+    assert group_prompts_by_length([[1, 2], [3], [4, 5], [6]]) == {2: [0, 2], 1: [1, 3]}

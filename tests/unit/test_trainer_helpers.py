@@ -1,0 +1,85 @@
+"""Pure helpers of stages/trainer_engine.py (no DeepSpeed engine is built here)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import TrainConfig
+from pipeline.types import Prompt, RolloutBatch
+from stages.trainer_engine import (
+    build_deepspeed_config,
+    compute_chunk_weights,
+    compute_piece_scale,
+    decode_rng_state,
+    encode_rng_state,
+)
+
+
+def piece(completion_lens: list[int]) -> RolloutBatch:
+    num = len(completion_lens)
+    width = max(completion_lens)
+    return RolloutBatch(
+        batch_id=0, step=0, prompts=[Prompt(prompt_id="p", text="")], group_size=num,
+        sample_ids=[str(i) for i in range(num)], prompt_ids=np.ones((num, 1), np.int32),
+        prompt_lens=np.ones(num, np.int32), completion_ids=np.ones((num, width), np.int32),
+        completion_lens=np.array(completion_lens, np.int32), completions=[""] * num,
+        behaviour_logprobs=np.zeros((num, width), np.float32),
+        token_versions=np.zeros((num, width), np.int32), policy_version=0,
+    )
+
+
+def test_chunk_weights_reproduce_the_loss_aggregation():
+    # Rows hold 3, 1, 0 and 2 valid tokens; chunks are rows [0, 2) and [2, 4).
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]], dtype=torch.float32)
+    bounds = [(0, 2), (2, 4)]
+    # token-mean: 4 of 6 tokens, then 2 of 6.
+    assert compute_chunk_weights(mask, bounds, "token-mean") == pytest.approx([4 / 6, 2 / 6])
+    # seq-mean: sequences with a token are 2 in the first chunk, 1 in the second (the
+    # empty row is not averaged over by aggregate_loss).
+    assert compute_chunk_weights(mask, bounds, "seq-mean-token-mean") == pytest.approx([2 / 3, 1 / 3])
+    assert compute_chunk_weights(mask, bounds, "seq-mean-token-sum") == pytest.approx([2 / 3, 1 / 3])
+    assert compute_chunk_weights(torch.zeros(2, 3), [(0, 1), (1, 2)], "token-mean") == [0.0, 0.0]
+
+
+def test_chunk_weights_make_chunked_token_mean_equal_the_whole():
+    from stages.algorithms import aggregate_loss
+
+    values = torch.tensor([[0.5, -1.0, 2.0], [3.0, 0.0, 0.0], [1.0, 1.0, 0.0], [-2.0, 4.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)
+    bounds = [(0, 1), (1, 4)]
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        weights = compute_chunk_weights(mask, bounds, agg)
+        chunked = sum(w * aggregate_loss(values[a:b], mask[a:b], agg) for (a, b), w in zip(bounds, weights, strict=True))
+        assert float(chunked) == pytest.approx(float(aggregate_loss(values, mask, agg)), abs=1e-6)
+
+
+def test_piece_scale_is_the_token_share_under_token_mean():
+    part = piece([4, 2, 6])  # 3 samples, 12 tokens
+    # Step of 8 samples and 40 tokens: token share 12/40, sample share 3/8.
+    assert compute_piece_scale(part, 8, 40, "token-mean") == pytest.approx(12 / 40)
+    assert compute_piece_scale(part, 8, 40, "seq-mean-token-mean") == pytest.approx(3 / 8)
+    assert compute_piece_scale(part, 8, 40, "seq-mean-token-sum") == pytest.approx(3 / 8)
+
+
+def test_rng_state_round_trips_every_generator():
+    state = encode_rng_state()
+    assert isinstance(state, bytes)
+    first = (torch.rand(4).tolist(), np.random.rand(3).tolist(), random.random(), np.random.randn())
+    decode_rng_state(state)
+    assert (torch.rand(4).tolist(), np.random.rand(3).tolist(), random.random(), np.random.randn()) == first
+
+
+def test_deepspeed_config_leaves_the_step_boundary_to_the_caller():
+    cfg = build_deepspeed_config(TrainConfig(lr=2e-5, weight_decay=0.1, grad_clip=0.5, zero_stage=2), "bfloat16", has_gpu=False)
+    assert cfg["managed_gradient_accumulation"] is False
+    assert cfg["gradient_accumulation_steps"] == 1
+    assert cfg["gradient_clipping"] == 0.5 and cfg["zero_optimization"] == {"stage": 2}
+    assert cfg["optimizer"]["params"] == {"lr": 2e-5, "weight_decay": 0.1, "torch_adam": True}
+    assert not cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]  # no GPU: float32 math
+    assert build_deepspeed_config(TrainConfig(), "bfloat16", has_gpu=True)["bf16"]["enabled"]
+    with pytest.raises(ValueError, match="zero_stage"):
+        build_deepspeed_config(TrainConfig(zero_stage=3), "float32", has_gpu=False)
