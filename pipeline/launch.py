@@ -8,6 +8,10 @@ Run directory (``run.dir``): ``config.yaml`` (resolved), ``metrics.jsonl`` (one 
 optimizer step), ``tensorboard/``, ``status.json`` (live, for ``conveyor status``),
 ``summary.json``, ``trace.json`` (Perfetto), ``timeline.png``, ``checkpoint/`` (HF format)
 and ``recording/`` when edges are tapped.
+
+Each step's metrics carry every stage's latest ``memory/``, ``admission/`` and ``oom/``
+metrics (posted to the controller with ``set_status``; replicas add up), and
+``summary.json`` has their final values per stage under ``admission``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import yaml
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
 from pipeline.log import configure_logging, get_logger
+from pipeline.memory_guard import merge_guard_metrics
 from pipeline.metrics import MetricsWriter, write_summary
 from pipeline.profiler import (
     aggregate_spans,
@@ -111,6 +116,7 @@ class Reporter:
                 metrics[f"queue/{name}/depth"] = q["depth"]
                 metrics[f"queue/{name}/mean_depth"] = q["mean_depth"]
             metrics["samples/in_flight"] = drain["ledger"]["in_flight"] * self.cfg.rollout.n
+            metrics.update(merge_guard_metrics(drain["status"]))
             self._last_step_end = end
             self.writer.log(int(step["step"]), {k: v for k, v in metrics.items()
                                                 if _is_number(v) and k not in ("step", "time")})
@@ -194,6 +200,17 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
     return finish_run(cfg, run_dir, result, reporter)
 
 
+def summarise_admission(reports: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Final admission metrics per stage, from the stages' last status (replicas added
+    up), named without the stage: ``{"trainer": {"admission/splits": 3.0, ...}}``."""
+    out: dict[str, dict[str, float]] = {}
+    for stage, reps in reports.items():
+        merged = merge_guard_metrics({f"{stage}:{i}": r.get("core") or {} for i, r in enumerate(reps)})
+        if merged:
+            out[stage] = {k.replace(f"/{stage}/", "/", 1): v for k, v in sorted(merged.items())}
+    return out
+
+
 def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: Reporter) -> dict[str, Any]:
     agg = aggregate_spans(result.spans) if result.spans else {}
     markers = [(s["time"], f"sync v{s['version']}") for s in reporter.syncs if "time" in s]
@@ -225,6 +242,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "stages": {name: {"busy_s": t.seconds.get("busy", 0.0), "busy_ratio": t.busy_ratio} for name, t in agg.items()},
         "reward_first": reporter.steps[0].get("reward/mean") if reporter.steps else None,
         "reward_last": reporter.steps[-1].get("reward/mean") if reporter.steps else None,
+        "admission": summarise_admission(result.reports),
     }
     write_summary(run_dir, summary)
     if agg:

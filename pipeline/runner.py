@@ -143,7 +143,7 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
         try:
             await ref
         except Exception as exc:
-            await _teardown(graph, kill=True)
+            await _teardown(graph)
             raise _stage_error(name, exc) from None
     return graph
 
@@ -160,13 +160,20 @@ def _stage_error(name: str, exc: BaseException) -> StageError:
     return StageError(name, text.strip().splitlines()[-1] if text.strip() else type(exc).__name__, text)
 
 
-async def _teardown(graph: Graph, kill: bool) -> None:
-    if not kill:
-        calls = [a.shutdown.remote() for reps in graph.actors.values() for a in reps]
-        try:
-            await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
-        except TimeoutError:
-            log.warning("shutdown_timeout")
+async def _shutdown_cores(graph: Graph) -> None:
+    """Let every core release its engine (and rollout workers take the final weights)."""
+    calls = [a.shutdown.remote() for reps in graph.actors.values() for a in reps]
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 120)
+    except TimeoutError:
+        log.warning("shutdown_timeout")
+        return
+    for r in results:
+        if isinstance(r, BaseException):
+            log.warning("shutdown_failed", error=str(r).strip().splitlines()[-1] if str(r).strip() else repr(r))
+
+
+async def _teardown(graph: Graph) -> None:
     for reps in graph.actors.values():
         for a in reps:
             ray.kill(a, no_restart=True)
@@ -192,21 +199,23 @@ async def _run(
         try:
             await controller.stop.remote("stage failed")
         finally:
-            await _teardown(graph, kill=True)
+            await _teardown(graph)
         raise
     wall = time.time() - t0
+    if on_tick is not None:
+        await _maybe_await(on_tick(graph))
     await graph.collect_spans()
+    queues = await graph.queue_stats()
+    await _shutdown_cores(graph)  # rollout workers take the final weights here
     result = RunResult(
         mode="async" if async_mode else "sync",
         wall_s=wall,
         reports=reports,
-        queues=await graph.queue_stats(),
+        queues=queues,
         controller=await controller.summary.remote(),
         spans=graph.spans,
     )
-    if on_tick is not None:
-        await _maybe_await(on_tick(graph))
-    await _teardown(graph, kill=False)
+    await _teardown(graph)
     return result
 
 

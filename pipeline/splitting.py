@@ -10,6 +10,9 @@ Guarantees:
 - Pieces keep the batch's ``batch_id``, ``step``, ``group_size`` and ``policy_version``
   (the oldest version of the whole batch: still a lower bound for every piece, so the
   staleness gate stays conservative).
+- ``split_rollout_batch_at`` cuts at given group counts; a piece depends only on the
+  batch and its group range, so pieces cut in several rounds (split, then halve a
+  piece) equal the pieces cut at once with the final counts: a replay can rebuild them.
 - ``merge_rollout_batches`` is the inverse: it concatenates pieces in the given order,
   re-pads with 0 (the wire convention, see ``stages/logprobs.py``) and refuses pieces
   of different batches or a sample seen twice.
@@ -106,6 +109,25 @@ def split_rollout_batch(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
     bounds = _group_bounds(len(batch.prompts), parts, f"micro-batch {batch.batch_id}")
     if len(bounds) == 1:
         return [batch]
+    return _cut(batch, bounds)
+
+
+def split_rollout_batch_at(batch: RolloutBatch, group_counts: Sequence[int]) -> list[RolloutBatch]:
+    """Consecutive pieces of ``group_counts[k]`` whole GRPO groups each (every count >= 1,
+    summing to the batch's groups); one count returns the batch itself."""
+    check_rollout_batch(batch)
+    counts = [int(c) for c in group_counts]
+    if not counts or min(counts) < 1 or sum(counts) != len(batch.prompts):
+        raise ValueError(
+            f"micro-batch {batch.batch_id}: group counts {counts} do not cover its {len(batch.prompts)} groups"
+        )
+    if len(counts) == 1:
+        return [batch]
+    ends = np.cumsum(counts).tolist()
+    return _cut(batch, list(zip([0, *ends[:-1]], ends, strict=True)))
+
+
+def _cut(batch: RolloutBatch, bounds: list[tuple[int, int]]) -> list[RolloutBatch]:
     g = batch.group_size
     owners = {e: _owner(e, set(batch.sample_ids)) for e in batch.reward_errors}
     pieces = []

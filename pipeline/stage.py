@@ -107,9 +107,9 @@ class StageActor:
     # ---------------------------------------------------------------- lifecycle
     async def setup(self) -> str:
         self._state = "setup"
+        self._open_taps()  # before the core's setup: the trainer saves its step-0 state there
         if hasattr(self.core, "setup"):
             await self.core.setup(self.ctx)
-        self._open_taps()
         self._state = "ready"
         return self.name
 

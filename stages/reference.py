@@ -12,7 +12,11 @@ Guarantees:
   the two distributions, so both sides must use the same one.
 
 ``ReferenceStage`` is the thin actor shell: it loads the model in a thread and scores
-each micro-batch off the event loop.
+each micro-batch off the event loop, under ``reference.memory``: a micro-batch is
+admitted against the budget or split by whole GRPO groups, an out-of-memory error halves
+the failing piece, and the pieces' results are merged back into one micro-batch with
+every sample once (``pipeline/memory_guard.py``); each forward's peak teaches the
+estimate's calibration.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import msgspec
 import numpy as np
 import torch
 
+from pipeline.admission import ModelShape, count_seq_lens, estimate_batch_bytes
+from pipeline.memory import run_with_oom_recovery
+from pipeline.memory_guard import MemoryGuard, publish_status
+from pipeline.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 from pipeline.types import RolloutBatch
 from stages.logprobs import compute_completion_logprobs
 
@@ -38,6 +46,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def build_model_shape(model: Any, dtype: str) -> ModelShape:
+    """What memory estimates need of a loaded Hugging Face model that computes in
+    ``dtype`` (the activations' dtype, which can differ from the checkpoint's)."""
+    return ModelShape.from_hf_config(
+        {**model.config.to_dict(), "torch_dtype": dtype}, num_params=sum(p.numel() for p in model.parameters())
+    )
 
 
 class ReferenceModel:
@@ -92,12 +108,33 @@ class ReferenceStage:
         self.model = await asyncio.to_thread(
             ReferenceModel, path, cfg.model.dtype, temperature=cfg.rollout.temperature
         )
+        self.ctx = ctx
+        self.shape = build_model_shape(self.model.model, cfg.model.dtype)
+        self.guard = MemoryGuard(ctx.name, cfg.reference.memory, spans=ctx.spans)
         self.batches = 0
 
     async def process(self, batch: RolloutBatch) -> RolloutBatch:
-        out = await asyncio.to_thread(self.model.compute, batch)
+        out = await self.guard.run(
+            batch, self._score_recovering, estimate=self._estimate, split=split_rollout_batch,
+            merge=merge_rollout_batches, size=count_groups, key=batch.batch_id,
+        )
         self.batches += 1
+        await publish_status(self.ctx, self.status())
         return out
 
+    def _estimate(self, piece: RolloutBatch) -> int:
+        return estimate_batch_bytes("reference", self.shape, count_seq_lens(piece), chunk_size=self.model.chunk_size)
+
+    async def _score_recovering(self, piece: RolloutBatch) -> RolloutBatch:
+        if not self.guard.protected:
+            return await asyncio.to_thread(self.model.compute, piece)
+        return await run_with_oom_recovery(
+            self._score, piece, split=split_rollout_batch, merge=merge_rollout_batches, stage=self.guard.stage,
+            size=count_groups, on_event=self.guard.on_oom(piece.batch_id),
+        )
+
+    async def _score(self, piece: RolloutBatch) -> RolloutBatch:
+        return await self.guard.measure(self._estimate(piece), lambda: asyncio.to_thread(self.model.compute, piece))
+
     def status(self) -> dict[str, Any]:
-        return {"state": "scoring", "batches": self.batches}
+        return {"state": "scoring", "batches": self.batches, **self.guard.status()}

@@ -7,25 +7,137 @@ Guarantees:
 - each micro-batch is trained on as it arrives (gradients accumulate, scaled by its
   share of the step's samples) and the optimizer steps once a step's
   ``train.prompts_per_step`` groups are in: one optimizer step = one policy version;
+- under ``train.memory`` a micro-batch is admitted whole or trained as pieces of whole
+  GRPO groups (admission split, or halving after an out-of-memory error), all before
+  the step's optimizer step; piece scales add up to the micro-batch's scale and its loss
+  stays the micro-batch's (``compute_piece_weight``), so a split changes the update only
+  by float rounding. Every sample is trained exactly once: a piece that fails before
+  its first backward left no gradient (the RNG is rewound); one that fails later has
+  its step's gradients discarded and every piece already trained in that step trained
+  again, in order, from the step's RNG state. A single group that still runs out of
+  memory stops the run (``OomUnrecoverable``);
 - every ``train.sync_interval`` steps the weights are published once to the object
   store with their sha256 and fingerprint; rollout workers pull and confirm them;
 - when the run records the trainer's input, a ``StepRecord`` (batch ids, loss, grad
-  norm, weights sha after the step, RNG state before it) is written per step, plus
-  the trainer state at step 0 and every ``record.state_every`` steps, for replay.
+  norm, weights sha after the step, RNG state before it, the groups of each piece of a
+  split micro-batch) is written per step, plus the trainer state at step 0 and every
+  ``record.state_every`` steps, for replay (``train_as_recorded`` trains the same pieces).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 
+from pipeline.admission import count_seq_lens, estimate_batch_bytes
+from pipeline.memory import OomRecovery, free_cached_memory, is_oom_error
+from pipeline.memory_guard import MemoryGuard, publish_status
+from pipeline.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness, is_too_stale
+
+_LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
+
+
+def compute_micro_batch_scale(batch: RolloutBatch, step_samples: int) -> float:
+    """Gradient scale of one micro-batch: its share of the step's samples. Streaming
+    cannot know the step's token count before its last micro-batch, so under
+    ``token-mean`` the step loss is the sample-weighted mean of micro-batch token-means
+    (as verl weighs micro-batches)."""
+    return batch.num_samples / step_samples
+
+
+def compute_step_loss(piece_losses: list[float], batches: list[RolloutBatch], step_samples: int) -> float:
+    """``StepRecord.loss``: each piece's (unscaled) loss weighted by its sample share."""
+    return float(sum(loss * compute_micro_batch_scale(b, step_samples)
+                     for loss, b in zip(piece_losses, batches, strict=True)))
+
+
+def compute_piece_weight(piece: RolloutBatch, batch: RolloutBatch, loss_agg: str) -> float:
+    """The piece's share of its micro-batch's loss: ``sum(w_k * loss_k)`` over pieces is
+    the loss of the micro-batch trained whole (the engine weighs chunks the same way).
+    token-mean: its share of completion tokens; seq-mean-*: of samples with at least one
+    completion token. The whole batch weighs exactly 1; a batch with no such token or
+    sample falls back to sample shares (its loss is 0 anyway)."""
+    if piece is batch:
+        return 1.0
+    if loss_agg == "token-mean":
+        part, whole = piece.completion_tokens, batch.completion_tokens
+    else:
+        part = int(np.count_nonzero(np.asarray(piece.completion_lens) > 0))
+        whole = int(np.count_nonzero(np.asarray(batch.completion_lens) > 0))
+    if whole == 0:
+        part, whole = piece.num_samples, batch.num_samples
+    return part / whole
+
+
+def merge_piece_metrics(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
+    """One micro-batch's metrics from its pieces': ``*_max`` the max; counts and scales
+    the sum; reward and advantage statistics pooled over samples; everything else
+    (loss, pg_loss, kl, clip_frac, ratio_mean) weighted as the loss is."""
+    if len(metrics) == 1:
+        return dict(metrics[0])
+    n = [m["num_samples"] for m in metrics]
+    total = sum(n)
+
+    def pooled(key: str) -> float:
+        return sum(m[key] * k for m, k in zip(metrics, n, strict=True)) / total
+
+    out: dict[str, float] = {}
+    for key in metrics[0]:
+        values = [m[key] for m in metrics]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key in ("num_samples", "num_tokens", "scale"):
+            out[key] = sum(values)
+        elif key in ("reward_mean", "adv_abs_mean"):
+            out[key] = pooled(key)
+        elif key != "reward_std":
+            out[key] = sum(v * w for v, w in zip(values, weights, strict=True))
+    if "reward_std" in metrics[0]:
+        mean = pooled("reward_mean")
+        second = sum((m["reward_std"] ** 2 + m["reward_mean"] ** 2) * k for m, k in zip(metrics, n, strict=True))
+        out["reward_std"] = math.sqrt(max(0.0, second / total - mean**2))
+    return out
+
+
+def encode_piece_layout(layouts: Mapping[int, list[int]]) -> dict[str, float]:
+    """``StepRecord.metrics`` entries for the micro-batches trained as several pieces."""
+    return {f"{_LAYOUT}/{bid}/{k}": float(g) for bid, groups in layouts.items() for k, g in enumerate(groups)}
+
+
+def read_piece_layout(metrics: Mapping[str, float], batch_id: int) -> list[int] | None:
+    """Groups per piece of ``batch_id`` as recorded, or None when it was trained whole."""
+    prefix = f"{_LAYOUT}/{batch_id}/"
+    found = {int(k[len(prefix):]): int(v) for k, v in metrics.items() if k.startswith(prefix)}
+    return [found[k] for k in range(len(found))] if found else None
+
+
+def train_as_recorded(engine: Any, batch: RolloutBatch, step_samples: int, layout: list[int] | None) -> dict[str, float]:
+    """Train ``batch`` as the trainer did: whole, or as the pieces ``layout`` names, with
+    the same scales in the same order (``conveyor replay`` calls this)."""
+    pieces = split_rollout_batch_at(batch, layout) if layout else [batch]
+    scale = compute_micro_batch_scale(batch, step_samples)
+    weights = [compute_piece_weight(p, batch, engine.algo.loss_agg) for p in pieces]
+    return merge_piece_metrics([engine.train_micro_batch(p, scale * w) for p, w in zip(pieces, weights, strict=True)],
+                               weights)
+
+
+def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
+    """The ``TrainerEngine`` of a run (the trainer stage and ``conveyor replay`` share it)."""
+    from stages.tiny import resolve_model_path
+    from stages.trainer_engine import TrainerEngine
+
+    return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature,
+                         dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads)
 
 
 def summarise_batch_rewards(batches: list[RolloutBatch]) -> dict[str, float]:
@@ -47,21 +159,23 @@ class TrainerStage:
         self._step_staleness: list[int] = []
         self._step_rng = b""
         self._step_started = time.time()
+        # Every piece trained in the current step, with its scale: re-accumulated in
+        # order when an OOM leaves partial gradients behind.
+        self._step_pieces: list[tuple[RolloutBatch, float]] = []
+        self._step_layouts: dict[int, list[int]] = {}
 
     async def setup(self, ctx: Any) -> None:
-        from stages.tiny import resolve_model_path
-        from stages.trainer_engine import TrainerEngine
+        from stages.reference import build_model_shape  # imports torch: not at module level
 
         self.ctx = ctx
         cfg = ctx.config
         self.cfg = cfg
         self.max_staleness = cfg.dataflow.max_staleness
         self.step_samples = cfg.train.prompts_per_step * cfg.rollout.n
-        self.model_path = resolve_model_path(cfg.model)
-        self.engine = await asyncio.to_thread(
-            TrainerEngine, self.model_path, cfg.train, cfg.algorithm,
-            temperature=cfg.rollout.temperature, dtype=cfg.model.dtype, seed=cfg.run.seed,
-        )
+        self.engine = await asyncio.to_thread(build_trainer_engine, cfg)
+        module = self.engine.module
+        self.shape = build_model_shape(module, str(next(module.parameters()).dtype).removeprefix("torch."))
+        self.guard = MemoryGuard(ctx.name, cfg.train.memory, spans=ctx.spans)
         self.run_dir = cfg.run_dir
         self._step_rng = self.engine.get_rng_state()
         if ctx.recorder is not None:
@@ -78,14 +192,77 @@ class TrainerStage:
         if not self._step_batches:
             self._step_started = time.time()
             self._step_rng = self.engine.get_rng_state()
-        scale = batch.num_samples / self.step_samples
-        metrics = await asyncio.to_thread(self.engine.train_micro_batch, batch, scale)
+            self._step_pieces, self._step_layouts = [], {}
+        trained = await self._train(batch)
+        pieces = [p for p, _ in trained]
+        weights = [compute_piece_weight(p, batch, self.cfg.algorithm.loss_agg) for p in pieces]
+        metrics = merge_piece_metrics([m for _, m in trained], weights)
+        if len(pieces) > 1:
+            self._step_layouts[batch.batch_id] = [count_groups(p) for p in pieces]
         self._step_batches.append(batch)
         self._step_metrics.append(metrics)
         self._step_staleness += [compute_staleness(version, batch.policy_version)] * batch.num_samples
+        # Posted before the step's metrics, so that they include this micro-batch's admission.
+        await publish_status(self.ctx, self.status())
         if sum(b.num_samples for b in self._step_batches) >= self.step_samples:
             await self._optimizer_step()
         return None
+
+    # ------------------------------------------------------------------ memory
+    def _estimate(self, piece: RolloutBatch) -> int:
+        return estimate_batch_bytes("trainer", self.shape, count_seq_lens(piece), chunk_size=self.engine.chunk_size)
+
+    async def _train(self, batch: RolloutBatch) -> list[tuple[RolloutBatch, dict[str, float]]]:
+        """(piece, metrics) for each piece ``batch`` was trained as, in order."""
+        scale = compute_micro_batch_scale(batch, self.step_samples)
+        if not self.guard.protected:
+            metrics = await asyncio.to_thread(self.engine.train_micro_batch, batch, scale)
+            self._step_pieces.append((batch, scale))
+            return [(batch, metrics)]
+        return await self.guard.run(
+            batch, functools.partial(self._train_recovering, batch, scale), estimate=self._estimate,
+            split=split_rollout_batch, merge=lambda parts: [x for part in parts for x in part],
+            size=count_groups, key=batch.batch_id,
+        )
+
+    async def _train_recovering(
+        self, batch: RolloutBatch, scale: float, piece: RolloutBatch
+    ) -> list[tuple[RolloutBatch, dict[str, float]]]:
+        """Train one admitted piece of ``batch``, halving on OOM (see the module guarantees)."""
+        rec: OomRecovery[RolloutBatch, tuple[RolloutBatch, dict[str, float]]] = OomRecovery(
+            piece, split_rollout_batch, stage=self.guard.stage, size=count_groups)
+        on_event = self.guard.on_oom(batch.batch_id)
+        while (p := rec.next_piece()) is not None:
+            s = scale * compute_piece_weight(p, batch, self.cfg.algorithm.loss_agg)
+            rng = self.engine.get_rng_state()
+            try:
+                metrics = await self.guard.measure(
+                    self._estimate(p), functools.partial(asyncio.to_thread, self.engine.train_micro_batch, p, s))
+            except Exception as exc:
+                if not is_oom_error(exc):
+                    raise
+                event = rec.failed(exc)  # raises OomUnrecoverable for a single group
+            else:
+                rec.succeeded((p, metrics))
+                self._step_pieces.append((p, s))
+                continue
+            # Out of the except block: the error's frames (and the piece's tensors) are gone.
+            await asyncio.to_thread(self._restore_after_oom, rng)
+            on_event(event)
+        done = rec.recovered_event()
+        if done is not None:
+            on_event(done)
+        return rec.results
+
+    def _restore_after_oom(self, rng: bytes) -> None:
+        free_cached_memory()
+        if not self.engine.gradients_tainted:
+            self.engine.set_rng_state(rng)  # as if the failed attempt never ran
+            return
+        self.engine.discard_gradients()
+        self.engine.set_rng_state(self._step_rng)
+        for piece, scale in self._step_pieces:
+            self.engine.train_micro_batch(piece, scale)
 
     async def _drop(self, batch: RolloutBatch, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + batch.num_samples
@@ -96,6 +273,8 @@ class TrainerStage:
     async def _optimizer_step(self) -> None:
         batches, pieces = self._step_batches, self._step_metrics
         self._step_batches, self._step_metrics = [], []
+        layouts, self._step_layouts = self._step_layouts, {}
+        self._step_pieces = []
         staleness, self._step_staleness = self._step_staleness, []
         step_out = await asyncio.to_thread(self.engine.optimizer_step)
         version = self.engine.version
@@ -133,7 +312,7 @@ class TrainerStage:
         }
         await controller.report_step.remote(metrics)
         if self.ctx.recorder is not None:
-            await asyncio.to_thread(self._record_step, step, version, batches, pieces, step_out)
+            await asyncio.to_thread(self._record_step, step, version, batches, pieces, step_out, layouts)
 
     async def _publish(self, version: int) -> float:
         t0 = time.time()
@@ -147,13 +326,19 @@ class TrainerStage:
 
     # ------------------------------------------------------------------ replay support
     def _record_step(self, step: int, version: int, batches: list[RolloutBatch],
-                     pieces: list[dict[str, float]], step_out: dict[str, float]) -> None:
-        loss = float(sum(p["loss"] * b.num_samples / self.step_samples for p, b in zip(pieces, batches, strict=True)))
+                     pieces: list[dict[str, float]], step_out: dict[str, float],
+                     layouts: Mapping[int, list[int]] | None = None) -> None:
+        import torch
+
+        loss = compute_step_loss([p["loss"] for p in pieces], batches, self.step_samples)
         record = StepRecord(
             step=step, policy_version=version, batch_ids=[b.batch_id for b in batches],
             loss=loss, grad_norm=float(step_out["grad_norm"]),
             weights_sha256=self.engine.weights_sha256(),
-            metrics={k: float(v) for k, v in step_out.items()}, rng_state=self._step_rng,
+            # Replay pins the same thread count: summation order can depend on it.
+            metrics={**{k: float(v) for k, v in step_out.items()}, "torch_threads": float(torch.get_num_threads()),
+                     **encode_piece_layout(layouts or {})},
+            rng_state=self._step_rng,
         )
         self.ctx.recorder.write_step(record)
         every = self.cfg.record.state_every
@@ -179,7 +364,8 @@ class TrainerStage:
         return None
 
     def status(self) -> dict[str, Any]:
-        return {"state": "training", "policy_version": self.engine.version, "steps": self.steps_done}
+        return {"state": "training", "policy_version": self.engine.version, "steps": self.steps_done,
+                **self.guard.status()}
 
     def result(self) -> dict[str, Any]:
         return {

@@ -10,19 +10,34 @@ Guarantees:
   generation goes on (in-flight update: tokens sampled afterwards carry the new version);
   the payload's sha256 is checked before applying and the engine's live fingerprint
   after; a mismatch stops the run when ``train.weight_sync_monitor`` is on;
+- at shutdown a worker applies the last published version, so a finished run's workers
+  all serve (and have verified) the final policy;
 - generation for step k waits until this worker serves the newest version the trainer
   will have published by step ``k - max_staleness`` (see ``required_serving_version``),
-  so samples are not produced only to be dropped as stale.
+  so samples are not produced only to be dropped as stale;
+- under ``rollout.memory`` a micro-batch generates only once its KV cache (prompt +
+  ``max_tokens`` per sample, ``estimate_kv_cache_bytes``) fits the worker's KV budget
+  beside the micro-batches already generating here; one that alone exceeds it is split
+  by prompts, the parts generate as they are admitted, and their results are joined back
+  in prompt order into one ``RolloutBatch``: queues carry whole micro-batches only. An
+  out-of-memory error from the backend (HF ``generate``) halves the prompts and retries.
+  The KV budget is ``rollout.kv_cache_gib``, what the CPU engine preallocates (on a GPU
+  set ``rollout.memory.budget_bytes`` to the engine's KV cache).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
 import numpy as np
 
+from pipeline.admission import ModelShape, estimate_kv_cache_bytes, expand_rollout_seq_lens
+from pipeline.memory import run_with_oom_recovery
+from pipeline.memory_guard import MemoryGuard, build_pool_reading, publish_status
+from pipeline.splitting import count_groups, split_prompt_batch
 from pipeline.types import PromptBatch, RolloutBatch
 from pipeline.versions import required_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
@@ -81,6 +96,10 @@ def build_rollout_batch(pb: PromptBatch, results: list[GenerationResult], n: int
     )
 
 
+def _join_results(parts: list[list[GenerationResult]]) -> list[GenerationResult]:
+    return [r for part in parts for r in part]
+
+
 class RolloutStage:
     def __init__(self) -> None:
         self.generated_samples = 0
@@ -104,6 +123,10 @@ class RolloutStage:
         self.backend = build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
         await self.backend.start()
         self.sampling = build_sampling_settings(cfg.rollout, None)
+        hf_config = json.loads((model_path / "config.json").read_text())
+        self.shape = ModelShape.from_hf_config({**hf_config, "torch_dtype": dtype})
+        pool = build_pool_reading(int(cfg.rollout.kv_cache_gib * (1 << 30)))
+        self.guard = MemoryGuard(ctx.name, cfg.rollout.memory, read=lambda: pool, spans=ctx.spans)
         self._version_changed = asyncio.Condition()
         self._applying = asyncio.Lock()  # shutdown waits for an update in progress
         self._watcher = asyncio.create_task(self._watch_weights())
@@ -178,17 +201,36 @@ class RolloutStage:
             raise self._watch_error
         df, tr = self.cfg.dataflow, self.cfg.train
         await self._wait_for_version(required_serving_version(pb.step, df.max_staleness, tr.sync_interval), pb.batch_id)
-        prompt_ids = [self.tokenizer(p.text, add_special_tokens=True)["input_ids"] for p in pb.prompts]
-        results = await self.backend.generate(prompt_ids, self.sampling)
+        ids = {p.prompt_id: self.tokenizer(p.text, add_special_tokens=True)["input_ids"] for p in pb.prompts}
+
+        def estimate(piece: PromptBatch) -> int:
+            lens = [len(ids[p.prompt_id]) for p in piece.prompts]
+            return estimate_kv_cache_bytes(self.shape, sum(expand_rollout_seq_lens(lens, self.sampling.n,
+                                                                                   self.sampling.max_tokens)))
+
+        async def generate(piece: PromptBatch) -> list[GenerationResult]:
+            self.guard.mark_attempt()
+            return await self.backend.generate([ids[p.prompt_id] for p in piece.prompts], self.sampling)
+
+        async def generate_recovering(piece: PromptBatch) -> list[GenerationResult]:
+            if not self.guard.protected:
+                return await generate(piece)
+            return await run_with_oom_recovery(generate, piece, split=split_prompt_batch, merge=_join_results,
+                                               stage=self.guard.stage, size=count_groups,
+                                               on_event=self.guard.on_oom(pb.batch_id))
+
+        results = await self.guard.run(pb, generate_recovering, estimate=estimate, split=split_prompt_batch,
+                                       merge=_join_results, size=count_groups, key=pb.batch_id, concurrent=True)
         batch = build_rollout_batch(pb, results, self.sampling.n, self.pad_id)
         self.generated_samples += batch.num_samples
         self.generated_tokens += batch.completion_tokens
         await self.ctx.controller.record_generated.remote(batch.num_samples)
+        await publish_status(self.ctx, self.status())
         return batch
 
     def status(self) -> dict[str, Any]:
         return {"state": "generating", "policy_version": self.backend.version,
-                "samples": self.generated_samples, "tokens": self.generated_tokens}
+                "samples": self.generated_samples, "tokens": self.generated_tokens, **self.guard.status()}
 
     def result(self) -> dict[str, Any]:
         return {**self.status(), "weight_updates": self.applied}
@@ -196,4 +238,10 @@ class RolloutStage:
     async def shutdown(self) -> None:
         async with self._applying:  # never cancel an update half-applied inside the engine
             self._watcher.cancel()
+        if self._watch_error is None:
+            # End of run: serve the final policy (the last publish lands after the last
+            # generation), so every worker ends on the trainer's version, verified.
+            update, payload = await self.ctx.controller.latest_update.remote()
+            if update is not None and update.version > self.backend.version:
+                await self._apply_locked(update, payload[0])
         await self.backend.shutdown()
