@@ -17,7 +17,7 @@ from pipeline.launch import launch_run
 from pipeline.metrics import read_metrics
 
 QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
-STEPS = 80
+STEPS = 100
 
 
 def _launch(run_dir: Path, *overrides: str) -> tuple[dict, list[dict]]:
