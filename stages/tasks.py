@@ -176,14 +176,14 @@ def load_task(name: str, **kwargs: Any) -> Task:
     """A built-in task by name, or ``module:attr`` naming a task class, a factory (called
     with ``kwargs``) or a ready task object. Raises ``ValueError`` naming ``data.task``."""
     if name in TASKS:
-        return TASKS[name](**kwargs)
+        return _construct(TASKS[name], name, kwargs)
     if ":" not in name:
         raise ValueError(
             f"data.task: unknown task {name!r}; expected one of {', '.join(sorted(TASKS))} "
             f"or 'module:attr'"
         )
     target = import_attr(name, "data.task")
-    task = target(**kwargs) if callable(target) and not _looks_like_task(target) else target
+    task = _construct(target, name, kwargs) if callable(target) and not _looks_like_task(target) else target
     if kwargs and task is target:
         raise ValueError(f"data.task: {name!r} is a task object, it takes no data.task_kwargs")
     if not _looks_like_task(task):
@@ -210,6 +210,13 @@ def import_attr(spec: str, field: str) -> Any:
         except AttributeError:
             raise ValueError(f"{field}: module {module_name!r} has no attribute {attr!r}") from None
     return obj
+
+
+def _construct(factory: Any, name: str, kwargs: dict[str, Any]) -> Any:
+    try:
+        return factory(**kwargs)
+    except TypeError as exc:  # typically an unknown or missing keyword argument
+        raise ValueError(f"data.task_kwargs: cannot build task {name!r} with {kwargs!r} ({exc})") from exc
 
 
 def _looks_like_task(obj: Any) -> bool:

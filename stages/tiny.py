@@ -168,24 +168,33 @@ def ensure_tiny_checkpoint(cfg: TinyModelConfig, cache_dir: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         write_tiny_checkpoint(cfg, tmp)
-        if final.exists() and not is_complete_checkpoint(final):
-            # Left by something other than this function (rename never leaves half a
-            # directory); move it aside atomically so the rename below can succeed.
-            stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.stale.", dir=root))
+        for _ in range(3):  # retries only matter when a damaged directory is being replaced
+            if final.exists() and not is_complete_checkpoint(final):
+                _discard_directory(final, root)
             try:
-                os.replace(final, stale / "old")
+                os.rename(tmp, final)
+                break
             except OSError:
-                pass  # a concurrent caller moved it first
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # A concurrent caller renamed its own copy first: theirs is identical.
-            if not is_complete_checkpoint(final):
-                raise
+                # A concurrent caller renamed its own copy first: theirs is identical.
+                if is_complete_checkpoint(final):
+                    break
+        else:
+            raise RuntimeError(f"could not move the tiny checkpoint into {final}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _discard_directory(path: Path, root: Path) -> None:
+    """Remove a damaged checkpoint dir (left by something other than this module: rename
+    never leaves half a directory), first moving it aside atomically so a concurrent
+    caller never sees it half deleted."""
+    stale = Path(tempfile.mkdtemp(prefix=f".{path.name}.stale.", dir=root))
+    try:
+        os.replace(path, stale / "old")
+    except OSError:
+        pass  # a concurrent caller moved it first
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def resolve_model_path(model_cfg: ModelConfig) -> Path:

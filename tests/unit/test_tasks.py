@@ -79,6 +79,8 @@ def test_task_kwargs_reach_the_task():
     assert all(len(r["prompt"]) == 4 for r in rows)
     with pytest.raises(ValueError, match="min_digits"):
         load_task("copy", min_digits=5, max_digits=2)
+    with pytest.raises(ValueError, match="data.task_kwargs: cannot build task 'add'"):
+        load_task("add", digits=3)
 
 
 def test_load_task_by_import_path(monkeypatch):
