@@ -10,8 +10,9 @@ optimizer step), ``tensorboard/``, ``status.json`` (live, for ``conveyor status`
 and ``recording/`` when edges are tapped.
 
 Each step's metrics carry every stage's latest ``memory/``, ``admission/`` and ``oom/``
-metrics (posted to the controller with ``set_status``; replicas add up), and
-``summary.json`` has their final values per stage under ``admission``.
+metrics (posted to the controller with ``set_status``; counters since the start;
+replicas add up), and ``summary.json`` has their final values per stage under
+``admission``.
 """
 
 from __future__ import annotations

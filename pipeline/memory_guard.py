@@ -5,8 +5,9 @@ loop. Invariants, while ``oom_protection`` is on:
 - work starts only once admitted. A SPLIT decision runs the parts (runs of whole GRPO
   groups, each estimated and admitted on its own, split again if need be) and merges their
   results in the item's order: the stage still emits one whole micro-batch, and every
-  sample is processed exactly once. DEFER waits (``retry_after_s``) and asks again, until
-  ``AdmissionTimeout`` names the stage and the numbers;
+  sample is processed exactly once. DEFER waits and asks again, until ``AdmissionTimeout``
+  names the stage and the numbers: it waits ``retry_after_s`` (memory freed elsewhere) or
+  less, as soon as work of this stage releases its bytes;
 - admitted bytes are released when the work ends, whether it returns or raises;
 - with a fixed ``budget_bytes`` the budget is the stage's *work* budget: readings are
   shifted by what the process holds at rest (measured whenever nothing is in flight), so
@@ -98,6 +99,7 @@ class MemoryGuard:
         self._sleep = sleep
         self._rest: int | None = None
         self._attempt_started = time.time()
+        self._released: asyncio.Event | None = None  # set (and replaced) at each release
 
     @property
     def protected(self) -> bool:
@@ -119,10 +121,28 @@ class MemoryGuard:
                 decision = self.controller.decide(raw_estimate, self.read(), key=key, max_parts=max_parts)
                 if decision.kind is not DecisionKind.DEFER:
                     return decision
-                await self._sleep(decision.retry_after_s)
+                await self._wait(decision.retry_after_s)
         except asyncio.CancelledError:
             self.controller.forget(key)
             raise
+
+    async def _wait(self, seconds: float) -> None:
+        """Until ``seconds`` pass or this stage releases admitted bytes, whichever is first."""
+        if self._released is None:
+            self._released = asyncio.Event()
+        released = asyncio.ensure_future(self._released.wait())
+        timer = asyncio.ensure_future(self._sleep(seconds))
+        try:
+            await asyncio.wait({released, timer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            released.cancel()
+            timer.cancel()
+
+    def _release(self, nbytes: int) -> None:
+        self.controller.release(nbytes)
+        if self._released is not None:
+            event, self._released = self._released, None
+            event.set()  # every item waiting now asks again
 
     async def run(
         self,
@@ -157,7 +177,7 @@ class MemoryGuard:
         try:
             return await work(item)
         finally:
-            self.controller.release(decision.bytes)
+            self._release(decision.bytes)
 
     async def measure(self, raw_estimate: int, compute: Callable[[], Awaitable[R]]) -> R:
         """Await ``compute()`` inside a peak window and teach the calibration the peak

@@ -182,8 +182,12 @@ class StageActor:
                 slots.release()
                 self.spans.add("wait_input", t0, time.time())
                 break
+            t1 = time.time()
             item = await ref
-            self.spans.add("wait_input", t0, time.time(), getattr(item, "batch_id", -1))
+            batch_id = getattr(item, "batch_id", -1)
+            # Waiting for an item and moving it are told apart: "transfer" is the hop's cost.
+            self.spans.add("wait_input", t0, t1, batch_id)
+            self.spans.add("transfer", t1, time.time(), batch_id)
             self._record_input(item)
             if self.concurrency == 1:
                 await self._handle(item, outs)
@@ -205,7 +209,8 @@ class StageActor:
             await self._emit(o, outs)
 
     async def _emit(self, item: Any, outs: list[QueueHandle]) -> list[ray.ObjectRef]:
-        ref = ray.put(item)
+        with self.spans.span("transfer", batch_id=getattr(item, "batch_id", -1)):
+            ref = ray.put(item)
         self._emitted += 1
         for out in outs:
             with self.spans.span("wait_output", batch_id=getattr(item, "batch_id", -1)):

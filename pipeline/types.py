@@ -109,7 +109,8 @@ class WeightUpdate(msgspec.Struct, **_wire):
 
 
 class Span(msgspec.Struct, **_wire):
-    """A period one stage spent in one state: busy, wait_input, wait_output, sync, oom."""
+    """A period one stage spent in one state: busy, wait_input, wait_output, transfer
+    (moving an item through the object store), sync (weights) or oom (recovering)."""
 
     stage: str
     kind: str

@@ -13,6 +13,11 @@ Guarantees:
   piece, memory-bounding chunks are weighted so that chunking never changes the loss.
   With ``scale_k`` from ``compute_piece_scale`` the split of a micro-batch into pieces
   never changes the update either (up to float rounding).
+- A ``train_micro_batch`` call that raises after its first backward began leaves
+  ``gradients_tainted`` set: the accumulated gradients then hold part of a piece, and
+  ``optimizer_step`` refuses to apply them until ``discard_gradients`` (after which the
+  caller re-accumulates the step's pieces). A call that raises before any backward
+  leaves the gradients as they were.
 - Weights leave the engine under their Hugging Face names (as in the checkpoint), on CPU,
   in the rollout dtype, tied parameters once; ``weights_sha256`` is the sha256 of exactly
   the bytes ``export_weights`` ships.
@@ -190,6 +195,7 @@ class TrainerEngine:
         self.chunk_size = chunk_size
         self.version = 0
         self._pieces = 0  # backward passes since the last optimizer step
+        self.gradients_tainted = False  # a failed call accumulated part of its piece
 
         random.seed(seed)
         np.random.seed(seed)
@@ -233,28 +239,34 @@ class TrainerEngine:
         weights = compute_chunk_weights(completion_mask, bounds, self.algo.loss_agg)
         totals: dict[str, float] = {}
         loss_total = 0.0
-        for (a, b), weight in zip(bounds, weights, strict=True):
-            logprobs = forward_completion_logprobs(
-                self.engine, input_ids[a:b], attention_mask[a:b], completion_mask[a:b], positions[a:b],
-                temperature=self.temperature, use_logits_to_keep=self._keep,
-            )
-            device = logprobs.device
-            loss, metrics = compute_policy_loss(
-                logprobs, old[a:b].to(device), advantages[a:b].to(device), completion_mask[a:b].to(device),
-                clip_eps_low=self.algo.clip_eps_low, clip_eps_high=self.algo.clip_eps_high,
-                loss_agg=self.algo.loss_agg, ref_logprobs=None if ref is None else ref[a:b].to(device),
-                kl_coef=kl_coef, kl_estimator=self.algo.kl_estimator,
-            )
-            # Backward per chunk frees its activations before the next forward: memory
-            # is bounded by one chunk. A zero-weight chunk (no valid token) adds zeros.
-            self.engine.backward(loss * (weight * scale), scale_wrt_gas=False)
-            loss_total += weight * float(loss.detach())
-            for key, value in metrics.items():
-                value = float(value)
-                if key.endswith("_max"):
-                    totals[key] = max(totals.get(key, -math.inf), value)
-                else:
-                    totals[key] = totals.get(key, 0.0) + weight * value
+        began = False  # set before a backward: one that fails midway has already written part
+        try:
+            for (a, b), weight in zip(bounds, weights, strict=True):
+                logprobs = forward_completion_logprobs(
+                    self.engine, input_ids[a:b], attention_mask[a:b], completion_mask[a:b], positions[a:b],
+                    temperature=self.temperature, use_logits_to_keep=self._keep,
+                )
+                device = logprobs.device
+                loss, metrics = compute_policy_loss(
+                    logprobs, old[a:b].to(device), advantages[a:b].to(device), completion_mask[a:b].to(device),
+                    clip_eps_low=self.algo.clip_eps_low, clip_eps_high=self.algo.clip_eps_high,
+                    loss_agg=self.algo.loss_agg, ref_logprobs=None if ref is None else ref[a:b].to(device),
+                    kl_coef=kl_coef, kl_estimator=self.algo.kl_estimator,
+                )
+                # Backward per chunk frees its activations before the next forward: memory
+                # is bounded by one chunk. A zero-weight chunk (no valid token) adds zeros.
+                began = True
+                self.engine.backward(loss * (weight * scale), scale_wrt_gas=False)
+                loss_total += weight * float(loss.detach())
+                for key, value in metrics.items():
+                    value = float(value)
+                    if key.endswith("_max"):
+                        totals[key] = max(totals.get(key, -math.inf), value)
+                    else:
+                        totals[key] = totals.get(key, 0.0) + weight * value
+        except BaseException:
+            self.gradients_tainted = self.gradients_tainted or began
+            raise
         self._pieces += 1
         return {
             "loss": loss_total,
@@ -270,6 +282,11 @@ class TrainerEngine:
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step, zero the gradients; bump ``version``. Returns the pre-clip
         ``grad_norm``, the ``lr`` used and the number of pieces accumulated."""
+        if self.gradients_tainted:
+            raise RuntimeError(
+                "optimizer_step: the gradients hold part of a piece whose training failed; "
+                "discard_gradients() and train the step's pieces again first"
+            )
         if self._pieces == 0:
             raise RuntimeError("optimizer_step: no micro-batch was trained since the last step")
         # torch AdamW under ZeRO 0 does not record the norm; ZeRO and the bf16/fp16
@@ -288,6 +305,11 @@ class TrainerEngine:
             "skipped": float(self.engine.skipped_steps - skipped_before),
         }
 
+    def discard_gradients(self) -> None:
+        """Drop every gradient accumulated since the last optimizer step (the caller
+        re-accumulates the step's pieces); clears ``gradients_tainted``."""
+        self._discard_gradients()
+
     def _discard_gradients(self) -> None:
         # ZeRO keeps gradients in its own buffers; its zero_grad clears those too.
         if self.engine.zero_optimization():
@@ -295,6 +317,7 @@ class TrainerEngine:
         else:
             self.engine.zero_grad()
         self._pieces = 0
+        self.gradients_tainted = False
 
     def _compute_grad_norm(self) -> float:
         """Global L2 norm of the accumulated gradients (float64 sum of squares)."""

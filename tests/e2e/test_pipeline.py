@@ -34,7 +34,7 @@ def streaming_run(ray_cluster, tmp_path_factory):
 
 
 def test_reward_rises(streaming_run):
-    _, summary, rows = streaming_run
+    _, _, rows = streaming_run
     rewards = np.array([r["reward/mean"] for r in rows])
     first, last = rewards[:10].mean(), rewards[-10:].mean()
     print(f"reward first 10 steps {first:.3f}, last 10 steps {last:.3f}")

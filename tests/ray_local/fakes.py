@@ -1,7 +1,8 @@
 """Fake stage cores for the Ray tier: they sleep instead of computing.
 
 Named fakes on purpose: they exist only to prove the plumbing (queues, ordering,
-backpressure, failure, overlap) without models. Items are ``FakeItem``s.
+backpressure, failure, overlap) without models. Items are ``FakeItem``s, except for the
+memory fakes at the end, which carry real ``RolloutBatch``es.
 """
 
 from __future__ import annotations
@@ -9,8 +10,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
+import numpy as np
+
+from pipeline.config import MemoryConfig
+from pipeline.memory import run_with_oom_recovery
+from pipeline.memory_guard import MemoryGuard, publish_status
+from pipeline.splitting import count_groups, merge_rollout_batches, split_rollout_batch
+from pipeline.types import Prompt, RolloutBatch
 
 
 class FakeItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,3 +79,146 @@ class FakeSink(FakeStage):
 
     def result(self) -> list[tuple[str, int, tuple[str, ...]]]:
         return self.arrived
+
+
+# ----------------------------------------------------------- memory: admission and OOM
+# Fakes for the admission/OOM tests: real ``RolloutBatch`` items, the real ``MemoryGuard``
+# and recovery drivers; only the compute is fake (it "runs out of memory" by rule).
+
+
+def make_fake_rollout_batch(batch_id: int, num_groups: int, group_size: int = 2) -> RolloutBatch:
+    """``num_groups`` groups of ``group_size`` samples, ids ``b<batch>/g<group>/<k>``,
+    prompts of 1..3 tokens and completions of 1..4 (right-padded with 0)."""
+    n = num_groups * group_size
+    plens = np.array([1 + (i // group_size) % 3 for i in range(n)], np.int32)
+    clens = np.array([1 + i % 4 for i in range(n)], np.int32)
+    cmask = np.arange(clens.max())[None, :] < clens[:, None]
+    return RolloutBatch(
+        batch_id=batch_id, step=batch_id, group_size=group_size, policy_version=0,
+        prompts=[Prompt(prompt_id=f"b{batch_id}/g{g}", text=f"q{g}") for g in range(num_groups)],
+        sample_ids=[f"b{batch_id}/g{i // group_size}/{i % group_size}" for i in range(n)],
+        prompt_ids=np.where(np.arange(plens.max())[None, :] < plens[:, None], 5, 0).astype(np.int32),
+        prompt_lens=plens,
+        completion_ids=np.where(cmask, 7, 0).astype(np.int32), completion_lens=clens,
+        completions=["c"] * n, behaviour_logprobs=np.where(cmask, -0.5, 0).astype(np.float32),
+        token_versions=np.zeros(cmask.shape, np.int32), finish_reasons=["length"] * n,
+        rewards=np.arange(n, dtype=np.float32),
+    )
+
+
+class FakeGroupSource:
+    """Yields ``count`` fake rollout batches of ``groups`` GRPO groups each."""
+
+    def __init__(self, count: int, groups: int = 4, group_size: int = 2) -> None:
+        self.count, self.groups, self.group_size = count, groups, group_size
+
+    async def generate(self) -> AsyncIterator[RolloutBatch]:
+        for i in range(self.count):
+            yield make_fake_rollout_batch(i, self.groups, self.group_size)
+
+
+class FakeOomStage:
+    """A scoring stage under the real ``MemoryGuard`` whose fake compute raises a CUDA
+    out-of-memory error whenever a piece holds more than ``max_groups`` groups.
+    Estimates ``bytes_per_group`` per group; ``memory`` is its ``MemoryConfig`` fields."""
+
+    def __init__(self, max_groups: int, bytes_per_group: int = 1 << 20, memory: dict[str, Any] | None = None) -> None:
+        self.max_groups, self.bytes_per_group = max_groups, bytes_per_group
+        self.memory = MemoryConfig(**(memory or {}))
+        self.attempts: list[int] = []  # groups per compute call, in order
+
+    async def setup(self, ctx) -> None:
+        self.ctx = ctx
+        self.guard = MemoryGuard(ctx.name, self.memory, spans=ctx.spans)
+
+    async def process(self, batch: RolloutBatch) -> RolloutBatch:
+        out = await self.guard.run(
+            batch, self._recovering, estimate=lambda b: self.bytes_per_group * count_groups(b),
+            split=split_rollout_batch, merge=merge_rollout_batches, size=count_groups, key=batch.batch_id,
+        )
+        await publish_status(self.ctx, self.status())
+        return out
+
+    async def _recovering(self, piece: RolloutBatch) -> RolloutBatch:
+        return await run_with_oom_recovery(
+            self._compute, piece, split=split_rollout_batch, merge=merge_rollout_batches, stage=self.guard.stage,
+            size=count_groups, on_event=self.guard.on_oom(piece.batch_id),
+        )
+
+    def _compute(self, piece: RolloutBatch) -> RolloutBatch:  # runs in a worker thread
+        groups = count_groups(piece)
+        self.attempts.append(groups)
+        if groups > self.max_groups:
+            raise RuntimeError(f"CUDA out of memory. Tried to allocate 2.00 GiB (fake: {groups} groups "
+                               f"> {self.max_groups})")
+        return msgspec.structs.replace(piece, ref_logprobs=np.where(piece.completion_ids > 0, -1.0, 0).astype(np.float32))
+
+    def status(self) -> dict[str, Any]:
+        return {"state": "scoring", **self.guard.status()}
+
+    def result(self) -> dict[str, Any]:
+        return {"attempts": self.attempts, **self.guard.metrics()}
+
+
+class FakeSampleSink:
+    """Records each arriving micro-batch: (batch_id, sample ids, all ref log-probs set)."""
+
+    def __init__(self) -> None:
+        self.arrived: list[tuple[int, list[str], bool]] = []
+
+    async def process(self, batch: RolloutBatch) -> None:
+        scored = batch.ref_logprobs is not None and bool(
+            np.all((batch.ref_logprobs == -1.0) == (np.arange(batch.completion_ids.shape[1]) < batch.completion_lens[:, None])))
+        self.arrived.append((batch.batch_id, list(batch.sample_ids), scored))
+
+    def result(self) -> list[tuple[int, list[str], bool]]:
+        return self.arrived
+
+
+class FakeOomAfterCall:
+    """Wraps a callable (the trainer's DeepSpeed ``backward``); on the call numbers in
+    ``fail_on`` (1-based) it runs the real call first, then raises a CUDA out-of-memory
+    error: the failure leaves that call's gradients half-accumulated, as a real OOM in
+    the middle of a micro-batch would."""
+
+    def __init__(self, real: Any, fail_on: set[int]) -> None:
+        self.real, self.fail_on, self.calls = real, set(fail_on), 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        out = self.real(*args, **kwargs)
+        if self.calls in self.fail_on:
+            raise RuntimeError(f"CUDA out of memory. Tried to allocate 1.00 GiB (fake, call {self.calls})")
+        return out
+
+
+class _FakeRemote:
+    def __init__(self, calls: list[tuple[str, tuple[Any, ...]]], name: str) -> None:
+        self.calls, self.name = calls, name
+
+    async def remote(self, *args: Any) -> None:
+        self.calls.append((self.name, args))
+
+
+class FakeControllerHandle:
+    """``ctx.controller.<method>.remote(...)`` without Ray: records the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> _FakeRemote:
+        return _FakeRemote(self.calls, name)
+
+
+class FakeStageContext:
+    """What ``StageActor`` gives a core, without Ray (real spans and logger)."""
+
+    def __init__(self, name: str, config: Any) -> None:
+        from pipeline.log import get_logger
+        from pipeline.profiler import SpanRecorder
+
+        self.name, self.replica, self.worker_id, self.config = name, 0, f"{name}:0", config
+        self.controller = FakeControllerHandle()
+        self.spans = SpanRecorder(stage=name)
+        self.log = get_logger(stage=name)
+        self.recorder: Any = None
