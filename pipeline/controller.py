@@ -118,7 +118,8 @@ class ControllerActor:
         lag = time.time() - self._published_at.get(version, time.time())
         self._served[worker] = {"version": version, "fingerprint": list(fingerprint), "ok": ok}
         self._sync_log.append(
-            {"worker": worker, "version": version, "ok": ok, "apply_s": seconds, "publish_to_serve_s": lag}
+            {"worker": worker, "version": version, "ok": ok, "apply_s": seconds, "publish_to_serve_s": lag,
+             "time": time.time()}
         )
 
     def served_versions(self) -> dict[str, dict[str, Any]]:

@@ -31,7 +31,9 @@ from pipeline.log import configure_logging, get_logger
 from pipeline.memory_guard import merge_guard_metrics
 from pipeline.metrics import MetricsWriter, write_summary
 from pipeline.profiler import (
+    GpuSampler,
     aggregate_spans,
+    compute_overhead_metrics,
     compute_stage_metrics,
     format_summary_table,
     plot_timeline,
@@ -96,29 +98,40 @@ class Reporter:
         self.last_drain: dict[str, Any] = {}
         self._last_step_end: float | None = None  # the first window opens at the first span
         self._progress = _Progress(cfg.run.steps) if cfg.run.progress else None
+        self._recent: list[Any] = []
+        self._gpu = GpuSampler()
         self.started = time.time()
 
     async def __call__(self, graph: Graph) -> None:
         drain = await graph.controller.drain.remote()
         self.last_drain = drain
         self.syncs.extend(drain["syncs"])
-        new_spans = await graph.collect_spans()
-        del new_spans  # kept on the graph; aggregated per step window below
+        # Only spans that can still overlap a future step window are kept here (the graph
+        # keeps a bounded history for the trace), so a tick costs O(new spans).
+        self._recent.extend(await graph.collect_spans())
         queues = await graph.queue_stats() if drain["steps"] else {}
-        if self._last_step_end is None and graph.spans:
-            self._last_step_end = min(s.start for s in graph.spans)
+        if self._last_step_end is None and self._recent:
+            self._last_step_end = min(s.start for s in self._recent)
         for step in drain["steps"]:
             end = step.get("time", time.time())
             self._last_step_end = self._last_step_end or end
-            agg = aggregate_spans([s for s in graph.spans if s.end >= self._last_step_end], (self._last_step_end, end))
+            agg = aggregate_spans(self._recent, (self._last_step_end, end))
             metrics = dict(step)
             metrics.update(compute_stage_metrics(agg))
+            metrics.update(compute_overhead_metrics(agg))
+            step_s = float(step.get("time/step_s") or 0.0)
+            if step_s > 0:
+                metrics["throughput/samples_per_s"] = self.cfg.train.prompts_per_step * self.cfg.rollout.n / step_s
+            gpu = self._gpu.sample()
+            if gpu is not None:
+                metrics["perf/gpu_util"] = gpu
             for name, q in queues.items():
                 metrics[f"queue/{name}/depth"] = q["depth"]
                 metrics[f"queue/{name}/mean_depth"] = q["mean_depth"]
             metrics["samples/in_flight"] = drain["ledger"]["in_flight"] * self.cfg.rollout.n
             metrics.update(merge_guard_metrics(drain["status"]))
             self._last_step_end = end
+            self._recent = [sp for sp in self._recent if sp.end > end]
             self.writer.log(int(step["step"]), {k: v for k, v in metrics.items()
                                                 if _is_number(v) and k not in ("step", "time")})
             self.steps.append(metrics)

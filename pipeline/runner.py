@@ -18,6 +18,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from pipeline.stage import StageActor, StageError
 from pipeline.types import Span
 
 log = get_logger(stage="driver")
+MAX_TRACE_SPANS = 500_000
 
 
 @dataclass
@@ -57,7 +59,8 @@ class Graph:
     controller: Any
     actors: dict[str, list[Any]]
     queues: dict[str, QueueHandle]
-    spans: list[Span] = field(default_factory=list)
+    # The trace keeps the latest spans only, so a long run's driver memory stays bounded.
+    spans: collections.deque[Span] = field(default_factory=lambda: collections.deque(maxlen=MAX_TRACE_SPANS))
 
     async def collect_spans(self) -> list[Span]:
         calls = [a.drain_spans.remote() for reps in self.actors.values() for a in reps]
@@ -213,7 +216,7 @@ async def _run(
         reports=reports,
         queues=queues,
         controller=await controller.summary.remote(),
-        spans=graph.spans,
+        spans=list(graph.spans),
     )
     await _teardown(graph)
     return result
