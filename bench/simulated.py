@@ -1,0 +1,292 @@
+"""Simulated stage cores for the overlap benchmark: the real control plane, no models.
+
+These are simulations for benchmarking, not fakes that stand in for real stages in a
+user's flow. They run inside the real ``StageActor`` shells, on real bounded queues,
+and use the controller exactly as the real stages do:
+
+- ``SimulatedSource`` obtains room from the ledger (``admit_prompts``) and stops when it
+  answers (0, -1);
+- ``SimulatedRollout`` applies every published ``WeightUpdate`` as soon as it appears
+  (a watcher task, as ``stages.rollout.stage.RolloutStage`` does), confirms it, and
+  holds generation for step k until it serves ``required_serving_version`` (the
+  staleness economy); it tags each micro-batch with the version it served when it began;
+- ``SimulatedScorer`` (reward, reference) only takes time;
+- ``SimulatedTrainer`` applies the staleness gate (``is_too_stale``), reports trained and
+  dropped prompts and its version to the controller, and publishes a ``WeightUpdate``
+  with a small payload ``ObjectRef`` every ``sync_interval`` steps.
+
+Compute is a wait in a thread (``asyncio.to_thread(time.sleep, d)``), as real compute
+runs off the event loop. Durations follow ``GenerationLengths``: per-sample completion
+lengths are lognormal (long-tailed) and clipped to ``max_tokens``; the rollout of a
+micro-batch lasts as long as its longest sample, the other stages in proportion to its
+total tokens; each stage is scaled so its *mean* micro-batch time is ``mean_s``.
+
+Each core measures its own compute seconds (the wait, as seen by the core), which the
+benchmark uses for the ideal bound: that is the time a perfect control plane would need.
+With ``exclusive=True`` a core computes one item at a time under a lock even when the
+shell runs several ``process`` calls at once (``concurrency > 1``), so the extra calls
+only read ahead their inputs and write behind their outputs: one device, hidden hops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import ray
+
+from pipeline.types import WeightUpdate
+from pipeline.versions import compute_staleness, is_too_stale
+from stages.rollout.stage import required_serving_version
+
+
+class GenerationLengths(msgspec.Struct, frozen=True, kw_only=True):
+    """Completion lengths of one micro-batch: ``samples`` lognormal draws (median
+    ``median_tokens``, log-sd ``sigma``) rounded and clipped to [1, ``max_tokens``]."""
+
+    samples: int = 32
+    median_tokens: float = 200.0
+    sigma: float = 0.8
+    max_tokens: int = 1024
+
+    def sample(self, rng: np.random.Generator) -> np.ndarray:
+        if self.sigma == 0:
+            return np.full(self.samples, min(self.max_tokens, max(1, round(self.median_tokens))), dtype=np.int32)
+        raw = rng.lognormal(np.log(self.median_tokens), self.sigma, size=self.samples)
+        return np.clip(np.rint(raw), 1, self.max_tokens).astype(np.int32)
+
+    def expected(self, draws: int = 4000) -> tuple[float, float]:
+        """(mean longest sample, mean total tokens) of a micro-batch, by a fixed-seed
+        Monte Carlo estimate (deterministic: every actor scales by the same numbers)."""
+        rng = np.random.default_rng(12345)
+        batches = [self.sample(rng) for _ in range(draws)]
+        return float(np.mean([b.max() for b in batches])), float(np.mean([b.sum() for b in batches]))
+
+
+class SimBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """A simulated micro-batch: ``prompts`` prompts destined for optimizer ``step``;
+    after the rollout, the per-sample ``lengths``, the ``policy_version`` it was generated
+    with and a ``payload`` standing for its token arrays."""
+
+    batch_id: int
+    step: int
+    prompts: int
+    policy_version: int = -1
+    lengths: np.ndarray | None = None
+    payload: np.ndarray | None = None
+
+
+class _Timed:
+    """Compute-time bookkeeping shared by the simulated cores."""
+
+    def __init__(self, mean_s: float, exclusive: bool) -> None:
+        if mean_s < 0:
+            raise ValueError(f"mean_s: expected >= 0, got {mean_s}")
+        self.mean_s = mean_s
+        self.compute_s = 0.0
+        self.items = 0
+        self.done_at: list[float] = []  # time.time() at the end of each item's compute
+        self._lock = asyncio.Lock() if exclusive else None
+
+    def section(self) -> Any:
+        """The critical section of one item: a FIFO lock when exclusive, else nothing.
+        Everything that must see the previous item's effects (the trainer's version, the
+        rollout's served version) happens inside it."""
+        return self._lock if self._lock is not None else contextlib.nullcontext()
+
+    async def compute(self, seconds: float) -> None:
+        t0 = time.perf_counter()
+        if seconds > 0:
+            await asyncio.to_thread(time.sleep, seconds)
+        self.compute_s += time.perf_counter() - t0
+        self.items += 1
+        self.done_at.append(time.time())
+
+    def timing(self) -> dict[str, Any]:
+        return {"mean_s": self.mean_s, "compute_s": self.compute_s, "items": self.items,
+                "compute_s_per_item": self.compute_s / self.items if self.items else 0.0,
+                "done_at": list(self.done_at)}
+
+
+class SimulatedSource:
+    """Emits ``prompts_per_micro_batch`` prompts per micro-batch while the ledger grants room."""
+
+    def __init__(self, prompts_per_micro_batch: int = 4) -> None:
+        self.per_batch = prompts_per_micro_batch
+        self.emitted = 0
+
+    async def setup(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    async def generate(self) -> AsyncIterator[SimBatch]:
+        batch_id = 0
+        while True:
+            granted, step = await self.ctx.controller.admit_prompts.remote(self.per_batch)
+            if granted == 0:
+                return
+            self.emitted += 1
+            yield SimBatch(batch_id=batch_id, step=step, prompts=granted)
+            batch_id += 1
+
+    def result(self) -> dict[str, Any]:
+        return {"micro_batches": self.emitted}
+
+
+class SimulatedRollout:
+    """Generates for ``mean_s`` on average (longest sample of lognormal lengths)."""
+
+    def __init__(
+        self, mean_s: float, lengths: GenerationLengths, max_staleness: int, sync_interval: int = 1,
+        apply_s: float = 0.0, payload_bytes: int = 0, exclusive: bool = False, seed: int = 0,
+    ) -> None:
+        self.timed = _Timed(mean_s, exclusive)
+        self.lengths = lengths
+        self.max_staleness = max_staleness
+        self.sync_interval = sync_interval
+        self.apply_s = apply_s
+        self.payload_bytes = payload_bytes
+        self.seed = seed
+        self.version = 0
+        self.version_wait_s = 0.0
+        self.applied: list[float] = []
+        self._watch_error: BaseException | None = None
+
+    async def setup(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.rng = np.random.default_rng(self.seed + 1000 * ctx.replica)
+        self.mean_max, _ = self.lengths.expected()
+        self._changed = asyncio.Condition()
+        self._watcher = asyncio.create_task(self._watch_weights())
+
+    async def _watch_weights(self) -> None:
+        try:
+            while True:
+                update, payload = await self.ctx.controller.wait_for_update.remote(self.version, None)
+                if update is None:
+                    return  # the run is stopping
+                t0 = time.time()
+                with self.ctx.spans.span("sync"):
+                    data = await payload[0]  # fetch it, as a real worker must
+                    if hashlib.sha256(data).hexdigest() != update.sha256:
+                        raise RuntimeError(f"weights v{update.version}: sha256 mismatch")
+                    if self.apply_s > 0:
+                        await asyncio.to_thread(time.sleep, self.apply_s)
+                seconds = time.time() - t0
+                await self.ctx.controller.confirm.remote(
+                    self.ctx.worker_id, update.version, update.fingerprint, True, seconds)
+                self.applied.append(seconds)
+                async with self._changed:
+                    self.version = update.version
+                    self._changed.notify_all()
+        except BaseException as exc:
+            self._watch_error = exc
+            async with self._changed:
+                self._changed.notify_all()
+            raise
+
+    async def process(self, b: SimBatch) -> SimBatch:
+        async with self.timed.section():
+            need = required_serving_version(b.step, self.max_staleness, self.sync_interval)
+            if self.version < need:
+                t0 = time.perf_counter()
+                async with self._changed:
+                    await self._changed.wait_for(lambda: self.version >= need or self._watch_error is not None)
+                self.version_wait_s += time.perf_counter() - t0
+            if self._watch_error is not None:
+                raise self._watch_error
+            version = self.version  # the oldest version any of its tokens can carry
+            lengths = self.lengths.sample(self.rng)
+            await self.timed.compute(self.timed.mean_s * float(lengths.max()) / self.mean_max)
+        payload = np.zeros(self.payload_bytes, dtype=np.uint8) if self.payload_bytes else None
+        return msgspec.structs.replace(b, policy_version=version, lengths=lengths, payload=payload)
+
+    def result(self) -> dict[str, Any]:
+        return {**self.timed.timing(), "version_wait_s": self.version_wait_s,
+                "weight_updates": len(self.applied), "apply_s_total": float(sum(self.applied))}
+
+    async def shutdown(self) -> None:
+        self._watcher.cancel()
+
+
+class SimulatedScorer:
+    """Reward or reference: takes ``mean_s`` on average, in proportion to the batch's tokens."""
+
+    def __init__(self, mean_s: float, lengths: GenerationLengths, exclusive: bool = False) -> None:
+        self.timed = _Timed(mean_s, exclusive)
+        self.mean_total = lengths.expected()[1]
+
+    async def process(self, b: SimBatch) -> SimBatch:
+        tokens = float(b.lengths.sum()) if b.lengths is not None else self.mean_total
+        async with self.timed.section():
+            await self.timed.compute(self.timed.mean_s * tokens / self.mean_total)
+        return b
+
+    def result(self) -> dict[str, Any]:
+        return self.timed.timing()
+
+
+class SimulatedTrainer:
+    """Trains for ``mean_s`` on average per micro-batch; one optimizer step (one policy
+    version) per ``prompts_per_step`` prompts; publishes ``weight_bytes`` of weights."""
+
+    def __init__(
+        self, mean_s: float, lengths: GenerationLengths, max_staleness: int, prompts_per_step: int,
+        sync_interval: int = 1, weight_bytes: int = 4096, exclusive: bool = False,
+    ) -> None:
+        self.timed = _Timed(mean_s, exclusive)
+        self.mean_total = lengths.expected()[1]
+        self.max_staleness = max_staleness
+        self.prompts_per_step = prompts_per_step
+        self.sync_interval = sync_interval
+        self.version = 0
+        self.step_prompts = 0
+        self.dropped_batches = 0
+        self.staleness: dict[int, int] = {}
+        self.publish_s = 0.0
+        self._weights = np.random.default_rng(0).integers(0, 255, weight_bytes, dtype=np.uint8).tobytes()
+        self._sha = hashlib.sha256(self._weights).hexdigest()
+
+    async def setup(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    async def process(self, b: SimBatch) -> None:
+        async with self.timed.section():
+            await self._train(b)
+
+    async def _train(self, b: SimBatch) -> None:
+        controller = self.ctx.controller
+        if is_too_stale(self.version, b.policy_version, self.max_staleness):
+            self.dropped_batches += 1
+            await controller.record_dropped.remote(b.prompts, "stale")
+            return None
+        k = compute_staleness(self.version, b.policy_version)
+        self.staleness[k] = self.staleness.get(k, 0) + 1
+        tokens = float(b.lengths.sum()) if b.lengths is not None else self.mean_total
+        await self.timed.compute(self.timed.mean_s * tokens / self.mean_total)
+        self.step_prompts += b.prompts
+        if self.step_prompts >= self.prompts_per_step:
+            trained, self.step_prompts = self.step_prompts, 0
+            self.version += 1
+            await controller.record_trained.remote(trained)
+            await controller.set_trainer_version.remote(self.version)
+            if self.version % self.sync_interval == 0:
+                await self._publish()
+        return None
+
+    async def _publish(self) -> None:
+        t0 = time.time()
+        with self.ctx.spans.span("sync"):
+            update = WeightUpdate(version=self.version, sha256=self._sha, fingerprint=(0.0, 0.0),
+                                  num_bytes=len(self._weights))
+            await self.ctx.controller.publish.remote(update, [ray.put(self._weights)])
+        self.publish_s += time.time() - t0
+
+    def result(self) -> dict[str, Any]:
+        return {**self.timed.timing(), "steps": self.version, "dropped_batches": self.dropped_batches,
+                "staleness_hist": dict(sorted(self.staleness.items())), "publish_s_total": self.publish_s}

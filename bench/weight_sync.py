@@ -1,0 +1,260 @@
+"""Weight sync: publish-and-apply time into a real vLLM rollout worker, beside its bound.
+
+Measures, for random-init Llama models of about 1M, 10M and 50M parameters (head_dim 64,
+the char tokenizer of ``stages.tiny``, float32, written to a temporary directory):
+
+- publish: what the trainer does per version (``TrainerEngine.export_weights``):
+  ``pipeline.weights.serialize_weights`` of the state dict, its sha256 and its
+  fingerprint, each timed;
+- apply: ``VLLMBackend.update_weights(bytes, version)`` on a started engine (pause, ship
+  the bytes to the engine process, deserialize, load in place, read the live weights back,
+  verify the fingerprint, relabel, resume);
+- the lower bound, measured in the same run: the payload's bytes / ``np.copyto``
+  bandwidth (one copy of the weights);
+- where apply's time goes, measured inside the vLLM worker by a probe extension
+  (``TimedWeightSyncExtension``): shipping the bytes to the worker process, deserialize,
+  fingerprint of the payload, ``reload_weights``, fingerprint of the live weights.
+
+Medians are the figures; the best of the repeats is kept too (the machine may be shared,
+and contention only ever adds time).
+
+A straight line fitted through (bytes, publish + apply) over the models gives the fixed
+cost (its intercept: pause/resume, calls, process hops) and the per-byte cost as a
+number of one-copy equivalents (slope x memcpy bandwidth). Target: within 3x of the bound
+plus a fixed cost, i.e. ``copies_per_byte <= 3``.
+
+Writes ``weight_sync.json`` and ``weight_sync.png``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import fit_line, measure_memcpy_bandwidth, new_figure, print_ratios, save_figure, summarize, write_result
+from pipeline.config import RolloutConfig, TinyModelConfig
+from stages.rollout.vllm_worker_ext import WeightSyncExtension
+
+# name -> (hidden, intermediate, layers); heads = hidden / 64, untied embeddings.
+MODELS: dict[str, tuple[int, int, int]] = {"1M": (128, 512, 4), "10M": (256, 1024, 10), "50M": (512, 2048, 12)}
+QUICK_MODELS: dict[str, tuple[int, int, int]] = {"0.2M": (64, 256, 2)}
+
+
+class TimedWeightSyncExtension(WeightSyncExtension):
+    """The production worker extension plus two probes, for the breakdown only: the timed
+    ``update_weights`` path still calls the inherited ``apply_weights`` unchanged."""
+
+    def receive_bytes(self, data: bytes) -> float:
+        """Arrival time of ``data`` in the worker process (its shipping cost)."""
+        return time.time()
+
+    def timed_apply(self, data: bytes) -> dict[str, float]:
+        """``apply_weights`` step by step, each timed, in the worker."""
+        import torch
+
+        from pipeline.weights import compute_fingerprint, deserialize_weights
+
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        weights = deserialize_weights(data)
+        t1 = time.perf_counter()
+        dtype: torch.dtype = runner.model_config.dtype
+        compute_fingerprint(weights.values(), dtype=dtype)
+        t2 = time.perf_counter()
+        runner.reload_weights(weights_iterator=iter(weights.items()))
+        t3 = time.perf_counter()
+        self.fingerprint()
+        t4 = time.perf_counter()
+        return {"deserialize_s": t1 - t0, "payload_fingerprint_s": t2 - t1, "reload_s": t3 - t2,
+                "live_fingerprint_s": t4 - t3}
+
+
+def build_model_config(hidden: int, intermediate: int, layers: int) -> TinyModelConfig:
+    heads = max(1, hidden // 64)
+    return TinyModelConfig(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads,
+                           head_dim=64, intermediate_size=intermediate, max_position_embeddings=256, seed=0)
+
+
+def _time(fn: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+async def measure_model(name: str, shape: tuple[int, int, int], root: Path, repeats: int) -> dict[str, Any]:
+    import torch
+
+    from pipeline.weights import compute_fingerprint, compute_sha256, serialize_weights
+    from stages.rollout import build_backend
+    from stages.tiny import build_char_tokenizer, build_tiny_model, write_tiny_checkpoint
+
+    cfg = build_model_config(*shape)
+    path = root / name
+    path.mkdir(parents=True)
+    write_tiny_checkpoint(cfg, path)
+    tok = build_char_tokenizer()
+    model = build_tiny_model(cfg, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = sum(v.numel() for v in state.values())
+    del model
+    import stages.rollout.vllm_backend as vllm_backend
+
+    # The engine loads its worker extension by name at start; the timed subclass adds
+    # probes and changes nothing the timed path runs.
+    vllm_backend.WORKER_EXTENSION = f"{__name__}.TimedWeightSyncExtension"
+    backend = build_backend("vllm", path, RolloutConfig(backend="vllm", kv_cache_gib=0.25, seed=0), "float32")
+    t0 = time.perf_counter()
+    await backend.start()
+    start_s = time.perf_counter() - t0
+    rows: list[dict[str, float]] = []
+    try:
+        for _ in range(repeats + 1):  # the first update warms the engine's load path: reported apart
+            with torch.no_grad():
+                for v in state.values():
+                    v.mul_(1.0 + 1e-3)  # a new version has new values (not timed)
+            data, ser_s = _time(lambda: serialize_weights(state))
+            sha, sha_s = _time(lambda d=data: compute_sha256(d))
+            fp, fp_s = _time(lambda: compute_fingerprint(state.values()))
+            t1 = time.perf_counter()
+            live = await backend.update_weights(data, backend.version + 1)
+            apply_s = time.perf_counter() - t1
+            del sha
+            if not np.allclose(live, fp, rtol=1e-5):
+                raise RuntimeError(f"{name}: live fingerprint {live} != published {fp}")
+            rows.append({"serialize_s": ser_s, "sha256_s": sha_s, "fingerprint_s": fp_s,
+                         "publish_s": ser_s + sha_s + fp_s, "apply_s": apply_s,
+                         "total_s": ser_s + sha_s + fp_s + apply_s})
+        num_bytes = len(data)
+        probes = [await _probe(backend, data) for _ in range(max(2, repeats // 2))]
+    finally:
+        await backend.shutdown()
+        shutil.rmtree(path, ignore_errors=True)
+    copy = measure_memcpy_bandwidth(num_bytes, repeats=5)
+    steady = rows[1:]
+    med = {k: float(np.median([r[k] for r in steady])) for k in steady[0]}
+    best = {k: float(np.min([r[k] for r in steady])) for k in steady[0]}
+    bound = copy["median_s"]
+    out = {
+        "model": name, "params": params, "bytes": num_bytes, "shape": {"hidden": shape[0], "intermediate": shape[1],
+                                                                       "layers": shape[2], "head_dim": 64},
+        "engine_start_s": start_s, "first_update": rows[0], "median": med, "best": best,
+        "samples": {k: summarize([r[k] for r in steady]) for k in steady[0]},
+        "bound_s": bound, "memcpy_bytes_per_s": copy["bytes_per_s"],
+        "total_over_bound": med["total_s"] / bound,
+        "best_total_over_bound": best["total_s"] / bound,
+        "apply_breakdown_s": {k: float(np.median([p[k] for p in probes])) for k in probes[0]},
+    }
+    print(f"{name:>5}: {params / 1e6:6.2f}M params {num_bytes / 2**20:7.1f} MiB  publish {1e3 * med['publish_s']:8.1f} ms"
+          f"  apply {1e3 * med['apply_s']:8.1f} ms  bound {1e3 * bound:7.2f} ms  ratio {out['total_over_bound']:7.1f}",
+          flush=True)
+    return out
+
+
+async def _probe(backend: Any, data: bytes) -> dict[str, float]:
+    """Apply's parts, measured by the probe methods (the engine is idle: no pause needed)."""
+    engine = backend._engine  # the probes need the engine's RPC; the backend has no API for them
+    t0 = time.time()
+    arrived = (await engine.collective_rpc("receive_bytes", args=(data,)))[0]
+    ship = arrived - t0
+    parts = (await engine.collective_rpc("timed_apply", args=(data,)))[0]
+    return {"ship_to_worker_s": ship, **parts}
+
+
+async def _run_models(models: dict[str, tuple[int, int, int]], repeats: int) -> list[dict[str, Any]]:
+    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-weights-"))
+    try:
+        return [await measure_model(name, shape, root, repeats) for name, shape in models.items()]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    models = QUICK_MODELS if quick else MODELS
+    rows = asyncio.run(_run_models(models, repeats=2 if quick else 5))
+    xs = [r["bytes"] for r in rows]
+    fixed_s, per_byte_s = fit_line(xs, [r["median"]["total_s"] for r in rows])
+    fixed_apply_s, per_byte_apply_s = fit_line(xs, [r["median"]["apply_s"] for r in rows])
+    # The best of the repeats: what an unloaded machine gives (this one may be shared).
+    best_fixed_s, best_per_byte_s = fit_line(xs, [r["best"]["total_s"] for r in rows])
+    if len(rows) < 2:  # one model (quick): no line; the per-byte figures are unknown
+        fixed_s = fixed_apply_s = per_byte_s = per_byte_apply_s = best_fixed_s = best_per_byte_s = float("nan")
+    memcpy_bps = float(np.median([r["memcpy_bytes_per_s"] for r in rows]))
+    big = rows[-1]
+    ratios = {
+        "fixed_cost_ms": 1e3 * fixed_s,
+        "fixed_cost_apply_ms": 1e3 * fixed_apply_s,
+        "copies_per_byte": per_byte_s * memcpy_bps,
+        "copies_per_byte_apply": per_byte_apply_s * memcpy_bps,
+        "copies_per_byte_publish": (per_byte_s - per_byte_apply_s) * memcpy_bps,
+        "best_fixed_cost_ms": 1e3 * best_fixed_s,
+        "best_copies_per_byte": best_per_byte_s * memcpy_bps,
+        "largest_model": big["model"],
+        "largest_total_ms": 1e3 * big["median"]["total_s"],
+        "largest_bound_ms": 1e3 * big["bound_s"],
+        "largest_total_over_bound": big["total_over_bound"],
+        "largest_apply_breakdown_ms": {k: 1e3 * v for k, v in big["apply_breakdown_s"].items()},
+        "largest_total_over_bound_plus_fixed": big["median"]["total_s"] / (big["bound_s"] + max(fixed_s, 0.0))
+        if math.isfinite(fixed_s) else float("nan"),
+    }
+    payload = {
+        "quick": quick,
+        "units": "seconds, bytes; copies = multiples of one np.copyto of the payload",
+        "params": {"models": {k: {"hidden": v[0], "intermediate": v[1], "layers": v[2]} for k, v in models.items()},
+                   "dtype": "float32", "repeats": 2 if quick else 5},
+        "rows": rows,
+        "fit": {"fixed_s": fixed_s, "per_byte_s": per_byte_s, "fixed_apply_s": fixed_apply_s,
+                "per_byte_apply_s": per_byte_apply_s, "best_fixed_s": best_fixed_s, "best_per_byte_s": best_per_byte_s,
+                "memcpy_bytes_per_s": memcpy_bps},
+        "ratios": ratios,
+    }
+    write_result(out_dir, "weight_sync", payload)
+    plot(payload, out_dir)
+    print_ratios("weight_sync", ratios)
+    return payload
+
+
+def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+    rows = payload["rows"]
+    fig, axes = new_figure(1, 2, size=(14, 4.5))
+    ax = axes[0][0]
+    mib = np.array([r["bytes"] / 2**20 for r in rows])
+    for key, style, label in (("publish_s", "o-", "publish (serialize+sha+fingerprint)"),
+                              ("apply_s", "s-", "apply (update_weights)"), ("total_s", "D-", "publish + apply")):
+        ax.plot(mib, [1e3 * r["median"][key] for r in rows], style, label=label)
+    ax.plot(mib, [1e3 * r["bound_s"] for r in rows], "^:", label="bound: one memcpy")
+    fit = payload["fit"]
+    xs = np.linspace(0, mib.max() * 1.05, 50)
+    if math.isfinite(fit["fixed_s"]):
+        ax.plot(xs, 1e3 * (fit["fixed_s"] + fit["per_byte_s"] * xs * 2**20), "--", color="grey", linewidth=0.8,
+                label=f"fit: {1e3 * fit['fixed_s']:.0f} ms + {payload['ratios']['copies_per_byte']:.1f} copies")
+    ax.set_xlabel("payload MiB (float32)")
+    ax.set_ylabel("ms")
+    ax.set_title("weight sync into vLLM")
+    ax.legend(fontsize=8)
+    ax = axes[0][1]
+    names = [r["model"] for r in rows]
+    bottom = np.zeros(len(rows))
+    parts = [("publish: " + k.removesuffix("_s"), [r["median"][k] for r in rows])
+             for k in ("serialize_s", "sha256_s", "fingerprint_s")]
+    parts += [("apply: " + k.removesuffix("_s"), [r["apply_breakdown_s"][k] for r in rows])
+              for k in rows[0]["apply_breakdown_s"]]
+    parts.append(("apply: rest (pause, resume, calls)",
+                  [max(0.0, r["median"]["apply_s"] - sum(r["apply_breakdown_s"].values())) for r in rows]))
+    for label, secs in parts:
+        # Share of each model's publish + apply, so a 4 MiB and a 192 MiB model fit one axis.
+        vals = np.array([s / r["median"]["total_s"] for s, r in zip(secs, rows, strict=True)])
+        ax.bar(names, vals, bottom=bottom, label=label)
+        bottom += vals
+    ax.set_xticks(range(len(rows)), [f"{r['model']}\n{r['median']['total_s'] / r['bound_s']:.0f}x bound" for r in rows])
+    ax.set_ylabel("share of publish + apply (median)")
+    ax.set_title("where publish + apply go")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return save_figure(fig, out_dir, "weight_sync")

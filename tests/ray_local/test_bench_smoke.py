@@ -1,0 +1,60 @@
+"""Ray tier: the benchmarks that run in seconds, in ``--quick`` mode, into a tmp dir.
+
+They must write valid JSON with the keys their readers use, and a PNG. Nothing here
+checks a time or a ratio (benchmarks are not tests); what is checked are properties the
+runs must have whatever the machine: exact accounting, the staleness bound, zero-copy
+delivery of arrays. weight_sync, rollout_overhead and e2e start vLLM engines or whole
+training jobs (a minute or more each on a 2-core CPU) and are left out.
+"""
+
+from __future__ import annotations
+
+import json
+
+from bench.__main__ import main
+
+
+def _load(path) -> dict:
+    doc = json.loads(path.read_text())
+    assert {"benchmark", "machine", "quick", "params", "ratios"} <= doc.keys()
+    machine = doc["machine"]
+    assert machine["cpu_count"] >= 1 and machine["cpu_model"]
+    assert {"torch", "vllm", "ray"} <= machine["versions"].keys()
+    assert doc["quick"] is True
+    return doc
+
+
+def test_overlap_quick_writes_result(ray_cluster, tmp_path):
+    assert main(["overlap", "--quick", "--out", str(tmp_path)]) == 0
+    doc = _load(tmp_path / "overlap.json")
+    assert (tmp_path / "overlap.png").stat().st_size > 0
+    assert {"async", "sync", "ideal", "efficiency", "staleness_sweep", "balanced", "cases"} <= doc.keys()
+    assert {"async_throughput_per_s", "sync_throughput_per_s", "ideal_throughput_per_s", "async_over_sync",
+            "efficiency"} <= doc["ratios"].keys()
+    assert doc["async"]["mode"] == "async" and doc["sync"]["mode"] == "sync"
+    mix = doc["params"]["rl_mix"]
+    target = mix["micro_batches"] * mix["prompts_per_micro_batch"]
+    for case in doc["cases"]:
+        ledger = case["ledger"]
+        # Exact accounting: every admitted prompt was trained or dropped, and the target was met.
+        assert ledger["reconciles"] and ledger["in_flight"] == 0
+        assert ledger["trained"] == target
+        # The trainer's gate: nothing staler than max_staleness was trained on.
+        assert max(int(k) for k in case["staleness_hist"]) <= case["max_staleness"]
+        # Weight updates reached the rollout; the watcher may skip a version that was
+        # superseded while it applied the previous one, so at most one per step.
+        assert 1 <= case["weight_updates_applied"] <= case["steps"]
+
+
+def test_queue_hop_quick_writes_result(ray_cluster, tmp_path):
+    assert main(["queue_hop", "--quick", "--out", str(tmp_path)]) == 0
+    doc = _load(tmp_path / "queue_hop.json")
+    assert (tmp_path / "queue_hop.png").stat().st_size > 0
+    assert {"call_rtt_s", "rows"} <= doc.keys()
+    assert {"small_hop_median_ms", "actor_call_rtt_median_ms", "largest_hop_bandwidth_gb_s",
+            "memcpy_bandwidth_gb_s", "consumer_zero_copy"} <= doc["ratios"].keys()
+    for row in doc["rows"]:
+        assert {"actor", "driver", "memcpy"} <= row.keys()
+        assert row["actor"]["latency_s"]["n"] >= 1
+    # numpy payloads reach the consumer as read-only views of the object store: no copy.
+    assert doc["ratios"]["consumer_zero_copy"] is True
