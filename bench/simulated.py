@@ -273,8 +273,7 @@ class SimulatedTrainer:
         if self.step_prompts >= self.prompts_per_step:
             trained, self.step_prompts = self.step_prompts, 0
             self.version += 1
-            await controller.record_trained.remote(trained)
-            await controller.set_trainer_version.remote(self.version)
+            await controller.finish_step.remote(trained, self.version)
             if self.version % self.sync_interval == 0:
                 await self._publish()
         return None

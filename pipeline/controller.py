@@ -60,6 +60,13 @@ class ControllerActor:
             self.ledger.record_trained(prompts)
             self._cond.notify_all()
 
+    async def finish_step(self, prompts: int, version: int) -> None:
+        """The trainer took an optimizer step on ``prompts`` prompts: one call, not two."""
+        async with self._cond:
+            self.ledger.record_trained(prompts)
+            self._trainer_version = version
+            self._cond.notify_all()
+
     async def record_dropped(self, prompts: int, reason: str) -> None:
         async with self._cond:
             self.ledger.record_dropped(prompts, reason)

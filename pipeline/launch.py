@@ -226,11 +226,14 @@ def summarise_admission(reports: dict[str, list[dict[str, Any]]]) -> dict[str, d
 
 
 def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: Reporter) -> dict[str, Any]:
+    df = build_dataflow(cfg)
+    # Timeline rows in pipeline order; replica r > 0 of a node records as "<node>:<r>".
+    order = [n if r == 0 else f"{n}:{r}" for n in df.topological_order() for r in range(df.nodes[n].replicas)]
     agg = aggregate_spans(result.spans) if result.spans else {}
     markers = [(s["time"], f"sync v{s['version']}") for s in reporter.syncs if "time" in s]
     if result.spans:
         write_chrome_trace(result.spans, run_dir / "trace.json", markers)
-        plot_timeline(result.spans, run_dir / "timeline.png", markers)
+        plot_timeline(result.spans, run_dir / "timeline.png", markers, stages=order)
     ledger = result.controller["ledger"]
     n = cfg.rollout.n
     trainer = result.result("trainer") or {}

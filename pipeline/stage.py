@@ -12,7 +12,9 @@ the output queues, recording spans, taps and status. A core implements
     def result(self) -> Any                                    # optional, returned by run()
 
 Guarantees:
-- with ``concurrency == 1`` outputs leave in input order; with more, in completion order;
+- with ``concurrency == 1`` outputs leave in input order, and the next input is fetched
+  and the previous outputs are put while the core works (queue hops hide behind
+  compute); with more, up to ``concurrency`` items run at once, outputs in completion order;
 - every input item is processed exactly once; an exception in a core ends ``run`` with
   that exception (the runner stops the whole graph and reports the stage);
 - the event loop never runs heavy compute: cores hand it to a thread
@@ -161,7 +163,60 @@ class StageActor:
             self._gen = self.core.generate()
         return self._gen
 
+    async def _fetch(self, inp: QueueHandle) -> Any:
+        """The next input item (or ``END``), with its wait and transfer spans."""
+        t0 = time.time()
+        ref = await inp.get_ref()
+        if ref is END or ref == END:
+            self.spans.add("wait_input", t0, time.time())
+            return END
+        t1 = time.time()
+        item = await ref
+        batch_id = getattr(item, "batch_id", -1)
+        # Waiting for an item and moving it are told apart: "transfer" is the hop's cost.
+        self.spans.add("wait_input", t0, t1, batch_id)
+        self.spans.add("transfer", t1, time.time(), batch_id)
+        self._record_input(item)
+        return item
+
     async def _consume(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
+        if self.concurrency == 1:
+            await self._consume_in_order(inp, outs)
+        else:
+            await self._consume_concurrently(inp, outs)
+
+    async def _consume_in_order(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
+        """One item at a time, in order, with the hops hidden behind compute: the next
+        input is fetched and the previous outputs are put while the core works. This
+        stage then holds at most one item beyond its input queue and one beyond its
+        output queue; backpressure still reaches the producer one item later."""
+        fetch = asyncio.create_task(self._fetch(inp))
+        sender: asyncio.Task[None] | None = None
+        try:
+            while True:
+                item = await fetch
+                if item is END or item == END:
+                    break
+                fetch = asyncio.create_task(self._fetch(inp))
+                with self.spans.span("busy", batch_id=getattr(item, "batch_id", -1)):
+                    out = await self.core.process(item)
+                self._processed += 1
+                if sender is not None:
+                    await sender  # outputs leave in order; a failed put surfaces here
+                sender = asyncio.create_task(self._emit_all(_as_list(out), outs))
+            if sender is not None:
+                await sender
+        finally:
+            for task in (fetch, sender):
+                if task is not None and not task.done():
+                    task.cancel()
+
+    async def _emit_all(self, items: list[Any], outs: list[QueueHandle]) -> None:
+        for o in items:
+            await self._emit(o, outs)
+
+    async def _consume_concurrently(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
+        """Up to ``concurrency`` items in the core at once; outputs in completion order."""
         pending: set[asyncio.Task[None]] = set()
         errors: list[BaseException] = []
         slots = asyncio.Semaphore(self.concurrency)
@@ -176,23 +231,10 @@ class StageActor:
             await slots.acquire()
             if errors:
                 raise errors[0]
-            t0 = time.time()
-            ref = await inp.get_ref()
-            if ref is END or ref == END:
+            item = await self._fetch(inp)
+            if item is END or item == END:
                 slots.release()
-                self.spans.add("wait_input", t0, time.time())
                 break
-            t1 = time.time()
-            item = await ref
-            batch_id = getattr(item, "batch_id", -1)
-            # Waiting for an item and moving it are told apart: "transfer" is the hop's cost.
-            self.spans.add("wait_input", t0, t1, batch_id)
-            self.spans.add("transfer", t1, time.time(), batch_id)
-            self._record_input(item)
-            if self.concurrency == 1:
-                await self._handle(item, outs)
-                slots.release()
-                continue
             task = asyncio.create_task(self._handle(item, outs))
             pending.add(task)
             task.add_done_callback(done)

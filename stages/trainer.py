@@ -283,8 +283,7 @@ class TrainerStage:
         self.trained_samples += samples
         self.steps_done += 1
         controller = self.ctx.controller
-        await controller.record_trained.remote(sum(len(b.prompts) for b in batches))
-        await controller.set_trainer_version.remote(version)
+        await controller.finish_step.remote(sum(len(b.prompts) for b in batches), version)
         sync_s = 0.0
         if version % self.cfg.train.sync_interval == 0:
             sync_s = await self._publish(version)

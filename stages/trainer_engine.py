@@ -43,7 +43,7 @@ import torch
 
 from pipeline.config import AlgorithmConfig, TrainConfig
 from pipeline.types import RolloutBatch
-from pipeline.weights import compute_fingerprint, compute_sha256, drop_tied_duplicates, serialize_weights
+from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import compute_grpo_advantages, compute_policy_loss
 from stages.logprobs import accepts_logits_to_keep, build_model_inputs, forward_completion_logprobs
 
@@ -336,9 +336,7 @@ class TrainerEngine:
 
     def export_weights(self) -> tuple[bytes, str, tuple[float, float]]:
         """(safetensors bytes, their sha256, fingerprint) of the current weights."""
-        state = self.state_dict_for_sync()
-        payload = serialize_weights(state)
-        return payload, compute_sha256(payload), compute_fingerprint(state.values())
+        return build_payload(self.state_dict_for_sync())
 
     def weights_sha256(self) -> str:
         """sha256 of the bytes ``export_weights`` would ship now."""

@@ -32,6 +32,7 @@ import json
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from pipeline.admission import ModelShape, estimate_kv_cache_bytes, expand_rollout_seq_lens
@@ -123,6 +124,9 @@ class RolloutStage:
         self.backend = build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
         await self.backend.start()
         self.sampling = build_sampling_settings(cfg.rollout, None)
+        # Warm the engine up (its first call compiles and allocates) before timing starts.
+        warm = [self.tokenizer(p, add_special_tokens=True)["input_ids"] for p in ("0", "1")]
+        await self.backend.generate(warm, msgspec.structs.replace(self.sampling, max_tokens=1))
         hf_config = json.loads((model_path / "config.json").read_text())
         self.shape = ModelShape.from_hf_config({**hf_config, "torch_dtype": dtype})
         pool = build_pool_reading(int(cfg.rollout.kv_cache_gib * (1 << 30)))
@@ -224,7 +228,7 @@ class RolloutStage:
         batch = build_rollout_batch(pb, results, self.sampling.n, self.pad_id)
         self.generated_samples += batch.num_samples
         self.generated_tokens += batch.completion_tokens
-        await self.ctx.controller.record_generated.remote(batch.num_samples)
+        self.ctx.controller.record_generated.remote(batch.num_samples)  # a counter: no need to wait
         await publish_status(self.ctx, self.status())
         return batch
 

@@ -24,6 +24,10 @@ Guarantees (beyond ``stages.rollout.base``):
   frontend received it, which can mark the last step or two before an update one
   version too new; a failed update there cannot hold back requests already in flight.
   This path is not exercised by the tests here.
+- The payload reaches the engine process as a file in a private (0700) directory under
+  /dev/shm, written from the bytes the caller verified and removed once every worker
+  has loaded it; a worker that cannot see the file (another host) gets the bytes
+  through ``collective_rpc`` instead.
 - A payload that names a tensor the checkpoint lacks, or gives one another shape, is
   refused with ``WeightSyncError`` before the engine is touched.
 - A failed weight update (load error, or a read-back fingerprint that does not match
@@ -41,6 +45,8 @@ import inspect
 import itertools
 import math
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -56,6 +62,7 @@ from pipeline.weights import (
     read_checkpoint_shapes,
     read_payload_shapes,
     verify_fingerprint,
+    write_weights_file,
 )
 from stages.rollout.base import (
     Completion,
@@ -158,6 +165,7 @@ class VLLMBackend:
         self._prefix = uuid.uuid4().hex[:8]
         self._keep_pause = True  # engine can pause keeping requests (vLLM >= 0.32)
         self._labels = True  # engine labels outputs with weight versions (vLLM >= 0.32)
+        self._shm_dir: Path | None = None  # private dir for payload files (None: bytes)
 
     @property
     def version(self) -> int:
@@ -172,6 +180,8 @@ class VLLMBackend:
         # answering control calls. AsyncLLM binds its output handler to the loop of its
         # first request, which is the caller's.
         await asyncio.to_thread(self._build_engine)
+        if os.path.isdir("/dev/shm"):
+            self._shm_dir = Path(tempfile.mkdtemp(prefix="conveyor-weights-", dir="/dev/shm"))
         if self._labels:
             await self._engine.update_weight_version(str(self._version))
         self._live = await self.live_fingerprint()
@@ -282,7 +292,7 @@ class VLLMBackend:
         async with self._update_lock:
             await self._pause(engine)
             try:
-                results = await engine.collective_rpc("apply_weights", args=(bytes(data),))
+                results = await self._ship_and_apply(engine, data, version)
                 live = combine_rank_fingerprints([r["live"] for r in results])
                 verify_fingerprint(tuple(results[0]["payload"]), live, version=version)
             except BaseException as err:
@@ -294,6 +304,21 @@ class VLLMBackend:
             await self._resume(engine)
         log.info("weights applied", policy_version=version, fingerprint=live)
         return live
+
+    async def _ship_and_apply(self, engine: Any, data: bytes, version: int) -> list[dict[str, Any]]:
+        """Every rank's ``apply_weights`` result; by file where the workers see it."""
+        if self._shm_dir is not None:
+            path = self._shm_dir / f"v{version}.safetensors"
+            try:
+                await asyncio.to_thread(write_weights_file, data, path)
+                results = await engine.collective_rpc("apply_weights_file", args=(str(path),))
+            finally:
+                path.unlink(missing_ok=True)
+            if not any(r.get("missing") for r in results):
+                return results
+            self._shm_dir = None  # some rank cannot see this host's /dev/shm: bytes from now on
+            log.info("payload file not visible to every worker; sending bytes", policy_version=version)
+        return await engine.collective_rpc("apply_weights", args=(bytes(data),))
 
     async def _pause(self, engine: Any) -> None:
         if self._keep_pause:
@@ -337,6 +362,9 @@ class VLLMBackend:
     async def shutdown(self) -> None:
         """Stop the engine process; requests still in flight fail. Idempotent."""
         engine, self._engine = self._engine, None
+        if self._shm_dir is not None:
+            shutil.rmtree(self._shm_dir, ignore_errors=True)
+            self._shm_dir = None
         if engine is None:
             return
         await asyncio.to_thread(engine.shutdown)

@@ -12,8 +12,11 @@ Guarantees:
   shards cut exactly as at start-up) and returns two fingerprints measured inside the
   worker: the payload's, rounded to the dtype the engine serves, and the live model's,
   read back from its parameters after the load. The caller compares them.
-- Weights travel as bytes: collective_rpc serialises its arguments with msgpack, which
-  carries ``bytes`` but not tensors.
+- Weights travel as a file path when the frontend shares the worker's /dev/shm
+  (``apply_weights_file``: the worker maps the file, no copy until ``load_weights``),
+  else as bytes through collective_rpc (msgpack carries ``bytes``, not tensors; it costs
+  about three copies). A worker that cannot see the file reports it before loading
+  anything, so the frontend can resend the bytes.
 - The live fingerprint is read from what the forward pass uses. On CPU, vLLM packs
   every linear layer's weight into an opaque oneDNN / sgl-kernel buffer and leaves an
   empty ``weight`` parameter behind; such a weight is read back through the layer's own
@@ -41,12 +44,27 @@ class WeightSyncExtension:
 
     def apply_weights(self, data: bytes) -> dict[str, Any]:
         """Load the payload in place; return this rank's payload and live fingerprints."""
+        from pipeline.weights import deserialize_weights
+
+        return self._load(deserialize_weights(data))
+
+    def apply_weights_file(self, path: str) -> dict[str, Any]:
+        """``apply_weights`` of the payload in file ``path``; ``{"missing": True}``, with
+        nothing loaded, if this worker cannot see the file (another host)."""
+        import os
+
+        from pipeline.weights import load_weights_file
+
+        if not os.path.isfile(path):
+            return {"missing": True}
+        return self._load(load_weights_file(path))
+
+    def _load(self, weights: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        from pipeline.weights import compute_fingerprint, deserialize_weights
+        from pipeline.weights import compute_fingerprint
 
         runner: Any = self.model_runner  # type: ignore[attr-defined]
-        weights = deserialize_weights(data)
         dtype: torch.dtype = runner.model_config.dtype
         payload = compute_fingerprint(weights.values(), dtype=dtype)
         if hasattr(runner, "reload_weights"):  # vLLM >= 0.32: re-runs post-load processing
