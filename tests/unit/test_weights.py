@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from pipeline.weights import (
     WeightSyncError,
+    build_payload,
     compute_fingerprint,
     compute_sha256,
     deserialize_weights,
     drop_tied_duplicates,
     fingerprints_match,
+    load_weights_file,
     serialize_weights,
     verify_fingerprint,
+    write_weights_file,
 )
 
 
@@ -117,3 +122,30 @@ def test_verify_fingerprint_names_the_version() -> None:
     verify_fingerprint((1.0, 2.0), (1.0, 2.0), version=3)
     with pytest.raises(WeightSyncError, match="version 7"):
         verify_fingerprint((1.0, 2.0), (1.0, 2.5), version=7)
+
+
+def test_serialize_writes_the_bytes_safetensors_writes() -> None:
+    # Same bytes, so a sha256 recorded before this serializer existed stays valid. Every
+    # dtype of the layout order, non-ASCII names and an empty tensor.
+    state = {f"t.{dtype}": torch.ones(2, 3).to(dtype) for dtype in
+             (torch.int64, torch.float64, torch.float32, torch.int32, torch.bfloat16, torch.float16,
+              torch.int16, torch.int8, torch.uint8, torch.bool)}
+    state.update({"Z": torch.randn(3), "\u00e9": torch.randn(2), "\uff5e": torch.randn(1), "empty": torch.ones(0)})
+    assert serialize_weights(state) == safetensors.torch.save(state)
+
+
+def test_payload_file_round_trips(tmp_path: Path) -> None:
+    state = _state_dict()
+    write_weights_file(serialize_weights(state), tmp_path / "v1.safetensors")
+    back = load_weights_file(tmp_path / "v1.safetensors")
+    assert sorted(back) == sorted(state)
+    for name, t in state.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t)
+
+
+def test_build_payload_is_serialize_sha_and_fingerprint() -> None:
+    state = _state_dict()
+    data, sha, fingerprint = build_payload(state)
+    assert data == serialize_weights(state)
+    assert sha == compute_sha256(data)
+    assert fingerprint == compute_fingerprint(deserialize_weights(data).values())
