@@ -101,6 +101,9 @@ class Reporter:
         self._recent: list[Any] = []
         self._gpu = GpuSampler()
         self.started = time.time()
+        # Visible to ``conveyor status`` while actors are still starting.
+        self._write_status({"trainer_version": 0, "served": {}, "status": {},
+                            "ledger": {"in_flight": 0}}, {}, state="starting")
 
     async def __call__(self, graph: Graph) -> None:
         drain = await graph.controller.drain.remote()
@@ -139,8 +142,9 @@ class Reporter:
                 self._progress.update(metrics)
         self._write_status(drain, queues)
 
-    def _write_status(self, drain: dict[str, Any], queues: dict[str, Any]) -> None:
+    def _write_status(self, drain: dict[str, Any], queues: dict[str, Any], state: str = "running") -> None:
         status = {
+            "state": state,
             "pid": os.getpid(),
             "time": time.time(),
             "elapsed_s": time.time() - self.started,

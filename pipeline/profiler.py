@@ -373,8 +373,9 @@ def plot_timeline(
                 ax.broken_barh([(s - t0, e - s) for s, e in ivs], (y - 0.4, 0.8), facecolors=colour)
                 drawn.append(kind)
     for t, name in markers:
-        ax.axvline(t - t0, color="black", linestyle="--", linewidth=0.8)
-        ax.annotate(name, (t - t0, len(rows) - 0.5), fontsize=7, rotation=90, va="top", ha="right")
+        ax.axvline(t - t0, color="black", linestyle="--", linewidth=0.8 if len(markers) <= 20 else 0.3)
+        if len(markers) <= 20:  # more labels than that only hide the spans
+            ax.annotate(name, (t - t0, len(rows) - 0.5), fontsize=7, rotation=90, va="top", ha="right")
     ax.set_yticks(range(len(rows)), list(reversed(rows)))
     ax.set_ylim(-0.6, max(len(rows), 1) - 0.4)
     ax.set_xlabel("seconds since start")

@@ -38,7 +38,7 @@ def render_plan(cfg: ConveyorConfig, df: DataFlow) -> Group:
 
 def render_live(status: dict[str, Any]) -> Group:
     last = status.get("last_step") or {}
-    head = Table(title=f"run {status['run']}: live, {status['elapsed_s']:.0f}s")
+    head = Table(title=f"run {status['run']}: {status.get('state', 'running')}, {status['elapsed_s']:.0f}s")
     for col in ("step", "trainer version", "reward", "staleness mean/max", "tokens/s", "samples in flight"):
         head.add_column(col)
     head.add_row(
