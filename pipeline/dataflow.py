@@ -27,18 +27,18 @@ class GraphError(ValueError):
 
 
 def import_object(path: str, what: str = "object") -> Any:
-    """``"package.module:attr"`` -> the attribute; errors name the path."""
-    if ":" not in path:
-        raise ImportError(f"{what} {path!r}: expected 'module:attr'")
-    module_name, attr = path.split(":", 1)
+    """``"package.module:attr"`` -> the attribute; errors (``ImportError``) start with ``what``."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ImportError(f"{what}: expected 'module:attr', got {path!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ImportError(f"{what} {path!r}: cannot import module {module_name!r} ({exc})") from exc
+        raise ImportError(f"{what}: cannot import module {module_name!r} ({exc})") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ImportError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
+            raise ImportError(f"{what}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
 

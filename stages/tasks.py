@@ -17,7 +17,6 @@ of the completion (it ends at the first non-digit, e.g. where the model stopped 
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
@@ -195,21 +194,13 @@ def load_task(name: str, **kwargs: Any) -> Task:
 
 
 def import_attr(spec: str, field: str) -> Any:
-    """``"package.module:attr"`` -> the attribute; errors name the config ``field``."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{field}: expected 'module:attr', got {spec!r}")
+    """``"package.module:attr"`` -> the attribute; errors are ``ValueError``s naming the config ``field``."""
+    from pipeline.dataflow import import_object
+
     try:
-        module = importlib.import_module(module_name)
+        return import_object(spec, field)
     except ImportError as exc:
-        raise ValueError(f"{field}: cannot import module {module_name!r} ({exc})") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"{field}: module {module_name!r} has no attribute {attr!r}") from None
-    return obj
+        raise ValueError(str(exc)) from None
 
 
 def _construct(factory: Any, name: str, kwargs: dict[str, Any]) -> Any:
