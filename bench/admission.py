@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import new_figure, print_ratios, save_figure, write_result
+from bench.common import new_figure, publish_result, save_figure
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 STAGES = ("rollout", "reference", "trainer")
@@ -123,10 +123,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "runs": rows,
         "ratios": ratios,
     }
-    write_result(out_dir, "admission", payload)
-    plot(payload, out_dir)
-    print_ratios("admission", ratios)
-    return payload
+    return publish_result(out_dir, "admission", payload, plot)
 
 
 def plot(payload: dict[str, Any], out_dir: Path) -> Path:

@@ -111,6 +111,14 @@ def write_result(out_dir: Path, name: str, payload: dict[str, Any]) -> Path:
     return path
 
 
+def publish_result(out_dir: Path, name: str, payload: dict[str, Any], plot: Any) -> dict[str, Any]:
+    """The end of every benchmark: JSON, PNG (``plot(payload, out_dir)``) and the ratios on the console."""
+    write_result(out_dir, name, payload)
+    plot(payload, out_dir)
+    print_ratios(name, payload["ratios"])
+    return payload
+
+
 def new_figure(rows: int = 1, cols: int = 1, size: tuple[float, float] = (11.0, 4.5)) -> tuple[Any, Any]:
     """(figure, axes array) on an Agg canvas; no pyplot, no display."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import new_figure, print_ratios, save_figure, write_result
+from bench.common import new_figure, publish_result, save_figure
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 REWARD_THRESHOLDS = (0.05, 0.1, 0.2, 0.5)  # several: a short or slow run still compares at the low ones
@@ -222,10 +222,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "runs": rows,
         "ratios": ratios,
     }
-    write_result(out_dir, "e2e", payload)
-    plot(payload, out_dir)
-    print_ratios("e2e", ratios)
-    return payload
+    return publish_result(out_dir, "e2e", payload, plot)
 
 
 def plot(payload: dict[str, Any], out_dir: Path) -> Path:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import CpuMeter, new_figure, print_ratios, save_figure, write_result
+from bench.common import CpuMeter, new_figure, publish_result, save_figure
 from bench.simulated import (
     GenerationLengths,
     SimulatedRollout,
@@ -261,10 +261,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "ratios": ratios,
         "cases": cases,
     }
-    write_result(out_dir, "overlap", payload)
-    plot(payload, out_dir)
-    print_ratios("overlap", ratios)
-    return payload
+    return publish_result(out_dir, "overlap", payload, plot)
 
 
 def _scenario_dict(sc: Scenario) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from bench.common import measure_memcpy_bandwidth, new_figure, print_ratios, save_figure, summarize, write_result
+from bench.common import measure_memcpy_bandwidth, new_figure, publish_result, save_figure, summarize
 from pipeline.queue import QueueHandle, create_queue
 from pipeline.runner import init_ray
 
@@ -196,10 +196,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "rows": rows,
         "ratios": ratios,
     }
-    write_result(out_dir, "queue_hop", payload)
-    plot(payload, out_dir)
-    print_ratios("queue_hop", ratios)
-    return payload
+    return publish_result(out_dir, "queue_hop", payload, plot)
 
 
 def plot(payload: dict[str, Any], out_dir: Path) -> Path:

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import CpuMeter, new_figure, print_ratios, save_figure, write_result
+from bench.common import CpuMeter, new_figure, publish_result, save_figure
 
 
 class TokenSink:
@@ -209,10 +209,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "runs": runs,
         "ratios": ratios,
     }
-    write_result(out_dir, "rollout_overhead", payload)
-    plot(payload, out_dir)
-    print_ratios("rollout_overhead", ratios)
-    return payload
+    return publish_result(out_dir, "rollout_overhead", payload, plot)
 
 
 def plot(payload: dict[str, Any], out_dir: Path) -> Path:

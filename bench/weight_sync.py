@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import fit_line, measure_memcpy_bandwidth, new_figure, print_ratios, save_figure, summarize, write_result
+from bench.common import fit_line, measure_memcpy_bandwidth, new_figure, publish_result, save_figure, summarize
 from pipeline.config import RolloutConfig, TinyModelConfig
 from stages.rollout.vllm_worker_ext import WeightSyncExtension
 
@@ -222,10 +222,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                 "memcpy_bytes_per_s": memcpy_bps},
         "ratios": ratios,
     }
-    write_result(out_dir, "weight_sync", payload)
-    plot(payload, out_dir)
-    print_ratios("weight_sync", ratios)
-    return payload
+    return publish_result(out_dir, "weight_sync", payload, plot)
 
 
 def plot(payload: dict[str, Any], out_dir: Path) -> Path:
