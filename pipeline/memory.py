@@ -333,38 +333,6 @@ def _finish(
     return merge(rec.results) if merge is not None else rec.results
 
 
-def run_with_oom_recovery_sync(
-    fn: Callable[[T], R],
-    batch: T,
-    *,
-    split: Callable[[T, int], Sequence[T]],
-    stage: str,
-    merge: Callable[[list[R]], Any] | None = None,
-    size: Callable[[T], int] | None = None,
-    on_event: Callable[[OomEvent], None] | None = None,
-    free_memory: Callable[[], None] = free_cached_memory,
-) -> Any:
-    """Run ``fn`` over ``batch`` on this thread, halving pieces on OOM; returns
-    ``merge(results)`` or the list of per-piece results (see the module guarantees)."""
-    rec: OomRecovery[T, R] = OomRecovery(batch, split, stage=stage, size=size)
-    while (piece := rec.next_piece()) is not None:
-        try:
-            result = fn(piece)
-        except Exception as exc:
-            if not is_oom_error(exc):
-                raise
-            event = rec.failed(exc)
-        else:
-            rec.succeeded(result)
-            continue
-        # Only after the except block has dropped the error and its traceback (whose
-        # frames hold the failed piece's tensors) can that memory actually be freed.
-        free_memory()
-        if on_event is not None:
-            on_event(event)
-    return _finish(rec, merge, on_event)
-
-
 async def run_with_oom_recovery(
     fn: Callable[[T], R] | Callable[[T], Awaitable[R]],
     batch: T,
@@ -377,9 +345,10 @@ async def run_with_oom_recovery(
     free_memory: Callable[[], None] = free_cached_memory,
     in_thread: bool = True,
 ) -> Any:
-    """Async twin of ``run_with_oom_recovery_sync``: a coroutine function is awaited;
-    a plain one runs in a worker thread (``in_thread``) so the actor's event loop keeps
-    answering control calls while it computes."""
+    """Run ``fn`` over ``batch``, halving pieces on OOM; returns ``merge(results)`` or
+    the list of per-piece results (see the module guarantees). A coroutine function is
+    awaited; a plain one runs in a worker thread (``in_thread``) so the actor's event
+    loop keeps answering control calls while it computes."""
     rec: OomRecovery[T, R] = OomRecovery(batch, split, stage=stage, size=size)
     while (piece := rec.next_piece()) is not None:
         try:
@@ -396,7 +365,9 @@ async def run_with_oom_recovery(
         else:
             rec.succeeded(result)
             continue
-        free_memory()  # outside the except block, as in the sync driver
+        # Only after the except block has dropped the error and its traceback (whose
+        # frames hold the failed piece's tensors) can that memory actually be freed.
+        free_memory()
         if on_event is not None:
             on_event(event)
     return _finish(rec, merge, on_event)

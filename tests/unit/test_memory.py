@@ -27,7 +27,6 @@ from pipeline.memory import (
     read_peak_memory,
     reset_peak_memory,
     run_with_oom_recovery,
-    run_with_oom_recovery_sync,
 )
 
 MiB = 1 << 20
@@ -167,7 +166,12 @@ def test_recovery_state_machine_retries_only_the_failed_piece() -> None:
         rec.succeeded([])
 
 
-def test_sync_recovery_frees_memory_once_per_oom_and_merges() -> None:
+def run_inline(fn, batch, **kw):
+    """The recovery driver with ``fn`` called on the loop's own thread."""
+    return asyncio.run(run_with_oom_recovery(fn, batch, in_thread=False, **kw))
+
+
+def test_recovery_frees_memory_once_per_oom_and_merges() -> None:
     freed: list[int] = []
     events: list[OomEvent] = []
 
@@ -176,7 +180,7 @@ def test_sync_recovery_frees_memory_once_per_oom_and_merges() -> None:
             raise MemoryError()
         return [x * x for x in xs]
 
-    out = run_with_oom_recovery_sync(
+    out = run_inline(
         square, [1, 2, 3, 4, 5], split=halve, stage="reward", size=len,
         merge=lambda parts: [y for p in parts for y in p], on_event=events.append,
         free_memory=lambda: freed.append(1),
@@ -195,7 +199,7 @@ def test_other_errors_propagate_without_retry() -> None:
         raise KeyError("bug")
 
     with pytest.raises(KeyError):
-        run_with_oom_recovery_sync(broken, [1, 2, 3, 4], split=halve, stage="reward", free_memory=lambda: None)
+        run_inline(broken, [1, 2, 3, 4], split=halve, stage="reward", free_memory=lambda: None)
     assert calls == [[1, 2, 3, 4]]
 
 
@@ -226,4 +230,4 @@ def test_recovery_gives_up_naming_the_stage() -> None:
         raise MemoryError()
 
     with pytest.raises(OomUnrecoverable, match=r"stage 'trainer'.*1 item\(s\) cannot be split.*after 1 halving"):
-        run_with_oom_recovery_sync(always_oom, [1, 2], split=halve, stage="trainer", free_memory=lambda: None)
+        run_inline(always_oom, [1, 2], split=halve, stage="trainer", free_memory=lambda: None)
