@@ -159,6 +159,7 @@ class TrainerStage:
         self._step_staleness: list[int] = []
         self._step_rng = b""
         self._step_started = time.time()
+        self._published_sha: tuple[int, str] = (-1, "")
         # Every piece trained in the current step, with its scale: re-accumulated in
         # order when an OOM leaves partial gradients behind.
         self._step_pieces: list[tuple[RolloutBatch, float]] = []
@@ -318,6 +319,7 @@ class TrainerStage:
         with self.ctx.spans.span("sync"):
             data, sha, fingerprint = await asyncio.to_thread(self.engine.export_weights)
             update = WeightUpdate(version=version, sha256=sha, fingerprint=fingerprint, num_bytes=len(data))
+            self._published_sha = (version, sha)  # the step record reuses it: no second serialisation
             await self.ctx.controller.publish.remote(update, [ray.put(data)])
         seconds = time.time() - t0
         self.sync_seconds.append(seconds)
@@ -333,7 +335,8 @@ class TrainerStage:
         record = StepRecord(
             step=step, policy_version=version, batch_ids=[b.batch_id for b in batches],
             loss=loss, grad_norm=float(step_out["grad_norm"]),
-            weights_sha256=self.engine.weights_sha256(),
+            weights_sha256=(self._published_sha[1] if self._published_sha[0] == version
+                            else self.engine.weights_sha256()),
             # Replay pins the same thread count: summation order can depend on it.
             metrics={**{k: float(v) for k, v in step_out.items()}, "torch_threads": float(torch.get_num_threads()),
                      **encode_piece_layout(layouts or {})},
