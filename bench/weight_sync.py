@@ -99,9 +99,7 @@ async def measure_model(name: str, shape: tuple[int, int, int], root: Path, repe
     path = root / name
     path.mkdir(parents=True)
     write_tiny_checkpoint(cfg, path)
-    tok = build_char_tokenizer()
-    model = build_tiny_model(cfg, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
+    model = build_tiny_model(cfg, build_char_tokenizer(cfg.architecture))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     params = sum(v.numel() for v in state.values())
     del model

@@ -39,9 +39,17 @@ def _section(**kw: Any) -> Any:
     return dict(kw, forbid_unknown_fields=True, kw_only=True, frozen=True)
 
 
-class TinyModelConfig(msgspec.Struct, **_section()):
-    """Shape of the embedded default model (a random-init Llama with a char tokenizer)."""
+TinyArchitecture = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
 
+
+class TinyModelConfig(msgspec.Struct, **_section()):
+    """Shape of the embedded default model: a random-init decoder with a char tokenizer.
+
+    ``architecture`` picks the transformers model class and the tokenizer conventions
+    of that family (special tokens, BOS or not, stop tokens, chat template); the
+    default Llama has no chat template (see ``stages/tiny.py``)."""
+
+    architecture: TinyArchitecture = "llama"
     hidden_size: PosInt = 128
     num_layers: PosInt = 2
     num_heads: PosInt = 2
@@ -150,6 +158,8 @@ class TrainConfig(msgspec.Struct, **_section()):
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 0
     prompts_per_step: PosInt = 8  # GRPO groups per optimizer step
     sync_interval: PosInt = 1
+    # Read the engine's weights back after every update (a mismatch stops the run);
+    # off: once, at the end of the run. The payload's sha256 is checked either way.
     weight_sync_monitor: bool = True
     weight_sync_timeout_s: PosFloat = 300.0
     save_checkpoint: bool = True

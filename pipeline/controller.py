@@ -9,9 +9,9 @@ It owns no compute and no tensors. It holds
 - per-step metrics the trainer reports, and status lines from every stage, which the
   driver drains for metrics.jsonl, TensorBoard and ``conveyor status``.
 
-Invariant: versions on the board only grow; a confirmation whose fingerprint does not
-match the published one is recorded as a failure and raises in the worker that sent it
-when ``weight_sync_monitor`` is on.
+Invariant: versions on the board only grow. A worker confirms only weights it has
+loaded; ``verified`` says whether it read them back from its engine and found the
+payload there (a mismatch never reaches the board: it fails the worker).
 """
 
 from __future__ import annotations
@@ -120,12 +120,13 @@ class ControllerActor:
     def latest_update(self) -> tuple[WeightUpdate | None, list[Any]]:
         return self._update, self._payload
 
-    def confirm(self, worker: str, version: int, fingerprint: tuple[float, float], ok: bool, seconds: float) -> None:
-        """A rollout worker now serves ``version``."""
+    def confirm(self, worker: str, version: int, fingerprint: tuple[float, float], verified: bool,
+                seconds: float) -> None:
+        """A rollout worker now serves ``version`` (read back from its engine if ``verified``)."""
         lag = time.time() - self._published_at.get(version, time.time())
-        self._served[worker] = {"version": version, "fingerprint": list(fingerprint), "ok": ok}
+        self._served[worker] = {"version": version, "fingerprint": list(fingerprint), "verified": verified}
         self._sync_log.append(
-            {"worker": worker, "version": version, "ok": ok, "apply_s": seconds, "publish_to_serve_s": lag,
+            {"worker": worker, "version": version, "verified": verified, "apply_s": seconds, "publish_to_serve_s": lag,
              "time": time.time()}
         )
 

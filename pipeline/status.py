@@ -57,10 +57,10 @@ def render_live(status: dict[str, Any]) -> Group:
         mem = f"{used / 2**20:.0f} / {budget / 2**20:.0f}" if used and budget else "-"
         stages.add_row(name, str(st.get("state", "-")), f"{last.get(f'{name}/busy_ratio', 0):.2f}", mem)
     workers = Table(title="rollout workers")
-    for col in ("worker", "serves version", "fingerprint ok"):
+    for col in ("worker", "serves version", "read back"):
         workers.add_column(col)
     for w, s in sorted(status.get("served", {}).items()):
-        workers.add_row(w, str(s["version"]), "yes" if s["ok"] else "NO")
+        workers.add_row(w, str(s["version"]), "yes" if s["verified"] else "not yet")
     queues = Table(title="queues")
     for col in ("queue", "depth", "bound", "put wait s", "get wait s"):
         queues.add_column(col)

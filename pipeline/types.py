@@ -23,10 +23,17 @@ _wire = dict(frozen=True, kw_only=True)
 
 
 class Prompt(msgspec.Struct, **_wire):
-    """One prompt row. ``prompt_id`` is unique in a run; ``index`` is its row number."""
+    """One prompt row. ``prompt_id`` is unique in a run; ``index`` is its row number.
+
+    ``token_ids`` is the prompt exactly as the model sees it, tokenized once by the
+    source (special tokens and chat template applied); ``text`` is the same prompt as
+    text (for rewards and logs). An empty ``token_ids`` (a custom source) means the
+    rollout tokenizes ``text`` itself with the tokenizer's special tokens.
+    """
 
     prompt_id: str
     text: str
+    token_ids: list[int] = []
     ground_truth: Any = None
     data_source: str = ""
     extra_info: dict[str, Any] = {}

@@ -1,12 +1,23 @@
-"""The embedded default model: a random-init Llama with a char-level tokenizer.
+"""The embedded default model: a random-init decoder with a char-level tokenizer.
 
 Guarantees:
-- Nothing is downloaded: the tokenizer is built with the ``tokenizers`` library and the
-  weights are drawn from ``torch`` with ``TinyModelConfig.seed``, so the same config gives
-  bit-identical weights on every machine.
-- The tokenizer maps every vocabulary character to exactly one token, prepends ``<bos>``
-  when ``add_special_tokens=True``, and decodes (``skip_special_tokens=True``) back to the
-  exact input text; characters outside the vocabulary become ``<unk>``.
+- Nothing is downloaded: the tokenizer is built with the ``tokenizers`` library, the
+  model with transformers' own config class of the family, and the weights are drawn
+  from ``torch`` with ``TinyModelConfig.seed``, so the same config gives bit-identical
+  weights on every machine.
+- The tokenizer maps every vocabulary character to exactly one token and each special
+  token to one token; it prepends the family's BOS when ``add_special_tokens=True``
+  (families without BOS, like Qwen, prepend nothing), and decodes
+  (``skip_special_tokens=True``) back to the exact input text; characters outside the
+  vocabulary become ``<unk>``.
+- ``FAMILIES`` carries each architecture's real quirks (``TinyModelConfig.architecture``):
+  Llama (untied, no bias; no chat template: the case of a base model), Qwen2 (q/k/v
+  bias, tied embeddings, ChatML, no BOS, two stop tokens), Qwen3 (q/k RMSNorm, tied,
+  ChatML), Mistral (grouped-query attention, sliding window, ``[INST]`` template),
+  Gemma3 (tied, (1 + w) norms, q/k norm, scaled embeddings, logit soft-capping,
+  ``<start_of_turn>`` template, ``<end_of_turn>`` stops) and Phi3 (fused qkv and
+  gate/up projections in the checkpoint, ``<|end|>`` stops). Every family but Llama
+  uses one key/value head (GQA). The generation config lists every stop token.
 - ``ensure_tiny_checkpoint`` returns a complete Hugging Face checkpoint directory
   (config, safetensors weights, tokenizer, generation config) that transformers and vLLM
   load from disk. It is idempotent and safe under concurrent callers: a checkpoint is
@@ -20,17 +31,15 @@ import hashlib
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import (
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-)
+import transformers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from pipeline.config import ModelConfig, TinyModelConfig
 
@@ -58,70 +67,142 @@ _REQUIRED_FILES = (
 )
 
 
-def build_vocab() -> dict[str, int]:
-    """Token -> id: the four special tokens first (ids 0..3), then one id per character."""
-    tokens = list(SPECIAL_TOKENS) + list(CHARS)
+# GPT-2's byte -> printable character map, for the two characters of CHARS outside it.
+_BYTE_LEVEL = {ord(" "): "\u0120", ord("\n"): "\u010a"}
+
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_GEMMA = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}"
+    "\n{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+_MISTRAL = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+_PHI3 = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture's model class and tokenizer conventions (see module guarantees).
+
+    ``specials`` take ids 0..k-1 in this order; ``stops`` are the generation config's
+    ``eos_token_id`` list (the tokenizer's ``eos`` first); ``bos`` None means none is
+    prepended. ``config`` holds extra arguments of the transformers config class."""
+
+    config_class: str
+    specials: tuple[str, ...]
+    eos: str
+    pad: str
+    bos: str | None = None
+    stops: tuple[str, ...] = ()
+    chat_template: str | None = None
+    byte_level: bool = False  # a byte-level BPE (no merges) like GPT-2/Qwen, not a word-level vocab
+    kv_heads: int | None = 1  # None: TinyModelConfig.num_kv_heads
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaConfig", SPECIAL_TOKENS, eos=EOS, pad=PAD, bos=BOS, kv_heads=None,
+                    config={"tie_word_embeddings": False}),
+    "qwen2": Family("Qwen2Config", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", UNK), eos="<|im_end|>",
+                    pad="<|endoftext|>", stops=("<|im_end|>", "<|endoftext|>"), chat_template=_CHATML,
+                    byte_level=True, config={"tie_word_embeddings": True}),
+    "qwen3": Family("Qwen3Config", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", UNK), eos="<|im_end|>",
+                    pad="<|endoftext|>", stops=("<|im_end|>", "<|endoftext|>"), chat_template=_CHATML,
+                    byte_level=True, config={"tie_word_embeddings": True}),
+    "mistral": Family("MistralConfig", (UNK, "<s>", "</s>", "[INST]", "[/INST]"), eos="</s>", pad="</s>", bos="<s>",
+                      chat_template=_MISTRAL, config={"tie_word_embeddings": False, "sliding_window": 128}),
+    "gemma3": Family("Gemma3TextConfig", (PAD, EOS, BOS, UNK, "<start_of_turn>", "<end_of_turn>"), eos=EOS, pad=PAD,
+                     bos=BOS, stops=(EOS, "<end_of_turn>"), chat_template=_GEMMA,
+                     config={"tie_word_embeddings": True}),
+    "phi3": Family("Phi3Config", (UNK, "<s>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"),
+                   eos="<|endoftext|>", pad="<|endoftext|>", bos="<s>", stops=("<|endoftext|>", "<|end|>"),
+                   chat_template=_PHI3, config={"tie_word_embeddings": False}),
+}
+
+
+def build_vocab(specials: tuple[str, ...] = SPECIAL_TOKENS, byte_level: bool = False) -> dict[str, int]:
+    """Token -> id: the special tokens first (ids 0..k-1), then one id per character
+    (``byte_level``: spelled as a byte-level BPE spells that character's byte)."""
+    chars = list(CHARS)
+    if byte_level:
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        chars = [c if c in alphabet else _BYTE_LEVEL[ord(c)] for c in chars]
+    tokens = list(specials) + chars
     assert len(set(tokens)) == len(tokens), "duplicate character in the vocabulary"
     return {tok: i for i, tok in enumerate(tokens)}
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A char-level fast tokenizer over ``build_vocab()``; see the module guarantees."""
-    vocab = build_vocab()
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    # "isolated" keeps each matched character as its own piece; [\s\S] also matches "\n",
-    # which "." would not.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A",
-        pair=f"{BOS} $A $B",
-        special_tokens=[(BOS, vocab[BOS])],
-    )
+def build_char_tokenizer(architecture: str = "llama") -> PreTrainedTokenizerFast:
+    """A char-level fast tokenizer with the family's special tokens and chat template;
+    see the module guarantees."""
+    fam = FAMILIES[architecture]
+    vocab = build_vocab(fam.specials, fam.byte_level)
+    if fam.byte_level:
+        # No merges: every byte stays its own token. transformers rebuilds some families'
+        # tokenizers (Qwen2) as byte-level BPE from this vocabulary, which this matches.
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+        # "isolated" keeps each matched character as its own piece; [\s\S] also matches
+        # "\n", which "." would not.
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # Special tokens are matched whole before the character split.
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in fam.specials])
+    if fam.bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{fam.bos} $A", pair=f"{fam.bos} $A $B", special_tokens=[(fam.bos, vocab[fam.bos])])
     # Fuse concatenates the pieces; the default WordLevel decoding would join with spaces.
-    tok.decoder = decoders.Fuse()
+    tok.decoder = decoders.ByteLevel() if fam.byte_level else decoders.Fuse()
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
+        bos_token=fam.bos,
+        eos_token=fam.eos,
+        pad_token=fam.pad,
         unk_token=UNK,
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
     )
+    if fam.chat_template is not None:
+        hf.chat_template = fam.chat_template
     return hf
 
 
-def build_tiny_model(
-    cfg: TinyModelConfig,
-    vocab_size: int,
-    *,
-    bos_token_id: int = 1,
-    eos_token_id: int = 2,
-    pad_token_id: int = 0,
-) -> LlamaForCausalLM:
-    """A random-init float32 ``LlamaForCausalLM`` of the configured shape.
+def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """A random-init float32 causal LM of the configured family and shape whose special
+    ids are the tokenizer's.
 
     The global torch RNG is forked, so building the model neither depends on nor
     disturbs the caller's random state.
     """
-    config = LlamaConfig(
-        vocab_size=vocab_size,
+    fam = FAMILIES[cfg.architecture]
+    config_class = getattr(transformers, fam.config_class)
+    config = config_class(
+        vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
+        num_key_value_heads=cfg.num_kv_heads if fam.kv_heads is None else fam.kv_heads,
         head_dim=cfg.head_dim,
         max_position_embeddings=cfg.max_position_embeddings,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
+        **fam.config,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
 
 
@@ -139,21 +220,17 @@ def is_complete_checkpoint(path: Path) -> bool:
 
 def write_tiny_checkpoint(cfg: TinyModelConfig, out_dir: Path) -> None:
     """Write config, weights, tokenizer and generation config into ``out_dir``."""
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(
-        cfg,
-        len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    fam = FAMILIES[cfg.architecture]
+    tokenizer = build_char_tokenizer(cfg.architecture)
+    model = build_tiny_model(cfg, tokenizer)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    stops = [tokenizer.convert_tokens_to_ids(s) for s in fam.stops] or tokenizer.eos_token_id
     # Only the special ids: sampling settings come from the run config, and vLLM would
     # otherwise pick up transformers' defaults from this file.
     GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=stops,
         pad_token_id=tokenizer.pad_token_id,
     ).save_pretrained(out_dir)
 

@@ -13,10 +13,13 @@ every backend gives, and the e2e tests check on the real ones:
 - ``Completion.token_versions[t]`` is the policy version of the weights that sampled
   ``token_ids[t]``. Each backend documents how exact this is; both built-ins are exact
   (vLLM from 0.32, which labels engine steps with weight versions).
-- ``update_weights(data, version)`` applies a ``pipeline.weights`` payload in place,
-  reads the live weights back from the engine, checks them against the payload and
-  returns their fingerprint; it raises ``pipeline.weights.WeightSyncError`` instead of
-  serving weights it could not verify. ``version`` then reports the new version.
+- ``update_weights(data, version, verify=True)`` applies a ``pipeline.weights``
+  payload in place, reads the live weights back from the engine, checks them against
+  the payload and returns their fingerprint; it raises
+  ``pipeline.weights.WeightSyncError`` instead of serving weights it could not verify.
+  With ``verify=False`` the read-back is skipped (``train.weight_sync_monitor: false``)
+  and the payload's fingerprint, rounded to the served dtype, is returned; a later
+  ``live_fingerprint()`` can still check it. ``version`` then reports the new version.
   Versions never go backwards (``ValueError``).
 - Nothing here downloads: a backend loads a local checkpoint directory only.
 """
@@ -126,7 +129,7 @@ class RolloutBackend(Protocol):
         self, prompt_token_ids: list[list[int]], sampling: SamplingSettings
     ) -> list[GenerationResult]: ...
 
-    async def update_weights(self, data: bytes, version: int) -> Fingerprint: ...
+    async def update_weights(self, data: bytes, version: int, verify: bool = True) -> Fingerprint: ...
 
     async def live_fingerprint(self) -> Fingerprint: ...
 

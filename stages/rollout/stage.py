@@ -8,10 +8,14 @@ Guarantees:
   (continuous batching) and each is emitted as soon as its sequences finish;
 - weights are applied as soon as the trainer publishes them, by a watcher task, while
   generation goes on (in-flight update: tokens sampled afterwards carry the new version);
-  the payload's sha256 is checked before applying and the engine's live fingerprint
-  after; a mismatch stops the run when ``train.weight_sync_monitor`` is on;
-- at shutdown a worker applies the last published version, so a finished run's workers
-  all serve (and have verified) the final policy;
+  the payload's sha256 is checked before applying. With ``train.weight_sync_monitor``
+  on (the default) the engine's live weights are read back after every update and a
+  mismatch stops the run before a token is sampled from them; off, the read-back is
+  skipped during the run (it costs a pass over the weights per update) and done once
+  at the end;
+- at shutdown a worker applies the last published version and checks the engine's
+  live weights against it, so a finished run's workers all serve (and have verified)
+  the final policy, whatever ``weight_sync_monitor`` says; a mismatch fails the run;
 - generation for step k waits until this worker serves the newest version the trainer
   will have published by step ``k - max_staleness`` (see ``required_serving_version``),
   so samples are not produced only to be dropped as stale;
@@ -163,17 +167,15 @@ class RolloutStage:
                     f"{self.ctx.worker_id}: weights v{update.version} arrived corrupt "
                     f"(sha256 {sha[:12]} != published {update.sha256[:12]})"
                 )
-            fingerprint = await self.backend.update_weights(data, update.version)
-        ok = fingerprints_match(fingerprint, update.fingerprint)
+            # The backend raises WeightSyncError (and serves nothing unverified) when
+            # the read-back differs from the payload.
+            verify = self.cfg.train.weight_sync_monitor
+            fingerprint = await self.backend.update_weights(data, update.version, verify=verify)
         seconds = time.time() - t0
-        await self.ctx.controller.confirm.remote(self.ctx.worker_id, update.version, fingerprint, ok, seconds)
-        self.applied.append({"version": update.version, "apply_s": seconds, "ok": ok})
-        self.ctx.log.info("weights_applied", policy_version=update.version, seconds=round(seconds, 3), fingerprint_ok=ok)
-        if not ok and self.cfg.train.weight_sync_monitor:
-            raise WeightSyncError(
-                f"{self.ctx.worker_id}: live weights after v{update.version} do not match the trainer's "
-                f"(fingerprint {fingerprint} != {tuple(update.fingerprint)})"
-            )
+        await self.ctx.controller.confirm.remote(self.ctx.worker_id, update.version, fingerprint, verify, seconds)
+        self.applied.append({"version": update.version, "apply_s": seconds, "verified": verify,
+                             "fingerprint": list(fingerprint)})
+        self.ctx.log.debug("weights_applied", policy_version=update.version, seconds=round(seconds, 3), verified=verify)
         async with self._version_changed:
             self._version_changed.notify_all()
 
@@ -205,7 +207,8 @@ class RolloutStage:
             raise self._watch_error
         df, tr = self.cfg.dataflow, self.cfg.train
         await self._wait_for_version(required_serving_version(pb.step, df.max_staleness, tr.sync_interval), pb.batch_id)
-        ids = {p.prompt_id: self.tokenizer(p.text, add_special_tokens=True)["input_ids"] for p in pb.prompts}
+        ids = {p.prompt_id: p.token_ids or self.tokenizer(p.text, add_special_tokens=True)["input_ids"]
+               for p in pb.prompts}
 
         def estimate(piece: PromptBatch) -> int:
             lens = [len(ids[p.prompt_id]) for p in piece.prompts]
@@ -248,4 +251,18 @@ class RolloutStage:
             update, payload = await self.ctx.controller.latest_update.remote()
             if update is not None and update.version > self.backend.version:
                 await self._apply_locked(update, payload[0])
+            if update is not None and not self.cfg.train.weight_sync_monitor:
+                await self._verify_final(update)
         await self.backend.shutdown()
+
+    async def _verify_final(self, update: Any) -> None:
+        """The end-of-run read-back when updates were applied unverified."""
+        expected = self.applied[-1]["fingerprint"] if self.applied else None
+        live = await self.backend.live_fingerprint()
+        if expected is None or not fingerprints_match(tuple(expected), live):
+            raise WeightSyncError(
+                f"{self.ctx.worker_id}: at the end of the run the engine's live weights (fingerprint {live}) "
+                f"are not the final version v{update.version} it loaded (payload {expected}); updates were "
+                f"not read back during the run (train.weight_sync_monitor: false)"
+            )
+        await self.ctx.controller.confirm.remote(self.ctx.worker_id, update.version, live, True, 0.0)

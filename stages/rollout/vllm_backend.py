@@ -281,8 +281,9 @@ class VLLMBackend:
             text="".join(text),
         )
 
-    async def update_weights(self, data: bytes, version: int) -> Fingerprint:
-        """Pause, load in place, verify, relabel, resume (see module guarantees)."""
+    async def update_weights(self, data: bytes, version: int, verify: bool = True) -> Fingerprint:
+        """Pause, load in place, verify (unless ``verify`` is off), relabel, resume (see
+        module guarantees). Returns the live fingerprint, or the payload's unverified."""
         engine = self._require_engine()
         check_version_order(self._version, version)
         # vLLM's in-place reload is not transactional: a misshaped tensor leaves the
@@ -292,9 +293,10 @@ class VLLMBackend:
         async with self._update_lock:
             await self._pause(engine)
             try:
-                results = await self._ship_and_apply(engine, data, version)
-                live = combine_rank_fingerprints([r["live"] for r in results])
-                verify_fingerprint(tuple(results[0]["payload"]), live, version=version)
+                results = await self._ship_and_apply(engine, data, version, verify)
+                expected = tuple(results[0]["payload"])  # every rank loads the whole payload
+                live = combine_rank_fingerprints([r["live"] for r in results]) if verify else expected
+                verify_fingerprint(expected, live, version=version)
             except BaseException as err:
                 await self._recover_from_failed_update(engine, version, err)
                 raise
@@ -305,20 +307,20 @@ class VLLMBackend:
         log.info("weights applied", policy_version=version, fingerprint=live)
         return live
 
-    async def _ship_and_apply(self, engine: Any, data: bytes, version: int) -> list[dict[str, Any]]:
+    async def _ship_and_apply(self, engine: Any, data: bytes, version: int, verify: bool) -> list[dict[str, Any]]:
         """Every rank's ``apply_weights`` result; by file where the workers see it."""
         if self._shm_dir is not None:
             path = self._shm_dir / f"v{version}.safetensors"
             try:
                 await asyncio.to_thread(write_weights_file, data, path)
-                results = await engine.collective_rpc("apply_weights_file", args=(str(path),))
+                results = await engine.collective_rpc("apply_weights_file", args=(str(path), verify))
             finally:
                 path.unlink(missing_ok=True)
             if not any(r.get("missing") for r in results):
                 return results
             self._shm_dir = None  # some rank cannot see this host's /dev/shm: bytes from now on
             log.info("payload file not visible to every worker; sending bytes", policy_version=version)
-        return await engine.collective_rpc("apply_weights", args=(bytes(data),))
+        return await engine.collective_rpc("apply_weights", args=(bytes(data), verify))
 
     async def _pause(self, engine: Any) -> None:
         if self._keep_pause:

@@ -10,8 +10,9 @@ Guarantees:
 - ``apply_weights`` loads a safetensors payload through the model's own
   ``load_weights`` (so q/k/v and gate/up are fused, vocab rows padded, tensor-parallel
   shards cut exactly as at start-up) and returns two fingerprints measured inside the
-  worker: the payload's, rounded to the dtype the engine serves, and the live model's,
-  read back from its parameters after the load. The caller compares them.
+  worker: the payload's, rounded to the dtype the engine serves, and (with ``verify``)
+  the live model's, read back from its parameters after the load. The caller compares
+  them.
 - Weights travel as a file path when the frontend shares the worker's /dev/shm
   (``apply_weights_file``: the worker maps the file, no copy until ``load_weights``),
   else as bytes through collective_rpc (msgpack carries ``bytes``, not tensors; it costs
@@ -42,13 +43,14 @@ RankFingerprint = dict[str, tuple[float, float]]
 class WeightSyncExtension:
     """Methods injected into vLLM's worker class; ``self`` is the vLLM worker."""
 
-    def apply_weights(self, data: bytes) -> dict[str, Any]:
-        """Load the payload in place; return this rank's payload and live fingerprints."""
+    def apply_weights(self, data: bytes, verify: bool = True) -> dict[str, Any]:
+        """Load the payload in place; return this rank's payload fingerprint and, with
+        ``verify``, its live one (``None`` without)."""
         from pipeline.weights import deserialize_weights
 
-        return self._load(deserialize_weights(data))
+        return self._load(deserialize_weights(data), verify)
 
-    def apply_weights_file(self, path: str) -> dict[str, Any]:
+    def apply_weights_file(self, path: str, verify: bool = True) -> dict[str, Any]:
         """``apply_weights`` of the payload in file ``path``; ``{"missing": True}``, with
         nothing loaded, if this worker cannot see the file (another host)."""
         import os
@@ -57,9 +59,9 @@ class WeightSyncExtension:
 
         if not os.path.isfile(path):
             return {"missing": True}
-        return self._load(load_weights_file(path))
+        return self._load(load_weights_file(path), verify)
 
-    def _load(self, weights: dict[str, Any]) -> dict[str, Any]:
+    def _load(self, weights: dict[str, Any], verify: bool) -> dict[str, Any]:
         import torch
 
         from pipeline.weights import compute_fingerprint
@@ -72,7 +74,7 @@ class WeightSyncExtension:
         else:
             runner.get_model().load_weights(weights=iter(weights.items()))
         del weights
-        return {"payload": payload, "live": self.fingerprint()}
+        return {"payload": payload, "live": self.fingerprint() if verify else None}
 
     def fingerprint(self) -> RankFingerprint:
         """(sum, sum of squares) of every parameter this rank holds, by name."""
@@ -80,10 +82,16 @@ class WeightSyncExtension:
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         out: RankFingerprint = {}
-        # named_modules/named_parameters yield a tied parameter once (remove_duplicate),
-        # which is the counting rule of pipeline.weights.
+        # A tied parameter (``lm_head.weight`` is ``embed_tokens.weight``) is one
+        # Parameter reachable from two modules; it counts once, under the first name,
+        # which is the counting rule of pipeline.weights. Walking module by module,
+        # ``named_parameters(recurse=False)`` cannot see that, so identity is tracked here.
+        seen: set[int] = set()
         for prefix, module in model.named_modules():
             for name, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
                 full = f"{prefix}.{name}" if prefix else name
                 if name == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear"):
                     out[full] = compute_fingerprint(read_packed_linear_weight(module))

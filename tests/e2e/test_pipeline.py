@@ -65,7 +65,7 @@ def test_rollout_serves_the_trainers_weights(streaming_run):
     assert served, "no rollout worker confirmed a weight update"
     for worker, state in served.items():
         assert state["version"] == summary["policy_version"] == STEPS, worker
-        assert state["ok"], f"{worker}: live weights fingerprint differs from the trainer's"
+        assert state["verified"], f"{worker}: live weights were not read back from the engine"
 
 
 def test_checkpoint_loads_and_generates(streaming_run):
@@ -90,7 +90,12 @@ def test_run_outputs_are_written(streaming_run):
 
 
 def test_lockstep_is_exactly_on_policy(ray_cluster, tmp_path):
-    summary, rows = _launch(tmp_path, "run.steps=4", "dataflow.async_execution=false", "dataflow.max_staleness=0")
+    # Updates are not read back during this run (weight_sync_monitor off): the worker
+    # still checks its engine once at the end, which confirms the final version.
+    summary, rows = _launch(tmp_path, "run.steps=4", "dataflow.async_execution=false", "dataflow.max_staleness=0",
+                            "train.weight_sync_monitor=false")
+    (served,) = summary["served"].values()
+    assert served["version"] == 4 and served["verified"]
     assert summary["mode"] == "sync"
     assert all(r["staleness/max"] == 0 for r in rows)
     # Behaviour log-probs come from vLLM, current ones from the trainer: on-policy the

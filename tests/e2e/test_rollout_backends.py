@@ -144,6 +144,17 @@ def test_update_weights_is_verified_and_changes_greedy_output(loop, backend, che
         loop.run_until_complete(backend.update_weights(serialize_weights(after_state), version - 1))
 
 
+def test_unverified_update_returns_the_payload_fingerprint_and_can_be_checked_later(loop, backend, checkpoint) -> None:
+    """``verify=False`` (``train.weight_sync_monitor: false``) skips the read-back; what
+    it returns is the payload's fingerprint, which the live weights then match."""
+    state = perturbed_weights(checkpoint, seed=6, scale=0.03)
+    version = backend.version + 1
+    fingerprint = loop.run_until_complete(backend.update_weights(serialize_weights(state), version, verify=False))
+    assert backend.version == version
+    assert fingerprints_match(fingerprint, compute_fingerprint(state.values()))
+    assert fingerprints_match(loop.run_until_complete(backend.live_fingerprint()), fingerprint)
+
+
 def test_update_in_flight_tags_every_token_with_the_weights_that_sampled_it(loop, backend, checkpoint) -> None:
     old_state = perturbed_weights(checkpoint, seed=4, scale=0.01)
     new_state = perturbed_weights(checkpoint, seed=5, scale=0.01)

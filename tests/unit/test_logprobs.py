@@ -44,12 +44,12 @@ def make_batch(prompt_lens: list[int], completion_lens: list[int], group_size: i
 
 @pytest.fixture(scope="module")
 def model():
-    from stages.tiny import build_tiny_model
+    from stages.tiny import build_char_tokenizer, build_tiny_model
 
     torch.set_num_threads(1)
     cfg = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
                           intermediate_size=64, max_position_embeddings=64, seed=3)
-    return build_tiny_model(cfg, VOCAB).eval()
+    return build_tiny_model(cfg, build_char_tokenizer()).eval()  # tokens drawn below VOCAB
 
 
 def reference_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> np.ndarray:

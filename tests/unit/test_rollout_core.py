@@ -24,7 +24,7 @@ from stages.rollout import BACKENDS, build_backend, resolve_backend
 from stages.rollout.base import SamplingSettings, build_sampling_settings, check_version_order
 from stages.rollout.hf_backend import check_payload_names, cut_at_stop, group_prompts_by_length
 from stages.rollout.vllm_backend import WORKER_EXTENSION, build_engine_kwargs, expand_version_spans
-from stages.rollout.vllm_worker_ext import combine_rank_fingerprints, read_packed_linear_weight
+from stages.rollout.vllm_worker_ext import WeightSyncExtension, combine_rank_fingerprints, read_packed_linear_weight
 
 
 class FakeBackend:
@@ -178,3 +178,22 @@ def test_completions_stop_after_the_first_stop_token() -> None:
     assert cut_at_stop([5, 6, 2, 7, 0], {2}) == ([5, 6, 2], "stop")
     assert cut_at_stop([5, 6, 7], {2}) == ([5, 6, 7], "length")
     assert group_prompts_by_length([[1, 2], [3], [4, 5], [6]]) == {2: [0, 2], 1: [1, 3]}
+
+
+def test_worker_fingerprint_counts_a_tied_parameter_once() -> None:
+    """``lm_head.weight`` *is* ``embed_tokens.weight`` in a tied model: one Parameter
+    reached from two modules. The payload carries it once, so the live fingerprint
+    must count it once too (counting it per module broke every tied family)."""
+    embed = torch.nn.Embedding(3, 2)
+    head = torch.nn.Linear(2, 3, bias=False)
+    with torch.no_grad():
+        embed.weight.copy_(torch.tensor([[1.0, 2.0], [0.0, -1.0], [3.0, 0.0]]))
+    head.weight = embed.weight  # tied, as vLLM ties ParallelLMHead to the embedding
+    norm = torch.nn.Module()
+    norm.weight = torch.nn.Parameter(torch.tensor([0.5, 0.5]))
+    model = torch.nn.ModuleDict({"embed_tokens": embed, "norm": norm, "lm_head": head})
+    worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: model))
+    out = WeightSyncExtension.fingerprint(worker)
+    # embed once: sum 1+2+0-1+3+0 = 5, squares 1+4+0+1+9+0 = 15; norm: (1.0, 0.5).
+    assert out == {"embed_tokens.weight": (5.0, 15.0), "norm.weight": (1.0, 0.5)}
+    assert combine_rank_fingerprints([out]) == (6.0, 15.5)

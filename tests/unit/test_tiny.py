@@ -58,7 +58,7 @@ def test_checkpoint_loads_with_transformers_and_generates(tmp_path):
     assert out.shape[1] > enc.input_ids.shape[1]
     assert out.shape[1] <= enc.input_ids.shape[1] + 4
     # the saved weights are exactly the seeded init
-    fresh = build_tiny_model(cfg, len(tok))
+    fresh = build_tiny_model(cfg, tok)
     with torch.no_grad():
         torch.testing.assert_close(model(**enc).logits, fresh(**enc).logits, atol=0, rtol=0)
 
