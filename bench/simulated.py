@@ -43,7 +43,7 @@ import ray
 
 from pipeline.types import WeightUpdate
 from pipeline.versions import compute_staleness, is_too_stale
-from stages.rollout.stage import required_serving_version
+from pipeline.versions import required_serving_version
 
 
 class GenerationLengths(msgspec.Struct, frozen=True, kw_only=True):

@@ -407,10 +407,12 @@ def check_config(cfg: ConveyorConfig) -> None:
             f"({df.prompts_per_micro_batch}) so GRPO groups never straddle a step, "
             f"got {tr.prompts_per_step}"
         )
-    if df.async_execution and df.max_staleness < tr.sync_interval - 1:
+    if df.max_staleness < tr.sync_interval - 1:
+        # Step k trains at version k; with weights published every s steps the newest
+        # version a step can generate on may be s - 1 steps old (sync mode included).
         raise ConfigError(
             f"dataflow.max_staleness: expected >= train.sync_interval - 1 "
-            f"({tr.sync_interval - 1}) in async mode, or no sample could ever be trained, "
+            f"({tr.sync_interval - 1}), or some steps' samples could never be trained, "
             f"got {df.max_staleness}"
         )
     if ro.n < 2 and cfg.algorithm.name == "grpo":

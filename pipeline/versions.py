@@ -34,8 +34,20 @@ def may_generate(step: int, served_version: int, max_staleness: int) -> bool:
     return served_version >= step - max_staleness
 
 
-def required_version(step: int, max_staleness: int) -> int:
-    return max(0, step - max_staleness)
+def required_serving_version(step: int, max_staleness: int, sync_interval: int) -> int:
+    """The version a worker must serve before it generates for train step ``step``.
+
+    The trainer trains step k at version k and publishes only multiples of
+    ``sync_interval`` (s). A sample of version v is trainable at step k iff
+    ``k - v <= max_staleness`` (η), so the answer is the first multiple of s at or after
+    ``k - η``: ``ceil((k - η) / s) * s``. It is never newer than k when ``η >= s - 1``
+    (``check_config`` enforces that), so it is published after step ``v - 1 < k``, from
+    earlier steps' data only: waiting for it cannot deadlock. (Rounding down instead
+    would generate step k from a version up to s - 1 steps older than η allows, and
+    every such sample would be dropped as stale.)
+    """
+    need = max(0, step - max_staleness)
+    return -(-need // sync_interval) * sync_interval
 
 
 @dataclass

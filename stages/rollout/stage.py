@@ -17,7 +17,7 @@ Guarantees:
   live weights against it, so a finished run's workers all serve (and have verified)
   the final policy, whatever ``weight_sync_monitor`` says; a mismatch fails the run;
 - generation for step k waits until this worker serves the newest version the trainer
-  will have published by step ``k - max_staleness`` (see ``required_serving_version``),
+  may be trained with at step k (``pipeline.versions.required_serving_version``),
   so samples are not produced only to be dropped as stale;
 - under ``rollout.memory`` a micro-batch generates only once its KV cache (prompt +
   ``max_tokens`` per sample, ``estimate_kv_cache_bytes``) fits the worker's KV budget
@@ -44,16 +44,9 @@ from pipeline.memory import run_with_oom_recovery
 from pipeline.memory_guard import MemoryGuard, build_pool_reading, publish_status
 from pipeline.splitting import count_groups, split_prompt_batch
 from pipeline.types import PromptBatch, RolloutBatch
-from pipeline.versions import required_version
+from pipeline.versions import required_serving_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
 from stages.rollout.base import GenerationResult
-
-
-def required_serving_version(step: int, max_staleness: int, sync_interval: int) -> int:
-    """The version a worker must serve before generating for ``step``: the last version
-    published (a multiple of ``sync_interval``) at or before ``step - max_staleness``."""
-    need = required_version(step, max_staleness)
-    return (need // sync_interval) * sync_interval
 
 
 def pad_rows(rows: list[list[Any]], dtype: Any, fill: Any = 0) -> np.ndarray:

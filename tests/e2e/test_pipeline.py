@@ -103,3 +103,14 @@ def test_lockstep_is_exactly_on_policy(ray_cluster, tmp_path):
     for r in rows:
         assert abs(r["actor/ratio_mean"] - 1.0) < 1e-4, r["actor/ratio_mean"]
     assert summary["samples"]["reconciles"]
+
+
+def test_weights_every_second_step_drop_nothing(ray_cluster, tmp_path):
+    """sync_interval 2 with eta 1 is valid: each step generates on a version that the
+    trainer can still use, so nothing is made only to be dropped as stale."""
+    summary, rows = _launch(tmp_path, "run.steps=6", "train.sync_interval=2", "dataflow.max_staleness=1")
+    assert summary["samples"]["dropped"] == {}
+    assert summary["samples"]["trained"] == 6 * 8 * 8
+    assert max(r["staleness/max"] for r in rows) <= 1
+    (served,) = summary["served"].values()
+    assert served["version"] == 6 and served["verified"]

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.versions import Ledger, is_too_stale, may_generate
-from stages.rollout.stage import required_serving_version
+from pipeline.versions import Ledger, is_too_stale, may_generate, required_serving_version
 
 
 def test_staleness_gate():
@@ -27,12 +26,26 @@ def test_generation_gate():
         (0, 0, 1, 0),  # the first step runs on the initial weights
         (5, 0, 1, 5),  # on-policy: wait for the previous step's weights
         (5, 2, 1, 3),
-        (5, 1, 2, 4),  # versions are only published at multiples of 2: 4 is the last <= 5-1
+        (5, 1, 2, 4),  # versions are only published at multiples of 2: 4 is the first >= 5-1
         (3, 1, 2, 2),
+        (2, 1, 2, 2),  # not 0: v0 is 2 steps old at step 2, beyond eta = 1
+        (4, 2, 3, 3),  # first multiple of 3 at or after 4-2 = 2
     ],
 )
 def test_required_serving_version(step, eta, interval, need):
     assert required_serving_version(step, eta, interval) == need
+
+
+@pytest.mark.parametrize(("eta", "interval"), [(0, 1), (1, 1), (1, 2), (2, 2), (2, 3), (3, 2), (5, 4)])
+def test_every_valid_schedule_generates_only_trainable_samples(eta, interval):
+    """For every config check_config accepts (eta >= interval - 1), step k generates on a
+    published version that is trainable at step k and exists before step k trains."""
+    assert eta >= interval - 1
+    for step in range(50):
+        v = required_serving_version(step, eta, interval)
+        assert v % interval == 0  # a version the trainer publishes
+        assert not is_too_stale(step, v, eta)  # the trainer keeps these samples
+        assert v <= step  # published after step v - 1 < step: no wait on the future
 
 
 def test_ledger_reconciles_and_replaces_drops():
