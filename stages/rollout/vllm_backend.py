@@ -105,7 +105,8 @@ def build_engine_kwargs(
         # this same field; the engine argument takes fractions and touches no env.
         kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * _GIB)
     else:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        # None: not planned (no placement plan shared the GPU): the old default, 0.5.
+        kwargs["gpu_memory_utilization"] = 0.5 if cfg.gpu_memory_utilization is None else cfg.gpu_memory_utilization
     if supported is not None:
         if "logprobs_mode" not in supported:
             raise RuntimeError(
