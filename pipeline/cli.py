@@ -61,9 +61,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         if df is None:
             console.print(f"no live run in {run_dir} and no --config given")
             return 1
+        from pipeline.launch import build_dataflow, plan_run_placement
         from pipeline.status import render_plan
 
-        console.print(render_plan(cfg, df))
+        cfg, plan = plan_run_placement(cfg)  # refuses an impossible plan: exit 2
+        console.print(render_plan(cfg, build_dataflow(cfg, plan), plan))
         return 0
     from pipeline.status import render_live
 

@@ -110,10 +110,17 @@ class MemoryConfig(msgspec.Struct, **_section()):
 
 
 class PlacementEntry(msgspec.Struct, **_section()):
-    """Ray resources of one stage actor."""
+    """Where one stage runs (``pipeline/placement.py`` plans and checks it).
+
+    ``gpus``: GPU indices (replica r on ``gpus[r % len]``); a list in YAML
+    (``rollout: [0]``) is shorthand for ``{gpus: [0]}``. ``exclusive``: no other stage
+    may use those GPUs. ``num_gpus``: a Ray GPU count per replica instead of indices.
+    """
 
     num_cpus: NonNegFloat = 0.0
     num_gpus: NonNegFloat = 0.0
+    gpus: list[NonNegInt] | None = None
+    exclusive: bool = False
 
 
 class RolloutConfig(msgspec.Struct, **_section()):
@@ -128,7 +135,9 @@ class RolloutConfig(msgspec.Struct, **_section()):
     max_tokens: PosInt = 8
     max_inflight: PosInt = 4  # micro-batches generating concurrently per worker
     kv_cache_gib: PosFloat = 1.0  # CPU backend: VLLM_CPU_KVCACHE_SPACE
-    gpu_memory_utilization: Ratio = 0.5
+    # vLLM's share of its GPU's memory. None: chosen by the placement plan (what trainer
+    # and reference on the same GPU leave, or 0.9 on a GPU of its own; 0.5 unplanned).
+    gpu_memory_utilization: Ratio | None = None
     enforce_eager: bool = True
     seed: NonNegInt = 0
     memory: MemoryConfig = MemoryConfig()
@@ -203,6 +212,10 @@ class DataflowConfig(msgspec.Struct, **_section()):
 
 
 class PlacementConfig(msgspec.Struct, **_section()):
+    """``placement: auto`` (the default, an empty mapping) lets the planner choose GPUs;
+    naming GPUs (or ``num_gpus``) for any stage makes the plan explicit: stages not
+    named then get no GPU."""
+
     source: PlacementEntry = PlacementEntry()
     rollout: PlacementEntry = PlacementEntry()
     reward: PlacementEntry = PlacementEntry()
@@ -363,6 +376,7 @@ def decode_config(raw: dict[str, Any]) -> ConveyorConfig:
     """Decode and cross-check a raw mapping; raise ``ConfigError`` with the dotted path."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = _expand_placement(raw)
     try:
         # strict=False: YAML 1.1 reads ``3e-4`` as a string; numbers in strings convert.
         cfg = msgspec.convert(raw, ConveyorConfig, strict=False)
@@ -371,6 +385,20 @@ def decode_config(raw: dict[str, Any]) -> ConveyorConfig:
     cfg = _normalise(cfg)
     check_config(cfg)
     return cfg
+
+
+def _expand_placement(raw: dict[str, Any]) -> dict[str, Any]:
+    """``placement: auto`` -> ``{}``; ``placement: {rollout: [0, 1]}`` -> ``{rollout: {gpus: [0, 1]}}``."""
+    place = raw.get("placement")
+    if place is None or (isinstance(place, dict) and not any(isinstance(v, list) for v in place.values())):
+        return raw
+    if isinstance(place, str):
+        if place != "auto":
+            raise ConfigError(f"placement: expected 'auto' or a mapping of stage -> GPU indices, got {place!r}")
+        return {**raw, "placement": {}}
+    if not isinstance(place, dict):
+        raise ConfigError(f"placement: expected 'auto' or a mapping of stage -> GPU indices, got {place!r}")
+    return {**raw, "placement": {k: {"gpus": v} if isinstance(v, list) else v for k, v in place.items()}}
 
 
 def _normalise(cfg: ConveyorConfig) -> ConveyorConfig:

@@ -53,6 +53,10 @@ class Node:
     num_cpus: float = 0.0
     num_gpus: float = 0.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Replica r runs in bundle gpu_bundles[r] (one GPU) of the run's placement group,
+    # asking for gpu_shares[r] of it; empty: num_gpus by count (pipeline/placement.py).
+    gpu_bundles: tuple[int, ...] = ()
+    gpu_shares: tuple[float, ...] = ()
 
     def resolve_class(self) -> type:
         if isinstance(self.node_class, str):
@@ -170,6 +174,7 @@ class DataFlow:
                     "concurrency": n.concurrency,
                     "num_cpus": n.num_cpus,
                     "num_gpus": n.num_gpus,
+                    "gpus": list(n.gpu_bundles),
                 }
                 for n in (self.nodes[k] for k in self.topological_order())
             ],

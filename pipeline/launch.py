@@ -30,6 +30,7 @@ from pipeline.dataflow import DataFlow
 from pipeline.log import configure_logging, get_logger
 from pipeline.memory_guard import merge_guard_metrics
 from pipeline.metrics import MetricsWriter, write_summary
+from pipeline.placement import PlacementPlan, check_plan, detect_gpus, plan_placement
 from pipeline.profiler import (
     GpuSampler,
     aggregate_spans,
@@ -52,8 +53,9 @@ STAGE_CLASSES = {
 log = get_logger(stage="driver")
 
 
-def build_dataflow(cfg: ConveyorConfig) -> DataFlow:
-    """The run's graph, validated (raises ``GraphError`` naming the node)."""
+def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> DataFlow:
+    """The run's graph, validated (raises ``GraphError`` naming the node); with a
+    ``plan``, nodes carry its GPU indices (``plan_run_placement``)."""
     df = DataFlow()
     df.default_queue_size = cfg.dataflow.queue_size
     if cfg.dataflow.nodes:
@@ -74,7 +76,38 @@ def build_dataflow(cfg: ConveyorConfig) -> DataFlow:
             prev = name
     df.queue_sizes.update(cfg.dataflow.queue_sizes)
     df.validate()
+    if plan is not None:
+        for name, node in df.nodes.items():
+            placed = plan.stages.get(name)
+            if placed is not None:
+                node.num_gpus = placed.num_gpus
+                node.gpu_bundles, node.gpu_shares = placed.gpus, placed.share
     return df
+
+
+def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPlan]:
+    """Detect the cluster's GPUs, plan and check the placement (``PlacementError``, a
+    ``ConfigError``, for an impossible plan) and return the config with vLLM's memory
+    share the plan chose."""
+    import msgspec
+
+    stages = build_dataflow(cfg).topological_order()
+    available, gpu_bytes = detect_gpus(cfg.run.address)
+    num_params = count_model_params(cfg) if available else 0
+    plan = plan_placement(cfg, stages, available, num_params=num_params, gpu_bytes=gpu_bytes)
+    check_plan(cfg, plan)
+    if plan.rollout_memory_fraction != cfg.rollout.gpu_memory_utilization:
+        rollout = msgspec.structs.replace(cfg.rollout, gpu_memory_utilization=plan.rollout_memory_fraction)
+        cfg = msgspec.structs.replace(cfg, rollout=rollout)
+    return cfg, plan
+
+
+def count_model_params(cfg: ConveyorConfig) -> int:
+    """Parameters of ``model.path`` from its ``config.json`` (no weights are read)."""
+    from pipeline.admission import ModelShape
+    from stages.tiny import resolve_model_path
+
+    return ModelShape.from_hf_config(json.loads((resolve_model_path(cfg.model) / "config.json").read_text())).num_params
 
 
 def record_taps(cfg: ConveyorConfig, df: DataFlow) -> dict[str, str]:
@@ -196,14 +229,15 @@ class _Progress:
 def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
     """Run the configured job; returns the summary (also written to ``summary.json``)."""
     configure_logging(cfg.run.log_level)
-    df = build_dataflow(cfg)
+    cfg, plan = plan_run_placement(cfg)
+    df = build_dataflow(cfg, plan)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     taps = record_taps(cfg, df)
     reporter = Reporter(cfg, run_dir)
     log.info("launch", run_dir=str(run_dir), mode="async" if cfg.dataflow.async_execution else "sync",
-             stages=df.topological_order())
+             stages=df.topological_order(), placement=plan.describe() if plan.available_gpus else "cpu")
     try:
         result = run_dataflow(
             df, cfg,

@@ -12,6 +12,9 @@ Guarantees:
   ``run.address``;
 - a stage that raises stops the run: the controller is told, every actor is killed and
   ``StageError`` carries the stage name and its remote traceback;
+- nodes placed by GPU index (``Node.gpu_bundles``) run in one placement group of one
+  single-GPU bundle per index, created (and removed at the end) by the runner; a group
+  Ray cannot place within ``PLACEMENT_TIMEOUT_S`` stops the run before any stage starts;
 - at a clean end-of-stream every stage has drained, closed its outputs and reported.
 """
 
@@ -36,6 +39,7 @@ from pipeline.types import Span
 
 log = get_logger(stage="driver")
 MAX_TRACE_SPANS = 500_000
+PLACEMENT_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -59,6 +63,7 @@ class Graph:
     controller: Any
     actors: dict[str, list[Any]]
     queues: dict[str, QueueHandle]
+    placement_group: Any = None
     # The trace keeps the latest spans only, so a long run's driver memory stays bounded.
     spans: collections.deque[Span] = field(default_factory=lambda: collections.deque(maxlen=MAX_TRACE_SPANS))
 
@@ -127,6 +132,7 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
         q = create_queue(producer, consumer, df.queue_bound(producer, consumer), df.nodes[producer].replicas)
         queues[q.name] = q
     level = config.run.log_level if config is not None else os.environ.get("CONVEYOR_LOG_LEVEL", "info")
+    pg = await _create_placement_group(df)
     actors: dict[str, list[Any]] = {}
     for name in df.topological_order():
         node = df.nodes[name]
@@ -135,12 +141,12 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
         actors[name] = [
             StageActor.options(
                 num_cpus=node.num_cpus,
-                num_gpus=node.num_gpus,
                 max_concurrency=max(64, 4 * node.concurrency),
+                **_gpu_options(node, r, pg),
             ).remote(name, r, node.node_class, node.kwargs, config, controller, node.concurrency, tap, level)
             for r in range(node.replicas)
         ]
-    graph = Graph(df, controller, actors, queues)
+    graph = Graph(df, controller, actors, queues, pg)
     setups = {a.setup.remote(): name for name, reps in actors.items() for a in reps}
     for ref, name in setups.items():
         try:
@@ -149,6 +155,37 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
             await _teardown(graph)
             raise _stage_error(name, exc) from None
     return graph
+
+
+async def _create_placement_group(df: DataFlow) -> Any:
+    """One bundle per GPU index any node uses ({GPU: 1} plus the CPUs of its actors)."""
+    from ray.util.placement_group import placement_group
+
+    cpus: dict[int, float] = collections.defaultdict(float)
+    for node in df.nodes.values():
+        for b in node.gpu_bundles:
+            cpus[b] += node.num_cpus
+    if not cpus:
+        return None
+    bundles = [{"GPU": 1.0, **({"CPU": cpus[i]} if cpus[i] else {})} for i in range(max(cpus) + 1)]
+    pg = placement_group(bundles, strategy="PACK", name=f"conveyor-{os.getpid()}")
+    try:
+        await asyncio.wait_for(pg.ready(), PLACEMENT_TIMEOUT_S)
+    except TimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise StageError("placement", f"Ray could not place {len(bundles)} GPU bundle(s) within "
+                         f"{PLACEMENT_TIMEOUT_S:.0f}s (cluster resources: {ray.cluster_resources()})") from None
+    return pg
+
+
+def _gpu_options(node: Any, replica: int, pg: Any) -> dict[str, Any]:
+    """Ray options putting replica ``replica`` of ``node`` on its planned GPU."""
+    if not node.gpu_bundles:
+        return {"num_gpus": node.num_gpus}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"num_gpus": node.gpu_shares[replica], "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=node.gpu_bundles[replica])}
 
 
 def _stage_error(name: str, exc: BaseException) -> StageError:
@@ -183,6 +220,8 @@ async def _teardown(graph: Graph) -> None:
     for q in graph.queues.values():
         ray.kill(q.actor, no_restart=True)
     ray.kill(graph.controller, no_restart=True)
+    if graph.placement_group is not None:
+        ray.util.remove_placement_group(graph.placement_group)
 
 
 async def _run(

@@ -13,9 +13,10 @@ from rich.table import Table
 
 from pipeline.config import ConveyorConfig
 from pipeline.dataflow import DataFlow
+from pipeline.placement import PlacementPlan
 
 
-def render_plan(cfg: ConveyorConfig, df: DataFlow) -> Group:
+def render_plan(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan | None = None) -> Group:
     desc = df.describe()
     stages = Table(title=f"stages ({'async' if cfg.dataflow.async_execution else 'sync'} mode, "
                    f"max_staleness {cfg.dataflow.max_staleness})")
@@ -28,12 +29,22 @@ def render_plan(cfg: ConveyorConfig, df: DataFlow) -> Group:
         queues.add_column(col)
     for q in desc["queues"]:
         queues.add_row(q["queue"], q["producer"], q["consumer"], str(q["bound"]))
-    place = Table(title="placement (Ray resources per actor)")
-    for col in ("stage", "num_cpus", "num_gpus"):
+    gpus = plan.available_gpus if plan is not None else 0
+    place = Table(title=f"placement ({gpus} GPU(s) found; GPU indices are bundles of the run's placement group)")
+    for col in ("stage", "num_cpus", "GPUs", "GPU share per replica"):
         place.add_column(col)
     for s in desc["stages"]:
-        place.add_row(s["name"], f"{s['num_cpus']:g}", f"{s['num_gpus']:g}")
-    return Group(stages, queues, place)
+        node = df.nodes[s["name"]]
+        where = str(list(node.gpu_bundles)) if node.gpu_bundles else (f"{node.num_gpus:g} (by count)"
+                                                                       if node.num_gpus else "-")
+        shares = ", ".join(f"{x:.2g}" for x in node.gpu_shares) or "-"
+        place.add_row(s["name"], f"{s['num_cpus']:g}", where, shares)
+    parts: list[Any] = [stages, queues, place]
+    if plan is not None:
+        if cfg.rollout.gpu_memory_utilization is not None and any(n.gpu_bundles for n in df.nodes.values()):
+            parts.append(f"vLLM gpu_memory_utilization: {cfg.rollout.gpu_memory_utilization:g}")
+        parts.extend(plan.notes)
+    return Group(*parts)
 
 
 def render_live(status: dict[str, Any]) -> Group:

@@ -1,0 +1,269 @@
+"""Placement: which GPU each stage actor uses, planned and checked before anything starts.
+
+Guarantees:
+- ``plan_placement`` is pure: the same config, GPU count and model size give the same
+  plan. Nothing here starts Ray or touches a GPU; ``detect_gpus`` only counts them.
+- A plan with GPUs gives every GPU-using actor exactly one GPU index and a share of it
+  (1/k when k actors sit on that GPU). ``pipeline.runner`` turns it into one Ray
+  placement-group bundle per GPU index and schedules each actor into its bundle with
+  that share, so Ray puts it on that GPU and sets ``CUDA_VISIBLE_DEVICES`` to that GPU
+  alone (an actor with no GPU in the plan asks for none and sees none used by others).
+  Indices are positions in the run's placement group, as in verl's resource pools.
+- ``placement: auto`` (the default): no GPU: every stage on CPU. One GPU: rollout,
+  reference and trainer share GPU 0 and vLLM's ``gpu_memory_utilization`` is what the
+  trainer and reference leave (``estimate_colocated_fraction``). Two or more: the
+  rollout replicas get their own GPUs (round robin over ``min(num_workers, n - 1)``
+  GPUs), trainer and reference share the next one; GPUs left over are reported idle.
+  Reward (functions) stays on CPU.
+- Explicit plans name GPU indices per stage (``placement: {rollout: [0], trainer: [1],
+  reference: [1]}``, or ``{gpus: [0], exclusive: true}``); a stage not named gets no
+  GPU. Per-stage Ray GPU counts (``num_gpus``) without indices are passed to Ray as
+  before and only their total is checked.
+- ``check_plan`` refuses, with ``PlacementError`` naming the stage and GPU, every plan
+  that would hang or break at start: an index beyond the cluster's GPUs (Ray would wait
+  for it forever), a GPU claimed ``exclusive`` that another stage uses, GPU counts that
+  add up to more GPUs than exist, an actor that would need several GPUs (tensor
+  parallel rollout, a multi-GPU trainer: not placed by this planner yet), and a shared
+  GPU whose memory cannot hold the trainer, the reference and vLLM's share.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config import ConfigError, ConveyorConfig
+
+GPU_STAGES = ("rollout", "reference", "trainer")
+_GIB = 1 << 30
+# Bytes per parameter held by the trainer: weights in the train dtype, fp32 master
+# weights and gradients (mixed precision) and two fp32 Adam moments.
+_TRAINER_BYTES_PER_PARAM = {"float32": 4 + 4 + 8, "bfloat16": 2 + 4 + 4 + 8, "float16": 2 + 4 + 4 + 8}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Share of a GPU kept free beside the resident estimates: activations and logits of a
+# training chunk, CUDA contexts, allocator slack.
+RESERVE_FRACTION = 0.1
+OWN_GPU_FRACTION = 0.9  # vLLM's share of a GPU it has to itself
+MIN_ROLLOUT_FRACTION = 0.05
+
+
+class PlacementError(ConfigError):
+    """A plan that cannot run; the message names the stage and the GPU."""
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where one stage's replicas run: replica r on ``gpus[r]`` with ``share`` of it
+    (``gpus`` empty: no GPU index; ``num_gpus`` Ray GPUs per replica, as configured)."""
+
+    gpus: tuple[int, ...] = ()
+    share: tuple[float, ...] = ()
+    num_gpus: float = 0.0
+    num_cpus: float = 0.0
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    available_gpus: int
+    stages: dict[str, StagePlacement]
+    rollout_memory_fraction: float | None = None  # vLLM's gpu_memory_utilization
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bundles(self) -> int:
+        """GPU indices in use: the size of the run's placement group."""
+        used = [g for s in self.stages.values() for g in s.gpus]
+        return max(used) + 1 if used else 0
+
+    def describe(self) -> list[str]:
+        """One line per stage (``rollout -> [0] (share 0.33)``), then the notes."""
+        lines = []
+        for name, s in self.stages.items():
+            if s.gpus:
+                shares = ", ".join(f"{x:.2g}" for x in s.share)
+                lines.append(f"{name} -> {list(s.gpus)} (GPU share {shares})")
+            elif s.num_gpus:
+                lines.append(f"{name} -> {s.num_gpus:g} GPU per replica (Ray chooses)")
+            else:
+                lines.append(f"{name} -> CPU")
+        return lines + self.notes
+
+
+def is_manual(cfg: ConveyorConfig) -> bool:
+    """True when any stage names GPU indices or a Ray GPU count."""
+    return any(e.gpus is not None or e.num_gpus > 0 for e in _entries(cfg).values())
+
+
+def _entries(cfg: ConveyorConfig) -> dict[str, Any]:
+    p = cfg.placement
+    return {"source": p.source, "rollout": p.rollout, "reward": p.reward, "reference": p.reference,
+            "trainer": p.trainer}
+
+
+def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, with_reference: bool) -> float:
+    """vLLM's share of one GPU that it shares with the trainer (and the reference):
+    ``1 - (trainer + reference) / total - RESERVE_FRACTION``, at most ``OWN_GPU_FRACTION``.
+
+    Example: 0.5B params in bf16 on 80 GiB: trainer 0.5e9 x 18 B = 8.4 GiB, reference
+    0.5e9 x 2 B = 0.93 GiB: 1 - 9.3 / 80 - 0.1 = 0.78.
+    """
+    resident = num_params * _TRAINER_BYTES_PER_PARAM[dtype]
+    if with_reference:
+        resident += num_params * _DTYPE_BYTES[dtype]
+    return min(OWN_GPU_FRACTION, 1.0 - resident / gpu_bytes - RESERVE_FRACTION)
+
+
+def plan_placement(
+    cfg: ConveyorConfig, stages: list[str], available_gpus: int, *, num_params: int = 0, gpu_bytes: int = 0
+) -> PlacementPlan:
+    """The run's plan (see the module guarantees); ``check_plan`` it before use.
+
+    ``stages``: the graph's stage names; ``num_params`` and ``gpu_bytes`` (memory of one
+    GPU; 0 if unknown) size vLLM's share of a GPU it shares.
+    """
+    entries = _entries(cfg)
+    cpus = {name: (entries[name].num_cpus if name in entries else 0.0) for name in stages}
+    replicas = {name: (cfg.rollout.num_workers if name == "rollout" else 1) for name in stages}
+    gpus: dict[str, list[int]] = {}
+    notes: list[str] = []
+    if is_manual(cfg):
+        for name in stages:
+            entry = entries.get(name)
+            if entry is not None and entry.gpus is not None:
+                gpus[name] = list(entry.gpus)
+    elif available_gpus >= 1:
+        on_gpu = [s for s in GPU_STAGES if s in stages]
+        if available_gpus == 1 or "rollout" not in on_gpu:
+            gpus = {s: [0] for s in on_gpu}
+        else:
+            rollout = list(range(max(1, min(cfg.rollout.num_workers, available_gpus - 1))))
+            train_gpu = len(rollout)
+            gpus = {s: ([*rollout] if s == "rollout" else [train_gpu]) for s in on_gpu}
+            idle = available_gpus - train_gpu - 1
+            if idle:
+                notes.append(f"{idle} GPU(s) idle: raise rollout.num_workers to use them for generation")
+    # Replica r of a stage sits on gpus[r % len(gpus)]: one index per actor.
+    actor_gpu = {name: tuple(g[r % len(g)] for r in range(replicas[name])) for name, g in gpus.items() if g}
+    load: dict[int, int] = defaultdict(int)
+    for g in actor_gpu.values():
+        for i in g:
+            load[i] += 1
+    placed: dict[str, StagePlacement] = {}
+    for name in stages:
+        if name in actor_gpu:
+            placed[name] = StagePlacement(gpus=actor_gpu[name], share=tuple(1.0 / load[i] for i in actor_gpu[name]),
+                                          num_cpus=cpus[name])
+        else:
+            entry = entries.get(name)
+            placed[name] = StagePlacement(num_gpus=entry.num_gpus if entry is not None else 0.0, num_cpus=cpus[name])
+    fraction = _rollout_fraction(cfg, placed, num_params, gpu_bytes, notes)
+    return PlacementPlan(available_gpus=available_gpus, stages=placed, rollout_memory_fraction=fraction, notes=notes)
+
+
+def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], num_params: int, gpu_bytes: int,
+                      notes: list[str]) -> float | None:
+    rollout = placed.get("rollout")
+    if rollout is None or not rollout.gpus:
+        return cfg.rollout.gpu_memory_utilization
+    mates = [n for n in ("trainer", "reference") if n in placed and set(placed[n].gpus) & set(rollout.gpus)]
+    chosen = cfg.rollout.gpu_memory_utilization
+    if not mates:
+        return OWN_GPU_FRACTION if chosen is None else chosen
+    if not (num_params and gpu_bytes):
+        notes.append("GPU memory or model size unknown: vLLM keeps rollout.gpu_memory_utilization")
+        return chosen
+    dtype = cfg.model.dtype
+    planned = estimate_colocated_fraction(num_params, dtype, gpu_bytes, with_reference="reference" in mates)
+    resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes
+    notes.append(
+        f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident of "
+        f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}), {RESERVE_FRACTION:.0%} reserve"
+    )
+    if chosen is not None:
+        if chosen > planned + 1e-9:
+            raise PlacementError(
+                f"placement: rollout.gpu_memory_utilization {chosen:g} does not fit beside {' and '.join(mates)} "
+                f"on GPU {list(rollout.gpus)}: at most {planned:.2f} is left (~{resident / _GIB:.1f} GiB of "
+                f"{gpu_bytes / _GIB:.0f} GiB resident); lower it or give the rollout its own GPU"
+            )
+        return chosen
+    if planned < MIN_ROLLOUT_FRACTION:
+        raise PlacementError(
+            f"placement: the model ({num_params / 1e6:.0f}M params, {dtype}) does not fit trainer, reference and "
+            f"vLLM on one GPU of {gpu_bytes / _GIB:.0f} GiB (vLLM would get {max(planned, 0):.2f} of it); "
+            f"use more GPUs, a smaller model, or train.zero_stage with offload"
+        )
+    return round(planned, 3)
+
+
+def check_plan(cfg: ConveyorConfig, plan: PlacementPlan) -> None:
+    """Raise ``PlacementError`` for a plan that would hang or break (module guarantees)."""
+    entries = _entries(cfg)
+    users: dict[int, list[str]] = defaultdict(list)
+    for name, s in plan.stages.items():
+        for g in s.gpus:
+            if g >= plan.available_gpus:
+                raise PlacementError(
+                    f"placement.{name}: GPU {g} does not exist: the cluster has {plan.available_gpus} GPU(s) "
+                    f"(indices 0..{plan.available_gpus - 1}); Ray would wait for it forever"
+                )
+            if name not in users[g]:
+                users[g].append(name)
+    for name, entry in entries.items():
+        if name in plan.stages and entry.exclusive and plan.stages[name].gpus:
+            for g in plan.stages[name].gpus:
+                others = [u for u in users[g] if u != name]
+                if others:
+                    raise PlacementError(
+                        f"placement.{name}: GPU {g} is exclusive to {name} but {', '.join(others)} also use(s) it"
+                    )
+    if plan.stages.get("rollout") and plan.stages["rollout"].gpus and cfg.rollout.tensor_parallel_size > 1:
+        raise PlacementError(
+            f"placement.rollout: rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} needs several "
+            f"GPUs per rollout actor, which placement by GPU index does not give yet; use tensor_parallel_size 1"
+        )
+    trainer = entries["trainer"]
+    if trainer.gpus is not None and len(trainer.gpus) > 1:
+        raise PlacementError(
+            f"placement.trainer: {len(trainer.gpus)} GPUs {list(trainer.gpus)}: the trainer runs one rank on "
+            f"one GPU for now; name one"
+        )
+    counted = sum(s.num_gpus * (cfg.rollout.num_workers if n == "rollout" else 1)
+                  for n, s in plan.stages.items() if not s.gpus)
+    if counted and plan.bundles + math.ceil(counted - 1e-9) > plan.available_gpus:
+        raise PlacementError(
+            f"placement: stages ask Ray for {counted:g} GPU(s) by count besides {plan.bundles} by index, "
+            f"but the cluster has {plan.available_gpus}; Ray would wait for them forever"
+        )
+
+
+def detect_gpus(address: str | None) -> tuple[int, int]:
+    """(GPUs the run's Ray cluster will have, memory of one in bytes; 0 if unknown).
+
+    A local cluster sees this host's GPUs (``CUDA_VISIBLE_DEVICES`` respected, as Ray
+    does); an existing cluster (``address`` / ``RAY_ADDRESS``) is asked.
+    """
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        import ray
+
+        from pipeline.runner import init_ray
+
+        init_ray(address)
+        return int(ray.cluster_resources().get("GPU", 0)), 0
+    # nvidia-smi, like Ray's own detection, creates no CUDA context in this process.
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0, 0
+    mib = [int(x) for x in out.split() if x.strip().isdigit()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        keep = [int(v) for v in visible.split(",") if v.strip().isdigit()]
+        mib = [mib[i] for i in keep if i < len(mib)]
+    return len(mib), (min(mib) << 20) if mib else 0

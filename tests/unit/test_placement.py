@@ -1,0 +1,112 @@
+"""Placement plans: auto rules for 0/1/2/8 GPUs, explicit GPU lists, and refusals."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pipeline.config import ConfigError, decode_config
+from pipeline.placement import (
+    OWN_GPU_FRACTION,
+    PlacementError,
+    check_plan,
+    estimate_colocated_fraction,
+    plan_placement,
+)
+
+STAGES = ["source", "rollout", "reward", "reference", "trainer"]
+GIB = 1 << 30
+
+
+def config(**sections):
+    return decode_config({"model": {"dtype": "bfloat16"}, **sections})
+
+
+def plan(cfg, gpus, params=500_000_000, gpu_bytes=80 * GIB, stages=STAGES):
+    p = plan_placement(cfg, stages, gpus, num_params=params, gpu_bytes=gpu_bytes)
+    check_plan(cfg, p)
+    return p
+
+
+def test_no_gpu_keeps_every_stage_on_cpu():
+    p = plan(config(), 0)
+    assert all(not s.gpus and s.num_gpus == 0 for s in p.stages.values())
+    assert p.bundles == 0 and p.rollout_memory_fraction is None
+
+
+def test_one_gpu_is_shared_and_vllm_gets_what_trainer_and_reference_leave():
+    p = plan(config(), 1)
+    for name in ("rollout", "reference", "trainer"):
+        assert p.stages[name].gpus == (0,) and p.stages[name].share == (pytest.approx(1 / 3),)
+    assert p.stages["reward"].gpus == () and p.stages["source"].gpus == ()
+    # trainer 0.5e9 x 18 B = 9e9, reference 0.5e9 x 2 B = 1e9: 1 - 10e9 / (80 x 2^30) - 0.1 = 0.78358
+    assert p.rollout_memory_fraction == 0.784
+    assert estimate_colocated_fraction(500_000_000, "bfloat16", 80 * GIB, with_reference=False) == pytest.approx(
+        1 - 9e9 / (80 * GIB) - 0.1)
+    assert any("~9.3 GiB resident of 80 GiB" in n for n in p.notes), p.notes
+
+
+def test_two_gpus_split_rollout_from_trainer_and_reference():
+    p = plan(config(), 2)
+    assert p.stages["rollout"].gpus == (0,) and p.stages["rollout"].share == (1.0,)
+    assert p.stages["trainer"].gpus == (1,) and p.stages["reference"].gpus == (1,)
+    assert p.stages["trainer"].share == (0.5,)
+    assert p.rollout_memory_fraction == OWN_GPU_FRACTION
+    assert p.bundles == 2 and not p.notes
+
+
+def test_eight_gpus_give_rollout_replicas_their_own_gpus_and_report_idle_ones():
+    p = plan(config(rollout={"num_workers": 2}), 8)
+    assert p.stages["rollout"].gpus == (0, 1)
+    assert p.stages["trainer"].gpus == (2,)
+    assert p.notes == ["5 GPU(s) idle: raise rollout.num_workers to use them for generation"]
+
+
+def test_explicit_gpu_lists_share_by_actor_count():
+    cfg = config(rollout={"num_workers": 2}, placement={"rollout": [0, 1], "trainer": [1], "reference": [1]})
+    p = plan(cfg, 2)
+    assert p.stages["rollout"].gpus == (0, 1)
+    # GPU 0: rollout replica 0 alone; GPU 1: rollout replica 1, trainer, reference.
+    assert p.stages["rollout"].share == (1.0, pytest.approx(1 / 3))
+    assert p.stages["trainer"].share == (pytest.approx(1 / 3),)
+    # rollout shares GPU 1 with both: vLLM's share is planned as on one GPU.
+    assert p.rollout_memory_fraction == 0.784
+
+
+def test_a_stage_not_named_in_an_explicit_plan_gets_no_gpu():
+    p = plan(config(placement={"rollout": [0], "trainer": [1]}), 2)
+    assert p.stages["reference"].gpus == () and p.stages["reference"].num_gpus == 0
+
+
+@pytest.mark.parametrize(
+    ("sections", "gpus", "message"),
+    [
+        ({"placement": {"rollout": [2]}}, 2, "placement.rollout: GPU 2 does not exist: the cluster has 2"),
+        ({"placement": {"rollout": {"gpus": [0], "exclusive": True}, "trainer": [0]}}, 1,
+         "placement.rollout: GPU 0 is exclusive to rollout but trainer also use"),
+        ({"rollout": {"tensor_parallel_size": 2}}, 2, "tensor_parallel_size 2 needs several GPUs"),
+        ({"placement": {"trainer": [0, 1]}}, 2, "placement.trainer: 2 GPUs [0, 1]"),
+        ({"placement": {"rollout": {"num_gpus": 1}, "trainer": {"num_gpus": 1}}}, 1, "ask Ray for 2 GPU(s) by count"),
+        ({"rollout": {"gpu_memory_utilization": 0.9}}, 1, "0.9 does not fit beside trainer and reference on GPU [0]"),
+    ],
+)
+def test_impossible_plans_are_refused_naming_stage_and_gpu(sections, gpus, message):
+    with pytest.raises(PlacementError, match=re.escape(message)):
+        plan(config(**sections), gpus)
+
+
+def test_a_model_too_large_for_one_shared_gpu_is_refused():
+    # 7e9 x 20 B = 140e9 > 80 GiB: vLLM would get less than nothing.
+    with pytest.raises(PlacementError, match="does not fit trainer, reference and vLLM on one GPU of 80 GiB"):
+        plan(config(), 1, params=7_000_000_000)
+
+
+def test_placement_config_forms():
+    assert config(placement="auto").placement == config().placement
+    cfg = config(placement={"rollout": [0, 1], "trainer": {"gpus": [1], "num_cpus": 2}})
+    assert cfg.placement.rollout.gpus == [0, 1] and cfg.placement.trainer.num_cpus == 2
+    with pytest.raises(ConfigError, match="placement: expected 'auto' or a mapping"):
+        config(placement="manual")
+    with pytest.raises(ConfigError, match=r"placement.rollout.gpus\[0\]: expected int >= 0"):
+        config(placement={"rollout": [-1]})
