@@ -70,10 +70,22 @@ class ModelConfig(msgspec.Struct, **_section()):
 
 
 class DataConfig(msgspec.Struct, **_section()):
-    """Prompts: a built-in task (or ``module:attr`` task) or a local JSONL/Parquet file."""
+    """Prompts: a built-in task (or ``module:attr`` task), or ``path``: a local JSONL or
+    Parquet file or a ``datasets`` ``save_to_disk`` directory (``stages/prompt_rows.py``).
+
+    ``prompt_key``: the column holding the prompt, a string or a list of chat messages
+    (left at ``prompt``, a ``messages`` column is used when there is no ``prompt``).
+    ``answer_key``: the column (dotted: a nested key) passed to the reward as
+    ``ground_truth``. ``chat_template``: ``auto`` renders chat rows with the tokenizer's
+    template and the generation prompt (plain string prompts stay as written);
+    ``none`` accepts plain prompts only. ``max_prompt_len`` counts the prompt's token
+    ids, template and special tokens included."""
 
     task: str = "first_digit"
     path: str | None = None
+    prompt_key: Annotated[str, Meta(min_length=1)] = "prompt"
+    answer_key: Annotated[str, Meta(min_length=1)] = "ground_truth"
+    chat_template: Literal["auto", "none"] = "auto"
     max_prompt_len: PosInt = 64
     num_prompts: NonNegInt = 0  # 0 = as many as the run needs
     shuffle: bool = True
@@ -145,11 +157,20 @@ class RolloutConfig(msgspec.Struct, **_section()):
 
 
 class RewardConfig(msgspec.Struct, **_section()):
-    """``function`` is a built-in name (``task`` = the data task's own) or ``module:attr``."""
+    """``function``: ``task`` (the data task's own), ``module:attr``, or
+    ``path/to/file.py:name`` (a file, loaded by path); verl's spelling, ``path`` (a
+    ``.py`` file) with ``name`` (default ``compute_score``), means the same.
+    Plain or ``async def`` functions; each call may take at most ``timeout_s`` seconds
+    (unset: no limit). A call that raises, times out or returns no number scores
+    ``on_error`` and is counted in ``reward/errors``; a step whose every sample failed
+    stops the run (``stages/reward.py``)."""
 
     function: str = "task"
     signature: Literal["auto", "score", "batched"] = "auto"
     on_error: float = 0.0
+    timeout_s: PosFloat | None = None
+    path: str | None = None
+    name: Annotated[str, Meta(min_length=1)] = "compute_score"
 
 
 class ReferenceConfig(msgspec.Struct, **_section()):
@@ -458,6 +479,11 @@ def check_config(cfg: ConveyorConfig) -> None:
     for edge in cfg.record.edges:
         if "->" not in edge:
             raise ConfigError(f"record.edges: expected 'producer->consumer', got {edge!r}")
+    if cfg.reward.path is not None and cfg.reward.function != "task":
+        raise ConfigError(
+            f"reward.path: set either reward.function ({cfg.reward.function!r}) or reward.path with "
+            f"reward.name (verl's spelling), not both"
+        )
 
 
 def to_dict(cfg: ConveyorConfig) -> dict[str, Any]:
