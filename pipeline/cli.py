@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from pipeline.launch import launch_run
 
     summary = launch_run(cfg)
-    return 0 if summary["samples"]["reconciles"] else 1
+    if summary["status"] == "interrupted":
+        return 128 + signal.Signals[summary["signal"]].value  # 130 for SIGINT, 143 for SIGTERM
+    verified = all(s.get("verified") for s in summary["served"].values())
+    return 0 if summary["samples"]["reconciles"] and verified else 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:

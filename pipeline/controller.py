@@ -101,14 +101,15 @@ class ControllerActor:
         return self._trainer_version
 
     async def wait_for_update(self, newer_than: int, timeout_s: float | None) -> tuple[WeightUpdate | None, list[Any]]:
-        """Wait for a published version newer than ``newer_than`` (None on timeout/stop)."""
+        """Wait for a published version newer than ``newer_than`` (None on timeout).
+
+        A stop does not end the wait: after an interrupt, what is in flight drains, and
+        micro-batches of later steps still need the versions the trainer publishes.
+        """
         async with self._cond:
             try:
                 await asyncio.wait_for(
-                    self._cond.wait_for(
-                        lambda: (self._update is not None and self._update.version > newer_than)
-                        or self._stop_reason is not None
-                    ),
+                    self._cond.wait_for(lambda: self._update is not None and self._update.version > newer_than),
                     timeout_s,
                 )
             except TimeoutError:

@@ -40,7 +40,8 @@ from pipeline.profiler import (
     plot_timeline,
     write_chrome_trace,
 )
-from pipeline.runner import Graph, RunResult, run_dataflow
+from pipeline.runner import Graph, RunInterrupted, RunResult, run_dataflow
+from pipeline.stage import StageError
 
 STAGE_CLASSES = {
     "source": "stages.source:PromptSource",
@@ -247,9 +248,25 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
             taps=taps,
             on_tick=reporter,
         )
+    except RunInterrupted as exc:
+        return write_stopped_summary(cfg, run_dir, reporter, "interrupted", signal=exc.signal_name, forced=True)
+    except StageError as exc:
+        write_stopped_summary(cfg, run_dir, reporter, "failed", stage=exc.stage, error=exc.message)
+        raise
     finally:
         reporter.close()
     return finish_run(cfg, run_dir, result, reporter)
+
+
+def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter, status: str,
+                          **detail: Any) -> dict[str, Any]:
+    """``summary.json`` of a run that did not drain: what the driver saw until then."""
+    summary = {"run": cfg.run.name, "status": status, **detail, "steps": len(reporter.steps),
+               "wall_s": time.time() - reporter.started,
+               "reward_last": reporter.steps[-1].get("reward/mean") if reporter.steps else None}
+    write_summary(run_dir, summary)
+    log.warning("run_stopped", **{k: v for k, v in summary.items() if k != "run"})
+    return summary
 
 
 def summarise_admission(reports: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
@@ -278,6 +295,8 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
     source = result.result("source") or {}
     summary = {
         "run": cfg.run.name,
+        "status": "interrupted" if result.interrupted else "completed",
+        **({"signal": result.interrupted} if result.interrupted else {}),
         "mode": result.mode,
         "wall_s": result.wall_s,
         "steps": len(reporter.steps),

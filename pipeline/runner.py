@@ -15,7 +15,14 @@ Guarantees:
 - nodes placed by GPU index (``Node.gpu_bundles``) run in one placement group of one
   single-GPU bundle per index, created (and removed at the end) by the runner; a group
   Ray cannot place within ``PLACEMENT_TIMEOUT_S`` stops the run before any stage starts;
-- at a clean end-of-stream every stage has drained, closed its outputs and reported.
+- at a clean end-of-stream every stage has drained, closed its outputs and reported;
+- the first SIGINT or SIGTERM stops admitting prompts: what is in flight drains through
+  the stages as at a normal end (the trainer drops a step left incomplete), and the
+  run ends with ``RunResult.interrupted`` set to the signal; a second one tears the
+  graph down at once and raises ``RunInterrupted``;
+- on every exit path the processes the stage actors spawned on this host (the vLLM
+  engine core and its workers) are gone when ``run_dataflow`` returns or raises: they
+  are listed before the actors are killed and killed after them.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +59,7 @@ class RunResult:
     queues: dict[str, dict[str, Any]]
     controller: dict[str, Any]
     spans: list[Span] = field(default_factory=list)
+    interrupted: str | None = None  # "SIGINT" / "SIGTERM" when a signal ended the run early
 
     def result(self, stage: str, replica: int = 0) -> Any:
         return self.reports[stage][replica].get("result")
@@ -64,6 +74,7 @@ class Graph:
     actors: dict[str, list[Any]]
     queues: dict[str, QueueHandle]
     placement_group: Any = None
+    processes: list[tuple[str, int]] = field(default_factory=list)  # (host, pid) of each stage actor
     # The trace keeps the latest spans only, so a long run's driver memory stays bounded.
     spans: collections.deque[Span] = field(default_factory=lambda: collections.deque(maxlen=MAX_TRACE_SPANS))
 
@@ -147,6 +158,7 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
             for r in range(node.replicas)
         ]
     graph = Graph(df, controller, actors, queues, pg)
+    graph.processes = list(await asyncio.gather(*(a.process_id.remote() for reps in actors.values() for a in reps)))
     setups = {a.setup.remote(): name for name, reps in actors.items() for a in reps}
     for ref, name in setups.items():
         try:
@@ -213,10 +225,39 @@ async def _shutdown_cores(graph: Graph) -> None:
             log.warning("shutdown_failed", error=str(r).strip().splitlines()[-1] if str(r).strip() else repr(r))
 
 
+def _spawned_processes(graph: Graph) -> list[Any]:
+    """Every live descendant of this host's stage actors (engine cores, their workers)."""
+    import psutil
+
+    host, found = socket.gethostname(), []
+    for actor_host, pid in graph.processes:
+        if actor_host != host:
+            continue  # another node's pid means nothing here
+        try:
+            found.extend(psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            continue
+    return found
+
+
+def _reap(processes: list[Any]) -> None:
+    import psutil
+
+    for p in processes:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(processes, timeout=10)
+
+
 async def _teardown(graph: Graph) -> None:
+    spawned = _spawned_processes(graph)
     for reps in graph.actors.values():
         for a in reps:
             ray.kill(a, no_restart=True)
+    # A killed actor cannot stop its children; whatever survives it is killed here.
+    _reap(spawned)
     for q in graph.queues.values():
         ray.kill(q.actor, no_restart=True)
     ray.kill(graph.controller, no_restart=True)
@@ -230,19 +271,25 @@ async def _run(
     on_tick: Callable[[Graph], Any] | None, tick_s: float,
 ) -> RunResult:
     controller = ControllerActor.remote(target_prompts, prompts_per_step, target_steps)
-    graph = await _start(df, config, controller, taps)
-    t0 = time.time()
+    interrupts = _Interrupts(controller)
     try:
-        if async_mode:
-            reports = await _run_streaming(graph, on_tick, tick_s)
-        else:
-            reports = await _run_lockstep(graph, mb_per_step, on_tick)
-    except BaseException:
+        graph = await _start(df, config, controller, taps)
+        t0 = time.time()
         try:
-            await controller.stop.remote("stage failed")
-        finally:
-            await _teardown(graph)
-        raise
+            if async_mode:
+                reports = await _run_streaming(graph, on_tick, tick_s)
+            else:
+                reports = await _run_lockstep(graph, mb_per_step, on_tick)
+        except BaseException as exc:
+            try:
+                await controller.stop.remote("interrupted" if interrupts.forced else "stage failed")
+            finally:
+                await _teardown(graph)
+            if interrupts.forced:
+                raise RunInterrupted(interrupts.received or "signal") from exc
+            raise
+    finally:
+        interrupts.remove()
     wall = time.time() - t0
     if on_tick is not None:
         await _maybe_await(on_tick(graph))
@@ -256,9 +303,52 @@ async def _run(
         queues=queues,
         controller=await controller.summary.remote(),
         spans=list(graph.spans),
+        interrupted=interrupts.received,
     )
     await _teardown(graph)
     return result
+
+
+class RunInterrupted(RuntimeError):
+    """A second SIGINT/SIGTERM forced the run down before it drained."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"run forced down by a second {signal_name}")
+        self.signal_name = signal_name
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM handlers of the driver's loop (see the module guarantees)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+        self.received: str | None = None
+        self.forced = False
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        for sig in self.SIGNALS:
+            self._loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.received is None:
+            self.received = sig.name
+            log.warning("stopping", signal=sig.name,
+                        detail="no new prompts; what is in flight drains; send it again to force")
+            self._loop.create_task(self._stop())
+            return
+        self.forced = True
+        log.warning("forced_stop", signal=sig.name)
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _stop(self) -> None:
+        await self.controller.stop.remote(f"interrupted by {self.received}")
+
+    def remove(self) -> None:
+        for sig in self.SIGNALS:
+            self._loop.remove_signal_handler(sig)
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import time
 import traceback
 from collections.abc import AsyncIterator
@@ -301,6 +302,12 @@ class StageActor:
             self._recorder.close()
 
     # ---------------------------------------------------------------- control calls
+    def process_id(self) -> tuple[str, int]:
+        """(host name, pid) of this actor, so the driver can reap what it spawned."""
+        import socket
+
+        return socket.gethostname(), os.getpid()
+
     def drain_spans(self) -> list[Any]:
         return self.spans.drain()
 

@@ -1,0 +1,61 @@
+"""A launched run stopped by SIGINT or SIGTERM: it drains, writes its summary, exits with
+128 + the signal number and leaves no process behind (Ray's, vLLM's or the stages')."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int, timeout: float = 600) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before the signal (exit {proc.returncode})")
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no {steps} steps within {timeout}s")
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_stops_the_run_cleanly(tmp_path, sig, code):
+    run_dir = tmp_path / "run"
+    # RAY_ADDRESS=local: a cluster of its own, not the test session's.
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "launch", "--config", "configs/quickstart.yaml", "run.steps=500",
+         f"run.dir={run_dir}", "run.progress=false", "run.tensorboard=false"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_for_steps(run_dir, proc, 3)
+        spawned = psutil.Process(proc.pid).children(recursive=True)
+        assert any("raylet" in " ".join(p.cmdline()) for p in spawned if p.is_running())
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == sig.name
+    samples = summary["samples"]
+    # Drained, not abandoned: every admitted prompt was trained or dropped with a reason.
+    assert samples["in_flight"] == 0 and samples["reconciles"]
+    assert samples["produced"] == samples["trained"] + sum(samples["dropped"].values())
+    assert 3 <= summary["steps"] < 500
+    assert (run_dir / "checkpoint" / "config.json").is_file()
+    alive = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]
