@@ -16,8 +16,10 @@ Section names follow the seed config users know: ``model``, ``data``, ``rollout`
 from __future__ import annotations
 
 import re
+import types
+import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import yaml
@@ -197,14 +199,63 @@ class TrainConfig(msgspec.Struct, **_section()):
     memory: MemoryConfig = MemoryConfig()
 
 
-class AlgorithmConfig(msgspec.Struct, **_section()):
-    name: Literal["grpo"] = "grpo"
+class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
+    """The loss every algorithm shares (``stages/algorithms/losses.py``); the subclasses
+    below add their estimator's own fields and are told apart by ``algorithm.name``.
+
+    - ``clip_ratio_c``: dual-clip bound for tokens with a negative advantage (> 1;
+      null: off). ``kl_estimator`` k3 is clamped to +-10 per token.
+    - ``loss_agg``: ``token-mean`` is exact over a streaming step (token sums, rescaled by
+      the step's token count before clipping); ``seq-mean-token-sum-norm`` divides by the
+      constant ``samples * loss_norm_tokens`` (default ``rollout.max_tokens``).
+    - ``off_policy``: ``off`` (PPO ratio against the sampler), ``truncate`` or ``reject``
+      (decoupled objective: importance weight current/behaviour, truncated at or
+      rejected above ``behav_imp_weight_cap``).
+    """
+
     kl_coef: NonNegFloat = 0.04
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     clip_eps_low: NonNegFloat = 0.2
     clip_eps_high: NonNegFloat = 0.2
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    clip_ratio_c: Annotated[float, Meta(gt=1)] | None = 3.0
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_norm_tokens: PosInt | None = None
+    off_policy: Literal["off", "truncate", "reject"] = "off"
+    behav_imp_weight_cap: Annotated[float, Meta(ge=1)] = 2.0
+
+    # Advantages compare the samples of one prompt: needs rollout.n >= 2.
+    group_baseline: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        return str(self.__struct_config__.tag)
+
+
+class GrpoConfig(_AlgorithmFields, tag="grpo"):
+    """GRPO: ``(r - group mean) / group std``; ``norm_adv_by_std: false`` is Dr. GRPO."""
+
     norm_adv_by_std: bool = True
+
+
+class RlooConfig(_AlgorithmFields, tag="rloo"):
+    """RLOO: ``r - mean of the other samples of the group``."""
+
+
+class ReinforcePlusPlusConfig(_AlgorithmFields, tag="reinforce_plus_plus"):
+    """REINFORCE++: outcome return discounted by ``gamma`` per token, whitened over the
+    micro-batch's tokens; no group baseline (``rollout.n`` may be 1)."""
+
+    gamma: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    group_baseline: ClassVar[bool] = False
+
+
+class ReinforcePlusPlusBaselineConfig(_AlgorithmFields, tag="reinforce_plus_plus_baseline"):
+    """REINFORCE++ with a group baseline: ``r - group mean``, whitened over the tokens."""
+
+
+# One entry per ``stages/algorithms/registry.py`` entry (a unit test keeps them equal).
+AlgorithmConfig = GrpoConfig | RlooConfig | ReinforcePlusPlusConfig | ReinforcePlusPlusBaselineConfig
+ALGORITHM_NAMES = tuple(t.__struct_config__.tag for t in typing.get_args(AlgorithmConfig))
 
 
 class NodeSpec(msgspec.Struct, **_section()):
@@ -271,7 +322,7 @@ class ConveyorConfig(msgspec.Struct, **_section()):
     reward: RewardConfig = RewardConfig()
     reference: ReferenceConfig = ReferenceConfig()
     train: TrainConfig = TrainConfig()
-    algorithm: AlgorithmConfig = AlgorithmConfig()
+    algorithm: AlgorithmConfig = GrpoConfig()
     dataflow: DataflowConfig = DataflowConfig()
     placement: PlacementConfig = PlacementConfig()
     run: RunConfig = RunConfig()
@@ -323,14 +374,14 @@ def _render_error(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
 
 def _enum_values(path: str) -> list[Any] | None:
     """The allowed values of the ``Literal`` field at ``path`` (None if not found)."""
-    import typing
-
     typ: Any = ConveyorConfig
     for part in re.findall(r"[^.\[\]]+", path):
         if part.isdigit():
             args = typing.get_args(typ)
             typ = args[0] if args else typ
             continue
+        if isinstance(typ, types.UnionType):  # the algorithm variants share their Literal fields
+            typ = typing.get_args(typ)[0]
         hints = typing.get_type_hints(typ, include_extras=True) if isinstance(typ, type) else {}
         if part not in hints:
             return None
@@ -398,6 +449,7 @@ def decode_config(raw: dict[str, Any]) -> ConveyorConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
     raw = _expand_placement(raw)
+    raw = _tag_algorithm(raw)
     try:
         # strict=False: YAML 1.1 reads ``3e-4`` as a string; numbers in strings convert.
         cfg = msgspec.convert(raw, ConveyorConfig, strict=False)
@@ -406,6 +458,19 @@ def decode_config(raw: dict[str, Any]) -> ConveyorConfig:
     cfg = _normalise(cfg)
     check_config(cfg)
     return cfg
+
+
+def _tag_algorithm(raw: dict[str, Any]) -> dict[str, Any]:
+    """``algorithm`` without a ``name`` is GRPO; an unknown name is refused with the choices."""
+    algo = raw.get("algorithm")
+    if algo is None:
+        return raw
+    if not isinstance(algo, dict):
+        raise ConfigError(f"algorithm: expected a mapping, got {algo!r}")
+    name = algo.get("name", "grpo")
+    if name not in ALGORITHM_NAMES:
+        raise ConfigError(f"algorithm.name: expected one of {list(ALGORITHM_NAMES)}, got {name!r}")
+    return {**raw, "algorithm": {**algo, "name": name}}
 
 
 def _expand_placement(raw: dict[str, Any]) -> dict[str, Any]:
@@ -423,10 +488,14 @@ def _expand_placement(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _normalise(cfg: ConveyorConfig) -> ConveyorConfig:
-    """Fold shorthands into their canonical place (``rollout.max_memory_ratio``)."""
+    """Fold shorthands into their canonical place (``rollout.max_memory_ratio``) and fill
+    defaults that depend on other sections (``algorithm.loss_norm_tokens``)."""
     if cfg.rollout.max_memory_ratio is not None:
         mem = msgspec.structs.replace(cfg.rollout.memory, max_memory_ratio=cfg.rollout.max_memory_ratio)
         cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, memory=mem))
+    if cfg.algorithm.loss_norm_tokens is None:
+        algo = msgspec.structs.replace(cfg.algorithm, loss_norm_tokens=cfg.rollout.max_tokens)
+        cfg = msgspec.structs.replace(cfg, algorithm=algo)
     return cfg
 
 
@@ -464,10 +533,22 @@ def check_config(cfg: ConveyorConfig) -> None:
             f"({tr.sync_interval - 1}), or some steps' samples could never be trained, "
             f"got {df.max_staleness}"
         )
-    if ro.n < 2 and cfg.algorithm.name == "grpo":
-        raise ConfigError(f"rollout.n: expected >= 2 for GRPO (group baseline), got {ro.n}")
-    if ro.top_k == 0 or ro.top_k < -1:
-        raise ConfigError(f"rollout.top_k: expected -1 (off) or >= 1, got {ro.top_k}")
+    if ro.n < 2 and cfg.algorithm.group_baseline:
+        raise ConfigError(f"rollout.n: expected >= 2 for {cfg.algorithm.name} (group baseline), got {ro.n}")
+    # The trainer and the reference score sampled tokens under the full softmax; a
+    # truncated sampler renormalises over the kept tokens, so even on-policy the ratio
+    # would be the kept mass, not 1, and negative-advantage tokens would lose their
+    # gradient. Until the same truncation is applied there, refuse it.
+    if ro.top_p < 1.0:
+        raise ConfigError(
+            f"rollout.top_p: expected 1.0 (trainer and reference log-probs use the full softmax; "
+            f"nucleus sampling would make every importance ratio wrong), got {ro.top_p}"
+        )
+    if ro.top_k != -1:
+        raise ConfigError(
+            f"rollout.top_k: expected -1 (off; trainer and reference log-probs use the full "
+            f"softmax, top-k sampling would make every importance ratio wrong), got {ro.top_k}"
+        )
     if ro.backend not in ("vllm", "hf") and ":" not in ro.backend:
         raise ConfigError(f"rollout.backend: expected 'vllm', 'hf' or 'module:attr', got {ro.backend!r}")
     for edge in df.queue_sizes:

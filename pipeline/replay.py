@@ -269,7 +269,7 @@ def replay_trainer(engine: Any, plan: ReplayPlan, *, verify: bool, out: Out = pr
         raise ReplayError(f"{plan.state_path}: holds version {engine.version}, its name says {plan.state_version}")
     # The trainer's own rules (scales, and the pieces a split micro-batch was trained
     # as), so a replay cannot drift from what the run did.
-    from stages.trainer import compute_step_loss, read_piece_layout, train_as_recorded
+    from stages.trainer import compute_step_grad_scale, compute_step_loss, read_piece_layout, train_as_recorded
 
     result = ReplayResult()
     for record in plan.records:
@@ -279,8 +279,9 @@ def replay_trainer(engine: Any, plan: ReplayPlan, *, verify: bool, out: Out = pr
         batches = plan.batches[record.step]
         losses = [train_as_recorded(engine, b, plan.step_samples, read_piece_layout(record.metrics, b.batch_id))["loss"]
                   for b in batches]
-        step_out = engine.optimizer_step()
-        loss = compute_step_loss(losses, batches, plan.step_samples)
+        loss_agg = engine.algo.loss_agg
+        step_out = engine.optimizer_step(compute_step_grad_scale(batches, plan.step_samples, loss_agg))
+        loss = compute_step_loss(losses, batches, plan.step_samples, loss_agg)
         # Hashing the weights costs a full serialisation: only for judged steps.
         checks = compare_step(record, loss, float(step_out["grad_norm"]), engine.weights_sha256() if judged else None)
         ok = all(c.ok for c in checks)

@@ -49,6 +49,12 @@ from pipeline.types import Span
 log = get_logger(stage="driver")
 MAX_TRACE_SPANS = 500_000
 PLACEMENT_TIMEOUT_S = 120.0
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",  # its per-update warnings (e.g. layerwise reload) are noise here
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' and the hub's tqdm bars
+    "TRANSFORMERS_VERBOSITY": "error",
+    "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
+}
 
 
 @dataclass
@@ -97,7 +103,11 @@ def init_ray(address: str | None = None) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     # Workers import ``pipeline``/``stages`` from the installed package; the driver's
     # cwd is shipped too so graphs defined in user scripts and tests resolve.
-    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    # A quiet console: the engines' per-request INFO lines and progress bars stay out of
+    # the driver's output unless the user's environment asks for them.
+    env.update({k: os.environ.get(k, v) for k, v in QUIET_ENV.items()})
+    runtime_env = {"env_vars": env}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:

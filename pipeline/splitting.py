@@ -5,8 +5,9 @@ Guarantees:
   pieces are runs of whole groups, in order, as equal in group count as possible.
 - Every sample lands in exactly one piece with all of its per-sample values (ids,
   lengths, token arrays, texts, log-probs, versions, finish reasons, rewards, reward
-  extras, reward errors, reference log-probs); columns beyond a piece's longest prompt
-  or completion are dropped, so a short piece does not pay for a long one.
+  extras, reward errors, reference log-probs, per-token training fields); columns beyond
+  a piece's longest prompt or completion are dropped, so a short piece does not pay for
+  a long one.
 - Pieces keep the batch's ``batch_id``, ``step``, ``group_size`` and ``policy_version``
   (the oldest version of the whole batch: still a lower bound for every piece, so the
   staleness gate stays conservative).
@@ -30,7 +31,8 @@ from pipeline.types import PromptBatch, RolloutBatch
 
 _ROW_ARRAYS = ("prompt_lens", "completion_lens", "rewards")
 _PROMPT_COLS = ("prompt_ids",)
-_COMPLETION_COLS = ("completion_ids", "behaviour_logprobs", "token_versions", "ref_logprobs")
+_COMPLETION_COLS = ("completion_ids", "behaviour_logprobs", "token_versions", "ref_logprobs",
+                    "advantages", "loss_mask", "values", "returns")
 
 
 class CannotSplitError(ValueError):

@@ -64,6 +64,11 @@ class RolloutBatch(msgspec.Struct, **_wire):
       behaviour_logprobs [S, C] float32 (log-prob of each sampled token under the
       generating policy), token_versions [S, C] int32 (policy version that produced each
       token), rewards [S] float32, ref_logprobs [S, C] float32.
+    Per-token training fields, [S, C], set by the algorithm before training
+    (``stages/algorithms``; an upstream stage may set them first, e.g. a multi-turn
+    rollout masks tool output): advantages float32, loss_mask bool (1 on the tokens the
+    loss sees; never set beyond a completion's length), values and returns float32
+    (critic-based algorithms only).
     ``policy_version`` is the oldest version that produced any token of the batch; the
     staleness of the batch is measured against it.
     """
@@ -86,6 +91,10 @@ class RolloutBatch(msgspec.Struct, **_wire):
     reward_errors: list[str] = []  # one entry per failed sample: "sample_id: error"
     reward_extras: dict[str, list[float]] = {}
     ref_logprobs: np.ndarray | None = None
+    advantages: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
+    values: np.ndarray | None = None
+    returns: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
@@ -98,6 +107,26 @@ class RolloutBatch(msgspec.Struct, **_wire):
     @property
     def completion_tokens(self) -> int:
         return int(self.completion_lens.sum())
+
+    @property
+    def loss_tokens(self) -> int:
+        """Completion tokens the loss sees: ``loss_mask`` within the completion lengths,
+        or every completion token when no mask is set."""
+        if self.loss_mask is None:
+            return self.completion_tokens
+        return int(np.count_nonzero(self._loss_positions()))
+
+    @property
+    def loss_rows(self) -> int:
+        """Samples with at least one token the loss sees."""
+        if self.loss_mask is None:
+            return int(np.count_nonzero(np.asarray(self.completion_lens) > 0))
+        return int(np.count_nonzero(self._loss_positions().any(axis=1)))
+
+    def _loss_positions(self) -> np.ndarray:
+        mask = np.asarray(self.loss_mask, dtype=bool).reshape(self.num_samples, -1)
+        inside = np.arange(mask.shape[1])[None, :] < np.asarray(self.completion_lens)[:, None]
+        return mask & inside
 
 
 class WeightUpdate(msgspec.Struct, **_wire):

@@ -4,9 +4,15 @@ Guarantees:
 - staleness is enforced here, where data is consumed: a batch with
   ``trainer_version - policy_version > dataflow.max_staleness`` is dropped, counted
   (reason ``stale``) and replaced by the source; nothing staler is ever trained on;
-- each micro-batch is trained on as it arrives (gradients accumulate, scaled by its
-  share of the step's samples) and the optimizer steps once a step's
-  ``train.prompts_per_step`` groups are in: one optimizer step = one policy version;
+- each micro-batch gets its advantages and loss mask from the algorithm
+  (``stages.algorithms.assign_advantages``) and is trained on as it arrives (gradients
+  accumulate) and the optimizer steps once a step's ``train.prompts_per_step`` groups
+  are in: one optimizer step = one policy version. The step's gradient is the gradient
+  of the loss aggregated over the whole step as if it were one batch: under
+  ``token-mean`` micro-batches add token sums (scale = loss tokens / step samples) and
+  the optimizer step rescales by step samples / the step's loss tokens before clipping
+  (``compute_step_grad_scale``); under the seq-mean modes the step's sample count is
+  known up front and each micro-batch weighs its sample share;
 - under ``train.memory`` a micro-batch is admitted whole or trained as pieces of whole
   GRPO groups (admission split, or halving after an out-of-memory error), all before
   the step's optimizer step; piece scales add up to the micro-batch's scale and its loss
@@ -47,33 +53,52 @@ from pipeline.versions import compute_staleness, is_too_stale
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
 
 
-def compute_micro_batch_scale(batch: RolloutBatch, step_samples: int) -> float:
-    """Gradient scale of one micro-batch: its share of the step's samples. Streaming
-    cannot know the step's token count before its last micro-batch, so under
-    ``token-mean`` the step loss is the sample-weighted mean of micro-batch token-means
-    (as verl weighs micro-batches)."""
+def compute_micro_batch_scale(batch: RolloutBatch, step_samples: int, loss_agg: str = "seq-mean-token-mean") -> float:
+    """Gradient scale of one micro-batch before the step's rescale.
+
+    ``token-mean``: its loss tokens / the step's samples, so that scale x token-mean is
+    the micro-batch's token sum over a constant (streaming cannot know the step's token
+    count before its last micro-batch; ``compute_step_grad_scale`` divides by it at the
+    step). Other modes: its share of the step's samples (a constant known up front)."""
+    if loss_agg == "token-mean":
+        return batch.loss_tokens / step_samples
     return batch.num_samples / step_samples
 
 
-def compute_step_loss(piece_losses: list[float], batches: list[RolloutBatch], step_samples: int) -> float:
-    """``StepRecord.loss``: each piece's (unscaled) loss weighted by its sample share."""
-    return float(sum(loss * compute_micro_batch_scale(b, step_samples)
-                     for loss, b in zip(piece_losses, batches, strict=True)))
+def compute_step_grad_scale(batches: list[RolloutBatch], step_samples: int, loss_agg: str) -> float:
+    """The ``grad_scale`` of the optimizer step: ``token-mean``: step samples / the step's
+    loss tokens (0 when it has none), which turns the accumulated token sums into the
+    exact one-big-batch token mean; other modes 1."""
+    if loss_agg != "token-mean":
+        return 1.0
+    tokens = sum(b.loss_tokens for b in batches)
+    return step_samples / tokens if tokens else 0.0
+
+
+def compute_step_loss(piece_losses: list[float], batches: list[RolloutBatch], step_samples: int,
+                      loss_agg: str = "seq-mean-token-mean") -> float:
+    """``StepRecord.loss``: the step's aggregated loss, from each micro-batch's (unscaled)
+    loss, its scale and the step's grad scale."""
+    total = sum(loss * compute_micro_batch_scale(b, step_samples, loss_agg)
+                for loss, b in zip(piece_losses, batches, strict=True))
+    return float(total * compute_step_grad_scale(batches, step_samples, loss_agg))
 
 
 def compute_piece_weight(piece: RolloutBatch, batch: RolloutBatch, loss_agg: str) -> float:
     """The piece's share of its micro-batch's loss: ``sum(w_k * loss_k)`` over pieces is
     the loss of the micro-batch trained whole (the engine weighs chunks the same way).
-    token-mean: its share of completion tokens; seq-mean-*: of samples with at least one
-    completion token. The whole batch weighs exactly 1; a batch with no such token or
-    sample falls back to sample shares (its loss is 0 anyway)."""
+    token-mean: its share of loss tokens; seq-mean-token-sum-norm: of samples;
+    other seq-mean-*: of samples with at least one loss token. The whole batch weighs
+    exactly 1; a batch with no such token or sample falls back to sample shares (its
+    loss is 0 anyway)."""
     if piece is batch:
         return 1.0
     if loss_agg == "token-mean":
-        part, whole = piece.completion_tokens, batch.completion_tokens
+        part, whole = piece.loss_tokens, batch.loss_tokens
+    elif loss_agg == "seq-mean-token-sum-norm":
+        part, whole = piece.num_samples, batch.num_samples
     else:
-        part = int(np.count_nonzero(np.asarray(piece.completion_lens) > 0))
-        whole = int(np.count_nonzero(np.asarray(batch.completion_lens) > 0))
+        part, whole = piece.loss_rows, batch.loss_rows
     if whole == 0:
         part, whole = piece.num_samples, batch.num_samples
     return part / whole
@@ -122,10 +147,14 @@ def read_piece_layout(metrics: Mapping[str, float], batch_id: int) -> list[int] 
 
 
 def train_as_recorded(engine: Any, batch: RolloutBatch, step_samples: int, layout: list[int] | None) -> dict[str, float]:
-    """Train ``batch`` as the trainer did: whole, or as the pieces ``layout`` names, with
-    the same scales in the same order (``conveyor replay`` calls this)."""
+    """Train ``batch`` as the trainer did: advantages assigned, then whole or as the
+    pieces ``layout`` names, with the same scales in the same order (``conveyor replay``
+    calls this; the step's ``grad_scale`` is ``compute_step_grad_scale``)."""
+    from stages.algorithms import assign_advantages
+
+    batch = assign_advantages(batch, engine.algo)
     pieces = split_rollout_batch_at(batch, layout) if layout else [batch]
-    scale = compute_micro_batch_scale(batch, step_samples)
+    scale = compute_micro_batch_scale(batch, step_samples, engine.algo.loss_agg)
     weights = [compute_piece_weight(p, batch, engine.algo.loss_agg) for p in pieces]
     return merge_piece_metrics([engine.train_micro_batch(p, scale * w) for p, w in zip(pieces, weights, strict=True)],
                                weights)
@@ -188,8 +217,9 @@ class TrainerStage:
         if is_too_stale(version, batch.policy_version, self.max_staleness):
             await self._drop(batch, "stale")
             return None
-        if batch.rewards is None:
+        if batch.rewards is None and batch.advantages is None:
             raise ValueError(f"batch {batch.batch_id}: reaches the trainer without rewards (is a reward stage wired?)")
+        batch = await asyncio.to_thread(self._assign_advantages, batch)
         if not self._step_batches:
             self._step_started = time.time()
             self._step_rng = self.engine.get_rng_state()
@@ -209,13 +239,18 @@ class TrainerStage:
             await self._optimizer_step()
         return None
 
+    def _assign_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        from stages.algorithms import assign_advantages  # imports torch: not at module level
+
+        return assign_advantages(batch, self.cfg.algorithm)
+
     # ------------------------------------------------------------------ memory
     def _estimate(self, piece: RolloutBatch) -> int:
         return estimate_batch_bytes("trainer", self.shape, count_seq_lens(piece), chunk_size=self.engine.chunk_size)
 
     async def _train(self, batch: RolloutBatch) -> list[tuple[RolloutBatch, dict[str, float]]]:
         """(piece, metrics) for each piece ``batch`` was trained as, in order."""
-        scale = compute_micro_batch_scale(batch, self.step_samples)
+        scale = compute_micro_batch_scale(batch, self.step_samples, self.cfg.algorithm.loss_agg)
         if not self.guard.protected:
             metrics = await asyncio.to_thread(self.engine.train_micro_batch, batch, scale)
             self._step_pieces.append((batch, scale))
@@ -277,7 +312,8 @@ class TrainerStage:
         layouts, self._step_layouts = self._step_layouts, {}
         self._step_pieces = []
         staleness, self._step_staleness = self._step_staleness, []
-        step_out = await asyncio.to_thread(self.engine.optimizer_step)
+        grad_scale = compute_step_grad_scale(batches, self.step_samples, self.cfg.algorithm.loss_agg)
+        step_out = await asyncio.to_thread(self.engine.optimizer_step, grad_scale)
         version = self.engine.version
         step = version - 1
         samples = sum(b.num_samples for b in batches)
@@ -307,7 +343,11 @@ class TrainerStage:
             "timing_s/weight_publish": sync_s,
             "response_length/mean": float(np.mean([b.completion_lens.mean() for b in batches])),
             **{f"actor/{k}": float(np.average([p[k] for p in pieces], weights=weight))
-               for k in ("loss", "pg_loss", "kl", "clip_frac", "ratio_mean") if all(k in p for p in pieces)},
+               for k in ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_upper", "clip_frac_lower", "clip_frac_dual",
+                         "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean")
+               if all(k in p for p in pieces)},
+            **{f"actor/{k}": float(max(p[k] for p in pieces))
+               for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},
             **{f"actor/{k}": float(v) for k, v in step_out.items()},
         }
         await controller.report_step.remote(metrics)
@@ -331,7 +371,8 @@ class TrainerStage:
                      layouts: Mapping[int, list[int]] | None = None) -> None:
         import torch
 
-        loss = compute_step_loss([p["loss"] for p in pieces], batches, self.step_samples)
+        loss = compute_step_loss([p["loss"] for p in pieces], batches, self.step_samples,
+                                 self.cfg.algorithm.loss_agg)
         record = StepRecord(
             step=step, policy_version=version, batch_ids=[b.batch_id for b in batches],
             loss=loss, grad_norm=float(step_out["grad_norm"]),

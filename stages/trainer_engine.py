@@ -8,9 +8,12 @@ Guarantees:
   counter never decides a boundary, so any number of pieces may make one step (the
   admission controller may split a micro-batch), and a step happens exactly once per
   ``optimizer_step`` call.
-- The gradient of one step is the gradient of ``sum(scale_k * loss_k)`` over its pieces,
-  where ``loss_k`` is the piece's loss aggregated by ``algorithm.loss_agg``. Inside a
-  piece, memory-bounding chunks are weighted so that chunking never changes the loss.
+- The gradient of one step is ``grad_scale`` times the gradient of
+  ``sum(scale_k * loss_k)`` over its pieces, where ``loss_k`` is the piece's loss
+  aggregated by ``algorithm.loss_agg`` and ``grad_scale`` is given to ``optimizer_step``
+  (applied before clipping: a streaming step can know its token count only at its end).
+  Inside a piece, memory-bounding chunks are weighted so that chunking never changes the
+  loss.
   With ``scale_k`` from ``compute_piece_scale`` the split of a micro-batch into pieces
   never changes the update either (up to float rounding).
 - A ``train_micro_batch`` call that raises after its first backward began leaves
@@ -44,7 +47,7 @@ import torch
 from pipeline.config import AlgorithmConfig, TrainConfig
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
-from stages.algorithms import compute_grpo_advantages, compute_policy_loss
+from stages.algorithms import build_policy_loss
 from stages.logprobs import accepts_logits_to_keep, build_model_inputs, forward_completion_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,11 +113,14 @@ def compute_chunk_weights(completion_mask: torch.Tensor, bounds: list[tuple[int,
     """Weight of each row chunk so that ``sum(w_k * loss(chunk_k)) == loss(all rows)``.
 
     ``completion_mask`` [S, C]. token-mean: the chunk's share of valid tokens;
-    seq-mean-*: its share of sequences with at least one valid token (the sequences
+    seq-mean-token-sum-norm: its share of rows (the constant normaliser counts every row);
+    other seq-mean-*: its share of sequences with at least one valid token (the sequences
     ``aggregate_loss`` averages over). A chunk with no such tokens or sequences weighs 0.
     """
     if loss_agg == "token-mean":
         counts = [float(completion_mask[a:b].sum()) for a, b in bounds]
+    elif loss_agg == "seq-mean-token-sum-norm":
+        counts = [float(b - a) for a, b in bounds]
     else:
         counts = [float((completion_mask[a:b].sum(dim=1) > 0).sum()) for a, b in bounds]
     total = sum(counts)
@@ -213,24 +219,27 @@ class TrainerEngine:
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
         self.module = self.engine.module
         self._keep = accepts_logits_to_keep(self.module)
+        self._loss = build_policy_loss(algo)
 
     # ------------------------------------------------------------------ training
 
     def train_micro_batch(self, batch: RolloutBatch, scale: float) -> dict[str, float]:
         """Accumulate ``scale * loss(batch)`` gradients; never steps the optimizer.
 
-        Advantages come from ``batch.rewards`` per GRPO group; the old policy is
+        ``batch.advantages`` and ``batch.loss_mask`` [S, C] were assigned by the algorithm
+        (``stages.algorithms.assign_advantages``) before; the old policy is
         ``batch.behaviour_logprobs`` [S, C]; ``batch.ref_logprobs`` [S, C] adds the KL
         penalty when present and ``kl_coef > 0``. Returns the piece's metrics (``loss``
         unscaled).
         """
-        if batch.rewards is None:
-            raise ValueError(f"batch {batch.batch_id}: no rewards; the reward stage must run first")
+        if batch.advantages is None or batch.loss_mask is None:
+            raise ValueError(f"batch {batch.batch_id}: no advantages; assign_advantages must run first")
         if batch.num_samples == 0:
             raise ValueError(f"batch {batch.batch_id}: no samples")
-        rewards = torch.as_tensor(np.asarray(batch.rewards, dtype=np.float32))
-        advantages = compute_grpo_advantages(rewards, batch.group_size, norm_by_std=self.algo.norm_adv_by_std)
+        rewards = torch.as_tensor(np.asarray(batch.rewards if batch.rewards is not None else [0.0], dtype=np.float32))
+        advantages = torch.as_tensor(np.asarray(batch.advantages, dtype=np.float32))
         input_ids, attention_mask, completion_mask, positions = build_model_inputs(batch)
+        completion_mask = completion_mask * torch.as_tensor(np.asarray(batch.loss_mask), dtype=completion_mask.dtype)
         old = torch.as_tensor(np.asarray(batch.behaviour_logprobs, dtype=np.float32))
         ref = None if batch.ref_logprobs is None else torch.as_tensor(np.asarray(batch.ref_logprobs, dtype=np.float32))
         kl_coef = self.algo.kl_coef if ref is not None else 0.0
@@ -247,11 +256,9 @@ class TrainerEngine:
                     temperature=self.temperature, use_logits_to_keep=self._keep,
                 )
                 device = logprobs.device
-                loss, metrics = compute_policy_loss(
+                loss, metrics = self._loss(
                     logprobs, old[a:b].to(device), advantages[a:b].to(device), completion_mask[a:b].to(device),
-                    clip_eps_low=self.algo.clip_eps_low, clip_eps_high=self.algo.clip_eps_high,
-                    loss_agg=self.algo.loss_agg, ref_logprobs=None if ref is None else ref[a:b].to(device),
-                    kl_coef=kl_coef, kl_estimator=self.algo.kl_estimator,
+                    ref_logprobs=None if ref is None else ref[a:b].to(device), kl_coef=kl_coef,
                 )
                 # Backward per chunk frees its activations before the next forward: memory
                 # is bounded by one chunk. A zero-weight chunk (no valid token) adds zeros.
@@ -275,13 +282,14 @@ class TrainerEngine:
             "num_tokens": float(batch.completion_tokens),
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
-            "adv_abs_mean": float(advantages.abs().mean()),
+            "adv_abs_mean": float((advantages.abs() * completion_mask).sum() / completion_mask.sum().clamp(min=1.0)),
             "scale": float(scale),
         }
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, zero the gradients; bump ``version``. Returns the pre-clip
-        ``grad_norm``, the ``lr`` used and the number of pieces accumulated."""
+    def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        """Multiply the accumulated gradients by ``grad_scale``, clip, step, zero them;
+        bump ``version``. Returns the pre-clip ``grad_norm`` (of the scaled gradients),
+        the ``lr`` used and the number of pieces accumulated."""
         if self.gradients_tainted:
             raise RuntimeError(
                 "optimizer_step: the gradients hold part of a piece whose training failed; "
@@ -291,10 +299,27 @@ class TrainerEngine:
             raise RuntimeError("optimizer_step: no micro-batch was trained since the last step")
         # torch AdamW under ZeRO 0 does not record the norm; ZeRO and the bf16/fp16
         # optimizers compute it themselves during step().
+        zero_scaled = grad_scale != 1.0 and self.engine.zero_optimization()
+        if grad_scale != 1.0 and not zero_scaled:
+            self._scale_gradients(grad_scale)
         own_norm = None if hasattr(self.engine.optimizer, "_global_grad_norm") else self._compute_grad_norm()
         lr = float(self.engine.get_lr()[0])
         skipped_before = self.engine.skipped_steps
-        self.engine.step()
+        if zero_scaled:
+            # ZeRO reduces gradients into its own partitions inside step() (stage 2: per
+            # backward, unreachable before it) and divides them by its loss scale before
+            # clipping there: dividing that scale by grad_scale for this one step is the
+            # same multiplication at the same point. Measured equal to ZeRO 0 on CPU.
+            opt = self.engine.optimizer
+            before = opt.loss_scale
+            opt.loss_scale = before / grad_scale
+            try:
+                self.engine.step()
+            finally:
+                after = opt.loss_scale  # a dynamic (fp16) scaler may have moved it
+                opt.loss_scale = before if after == before / grad_scale else after * grad_scale
+        else:
+            self.engine.step()
         grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
         pieces, self._pieces = self._pieces, 0
         self.version += 1
@@ -318,6 +343,12 @@ class TrainerEngine:
             self.engine.zero_grad()
         self._pieces = 0
         self.gradients_tainted = False
+
+    def _scale_gradients(self, factor: float) -> None:
+        from deepspeed.utils import safe_update_full_grad_vectorized
+
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        safe_update_full_grad_vectorized(params, lambda grad, _param: grad.mul_(factor))
 
     def _compute_grad_norm(self) -> float:
         """Global L2 norm of the accumulated gradients (float64 sum of squares)."""

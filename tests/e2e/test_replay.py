@@ -120,7 +120,8 @@ def run_dir(tmp_path_factory) -> Path:
     cfg = load_config(None, [
         f"model.cache_dir={base / 'models'}", f"run.dir={base / 'run'}", "run.name=replay-test",
         "train.threads=1", "train.lr=1e-3", "train.prompts_per_step=2", "train.save_checkpoint=false",
-        "train.sync_interval=100", "dataflow.async_execution=false", "dataflow.prompts_per_micro_batch=1",
+        "train.sync_interval=100", "dataflow.max_staleness=99", "dataflow.async_execution=false",
+        "dataflow.prompts_per_micro_batch=1",
         f"rollout.n={GROUP}", "algorithm.kl_coef=0.04", f"record.edges=[{EDGE}]", "record.state_every=2",
     ])
     cfg.run_dir.mkdir(parents=True)

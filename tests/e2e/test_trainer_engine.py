@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import AlgorithmConfig, TinyModelConfig, TrainConfig
-from pipeline.splitting import split_rollout_batch
+from pipeline.config import GrpoConfig, TinyModelConfig, TrainConfig
+from pipeline.splitting import split_rollout_batch, split_rollout_batch_at
 from pipeline.types import Prompt, RolloutBatch
 from pipeline.weights import compute_fingerprint, compute_sha256, deserialize_weights
+from stages.algorithms import assign_advantages
 from stages.logprobs import compute_completion_logprobs
 from stages.tiny import build_vocab, ensure_tiny_checkpoint
+from stages.trainer import compute_micro_batch_scale, compute_piece_weight, compute_step_grad_scale
 from stages.trainer_engine import TrainerEngine, compute_piece_scale
 
 NUM_PROMPTS, GROUP, MAX_COMPLETION = 8, 8, 20
@@ -37,7 +39,7 @@ def build_engine(checkpoint, zero_stage: int = 0) -> TrainerEngine:
     # split batch runs different forward passes than the whole one (a real test of
     # accumulation, not a replay of identical arithmetic).
     train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1)
-    return TrainerEngine(checkpoint, train, AlgorithmConfig(kl_coef=0.04), temperature=1.0,
+    return TrainerEngine(checkpoint, train, GrpoConfig(kl_coef=0.04), temperature=1.0,
                          dtype="float32", seed=0, chunk_size=24)
 
 
@@ -81,10 +83,12 @@ def make_batch(seed: int = 0) -> RolloutBatch:
 
 
 def on_policy(engine: TrainerEngine, batch: RolloutBatch) -> RolloutBatch:
-    """The batch as if the engine's current weights had generated it (ratio exactly 1)."""
+    """The batch as if the engine's current weights had generated it (ratio exactly 1),
+    with its GRPO advantages assigned (as the trainer stage does)."""
     with torch.no_grad():
         logprobs = compute_completion_logprobs(engine.module, batch).numpy()
-    return msgspec.structs.replace(batch, behaviour_logprobs=logprobs, policy_version=engine.version)
+    batch = msgspec.structs.replace(batch, behaviour_logprobs=logprobs, policy_version=engine.version)
+    return assign_advantages(batch, engine.algo)
 
 
 def rewarded_gap(engine: TrainerEngine, batch: RolloutBatch) -> float:
@@ -217,10 +221,12 @@ def test_state_round_trip_reproduces_the_next_step(engine, tmp_path):
 
 
 def train_one_split_step(engine: TrainerEngine, batch: RolloutBatch) -> dict[str, float]:
+    """Two pieces at the trainer's token-mean scales: token sums, rescaled at the step
+    (through ZeRO's loss scale on stages 1 and 2)."""
     pieces = split_rollout_batch(batch, 2)
     for piece in pieces:
-        engine.train_micro_batch(piece, compute_piece_scale(piece, batch.num_samples, batch.completion_tokens, "token-mean"))
-    return engine.optimizer_step()
+        engine.train_micro_batch(piece, compute_micro_batch_scale(piece, batch.num_samples, "token-mean"))
+    return engine.optimizer_step(compute_step_grad_scale(pieces, batch.num_samples, "token-mean"))
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +252,34 @@ def test_zero_stages_1_and_2_match_stage_0(checkpoint, stage0_reference, zero_st
     engine.load_state(tmp_path / "start")  # ZeRO keeps its own fp32 master copy
     train_one_split_step(engine, batch)
     assert engine.weights_sha256() == sha
+
+
+def test_streaming_token_mean_over_uneven_micro_batches_is_the_one_batch_gradient(engine, tmp_path):
+    """The trainer's token-mean rule: micro-batches of 3, 1 and 4 groups (uneven token
+    counts), the last one split in two pieces as an OOM split would, accumulate the
+    gradient of the token-mean over all 64 samples at once."""
+    batch = on_policy(engine, make_batch(seed=6))
+    engine.save_state(tmp_path / "start")
+    engine.train_micro_batch(batch, 1.0)
+    grads_whole = gradients(engine)
+    step_whole = engine.optimizer_step()
+
+    engine.load_state(tmp_path / "start")
+    parts = split_rollout_batch_at(batch, [3, 1, 4])
+    parts = [msgspec.structs.replace(p, batch_id=i) for i, p in enumerate(parts)]
+    tokens = [p.loss_tokens for p in parts]
+    assert len(set(t / p.num_samples for t, p in zip(tokens, parts, strict=True))) == 3  # uneven lengths
+    step_samples = batch.num_samples
+    for part in parts:
+        scale = compute_micro_batch_scale(part, step_samples, "token-mean")
+        pieces = split_rollout_batch(part, 2) if len(part.prompts) > 1 else [part]
+        for piece in pieces:
+            engine.train_micro_batch(piece, scale * compute_piece_weight(piece, part, "token-mean"))
+    grad_scale = compute_step_grad_scale(parts, step_samples, "token-mean")
+    assert grad_scale == step_samples / batch.completion_tokens
+    streamed = {n: g * grad_scale for n, g in gradients(engine).items()}
+    step_streamed = engine.optimizer_step(grad_scale)
+
+    for name, grad in grads_whole.items():
+        torch.testing.assert_close(streamed[name], grad, rtol=1e-5, atol=1e-7)
+    assert step_streamed["grad_norm"] == pytest.approx(step_whole["grad_norm"], rel=1e-5)

@@ -51,11 +51,23 @@ def test_kl_estimators():
     torch.testing.assert_close(compute_kl(logp, ref, "k3"), torch.tensor([[0.1931472, 0.0]]), atol=1e-6, rtol=0)
 
 
-def test_kl_k3_stays_finite_for_extreme_log_ratio():
-    # d = 0 - (-200) = 200 is clamped to 20: k3 = exp(20) - 20 - 1 = 485165174.4
-    kl = compute_kl(torch.tensor([[-200.0]]), torch.tensor([[0.0]]), "k3")
-    assert torch.isfinite(kl).all()
-    assert kl.item() == pytest.approx(math.exp(20) - 21, rel=1e-6)
+def test_kl_k3_value_is_clamped_for_extreme_log_ratio():
+    # d = 0 - (-200) = 200 is clamped to 20: exp(20) - 21 = 4.85e8, then the value to 10
+    # (verl's bound); clamped, the token sends no gradient at all.
+    logp = torch.tensor([[-200.0]], requires_grad=True)
+    kl = compute_kl(logp, torch.tensor([[0.0]]), "k3")
+    assert kl.item() == 10.0
+    kl.sum().backward()
+    assert logp.grad.item() == 0.0
+    # d = log 2 = 0.6931472 -> k3 = 2 - 0.6931472 - 1 = 0.3068528 (inside the clamp)
+    mild = compute_kl(torch.tensor([[math.log(0.25)]]), torch.tensor([[math.log(0.5)]]), "k3")
+    assert mild.item() == pytest.approx(0.3068528, abs=1e-6)
+
+
+def test_kl_k2_is_half_the_squared_log_ratio():
+    # d = log 0.25 - log 0.5 = -0.6931472 -> k2 = 0.5 * 0.480453 = 0.2402265
+    kl = compute_kl(torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]]), "k2")
+    assert kl.item() == pytest.approx(0.2402265, abs=1e-6)
 
 
 def test_policy_loss_clipped_ratio_by_hand():
@@ -164,3 +176,82 @@ def test_token_logprobs_by_hand():
     torch.testing.assert_close(out, torch.tensor([[math.log(0.75), math.log(2 / 3)]]), atol=1e-6, rtol=0)
     hot = compute_token_logprobs(logits, ids, temperature=2.0)
     assert hot[0, 0].item() == pytest.approx(math.log(0.6339746), abs=1e-6)
+
+
+def test_dual_clip_bounds_negative_advantage_tokens():
+    # token 0: ratio 4, A = -1: -min(-4, -1.2) = 4, dual bound -A * 3 = 3 -> 3 (no gradient)
+    # token 1: ratio 2, A = -1: -min(-2, -1.2) = 2 < 3 -> 2 (unclipped, gradient -A * ratio)
+    # token-mean (3 + 2)/2 = 2.5; d/dlogp = [0, 2 / 2 tokens] = [0, 1]; dual binds on 1 of 2
+    logp = torch.tensor([[math.log(4.0), math.log(2.0)]], requires_grad=True)
+    loss, metrics = compute_policy_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2),
+                                        clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(2.5, abs=1e-6)
+    assert metrics["clip_frac_dual"] == pytest.approx(0.5, abs=1e-9)
+    assert metrics["clip_frac"] == 0.0  # the PPO clip is not what binds here
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 1.0]]), atol=1e-6, rtol=0)
+    # off: token 0 keeps 4 -> (4 + 2)/2 = 3
+    off, _ = compute_policy_loss(logp.detach(), torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2),
+                                 clip_ratio_c=None)
+    assert off.item() == pytest.approx(3.0, abs=1e-6)
+
+
+def test_clip_fractions_upper_and_lower():
+    # ratio 1.5, A = +1: clipped branch 1.2 taken -> upper
+    # ratio 0.5, A = -1: -min(-0.5, -0.8) = 0.8 clipped branch taken -> lower
+    # ratio 1.0, A = +1: nothing clipped
+    # ratio 0.5, A = +1: -min(0.5, 0.8) = -0.5 is the unclipped branch -> nothing
+    # -> upper 1/4, lower 1/4, clip_frac 2/4
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.0, 0.5]]))
+    adv = torch.tensor([[1.0, -1.0, 1.0, 1.0]])
+    _, metrics = compute_policy_loss(logp, torch.zeros(1, 4), adv, torch.ones(1, 4))
+    assert (metrics["clip_frac_upper"], metrics["clip_frac_lower"], metrics["clip_frac"]) == (0.25, 0.25, 0.5)
+
+
+def test_truncated_importance_weights():
+    # behaviour = current - log 3 on token 0 (iw = 3), = current on token 1 (iw = 1);
+    # decoupled: ratio to the current weights is 1, pg = -A = -1 per token; cap 2:
+    #   w = [min(3, 2), 1] = [2, 1] -> loss (-2 - 1)/2 = -1.5, d/dlogp = -w/2 = [-1, -0.5]
+    #   metrics: iw mean (3 + 1)/2 = 2, max 3, capped 1 of 2
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.0 - math.log(3.0), -2.0]])
+    loss, metrics = compute_policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2),
+                                        off_policy="truncate", behav_imp_weight_cap=2.0)
+    assert loss.item() == pytest.approx(-1.5, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, -0.5]]), atol=1e-6, rtol=0)
+    assert metrics["is_weight_mean"] == pytest.approx(2.0, abs=1e-6)
+    assert metrics["is_weight_max"] == pytest.approx(3.0, abs=1e-6)
+    assert metrics["is_weight_capped_frac"] == 0.5
+    assert metrics["ratio_mean"] == 1.0 and metrics["clip_frac"] == 0.0
+
+
+def test_rejected_importance_weights_zero_the_token_but_keep_the_count():
+    # same tokens, reject: w = [0 (3 > cap 2), 1] -> loss (0 - 1)/2 = -0.5, grad [0, -0.5]
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.0 - math.log(3.0), -2.0]])
+    loss, _ = compute_policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2),
+                                  off_policy="reject", behav_imp_weight_cap=2.0)
+    assert loss.item() == pytest.approx(-0.5, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.5]]), atol=1e-6, rtol=0)
+
+
+def test_per_token_advantages():
+    # ratio 1 everywhere, A per token [2, -1]: pg [-2, 1] -> token-mean -0.5
+    logp = torch.zeros(1, 2)
+    loss, _ = compute_policy_loss(logp, logp.clone(), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx(-0.5, abs=1e-7)
+    with pytest.raises(ValueError, match="advantages"):
+        compute_policy_loss(logp, logp.clone(), torch.zeros(1, 3), torch.ones(1, 2))
+
+
+def test_seq_mean_token_sum_norm_divides_by_a_constant():
+    # the values of test_aggregate_loss_modes: valid sum 1 + 3 + 10 = 14; 3 rows x 4 tokens
+    #   -> 14 / 12 = 1.1666667 (the empty row counts)
+    values = torch.tensor([[1.0, 3.0], [10.0, 99.0], [7.0, 7.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0]], dtype=torch.bool)
+    out = aggregate_loss(values, mask, "seq-mean-token-sum-norm", norm_tokens=4)
+    assert out.item() == pytest.approx(14 / 12, abs=1e-6)
+    with pytest.raises(ValueError, match="norm_tokens"):
+        aggregate_loss(values, mask, "seq-mean-token-sum-norm")

@@ -19,7 +19,16 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
         ("dataflow.foo=1", "dataflow.foo: unknown field"),
         ("train.lr=abc", "train.lr: expected float, got str"),
         ("rollout.top_p=2", "rollout.top_p: expected float <= 1.0, got 2"),
-        ("rollout.n=1", "rollout.n: expected >= 2 for GRPO"),
+        ("rollout.n=1", "rollout.n: expected >= 2 for grpo (group baseline), got 1"),
+        ("rollout.top_p=0.9", "rollout.top_p: expected 1.0 (trainer and reference log-probs use the full softmax"),
+        ("rollout.top_k=20", "rollout.top_k: expected -1 (off; trainer and reference log-probs use the full"),
+        ("algorithm.name=ppo", "algorithm.name: expected one of ['grpo', 'rloo', 'reinforce_plus_plus', "
+                               "'reinforce_plus_plus_baseline'], got 'ppo'"),
+        ("algorithm.clip_ratio_c=1", "algorithm.clip_ratio_c: expected float > 1.0, got 1"),
+        ("algorithm.loss_agg=sum", "algorithm.loss_agg: expected one of ['token-mean', 'seq-mean-token-mean', "
+                                   "'seq-mean-token-sum', 'seq-mean-token-sum-norm'], got 'sum'"),
+        ("algorithm.off_policy=maybe", "algorithm.off_policy: expected one of ['off', 'truncate', 'reject']"),
+        ("algorithm.behav_imp_weight_cap=0.5", "algorithm.behav_imp_weight_cap: expected float >= 1.0, got 0.5"),
         ("train.prompts_per_step=6", "train.prompts_per_step: expected a multiple of dataflow.prompts_per_micro_batch"),
         ("train.sync_interval=3", "dataflow.max_staleness: expected >= train.sync_interval - 1 (2)"),
         ("dataflow.nodes=[{name: a}]", "dataflow.nodes[0].node_class: required field missing"),
@@ -31,6 +40,36 @@ def test_bad_values_name_their_path(override, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.name=rloo", "algorithm.norm_adv_by_std=false"], "algorithm.norm_adv_by_std: unknown field"),
+        (["algorithm.gamma=0.9"], "algorithm.gamma: unknown field"),  # grpo has no gamma
+        (["algorithm.name=reinforce_plus_plus", "algorithm.gamma=1.5"], "algorithm.gamma: expected float <= 1.0"),
+        (["algorithm.name=rloo", "rollout.n=1"], "rollout.n: expected >= 2 for rloo (group baseline), got 1"),
+    ],
+)
+def test_per_algorithm_fields_are_validated(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_algorithm_name_picks_its_fields():
+    cfg = load_config(None, [])
+    assert cfg.algorithm.name == "grpo" and cfg.algorithm.norm_adv_by_std is True
+    assert cfg.algorithm.loss_norm_tokens == cfg.rollout.max_tokens == 8  # constant normaliser default
+    cfg = load_config(None, ["algorithm.name=reinforce_plus_plus", "algorithm.gamma=0.9", "rollout.n=1"])
+    assert (cfg.algorithm.name, cfg.algorithm.gamma, cfg.rollout.n) == ("reinforce_plus_plus", 0.9, 1)
+    cfg = load_config(None, ["algorithm.name=grpo", "algorithm.norm_adv_by_std=false", "algorithm.loss_norm_tokens=3"])
+    assert (cfg.algorithm.norm_adv_by_std, cfg.algorithm.loss_norm_tokens) == (False, 3)
+
+
+def test_cli_refuses_top_p_with_exit_2(capsys):
+    assert main(["status", "--config", str(CONFIGS[0]), "rollout.top_p=0.95"]) == 2
+    assert "rollout.top_p: expected 1.0" in capsys.readouterr().err
 
 
 def test_overrides_apply_and_yaml_floats_parse():

@@ -1,0 +1,145 @@
+"""Advantage estimators as pure torch functions (no state, no I/O, no device placement).
+
+Guarantees:
+- Shapes: S samples, C completion positions; sample ``i`` belongs to group
+  ``i // group_size`` (groups are consecutive runs, as in ``RolloutBatch``).
+- Outcome estimators (``grpo``, ``rloo``) map ``rewards`` [S] to one advantage per
+  sample; token-level estimators (``reinforce_plus_plus*``, ``gae``) return [S, C] and are
+  exactly 0 wherever ``mask`` is 0.
+- Whitening statistics (REINFORCE++) run over the valid tokens of the batch they are
+  given: in Conveyor that is one streaming micro-batch, computed before any split, so an
+  admission or OOM split never changes an advantage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _check_groups(rewards: Tensor, group_size: int, min_size: int = 1) -> None:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected shape [S], got {tuple(rewards.shape)}")
+    if group_size < min_size:
+        raise ValueError(f"group_size: expected >= {min_size}, got {group_size}")
+    if rewards.shape[0] % group_size:
+        raise ValueError(
+            f"rewards: {rewards.shape[0]} samples is not a multiple of group_size {group_size}; "
+            f"groups must stay whole"
+        )
+
+
+def compute_grpo_advantages(
+    rewards: Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """Group-relative advantages: ``(r - group mean) / (group std + eps)``.
+
+    ``rewards`` [S] -> advantages [S] (float32). The std is the population std
+    (``unbiased=False``): a group's normalised advantages then have mean 0 and mean
+    square exactly 1 whatever the group size (for a non-constant group, up to eps),
+    and ``group_size == 1`` is well defined (advantage 0). A group whose rewards are all
+    equal gets advantage 0: it carries no learning signal. With ``norm_by_std=False``
+    the advantage is ``r - group mean`` (Dr. GRPO).
+    """
+    _check_groups(rewards, group_size)
+    num = rewards.shape[0]
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if norm_by_std:
+        centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return _zero_constant_groups(grouped, centred).reshape(num)
+
+
+def compute_rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """Leave-one-out baseline: ``r_i - mean_{j != i} r_j`` within the group.
+
+    ``rewards`` [S] -> [S] float32; ``group_size >= 2``. Equal to
+    ``G / (G - 1) * (r_i - group mean)``; a constant group gets exactly 0.
+    """
+    _check_groups(rewards, group_size, min_size=2)
+    grouped = rewards.float().view(-1, group_size)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return _zero_constant_groups(grouped, grouped - others).reshape(-1)
+
+
+def compute_discounted_returns(scores: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """Outcome reward placed on each sequence's last valid token, discounted backwards.
+
+    ``scores`` [S], ``mask`` [S, C] -> [S, C]: token ``t`` of a sequence whose last valid
+    token is ``T`` gets ``gamma ** (number of valid tokens after t) * score``; 0 where
+    ``mask`` is 0. With ``gamma = 1`` every valid token carries the score.
+    """
+    valid = mask > 0
+    # Valid tokens strictly after t: total valid minus the running count up to t.
+    after = valid.sum(dim=1, keepdim=True) - valid.long().cumsum(dim=1)
+    returns = scores.float().unsqueeze(1) * torch.pow(torch.tensor(float(gamma)), after.float())
+    return torch.where(valid, returns, torch.zeros_like(returns))
+
+
+def whiten_masked(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the positions where ``mask`` is set; 0 elsewhere.
+
+    The variance is unbiased (Bessel's correction over the valid positions, as verl's
+    ``masked_whiten``); fewer than two valid positions give 0 everywhere.
+    """
+    valid = mask > 0
+    n = valid.sum()
+    if n < 2:
+        return torch.zeros_like(values, dtype=torch.float32)
+    x = torch.where(valid, values.float(), torch.zeros_like(values, dtype=torch.float32))
+    mean = x.sum() / n
+    centred = torch.where(valid, x - mean, torch.zeros_like(x))
+    var = centred.square().sum() / (n - 1)
+    return centred * torch.rsqrt(var + eps)
+
+
+def compute_reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """REINFORCE++: discounted outcome returns whitened over the batch's valid tokens.
+
+    ``rewards`` [S], ``mask`` [S, C] -> [S, C] float32 (0 where ``mask`` is 0).
+    """
+    return whiten_masked(compute_discounted_returns(rewards, mask, gamma), mask)
+
+
+def compute_reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
+    """REINFORCE++ with a group baseline: ``r - group mean`` per sample, broadcast to its
+    tokens, then whitened over the batch's valid tokens. ``rewards`` [S], ``mask`` [S, C]."""
+    _check_groups(rewards, group_size)
+    centred = compute_grpo_advantages(rewards, group_size, norm_by_std=False)
+    valid = mask > 0
+    per_token = torch.where(valid, centred.unsqueeze(1).expand(mask.shape), torch.zeros(mask.shape))
+    return whiten_masked(per_token, mask)
+
+
+def compute_gae_advantages(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over each sequence's valid tokens (for PPO with a
+    critic; no registry entry uses it until a value model exists).
+
+    ``token_rewards``, ``values``, ``mask`` [S, C] -> (advantages, returns) [S, C]:
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` 0 past the last valid token,
+    ``A_t = delta_t + gamma * lam * A_{t+1}``, ``returns = A + V``. Positions where
+    ``mask`` is 0 are skipped (the recursion jumps over them) and hold 0. Not whitened.
+    """
+    valid = mask > 0
+    r = torch.where(valid, token_rewards.float(), torch.zeros_like(token_rewards, dtype=torch.float32))
+    v = torch.where(valid, values.float(), torch.zeros_like(values, dtype=torch.float32))
+    num, width = r.shape
+    next_value = torch.zeros(num)
+    running = torch.zeros(num)
+    adv = torch.zeros(num, width)
+    for t in reversed(range(width)):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        step = delta + gamma * lam * running
+        adv[:, t] = torch.where(valid[:, t], step, torch.zeros_like(step))
+        running = torch.where(valid[:, t], step, running)
+        next_value = torch.where(valid[:, t], v[:, t], next_value)
+    returns = torch.where(valid, adv + v, torch.zeros_like(adv))
+    return adv, returns
+
+
+def _zero_constant_groups(grouped: Tensor, values: Tensor) -> Tensor:
+    # Exactly 0 for constant groups, even with eps=0 (0/0) or a mean that rounds off.
+    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    return torch.where(constant, torch.zeros_like(values), values)

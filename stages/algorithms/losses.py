@@ -1,0 +1,238 @@
+"""Losses as pure torch functions: KL estimators, aggregation, the clipped policy loss.
+
+Guarantees:
+- No state, no I/O, no device placement: every function maps tensors to tensors (and
+  floats for metrics), so each is unit-tested on CPU with hand-derived numbers.
+- Shapes: S samples, C completion positions.
+- Token positions where ``mask`` is 0 contribute nothing to a loss, a gradient or a
+  metric, even when the log-probs there are garbage (padding, ``-inf``, NaN): they are
+  replaced by zeros before any arithmetic, so no ``inf * 0`` NaN can leak through the
+  forward or the backward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+OffPolicy = Literal["off", "truncate", "reject"]
+
+# exp(20) ~ 4.9e8: far beyond any ratio a healthy run produces, far below float32
+# overflow (exp(88.7)). Without the clamp one bad token (e.g. a log-prob of -80 under
+# the reference) turns k3 or the ratio into inf and the whole step's gradient into NaN.
+LOG_RATIO_CLAMP = 20.0
+# verl's bound on the k3 value: beyond it a token adds a constant and no gradient.
+KL_VALUE_CLAMP = 10.0
+
+
+def compute_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens.
+
+    ``logprobs``, ``ref_logprobs`` [S, C] -> [S, C]. With ``d = ref - logp`` (clamped to
+    +-LOG_RATIO_CLAMP): k1 = ``-d`` (unbiased, can be negative; its expected gradient is
+    0, so as a loss term it only adds noise); k2 = ``d**2 / 2`` (biased, its gradient is
+    the KL's); k3 = ``exp(d) - d - 1`` (Schulman's estimator: unbiased and >= 0), clamped
+    to +-KL_VALUE_CLAMP as verl does: a token far from the reference contributes at most
+    10 and no gradient, instead of up to ``kl_coef * e**20``.
+    """
+    log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+    raise ValueError(f"kl_estimator: expected 'k1', 'k2' or 'k3', got {estimator!r}")
+
+
+def aggregate_loss(values: Tensor, mask: Tensor, mode: LossAgg, norm_tokens: int | None = None) -> Tensor:
+    """Reduce per-token values [S, C] to a scalar over the positions where ``mask`` is set.
+
+    - ``token-mean``: sum over all valid tokens / number of valid tokens (every token
+      weighs the same; long answers weigh more).
+    - ``seq-mean-token-mean``: mean over tokens inside each sequence, then mean over
+      sequences (every sequence weighs the same).
+    - ``seq-mean-token-sum``: sum over tokens inside each sequence, then mean over
+      sequences.
+    - ``seq-mean-token-sum-norm``: sum over all valid tokens / (S * ``norm_tokens``), a
+      constant normaliser (Dr. GRPO; ``norm_tokens`` is usually the longest completion
+      the rollout may produce). Every row counts in S, empty or not.
+    Sequence means run over sequences with at least one valid token; with no valid token
+    at all the result is 0 (still attached to the graph, so ``backward`` works).
+    """
+    m = _as_float_mask(mask, values)
+    v = torch.where(m > 0, values, torch.zeros_like(values))
+    if mode == "token-mean":
+        return (v * m).sum() / m.sum().clamp(min=1.0)
+    if mode == "seq-mean-token-sum-norm":
+        if norm_tokens is None or norm_tokens < 1:
+            raise ValueError(f"loss_agg seq-mean-token-sum-norm: norm_tokens must be >= 1, got {norm_tokens}")
+        return (v * m).sum() / float(max(values.shape[0], 1) * norm_tokens)
+    seq_tokens = m.sum(dim=1)
+    seq_sum = (v * m).sum(dim=1)
+    if mode == "seq-mean-token-mean":
+        per_seq = seq_sum / seq_tokens.clamp(min=1.0)
+    elif mode == "seq-mean-token-sum":
+        per_seq = seq_sum
+    else:
+        raise ValueError(
+            f"loss_agg: expected 'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or "
+            f"'seq-mean-token-sum-norm', got {mode!r}"
+        )
+    has_tokens = (seq_tokens > 0).float()
+    return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+
+
+def compute_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg: LossAgg = "token-mean",
+    loss_norm_tokens: int | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    off_policy: OffPolicy = "off",
+    behav_imp_weight_cap: float = 2.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate with dual-clip, optional off-policy correction and KL penalty.
+
+    Inputs: ``logprobs`` [S, C] (current policy, carries the gradient), ``old_logprobs``
+    [S, C] (behaviour: the policy that generated the tokens), ``advantages`` [S, C] per
+    token (or [S], broadcast over the sample's tokens), ``mask`` [S, C] bool or float,
+    ``ref_logprobs`` [S, C]. Per token, with ``ratio = exp(logp - anchor)``:
+        pg = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)
+        pg = min(pg, -A * clip_ratio_c)   where A < 0  (dual-clip; None: off)
+        loss = w * pg + kl_coef * kl
+    ``off_policy``:
+    - ``off``: anchor = behaviour log-probs, ``w = 1`` (PPO against the sampler).
+    - ``truncate`` / ``reject`` (AReaL's decoupled objective): the anchor is the proximal
+      policy, which here is the current weights (detached): every sample is trained in
+      exactly one optimizer step, so the weights that score it are the last policy before
+      the update. The trust region to it holds by construction (ratio 1, clipping never
+      binds); the staleness is corrected by the importance weight ``iw = pi / behaviour``
+      (detached): ``truncate`` uses ``w = min(iw, cap)`` (TIS), ``reject`` uses
+      ``w = iw`` where ``iw <= cap`` and 0 elsewhere (the token still counts in the
+      normaliser).
+    Aggregated by ``aggregate_loss(.., loss_agg, loss_norm_tokens)``. Returns (scalar
+    loss, metrics), each over valid tokens: ``pg_loss`` (surrogate, same aggregation),
+    ``kl`` (token mean, 0 without a reference), ``clip_frac`` (clipped branch taken),
+    ``clip_frac_upper`` (taken with A > 0: ratio above 1 + high), ``clip_frac_lower``
+    (taken with A < 0: ratio below 1 - low), ``clip_frac_dual`` (dual clip binds),
+    ``ratio_mean``, ``ratio_max``, ``is_weight_mean``, ``is_weight_max`` (of ``iw``) and
+    ``is_weight_capped_frac`` (``iw > cap``, whether or not a correction is on).
+    """
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
+            f"and mask {tuple(mask.shape)} must share the shape [S, C]"
+        )
+    if advantages.shape not in (logprobs.shape, logprobs.shape[:1]):
+        raise ValueError(
+            f"advantages: expected shape {tuple(logprobs.shape)} or [{logprobs.shape[0]}], "
+            f"got {tuple(advantages.shape)}"
+        )
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference stage's output)")
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c: expected > 1 (or None), got {clip_ratio_c}")
+    if off_policy not in ("off", "truncate", "reject"):
+        raise ValueError(f"off_policy: expected 'off', 'truncate' or 'reject', got {off_policy!r}")
+
+    m = _as_float_mask(mask, logprobs)
+    valid = m > 0
+    logp = _zero_where_invalid(logprobs, valid)
+    behaviour = _zero_where_invalid(old_logprobs, valid)
+    adv = advantages.to(logp.dtype)
+    adv = _zero_where_invalid(adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, valid)
+
+    anchor = behaviour if off_policy == "off" else logp.detach()
+    ratio = torch.exp((logp - anchor).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    pg_tokens = torch.maximum(unclipped, clipped)  # = -min(ratio*A, clip(ratio)*A)
+    took_clip = clipped > unclipped
+    dual_binds = torch.zeros_like(valid)
+    if clip_ratio_c is not None:
+        dual = -adv * clip_ratio_c
+        dual_binds = (adv < 0) & (pg_tokens > dual)
+        pg_tokens = torch.where(dual_binds, dual, pg_tokens)
+
+    with torch.no_grad():
+        is_weight = torch.exp((logp.detach() - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if off_policy == "truncate":
+        pg_tokens = pg_tokens * is_weight.clamp(max=behav_imp_weight_cap)
+    elif off_policy == "reject":
+        pg_tokens = pg_tokens * torch.where(is_weight <= behav_imp_weight_cap, is_weight, torch.zeros_like(is_weight))
+
+    loss_tokens = pg_tokens
+    kl_value = 0.0
+    if ref_logprobs is not None:  # the kl metric is reported even when kl_coef is 0
+        ref = _zero_where_invalid(ref_logprobs, valid)
+        kl_tokens = compute_kl(logp, ref, kl_estimator)
+        kl_value = _masked_mean(kl_tokens.detach(), m)
+        if kl_coef > 0:
+            loss_tokens = pg_tokens + kl_coef * kl_tokens
+
+    loss = aggregate_loss(loss_tokens, m, loss_agg, loss_norm_tokens)
+    with torch.no_grad():
+        n_valid = m.sum()
+        metrics = {
+            "pg_loss": float(aggregate_loss(pg_tokens.detach(), m, loss_agg, loss_norm_tokens)),
+            "kl": kl_value,
+            "clip_frac": _masked_mean(took_clip.float(), m),
+            "clip_frac_upper": _masked_mean((took_clip & (adv > 0)).float(), m),
+            "clip_frac_lower": _masked_mean((took_clip & (adv < 0)).float(), m),
+            "clip_frac_dual": _masked_mean(dual_binds.float(), m),
+            "ratio_mean": _masked_mean(ratio.detach(), m),
+            "ratio_max": float(ratio.detach()[valid].max()) if n_valid > 0 else 0.0,
+            "is_weight_mean": _masked_mean(is_weight, m),
+            "is_weight_max": float(is_weight[valid].max()) if n_valid > 0 else 0.0,
+            "is_weight_capped_frac": _masked_mean((is_weight > behav_imp_weight_cap).float(), m),
+        }
+    return loss, metrics
+
+
+def compute_token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-prob of each next token: ``logits`` [S, L, V], ``input_ids`` [S, L] -> [S, L-1].
+
+    Entry ``[s, t]`` is ``log p(input_ids[s, t+1] | input_ids[s, :t+1])`` under
+    ``softmax(logits / temperature)``: the same distribution the sampler drew from, so
+    these match the behaviour log-probs of a rollout at that temperature. Computed in
+    float32 whatever the logits' dtype.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature}")
+    if logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)} must share [S, L]"
+        )
+    scaled = logits[:, :-1, :].float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    targets = input_ids[:, 1:].long().unsqueeze(-1)
+    return log_probs.gather(-1, targets).squeeze(-1)
+
+
+def _as_float_mask(mask: Tensor, like: Tensor) -> Tensor:
+    return mask.to(dtype=like.dtype if like.is_floating_point() else torch.float32)
+
+
+def _zero_where_invalid(x: Tensor, valid: Tensor) -> Tensor:
+    # where (not multiplication): inf * 0 is NaN, and where's backward sends exactly 0
+    # to the positions it did not select.
+    return torch.where(valid, x, torch.zeros_like(x))
+
+
+def _masked_mean(x: Tensor, m: Tensor) -> float:
+    return float((torch.where(m > 0, x, torch.zeros_like(x)) * m).sum() / m.sum().clamp(min=1.0))

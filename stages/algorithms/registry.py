@@ -1,0 +1,128 @@
+"""The algorithm registry: one explicit entry per ``algorithm.name``.
+
+Guarantees:
+- ``ALGORITHMS`` is a plain dict (no import-side-effect registration); its keys are
+  exactly ``pipeline.config.ALGORITHM_NAMES`` (a unit test keeps them equal).
+- An entry states what it needs (a group of samples per prompt, reference log-probs,
+  values from a critic), assigns advantages with a pure function of one micro-batch and
+  the algorithm config, and supplies its loss. Nothing here holds state or touches a
+  device.
+- ``assign_advantages`` runs in the trainer stage before a micro-batch is trained (and
+  in replay, on the same recorded micro-batch), never inside the engine: the engine
+  only turns ``advantages`` and ``loss_mask`` into gradients. It runs on the whole
+  micro-batch before any admission or OOM split, so pieces carry the advantages of the
+  whole. A batch whose ``advantages`` are already set (an upstream stage assigned them)
+  keeps them; an upstream ``loss_mask`` (multi-turn tool output) is kept and narrowed to
+  the completion lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from torch import Tensor
+
+from pipeline.types import RolloutBatch
+from stages.algorithms.advantages import (
+    compute_grpo_advantages,
+    compute_reinforce_pp_advantages,
+    compute_reinforce_pp_baseline_advantages,
+    compute_rloo_advantages,
+)
+from stages.algorithms.losses import compute_policy_loss
+
+# (rewards [S], loss mask [S, C] bool, group_size, algorithm config) -> advantages [S, C]
+Estimator = Callable[[Tensor, Tensor, int, Any], Tensor]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One registry entry. ``needs_group``: advantages compare the samples of a prompt
+    (``rollout.n >= 2``); ``needs_reference``: reference log-probs beyond the KL term
+    (every entry today uses them only for ``kl_coef > 0``); ``needs_values``: a critic's
+    per-token values (none today; PPO with ``compute_gae_advantages`` will)."""
+
+    name: str
+    estimate: Estimator
+    needs_group: bool
+    needs_reference: bool = False
+    needs_values: bool = False
+    loss: Callable[..., tuple[Tensor, dict[str, float]]] = compute_policy_loss
+
+
+def _per_sample(adv: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, adv.unsqueeze(1).expand(mask.shape), torch.zeros(mask.shape))
+
+
+def _grpo(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    return _per_sample(compute_grpo_advantages(rewards, group_size, norm_by_std=cfg.norm_adv_by_std), mask)
+
+
+def _rloo(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    return _per_sample(compute_rloo_advantages(rewards, group_size), mask)
+
+
+def _reinforce_pp(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    return compute_reinforce_pp_advantages(rewards, mask, gamma=cfg.gamma)
+
+
+def _reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    return compute_reinforce_pp_baseline_advantages(rewards, mask, group_size)
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "grpo": Algorithm("grpo", _grpo, needs_group=True),
+    "rloo": Algorithm("rloo", _rloo, needs_group=True),
+    "reinforce_plus_plus": Algorithm("reinforce_plus_plus", _reinforce_pp, needs_group=False),
+    "reinforce_plus_plus_baseline": Algorithm("reinforce_plus_plus_baseline", _reinforce_pp_baseline, needs_group=True),
+}
+
+
+def get_algorithm(name: str) -> Algorithm:
+    if name not in ALGORITHMS:
+        raise ValueError(f"algorithm.name: expected one of {sorted(ALGORITHMS)}, got {name!r}")
+    return ALGORITHMS[name]
+
+
+def build_loss_mask(batch: RolloutBatch) -> np.ndarray:
+    """[S, C] bool: completion positions inside each sample's length, and-ed with the
+    batch's own ``loss_mask`` when an upstream stage set one."""
+    width = batch.completion_ids.shape[1]
+    mask = np.arange(width)[None, :] < np.asarray(batch.completion_lens)[:, None]
+    if batch.loss_mask is not None:
+        upstream = np.zeros((batch.num_samples, width), dtype=bool)
+        given = np.asarray(batch.loss_mask, dtype=bool)
+        upstream[:, : min(width, given.shape[1])] = given[:, :width]
+        mask &= upstream
+    return mask
+
+
+def assign_advantages(batch: RolloutBatch, cfg: Any) -> RolloutBatch:
+    """``batch`` with ``loss_mask`` [S, C] bool and ``advantages`` [S, C] float32 set by
+    the algorithm ``cfg.name`` (see the module guarantees); a new value, never mutated."""
+    mask = build_loss_mask(batch)
+    if batch.advantages is not None:
+        return msgspec.structs.replace(batch, loss_mask=mask)
+    if batch.rewards is None:
+        raise ValueError(f"batch {batch.batch_id}: no rewards; the reward stage must run first")
+    algo = get_algorithm(cfg.name)
+    rewards = torch.as_tensor(np.asarray(batch.rewards, dtype=np.float32))
+    adv = algo.estimate(rewards, torch.from_numpy(mask), batch.group_size, cfg)
+    return msgspec.structs.replace(batch, loss_mask=mask, advantages=adv.numpy().astype(np.float32))
+
+
+def build_policy_loss(cfg: Any) -> Callable[..., tuple[Tensor, dict[str, float]]]:
+    """The entry's loss with every option of ``cfg`` bound; called as
+    ``loss(logprobs, old_logprobs, advantages, mask, ref_logprobs=..., kl_coef=...)``."""
+    return functools.partial(
+        get_algorithm(cfg.name).loss,
+        clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, clip_ratio_c=cfg.clip_ratio_c,
+        loss_agg=cfg.loss_agg, loss_norm_tokens=cfg.loss_norm_tokens, kl_estimator=cfg.kl_estimator,
+        off_policy=cfg.off_policy, behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+    )
