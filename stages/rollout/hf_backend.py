@@ -86,7 +86,7 @@ class HFBackend:
             await asyncio.to_thread(self._load)
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = _DTYPES.get(self.dtype, "auto")
@@ -100,6 +100,10 @@ class HFBackend:
         if pad is None:
             pad = tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else min(self._stop_ids, default=0)
+        # generate() fills every field our GenerationConfig leaves unset from the model's
+        # own: a checkpoint's repetition_penalty, min_p, no_repeat_ngram_size... would
+        # reshape the sampling distribution and its behaviour log-probs. Neutral defaults.
+        model.generation_config = GenerationConfig()
         self._model, self._tokenizer = model, tokenizer
         log.info("model loaded", model=str(self.model_path), device=device, dtype=str(model.dtype))
 

@@ -222,3 +222,30 @@ def test_a_bad_payload_never_serves_unverified_weights(loop, backend, checkpoint
     assert fingerprints_match(fingerprint, good_fp) and backend.version == new
     results = loop.run_until_complete(backend.generate(PROMPTS, sampling))
     assert {v for r in results for v in r.completions[0].token_versions} == {new}
+
+
+def test_hf_backend_ignores_the_checkpoints_sampling_penalties(loop, checkpoint, tmp_path) -> None:
+    """A checkpoint whose generation_config asks for penalties and truncation: the HF
+    backend's behaviour log-probs stay those of the plain softmax (what the trainer
+    scores), not of a penalised distribution."""
+    import json
+    import shutil
+
+    penalised = tmp_path / "penalised"
+    shutil.copytree(checkpoint, penalised)
+    gen = penalised / "generation_config.json"
+    settings = json.loads(gen.read_text()) if gen.exists() else {}
+    settings.update(repetition_penalty=10.0, min_p=0.5, no_repeat_ngram_size=1, top_k=3)
+    gen.write_text(json.dumps(settings))
+    backend = build_backend("hf", penalised, RolloutConfig(backend="hf", seed=0), "float32")
+    loop.run_until_complete(backend.start())
+    try:
+        sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=12, seed=3)
+        results = loop.run_until_complete(backend.generate(PROMPTS, sampling))
+    finally:
+        loop.run_until_complete(backend.shutdown())
+    model = AutoModelForCausalLM.from_pretrained(penalised, dtype=torch.float32).eval()
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        for c in result.completions:
+            expected = recompute_logprobs(model, prompt, c.token_ids)
+            assert max(abs(a - b) for a, b in zip(c.logprobs, expected, strict=True)) < LOGPROB_ATOL
