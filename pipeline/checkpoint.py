@@ -1,0 +1,188 @@
+"""Resumable checkpoints: what a run needs to continue exactly once, written atomically.
+
+A checkpoint is a directory ``<run dir>/checkpoints/step-<version>/`` holding the trainer's
+state (``trainer/``: model, optimizer, RNG, version, written by the trainer engine) and
+``state.msgpack`` (``ResumeState``: the ledger's counters and which prompts are done).
+
+Guarantees:
+- ``write_checkpoint`` builds the directory under a temporary name and renames it into
+  place in one step, ``state.msgpack`` last: a directory under a final name is complete.
+  It keeps the newest ``keep`` checkpoints and removes older ones after the new one is
+  in place, so a crash at any moment leaves at least one complete checkpoint once one
+  was written.
+- ``find_latest_checkpoint`` returns the newest checkpoint whose state decodes and whose
+  trainer state exists; a damaged or half-written one is skipped, with a message naming
+  it, for the one before.
+- Exactly once: ``ConsumedPrompts`` is the set of prompt indices trained or dropped (with
+  a reason) up to the checkpoint, as a frontier (every index below it) plus the few
+  above it. A resumed source skips exactly those, so prompts trained before the
+  checkpoint are not trained again and prompts that were in flight are issued again.
+- ``check_resume_config`` refuses a resumed run whose config differs from the
+  original's in any key outside ``SAFE_RESUME_KEYS``, naming the keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from pipeline.config import ConfigError
+
+SCHEMA_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"
+STATE_FILE = "state.msgpack"
+TRAINER_DIR = "trainer"
+# Keys a resumed run may change: how long it runs and how it reports, not what it learns.
+SAFE_RESUME_KEYS = (
+    "run.steps", "run.progress", "run.tensorboard", "run.log_level", "run.address", "run.resume_from",
+    "train.checkpoint_every", "train.keep_checkpoints", "train.weight_sync_timeout_s", "train.save_checkpoint",
+    "record.", "placement.",
+)
+
+
+class ConsumedPrompts(msgspec.Struct, kw_only=True):
+    """Prompt indices that are done: every index below ``frontier`` plus ``above``."""
+
+    frontier: int = 0
+    above: list[int] = []
+
+    def add(self, indices: Iterable[int]) -> None:
+        extra = set(self.above)
+        extra.update(i for i in indices if i >= self.frontier)
+        while self.frontier in extra:
+            extra.remove(self.frontier)
+            self.frontier += 1
+        self.above = sorted(extra)
+
+    def __contains__(self, index: int) -> bool:
+        return index < self.frontier or index in set(self.above)
+
+    def as_set_checker(self) -> Callable[[int], bool]:
+        """A fast membership test for a source skipping many indices."""
+        frontier, above = self.frontier, frozenset(self.above)
+        return lambda i: i < frontier or i in above
+
+
+class ResumeState(msgspec.Struct, kw_only=True):
+    """Everything beside the trainer's own state that a resumed run starts from.
+
+    ``version``: the policy version (= optimizer steps taken); ``trained_prompts`` and
+    ``dropped`` (reason -> prompts) are the ledger's counters; ``consumed`` the prompt
+    indices they cover.
+    """
+
+    schema: int = SCHEMA_VERSION
+    version: int
+    trained_prompts: int
+    dropped: dict[str, int] = {}
+    consumed: ConsumedPrompts = msgspec.field(default_factory=ConsumedPrompts)
+
+
+def checkpoint_name(version: int) -> str:
+    return f"step-{version:08d}"
+
+
+def write_checkpoint(run_dir: Path, state: ResumeState, save_trainer: Callable[[Path], None], keep: int) -> Path:
+    """Write ``<run dir>/checkpoints/step-<version>`` atomically; see the module guarantees."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(state.version)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        save_trainer(tmp / TRAINER_DIR)
+        (tmp / STATE_FILE).write_bytes(msgspec.msgpack.encode(state))
+        _fsync_dir(tmp)
+        if final.exists():  # the same version again (a resumed run's first save): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep or None]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def find_latest_checkpoint(run_dir: Path) -> tuple[Path, ResumeState, list[str]] | None:
+    """(directory, state, messages about skipped damaged ones) of the newest complete
+    checkpoint under ``run_dir``, or None when there is none."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    skipped: list[str] = []
+    for path in sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True):
+        try:
+            state = msgspec.msgpack.decode((path / STATE_FILE).read_bytes(), type=ResumeState)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            skipped.append(f"{path}: skipped, its {STATE_FILE} is missing or damaged ({exc})")
+            continue
+        if state.schema != SCHEMA_VERSION or not (path / TRAINER_DIR).is_dir():
+            skipped.append(f"{path}: skipped, schema {state.schema} or no {TRAINER_DIR}/ directory")
+            continue
+        return path, state, skipped
+    return None
+
+
+def load_resume_state(checkpoint: Path) -> ResumeState:
+    return msgspec.msgpack.decode((Path(checkpoint) / STATE_FILE).read_bytes(), type=ResumeState)
+
+
+def diff_configs(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two plain config mappings."""
+    keys: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        a, b, path = old.get(key), new.get(key), f"{prefix}{key}"
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            keys += diff_configs(a, b, f"{path}.")
+        elif a != b:
+            keys.append(path)
+    return keys
+
+
+def check_resume_config(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The safe keys that changed; ``ConfigError`` naming the others if any changed."""
+    changed = diff_configs(old, new)
+    unsafe = [k for k in changed if not any(k == s or (s.endswith(".") and k.startswith(s)) for s in SAFE_RESUME_KEYS)]
+    if unsafe:
+        raise ConfigError(
+            f"--resume: the config differs from the run's own in {unsafe}; a resumed run must learn "
+            f"what the original learned (keys that may change: {', '.join(SAFE_RESUME_KEYS)})"
+        )
+    return changed
+
+
+def truncate_metrics(path: Path, before_step: int) -> int:
+    """Keep the rows of ``metrics.jsonl`` for steps below ``before_step`` (the resumed run
+    logs the later ones again); a torn line is dropped too. Returns the lines removed."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < before_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+    return len(lines) - len(kept)

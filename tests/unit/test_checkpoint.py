@@ -1,0 +1,79 @@
+"""Resumable checkpoints: atomic writes, skipping damaged ones, exactly-once prompt sets."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from pipeline.checkpoint import (
+    ConsumedPrompts,
+    ResumeState,
+    check_resume_config,
+    diff_configs,
+    find_latest_checkpoint,
+    truncate_metrics,
+    write_checkpoint,
+)
+from pipeline.config import ConfigError
+
+
+def _save(marker: str):
+    def save(path):
+        path.mkdir(parents=True)
+        (path / "weights").write_text(marker)
+    return save
+
+
+def test_consumed_prompts_keep_a_frontier_and_the_few_above_it():
+    done = ConsumedPrompts()
+    done.add([0, 1, 2, 5, 7])
+    assert (done.frontier, done.above) == (3, [5, 7])
+    done.add([3, 4])  # 0..5 now contiguous: the frontier moves past 5
+    assert (done.frontier, done.above) == (6, [7])
+    check = done.as_set_checker()
+    assert [i for i in range(10) if check(i)] == [0, 1, 2, 3, 4, 5, 7] == [i for i in range(10) if i in done]
+    again = msgspec.msgpack.decode(msgspec.msgpack.encode(done), type=ConsumedPrompts)
+    assert again == done
+
+
+def test_checkpoints_are_written_whole_and_pruned(tmp_path):
+    for version in (2, 4, 6):
+        path = write_checkpoint(tmp_path, ResumeState(version=version, trained_prompts=8 * version), _save(str(version)),
+                                keep=2)
+    assert path.name == "step-00000006"
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-00000004", "step-00000006"]  # no temporary directory left behind
+    found, state, skipped = find_latest_checkpoint(tmp_path)
+    assert found == path and state.version == 6 and state.trained_prompts == 48 and skipped == []
+    assert (found / "trainer" / "weights").read_text() == "6"
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path):
+    write_checkpoint(tmp_path, ResumeState(version=3, trained_prompts=24), _save("3"), keep=5)
+    newest = write_checkpoint(tmp_path, ResumeState(version=5, trained_prompts=40), _save("5"), keep=5)
+    (newest / "state.msgpack").write_bytes(b"\x93garbage")
+    found, state, skipped = find_latest_checkpoint(tmp_path)
+    assert state.version == 3 and found.name == "step-00000003"
+    assert len(skipped) == 1 and "step-00000005" in skipped[0] and "damaged" in skipped[0]
+    assert find_latest_checkpoint(tmp_path / "nothing-here") is None
+
+
+def test_resume_refuses_a_changed_config_naming_the_keys():
+    old = {"train": {"lr": 1e-3, "checkpoint_every": 10}, "run": {"steps": 10}, "model": {"path": "a"}}
+    assert diff_configs(old, old) == []
+    new = {"train": {"lr": 1e-3, "checkpoint_every": 5}, "run": {"steps": 50}, "model": {"path": "a"}}
+    assert check_resume_config(old, new) == ["run.steps", "train.checkpoint_every"]
+    bad = {**new, "train": {"lr": 2e-3, "checkpoint_every": 5}, "model": {"path": "b"}}
+    with pytest.raises(ConfigError, match=r"differs from the run's own in \['model.path', 'train.lr'\]"):
+        check_resume_config(old, bad)
+
+
+def test_metrics_after_the_checkpoint_are_cut(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "x": s}) + "\n" for s in range(6)]
+    path.write_text("".join(rows) + '{"step": 6, "x"')  # a torn last line
+    assert truncate_metrics(path, 4) == 3
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
+    assert truncate_metrics(path, 4) == 0
