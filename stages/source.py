@@ -1,92 +1,48 @@
-"""The source stage: prompt rows from a built-in task or a local JSONL/Parquet file.
+"""The source stage: prompt rows from a built-in task or local data (JSONL, Parquet, a
+``datasets`` directory), as ``Prompt``s carrying the token ids the model will see.
 
 Guarantees:
+- every prompt is rendered and tokenized once, here (``stages/prompt_rows.py``: column
+  mapping, chat template, special tokens); ``Prompt.token_ids`` is what the rollout
+  generates from and ``Prompt.text`` the same prompt as text;
 - a row that is empty, malformed or longer than ``data.max_prompt_len`` tokens is
-  skipped with a counted reason and a log line naming the row; the run goes on;
+  skipped with a counted reason; the run goes on. Data files were validated whole
+  before the run started (``pipeline/preflight.py``), so their bad rows are logged at
+  debug level here, a task's at warning level;
+- data is read streaming (``stages/data_files.py``), never loaded whole;
 - prompts enter the pipeline only when the controller's ledger grants room, so a run
   never produces more prompts than it will train (plus replacements for drops);
 - every ``PromptBatch`` carries the optimizer step it is destined for, which the
   rollout uses for its staleness gate.
-File datasets are cycled (reshuffled each epoch when ``data.shuffle``) until the run has
-what it needs; task datasets are endless.
+File data is cycled (reshuffled each epoch when ``data.shuffle``, seeded by
+``run.seed``) until the run has what it needs; prompt ids stay unique across epochs.
+Task datasets are endless.
 """
 
 from __future__ import annotations
 
-import json
-import random
+import itertools
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from pipeline.types import Prompt, PromptBatch
+from stages.data_files import RowError, open_data
+from stages.prompt_rows import ColumnMap, PromptRenderer, load_tokenizer, render_rows, resolve_columns
+
+__all__ = ["PromptSource", "RowError", "iter_list_rows"]
+
+# Consecutive unusable rows after which the source gives up (the data has none left).
+_MAX_SKIPS_IN_A_ROW = 10_000
 
 
-class RowError(ValueError):
-    """A data row is unusable; ``reason`` is the counter key, the message names the row."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def read_file_rows(path: Path) -> list[Any]:
-    """All rows of a JSONL or Parquet file; a JSONL line that is not JSON becomes a
-    ``RowError`` in its place (so row numbers stay those of the file)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"data.path: {str(path)!r} is not a file")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    rows: list[Any] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                rows.append(RowError("empty", f"{path.name} row {lineno}: empty line"))
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                rows.append(RowError("malformed", f"{path.name} row {lineno}: not valid JSON ({exc.msg})"))
-    return rows
-
-
-def validate_row(row: Any, where: str, max_len: int, count_tokens: Callable[[str], int]) -> dict[str, Any]:
-    """Check one row's fields; return it normalised or raise ``RowError``."""
-    if isinstance(row, RowError):
-        raise row
-    if not isinstance(row, dict):
-        raise RowError("malformed", f"{where}: expected an object with a 'prompt' field, got {type(row).__name__}")
-    prompt = row.get("prompt")
-    if not isinstance(prompt, str):
-        raise RowError("malformed", f"{where}: field 'prompt' must be a string, got {type(prompt).__name__}")
-    if not prompt.strip():
-        raise RowError("empty", f"{where}: field 'prompt' is empty")
-    extra = row.get("extra_info") or {}
-    if not isinstance(extra, dict):
-        raise RowError("malformed", f"{where}: field 'extra_info' must be an object, got {type(extra).__name__}")
-    source = row.get("data_source") or ""
-    if not isinstance(source, str):
-        raise RowError("malformed", f"{where}: field 'data_source' must be a string, got {type(source).__name__}")
-    n = count_tokens(prompt)
-    if n > max_len:
-        raise RowError("over_length", f"{where}: prompt has {n} tokens, data.max_prompt_len is {max_len}")
-    return {"prompt": prompt, "ground_truth": row.get("ground_truth"), "data_source": source, "extra_info": extra}
-
-
-def iter_file_rows(rows: list[Any], name: str, seed: int, shuffle: bool) -> Iterator[tuple[str, int, Any]]:
-    """Endless (where, index, row), cycling epochs; ``where`` names the file and row."""
-    rng = random.Random(seed)
-    order = list(range(len(rows)))
-    epoch = 0
-    while order:
-        if shuffle:
-            rng.shuffle(order)
-        for i in order:
-            yield f"{name} row {i + 1}", i + epoch * len(rows), rows[i]
-        epoch += 1
+def iter_list_rows(rows: list[Any], name: str) -> Iterator[tuple[int, str, Any]]:
+    """Endless (index, where, row) over a list of rows, in order; indices stay unique."""
+    for epoch in itertools.count():
+        for i, row in enumerate(rows):
+            yield i + epoch * len(rows), f"{name} row {i + 1}", row
+        if not rows:
+            return
 
 
 class PromptSource:
@@ -94,6 +50,7 @@ class PromptSource:
 
     def __init__(self, rows: list[dict[str, Any]] | None = None) -> None:
         self._rows = rows
+        self._done: Callable[[int], bool] | None = None  # prompt indices a resumed run skips
         self.skipped: Counter[str] = Counter()
         self.emitted_prompts = 0
 
@@ -102,21 +59,44 @@ class PromptSource:
 
         self.ctx = ctx
         cfg = ctx.config
-        self.data = cfg.data
-        self.per_batch = cfg.dataflow.prompts_per_micro_batch
         model_path = resolve_model_path(cfg.model)
-        from transformers import AutoTokenizer
+        if cfg.run.resume_from:
+            from pipeline.checkpoint import load_resume_state
 
-        tok = AutoTokenizer.from_pretrained(model_path)
-        self._count_tokens = lambda text: len(tok(text, add_special_tokens=True)["input_ids"])
-        self._rows_iter = self._build_rows(cfg.run.seed)
+            # Exactly once: prompts trained or dropped before the checkpoint are skipped,
+            # the ones in flight then are issued again, in their original order.
+            self._done = load_resume_state(cfg.run.resume_from).consumed.as_set_checker()
+        self.open(cfg.data, load_tokenizer(model_path), model_path, cfg.run.seed, cfg.dataflow.prompts_per_micro_batch)
 
-    def _build_rows(self, seed: int) -> Iterator[tuple[str, int, Any]]:
+    def open(self, data: Any, tokenizer: Any, model_path: Any, seed: int, per_batch: int) -> None:
+        """Start reading rows (``data`` is the ``DataConfig``); prompts are rendered with
+        ``tokenizer`` ``per_batch`` rows at a time."""
+        self.data = data
+        self.per_batch = per_batch
+        renderer = PromptRenderer(tokenizer, data.chat_template, model_path, data.max_prompt_len)
+        items, cmap = self._build_rows(seed)
+        if self._done is not None:
+            done = self._done
+            items = (item for item in items if not done(item[0]))
+        self._rendered = render_rows(items, cmap, renderer, batch=per_batch)
+
+    def _build_rows(self, seed: int) -> tuple[Iterator[tuple[int, str, Any]], ColumnMap]:
+        """Endless (prompt index, where, raw row) and the column mapping of the rows."""
         if self._rows is not None:
-            return iter_file_rows(list(self._rows), "rows", seed, self.data.shuffle)
+            return iter_list_rows(list(self._rows), "rows"), ColumnMap()
         if self.data.path:
-            path = Path(self.data.path).expanduser()
-            return iter_file_rows(read_file_rows(path), path.name, seed, self.data.shuffle)
+            data = open_data(self.data.path)
+            cmap = resolve_columns(data.columns, self.data.prompt_key, self.data.answer_key, data.name)
+            num_rows = data.index()
+
+            def cycle() -> Iterator[tuple[int, str, Any]]:
+                for epoch in itertools.count():
+                    for number, row in data.iter_epoch(epoch, seed, self.data.shuffle, cmap.columns):
+                        yield number - 1 + epoch * num_rows, f"{data.name} row {number}", row
+                    if num_rows == 0:
+                        return
+
+            return cycle(), cmap
         from stages.tasks import load_task
 
         task = load_task(self.data.task, **self.data.task_kwargs)
@@ -124,25 +104,24 @@ class PromptSource:
             rows = task.iter_rows(seed)
         else:
             rows = iter(task.generate_rows(seed, self.data.num_prompts or 100_000))
-        return ((f"task {self.data.task} row {i + 1}", i, row) for i, row in enumerate(rows))
+        return ((i, f"task {self.data.task} row {i + 1}", row) for i, row in enumerate(rows)), ColumnMap()
 
     def _next_prompt(self) -> Prompt:
-        """The next valid row as a ``Prompt`` (ids stay unique when a file is cycled)."""
+        """The next usable row as a ``Prompt``."""
+        log = self.ctx.log.debug if self.data.path and self._rows is None else self.ctx.log.warning
         run_of_skips = 0
-        for where, index, row in self._rows_iter:
-            try:
-                clean = validate_row(row, where, self.data.max_prompt_len, self._count_tokens)
-            except RowError as err:
-                self.skipped[err.reason] += 1
-                self.ctx.log.warning("row_skipped", reason=err.reason, detail=str(err))
+        for index, _, row in self._rendered:
+            if isinstance(row, RowError):
+                self.skipped[row.reason] += 1
+                log("row_skipped", reason=row.reason, detail=str(row))
                 run_of_skips += 1
-                if run_of_skips > 10_000:
+                if run_of_skips > _MAX_SKIPS_IN_A_ROW:
                     break
                 continue
-            return Prompt(prompt_id=f"p{index}", index=index, text=clean["prompt"],
-                          ground_truth=clean["ground_truth"], data_source=clean["data_source"],
-                          extra_info=clean["extra_info"])
-        raise RowError("exhausted", f"data: no valid rows left (skipped so far: {dict(self.skipped)})")
+            return Prompt(prompt_id=f"p{index}", index=index, text=row["text"], token_ids=row["token_ids"],
+                          ground_truth=row["ground_truth"], data_source=row["data_source"],
+                          extra_info=row["extra_info"])
+        raise RowError("exhausted", f"data: no usable rows left (skipped so far: {dict(self.skipped)})")
 
     async def generate(self) -> AsyncIterator[PromptBatch]:
         batch_id = 0

@@ -1,4 +1,5 @@
-"""Source rows: malformed, empty and over-long rows are refused with a named reason."""
+"""The source core: prompts carry their token ids, bad rows are skipped and counted,
+file data cycles with unique prompt ids."""
 
 from __future__ import annotations
 
@@ -6,56 +7,84 @@ import json
 
 import pytest
 
-from stages.source import RowError, iter_file_rows, read_file_rows, validate_row
+from pipeline.config import DataConfig
+from stages.data_files import RowError
+from stages.source import PromptSource, iter_list_rows
+from stages.tasks import load_task
+from stages.tiny import build_char_tokenizer
 
 
-def count_chars(text: str) -> int:
-    return len(text) + 1  # a char tokenizer plus <bos>
+class _Log:
+    def __init__(self):
+        self.events = []
+
+    def warning(self, event, **kw):
+        self.events.append(("warning", event, kw))
+
+    def debug(self, event, **kw):
+        self.events.append(("debug", event, kw))
 
 
-@pytest.mark.parametrize(
-    ("row", "reason", "text"),
-    [
-        ({"prompt": ""}, "empty", "field 'prompt' is empty"),
-        ({"prompt": 5}, "malformed", "field 'prompt' must be a string, got int"),
-        ({"text": "hi"}, "malformed", "field 'prompt' must be a string, got NoneType"),
-        ([1, 2], "malformed", "expected an object"),
-        ({"prompt": "x" * 10}, "over_length", "prompt has 11 tokens, data.max_prompt_len is 8"),
-        ({"prompt": "ok", "extra_info": 3}, "malformed", "field 'extra_info' must be an object"),
-    ],
-)
-def test_bad_rows_name_row_and_reason(row, reason, text):
-    with pytest.raises(RowError) as info:
-        validate_row(row, "data.jsonl row 7", 8, count_chars)
-    assert info.value.reason == reason
-    assert "data.jsonl row 7" in str(info.value) and text in str(info.value)
+class _Ctx:
+    def __init__(self):
+        self.log = _Log()
 
 
-def test_good_row_is_normalised():
-    row = validate_row({"prompt": "12=", "ground_truth": "1"}, "r", 8, count_chars)
-    assert row == {"prompt": "12=", "ground_truth": "1", "data_source": "", "extra_info": {}}
+def open_source(data: DataConfig, rows=None, arch="llama", seed=0) -> PromptSource:
+    src = PromptSource(rows)
+    src.ctx = _Ctx()
+    src.open(data, build_char_tokenizer(arch), "/models/m", seed, per_batch=2)
+    return src
 
 
-def test_jsonl_keeps_row_numbers_for_bad_lines(tmp_path):
+def test_file_prompts_carry_token_ids_and_skip_bad_rows(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"prompt": "a"}) + "\n{not json\n\n" + json.dumps({"prompt": "b"}) + "\n")
-    rows = read_file_rows(path)
-    assert len(rows) == 4
-    assert isinstance(rows[1], RowError) and "d.jsonl row 2: not valid JSON" in str(rows[1])
-    assert isinstance(rows[2], RowError) and rows[2].reason == "empty"
+    path.write_text("\n".join([json.dumps({"prompt": "12=", "ground_truth": "1"}), "{oops",
+                               json.dumps({"prompt": "3=", "ground_truth": "3"})]) + "\n")
+    src = open_source(DataConfig(path=str(path), shuffle=False))
+    first, second, third = (src._next_prompt() for _ in range(3))
+    # llama char vocab: <bos> 1, "1" 5, "2" 6, "3" 7, "=" 70
+    assert (first.text, first.token_ids, first.ground_truth, first.prompt_id) == ("12=", [1, 5, 6, 70], "1", "p0")
+    assert (second.text, second.token_ids, second.prompt_id) == ("3=", [1, 7, 70], "p2")
+    # the second epoch: ids continue past the file's 3 rows, so they stay unique
+    assert (third.text, third.prompt_id, third.index) == ("12=", "p3", 3)
+    assert src.skipped == {"malformed": 1}
+    # validated before the run, so logged at debug level only
+    assert [(lvl, ev) for lvl, ev, _ in src.ctx.log.events] == [("debug", "row_skipped")]
 
 
-def test_parquet_rows(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def test_chat_rows_are_rendered_once_by_the_source(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "7="}], "ground_truth": "7"}) + "\n")
+    prompt = open_source(DataConfig(path=str(path)), arch="qwen2")._next_prompt()
+    assert prompt.text == "<|im_start|>user\n7=<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt.token_ids[0] == 1 and prompt.token_ids[-1] == 67  # <|im_start|> ... "\n"
+    assert prompt.ground_truth == "7"
 
-    path = tmp_path / "d.parquet"
-    pq.write_table(pa.table({"prompt": ["a", "b"], "ground_truth": ["1", "2"]}), path)
-    assert [r["prompt"] for r in read_file_rows(path)] == ["a", "b"]
+
+def test_task_rows_over_length_are_skipped_with_a_warning():
+    kwargs = {"min_digits": 3, "max_digits": 5}
+    src = open_source(DataConfig(task="copy", max_prompt_len=5, task_kwargs=kwargs))
+    prompts = [src._next_prompt() for _ in range(4)]
+    # "<digits>=" plus <bos>: 3 digits -> 5 tokens fit; 4 or 5 digits do not
+    rows = load_task("copy", **kwargs).generate_rows(0, 100)
+    fitting = [i for i, r in enumerate(rows) if len(r["prompt"]) == 4][:4]
+    assert [p.text for p in prompts] == [rows[i]["prompt"] for i in fitting]
+    assert [p.index for p in prompts] == fitting
+    too_long = fitting[-1] + 1 - 4
+    assert too_long > 0 and src.skipped == {"over_length": too_long}
+    assert [lvl for lvl, _, _ in src.ctx.log.events] == ["warning"] * too_long
 
 
-def test_file_rows_cycle_with_unique_indices():
-    it = iter_file_rows([{"prompt": "a"}, {"prompt": "b"}], "f", seed=0, shuffle=True)
-    seen = [next(it) for _ in range(6)]
-    assert sorted(i for _, i, _ in seen) == [0, 1, 2, 3, 4, 5]  # ids stay unique across epochs
-    assert {r["prompt"] for _, _, r in seen} == {"a", "b"}
+def test_a_source_with_no_usable_row_gives_up():
+    src = open_source(DataConfig(), rows=[{"prompt": ""}])
+    with pytest.raises(RowError) as info:
+        src._next_prompt()
+    assert info.value.reason == "exhausted" and "no usable rows left" in str(info.value)
+
+
+def test_list_rows_cycle_with_unique_indices():
+    it = iter_list_rows([{"prompt": "a"}, {"prompt": "b"}], "rows")
+    seen = [next(it) for _ in range(5)]
+    assert [i for i, _, _ in seen] == [0, 1, 2, 3, 4]
+    assert [w for _, w, _ in seen[:3]] == ["rows row 1", "rows row 2", "rows row 1"]
