@@ -1,35 +1,53 @@
-"""Reward-function adapters: the pure core of the reward stage (no Ray, no I/O).
+"""Reward-function adapters: the pure core of the reward stage, and its actor shell.
+
+Where a function comes from (``reward.function``): ``task`` (the data task's own
+``compute_score``), ``module:attr`` (imported), or ``path/to/file.py:name`` (verl's
+``custom_reward_function``: the file is loaded by path, no package needed; also spelt
+``reward.path`` + ``reward.name``).
 
 Two signatures are accepted, detected from parameter names (``reward.signature: auto``)
 or forced (``score`` / ``batched``):
 - verl-style, per sample: ``compute_score(data_source, solution_str, ground_truth,
   extra_info=None) -> float | dict``; a dict carries the reward under ``"score"`` and any
-  other numeric keys become extras.
+  other numeric keys become extras (``reward/<key>`` step metrics).
 - TRL-style, batched: ``f(prompts, completions, **columns) -> list[float]`` with the
   columns ``ground_truth``, ``data_source`` and ``extra_info`` as lists (one per sample).
+Either may be ``async def``: the samples of a micro-batch are then awaited concurrently.
 
 Guarantees of ``RewardFn.score``:
-- Every sample gets a finite float32 reward. A sample whose function call raises, or
-  returns a non-number, NaN or inf, gets ``on_error`` and one entry in ``errors``
-  (``"<sample index>: <ExceptionType>: message"`` or ``"<i>: returned non-number ..."``);
-  the other samples are scored normally. A batched function that raises as a whole is
-  called again one sample at a time, so one bad sample cannot fail its batch.
+- Every sample gets a finite float32 reward. A sample whose function call raises, times
+  out (``reward.timeout_s`` per call), or returns a non-number, NaN or inf, gets
+  ``on_error`` and one entry in ``errors`` (``"<sample index>: <ExceptionType>:
+  message"`` or ``"<i>: returned non-number ..."``); the other samples are scored
+  normally. A batched function that raises as a whole is called again one sample at a
+  time, so one bad sample cannot fail its batch; one that times out fails its batch.
+- A timed-out plain function cannot be interrupted: its call is left running in a
+  daemon thread and its result discarded. A timed-out ``async def`` call is cancelled.
 - A batched function returning the wrong number of values is a bug, not a sample
   failure: it raises ``RewardShapeError`` (a ValueError) naming the function and both lengths.
 - ``extras[key]`` has one value per sample, NaN where that sample gave none.
 
-``RewardStage`` is the thin actor shell: it scores each micro-batch in a thread and
-logs every failed sample with its error; the run goes on.
+``RewardStage`` is the thin actor shell. Failures are visible: the first one is logged
+at warning level with the function's name (the driver's console shows it), every step
+reports ``reward/errors``, ``summary.json`` the run's total and first error, and a
+step whose every sample failed stops the run with ``RewardFailedError`` naming the
+function and its first error.
 """
+
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import importlib.util
 import inspect
 import math
 import numbers
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -49,6 +67,14 @@ class RewardShapeError(ValueError):
     """A batched reward function returned the wrong number of values (a bug in it)."""
 
 
+class RewardTimeout(TimeoutError):
+    """One call of the reward function took longer than ``reward.timeout_s``."""
+
+
+class RewardFailedError(RuntimeError):
+    """Every sample of an optimizer step failed: the reward function is broken, not the data."""
+
+
 @dataclass(frozen=True)
 class RewardResult:
     """Rewards of one micro-batch: ``rewards`` [S] float32, errors, extras (each [S])."""
@@ -61,15 +87,20 @@ class RewardResult:
 class RewardFn:
     """A user or task reward function behind one calling convention; see the module."""
 
-    def __init__(self, fn: Callable[..., Any], signature: Literal["score", "batched"], on_error: float, name: str) -> None:
+    def __init__(self, fn: Callable[..., Any], signature: Literal["score", "batched"], on_error: float, name: str,
+                 timeout_s: float | None = None) -> None:
         self.fn = fn
         self.signature = signature
         self.on_error = float(on_error)
         self.name = name
+        self.timeout_s = timeout_s
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
         self._params, self._var_kw = _describe_params(fn)
 
     def score(self, prompts: Sequence[Prompt], group_size: int, completions: Sequence[str]) -> RewardResult:
-        """Score ``completions`` [S]; sample ``i`` answers ``prompts[i // group_size]``."""
+        """Score ``completions`` [S]; sample ``i`` answers ``prompts[i // group_size]``.
+        Call it from a thread without a running event loop (async functions run in one
+        of their own)."""
         num = len(prompts) * group_size
         if len(completions) != num:
             raise ValueError(
@@ -77,33 +108,52 @@ class RewardFn:
                 f"group_size {group_size} = {num} samples"
             )
         owners = [prompts[i // group_size] for i in range(num)]
-        if self.signature == "score":
-            raw = [self._call_one(p, c) for p, c in zip(owners, completions, strict=True)]
-        else:
+        if self.signature == "batched":
             raw = self._call_batched(owners, list(completions))
+        elif self.is_async:
+            raw = asyncio.run(self._gather_scores(owners, list(completions)))
+        else:
+            raw = [self._call_one(p, c) for p, c in zip(owners, completions, strict=True)]
         return self._collect(raw)
 
     # ------------------------------------------------------------------ calling
 
+    def _score_call(self, prompt: Prompt, completion: str) -> Callable[[], Any]:
+        """The per-sample call with the arguments the function takes."""
+        values = (prompt.data_source, completion, prompt.ground_truth, prompt.extra_info)
+        if "solution_str" in self._params:
+            kwargs = {k: v for k, v in zip(_SCORE_PARAMS, values, strict=True) if k in self._params or self._var_kw}
+            return lambda: self.fn(**kwargs)
+        # Forced "score" with other parameter names: verl's positional order.
+        return lambda: self.fn(*values[: max(3, min(4, len(self._params)))])
+
     def _call_one(self, prompt: Prompt, completion: str) -> Any:
         """The function's value for one sample, or the exception it raised."""
-        values = (prompt.data_source, completion, prompt.ground_truth, prompt.extra_info)
         try:
-            if "solution_str" in self._params:
-                kwargs = {
-                    k: v for k, v in zip(_SCORE_PARAMS, values, strict=True) if k in self._params or self._var_kw
-                }
-                return self.fn(**kwargs)
-            # Forced "score" with other parameter names: verl's positional order.
-            return self.fn(*values[: max(3, min(4, len(self._params)))])
+            return call_with_timeout(self._score_call(prompt, completion), self.timeout_s)
         except Exception as exc:  # any user error becomes this sample's error
             return exc
+
+    async def _gather_scores(self, owners: list[Prompt], completions: list[str]) -> list[Any]:
+        """An ``async def`` per-sample function: all samples awaited at once, each bounded."""
+
+        async def one(prompt: Prompt, completion: str) -> Any:
+            try:
+                return await asyncio.wait_for(self._score_call(prompt, completion)(), self.timeout_s)
+            except TimeoutError:
+                return RewardTimeout(timeout_message(self.timeout_s))
+            except Exception as exc:  # any user error becomes this sample's error
+                return exc
+
+        return list(await asyncio.gather(*(one(p, c) for p, c in zip(owners, completions, strict=True))))
 
     def _call_batched(self, owners: list[Prompt], completions: list[str]) -> list[Any]:
         try:
             return self._invoke_batched(owners, completions)
         except RewardShapeError:
             raise
+        except RewardTimeout as exc:  # per sample it would take len(completions) timeouts
+            return [exc] * len(completions)
         except Exception:  # retry per sample to isolate the bad one
             return [self._call_batched_single(p, c) for p, c in zip(owners, completions, strict=True)]
 
@@ -124,9 +174,9 @@ class RewardFn:
         texts = [p.text for p in owners]
         kwargs = {k: v for k, v in columns.items() if k in self._params or self._var_kw}
         if "completions" in self._params:
-            out = self.fn(prompts=texts, completions=completions, **kwargs)
+            out = call_with_timeout(lambda: self.fn(prompts=texts, completions=completions, **kwargs), self.timeout_s)
         else:
-            out = self.fn(texts, completions, **kwargs)
+            out = call_with_timeout(lambda: self.fn(texts, completions, **kwargs), self.timeout_s)
         if hasattr(out, "tolist"):  # numpy array or torch tensor
             out = out.tolist()
         if not isinstance(out, (list, tuple)) or len(out) != len(completions):
@@ -197,25 +247,149 @@ def detect_signature(fn: Callable[..., Any], name: str) -> Literal["score", "bat
     )
 
 
-def build_reward_fn(spec: str, task: Any = None, signature: Signature = "auto", on_error: float = 0.0) -> RewardFn:
-    """``spec`` is ``"task"`` (the data task's ``compute_score``) or ``"module:attr"``."""
+def build_reward_fn(spec: str, task: Any = None, signature: Signature = "auto", on_error: float = 0.0,
+                    timeout_s: float | None = None) -> RewardFn:
+    """``spec`` is ``"task"`` (the data task's ``compute_score``), ``"module:attr"`` or
+    ``"path/to/file.py:name"``; errors are ValueErrors naming ``reward.function``."""
+    file_spec = split_file_spec(spec)
     if spec == "task":
         if task is None or not callable(getattr(task, "compute_score", None)):
             raise ValueError("reward.function: 'task' needs a data task with compute_score(...)")
         fn, name = task.compute_score, f"{type(task).__name__}.compute_score"
+    elif file_spec is not None:
+        fn, name = load_reward_file(*file_spec), spec
     elif ":" in spec:
         fn, name = import_attr(spec, "reward.function"), spec
-        if not callable(fn):
-            raise ValueError(f"reward.function: {spec!r} is a {type(fn).__name__}, not a function")
     else:
-        raise ValueError(f"reward.function: expected 'task' or 'module:attr', got {spec!r}")
+        raise ValueError(f"reward.function: expected 'task', 'module:attr' or 'path/to/file.py:name', got {spec!r}")
+    if not callable(fn):
+        raise ValueError(f"reward.function: {spec!r} is a {type(fn).__name__}, not a function")
     if signature == "auto":
         resolved = detect_signature(fn, name)
     elif signature in ("score", "batched"):
         resolved = signature
     else:
         raise ValueError(f"reward.signature: expected 'auto', 'score' or 'batched', got {signature!r}")
-    return RewardFn(fn, resolved, on_error, name)
+    return RewardFn(fn, resolved, on_error, name, timeout_s)
+
+
+def resolve_reward_spec(reward_cfg: Any) -> str:
+    """``reward.function``, or verl's ``reward.path`` + ``reward.name`` as ``path:name``."""
+    if getattr(reward_cfg, "path", None):
+        return f"{reward_cfg.path}:{reward_cfg.name}"
+    return str(reward_cfg.function)
+
+
+def split_file_spec(spec: str) -> tuple[str, str] | None:
+    """``"dir/file.py:fn"`` -> ("dir/file.py", "fn"); None for any other spec."""
+    file, sep, name = spec.rpartition(":")
+    if not sep or not file.endswith(".py"):
+        return None
+    return file, name
+
+
+def load_reward_file(file: str, name: str) -> Any:
+    """``name`` from the Python file ``file``, executed as a module of its own (once per
+    process: the module is keyed by the file's absolute path)."""
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise ValueError(f"reward.function: {file!r} does not exist (expected a .py file defining {name})")
+    resolved = path.resolve()
+    module_name = f"conveyor_reward_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, resolved)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"reward.function: {file!r} cannot be loaded as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # before running it: dataclasses and pickling look it up
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as exc:
+            del sys.modules[module_name]
+            raise ValueError(f"reward.function: loading {file!r} raised {type(exc).__name__}: {exc}") from None
+    if not hasattr(module, name):
+        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
+        raise ValueError(f"reward.function: {file!r} defines no {name!r} (its functions: {', '.join(defined) or 'none'})")
+    return getattr(module, name)
+
+
+def call_with_timeout(call: Callable[[], Any], timeout_s: float | None) -> Any:
+    """``call()``'s value (awaited if it returns an awaitable), or the exception it
+    raised; ``RewardTimeout`` after ``timeout_s`` seconds (see the module guarantees)."""
+    if timeout_s is None:
+        return _await_if_needed(call())
+    box: list[Any] = []
+
+    def target() -> None:
+        try:
+            box.append((True, _await_if_needed(call())))
+        except BaseException as exc:  # handed to the caller
+            box.append((False, exc))
+
+    worker = threading.Thread(target=target, name="reward-call", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not box:
+        raise RewardTimeout(timeout_message(timeout_s))
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _await_if_needed(value: Any) -> Any:
+    if inspect.isawaitable(value):
+
+        async def wait() -> Any:
+            return await value
+
+        return asyncio.run(wait())
+    return value
+
+
+def timeout_message(timeout_s: float | None) -> str:
+    return f"the call took longer than reward.timeout_s = {timeout_s} s"
+
+
+class StepFailureTracker:
+    """Scored and failed samples per optimizer step (``batch.step``); says when a
+    step's every sample failed. A step is complete once ``samples_per_step`` samples of
+    it were scored; its entry is then dropped, so memory stays bounded."""
+
+    def __init__(self, samples_per_step: int) -> None:
+        self.samples_per_step = samples_per_step
+        self._steps: dict[int, list[int]] = {}
+
+    def record(self, step: int, samples: int, failed: int) -> bool:
+        """Add a micro-batch's counts; True when ``step`` is complete and all of it failed."""
+        counts = self._steps.setdefault(step, [0, 0])
+        counts[0] += samples
+        counts[1] += failed
+        if counts[0] < self.samples_per_step:
+            return False
+        del self._steps[step]
+        return counts[1] == counts[0]
+
+
+# Trainer reward metrics an extra key must not overwrite (it goes to reward/extra/<key>).
+_RESERVED_METRICS = ("mean", "std", "max", "min", "errors")
+
+
+def summarise_reward_extras(batches: Sequence[Any]) -> dict[str, float]:
+    """Step metrics from the batches' reward side: ``reward/errors`` (failed samples)
+    and ``reward/<key>``, the mean of each extra over the samples that returned it."""
+    out = {"reward/errors": float(sum(len(b.reward_errors) for b in batches))}
+    values: dict[str, list[float]] = {}
+    for batch in batches:
+        for key, per_sample in batch.reward_extras.items():
+            values.setdefault(key, []).extend(per_sample)
+    for key, vals in sorted(values.items()):
+        arr = np.asarray(vals, dtype=np.float64)
+        arr = arr[np.isfinite(arr)]  # NaN: the sample gave no value for this key
+        if arr.size:
+            out[f"reward/extra/{key}" if key in _RESERVED_METRICS else f"reward/{key}"] = float(arr.mean())
+    return out
 
 
 def _describe_params(fn: Callable[..., Any]) -> tuple[list[str], bool]:
@@ -251,17 +425,20 @@ def _short_repr(value: Any) -> str:
 
 
 class RewardStage:
-    """Actor shell around ``RewardFn`` (``reward.function``, ``reward.signature``, ``reward.on_error``)."""
+    """Actor shell around ``RewardFn`` (``reward.*``); see the module for what it reports."""
 
     async def setup(self, ctx: Any) -> None:
         from stages.tasks import load_task
 
         self.ctx = ctx
         cfg = ctx.config
-        task = load_task(cfg.data.task, **cfg.data.task_kwargs) if cfg.reward.function == "task" else None
-        self.fn = build_reward_fn(cfg.reward.function, task, cfg.reward.signature, cfg.reward.on_error)
+        spec = resolve_reward_spec(cfg.reward)
+        task = load_task(cfg.data.task, **cfg.data.task_kwargs) if spec == "task" else None
+        self.fn = build_reward_fn(spec, task, cfg.reward.signature, cfg.reward.on_error, cfg.reward.timeout_s)
+        self.tracker = StepFailureTracker(cfg.train.prompts_per_step * cfg.rollout.n)
         self.scored = 0
         self.failed = 0
+        self.first_error: str | None = None
 
     async def process(self, batch: Any) -> Any:
         import msgspec
@@ -270,13 +447,22 @@ class RewardStage:
         self.scored += batch.num_samples
         if res.errors:
             self.failed += len(res.errors)
+            if self.first_error is None:
+                self.first_error = res.errors[0]
+                self.ctx.log.warning("reward_failed", function=self.fn.name, batch_id=batch.batch_id,
+                                     policy_version=batch.policy_version, error=res.errors[0],
+                                     note="the first failure; all are counted in reward/errors")
             for err in res.errors:
-                self.ctx.log.warning("reward_failed", batch_id=batch.batch_id,
-                                     policy_version=batch.policy_version, error=err)
+                self.ctx.log.debug("reward_failed", batch_id=batch.batch_id, error=err)
+        if self.tracker.record(batch.step, batch.num_samples, len(res.errors)):
+            raise RewardFailedError(
+                f"reward function {self.fn.name} failed on every sample of step {batch.step} "
+                f"({self.tracker.samples_per_step} samples); first error: {res.errors[0]}"
+            )
         return msgspec.structs.replace(batch, rewards=res.rewards, reward_errors=res.errors, reward_extras=res.extras)
 
     def status(self) -> dict[str, Any]:
-        return {"state": "scoring", "samples": self.scored, "failed": self.failed}
+        return {"state": "scoring", "samples": self.scored, "failed": self.failed, "first_error": self.first_error}
 
     def result(self) -> dict[str, Any]:
         return self.status()

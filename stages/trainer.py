@@ -49,6 +49,7 @@ from pipeline.memory_guard import MemoryGuard, publish_status
 from pipeline.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness, is_too_stale
+from stages.reward import summarise_reward_extras
 
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
 
@@ -333,6 +334,7 @@ class TrainerStage:
             "time": now,
             "policy_version": version,
             **summarise_batch_rewards(batches),
+            **summarise_reward_extras(batches),
             "staleness/mean": float(np.mean(staleness)),
             "staleness/max": int(np.max(staleness)),
             **{f"staleness/hist/{k}": int(v) for k, v in zip(*np.unique(staleness, return_counts=True), strict=True)},
