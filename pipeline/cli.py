@@ -8,6 +8,9 @@
 
 A bad config (unknown key, wrong type, out of range, invalid graph) stops the command
 before any actor starts, prints the dotted path and the reason, and exits with status 2.
+So does a path or import the run needs that pre-flight (``pipeline/preflight.py``) finds
+missing or broken, and a data file without one usable row: ``launch`` checks before Ray
+starts, ``status --config`` runs the same checks before printing the plan.
 """
 
 from __future__ import annotations
@@ -66,8 +69,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             console.print(f"no live run in {run_dir} and no --config given")
             return 1
         from pipeline.launch import build_dataflow, plan_run_placement
+        from pipeline.preflight import run_preflight
         from pipeline.status import render_plan
 
+        cfg, checks = run_preflight(cfg)  # a missing path or import, unusable data: exit 2
+        print(checks.describe())
         cfg, plan = plan_run_placement(cfg)  # refuses an impossible plan: exit 2
         console.print(render_plan(cfg, build_dataflow(cfg, plan), plan))
         return 0

@@ -9,6 +9,11 @@ optimizer step), ``tensorboard/``, ``status.json`` (live, for ``conveyor status`
 ``summary.json``, ``trace.json`` (Perfetto), ``timeline.png``, ``checkpoint/`` (HF format)
 and ``recording/`` when edges are tapped.
 
+Before Ray starts, ``pipeline/preflight.py`` checks every path and import the run needs
+and validates the data file whole (a ``ConfigError``, exit 2, on the first bad one);
+``summary.json`` then carries ``data/rows_total``, ``data/rows_skipped/<reason>`` and
+the reward's ``reward/errors`` with its first error.
+
 Each step's metrics carry every stage's latest ``memory/``, ``admission/`` and ``oom/``
 metrics (posted to the controller with ``set_status``; counters since the start;
 replicas add up), and ``summary.json`` has their final values per stage under
@@ -31,6 +36,7 @@ from pipeline.log import configure_logging, get_logger
 from pipeline.memory_guard import merge_guard_metrics
 from pipeline.metrics import MetricsWriter, write_summary
 from pipeline.placement import PlacementPlan, check_plan, detect_gpus, plan_placement
+from pipeline.preflight import PreflightReport, run_preflight
 from pipeline.profiler import (
     GpuSampler,
     aggregate_spans,
@@ -230,6 +236,8 @@ class _Progress:
 def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
     """Run the configured job; returns the summary (also written to ``summary.json``)."""
     configure_logging(cfg.run.log_level)
+    cfg, checks = run_preflight(cfg)  # a bad path, import or data file: ConfigError, before Ray
+    print(checks.describe(), flush=True)
     cfg, plan = plan_run_placement(cfg)
     df = build_dataflow(cfg, plan)
     run_dir = cfg.run_dir
@@ -249,13 +257,15 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
             on_tick=reporter,
         )
     except RunInterrupted as exc:
-        return write_stopped_summary(cfg, run_dir, reporter, "interrupted", signal=exc.signal_name, forced=True)
+        return write_stopped_summary(cfg, run_dir, reporter, "interrupted", signal=exc.signal_name, forced=True,
+                                     **checks.to_summary())
     except StageError as exc:
-        write_stopped_summary(cfg, run_dir, reporter, "failed", stage=exc.stage, error=exc.message)
+        write_stopped_summary(cfg, run_dir, reporter, "failed", stage=exc.stage, error=exc.message,
+                              **checks.to_summary())
         raise
     finally:
         reporter.close()
-    return finish_run(cfg, run_dir, result, reporter)
+    return finish_run(cfg, run_dir, result, reporter, checks)
 
 
 def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter, status: str,
@@ -280,7 +290,8 @@ def summarise_admission(reports: dict[str, list[dict[str, Any]]]) -> dict[str, d
     return out
 
 
-def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: Reporter) -> dict[str, Any]:
+def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: Reporter,
+               checks: PreflightReport | None = None) -> dict[str, Any]:
     df = build_dataflow(cfg)
     # Timeline rows in pipeline order; replica r > 0 of a node records as "<node>:<r>".
     order = [n if r == 0 else f"{n}:{r}" for n in df.topological_order() for r in range(df.nodes[n].replicas)]
@@ -293,6 +304,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
     n = cfg.rollout.n
     trainer = result.result("trainer") or {}
     source = result.result("source") or {}
+    reward = (result.result("reward") if "reward" in result.reports else None) or {}
     summary = {
         "run": cfg.run.name,
         "status": "interrupted" if result.interrupted else "completed",
@@ -310,6 +322,9 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
             "reconciles": ledger["reconciles"],
         },
         "source_rows_skipped": source.get("skipped", {}),
+        **(checks.to_summary() if checks else {}),
+        "reward/errors": reward.get("failed", 0),
+        "reward/first_error": reward.get("first_error"),
         "trainer": trainer,
         "served": result.controller["served"],
         "queues": result.queues,

@@ -1,0 +1,148 @@
+"""Pre-flight: every path and import a run needs, checked before Ray starts.
+
+Guarantees of ``run_preflight``:
+- It starts no Ray cluster and no actor; it either returns a ``PreflightReport`` or
+  raises ``ConfigError`` whose message begins with the field at fault (``model.path``,
+  ``data.path``, ``data.prompt_key``, ``data.chat_template``, ``reward.function``,
+  ``reference.path``, ``rollout.backend``, ``dataflow.nodes[i].node_class``...), which
+  the CLI turns into exit status 2.
+- Checked, in order: the model directory (or ``tiny``, built locally) and its tokenizer;
+  the reference checkpoint when a reference runs; the rollout backend and custom node
+  classes named by ``module:attr`` (imported, not started); the data (``data.path``
+  read once, streaming, and validated whole: rows in total and skipped by reason, a
+  file without one usable row is refused; or ``data.task`` loaded); the reward function
+  (imported or loaded from its file, its signature recognised).
+- The returned config has ``data.path`` and a reward file's path made absolute, so
+  actors started in another working directory read the same files.
+
+The model-aware checks live in ``stages/``; they are imported inside the functions
+here, so importing this module loads no model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from pipeline.config import ConfigError, ConveyorConfig
+from pipeline.dataflow import import_object
+
+
+@dataclass
+class PreflightReport:
+    """What the checks found: the resolved model path, the data report (file data
+    only) and the reward function's name."""
+
+    model_path: str
+    reward_function: str
+    data: Any = None  # stages.prompt_rows.DataReport when data.path is set
+    notes: list[str] = field(default_factory=list)
+
+    def to_summary(self) -> dict[str, Any]:
+        """Keys for ``summary.json``: ``data/rows_total``, ``data/rows_skipped/<reason>``..."""
+        return self.data.to_summary() if self.data is not None else {}
+
+    def describe(self) -> str:
+        lines = [f"preflight: model {self.model_path}; reward {self.reward_function}"]
+        if self.data is not None:
+            lines.append(self.data.describe())
+        return "\n".join(lines + self.notes)
+
+
+def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]:
+    """Run every check (see the module guarantees); return the config with absolute
+    data and reward-file paths, and the report."""
+    model_path, tokenizer = check_model(cfg)
+    check_reference(cfg)
+    check_imports(cfg)
+    cfg = absolutise_paths(cfg)
+    data = check_data(cfg, tokenizer, model_path)
+    reward = check_reward(cfg)
+    return cfg, PreflightReport(model_path=str(model_path), reward_function=reward, data=data)
+
+
+def check_model(cfg: ConveyorConfig) -> tuple[Path, Any]:
+    """``model.path`` resolved (``tiny`` is built locally) and its tokenizer loaded."""
+    from stages.prompt_rows import load_tokenizer
+    from stages.tiny import resolve_model_path
+
+    try:
+        path = resolve_model_path(cfg.model)
+        return path, load_tokenizer(path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_reference(cfg: ConveyorConfig) -> None:
+    """``reference.path``, when a reference model runs and a path is given: a checkpoint dir."""
+    path = cfg.reference.path
+    if not cfg.reference_enabled or path is None or path == "tiny":
+        return
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        what = "no config.json in it" if p.is_dir() else "not a directory"
+        raise ConfigError(f"reference.path: expected a local Hugging Face checkpoint directory, got {path!r} ({what})")
+
+
+def check_imports(cfg: ConveyorConfig) -> None:
+    """Every ``module:attr`` a run names, imported (nothing is constructed)."""
+    if ":" in cfg.rollout.backend:
+        _import(cfg.rollout.backend, "rollout.backend")
+    for i, node in enumerate(cfg.dataflow.nodes):
+        _import(node.node_class, f"dataflow.nodes[{i}].node_class")
+
+
+def _import(spec: str, field_name: str) -> Any:
+    try:
+        return import_object(spec, field_name)
+    except ImportError as exc:
+        raise ConfigError(str(exc)) from None
+    except Exception as exc:  # the module itself raised while importing
+        raise ConfigError(f"{field_name}: importing {spec!r} raised {type(exc).__name__}: {exc}") from None
+
+
+def absolutise_paths(cfg: ConveyorConfig) -> ConveyorConfig:
+    """``data.path`` and a reward ``file.py:name`` made absolute (``~`` expanded)."""
+    from stages.reward import resolve_reward_spec, split_file_spec
+
+    data, reward = cfg.data, cfg.reward
+    if data.path:
+        data = msgspec.structs.replace(data, path=str(Path(data.path).expanduser().absolute()))
+    spec = resolve_reward_spec(reward)
+    file_spec = split_file_spec(spec)
+    if file_spec is not None:
+        file, name = file_spec
+        reward = msgspec.structs.replace(reward, function=f"{Path(file).expanduser().absolute()}:{name}", path=None)
+    return msgspec.structs.replace(cfg, data=data, reward=reward)
+
+
+def check_data(cfg: ConveyorConfig, tokenizer: Any, model_path: Path) -> Any:
+    """``data.path`` validated whole (a ``DataReport``), or ``data.task`` loaded (None)."""
+    if cfg.data.path:
+        from stages.prompt_rows import check_data_file
+
+        return check_data_file(cfg.data, tokenizer, model_path)
+    from stages.tasks import load_task
+
+    try:
+        load_task(cfg.data.task, **cfg.data.task_kwargs)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return None
+
+
+def check_reward(cfg: ConveyorConfig) -> str:
+    """The reward function loads and its calling convention is recognised; its name."""
+    from stages.reward import build_reward_fn, resolve_reward_spec
+    from stages.tasks import load_task
+
+    spec = resolve_reward_spec(cfg.reward)
+    try:
+        task = load_task(cfg.data.task, **cfg.data.task_kwargs) if spec == "task" else None
+        return build_reward_fn(spec, task, cfg.reward.signature, cfg.reward.on_error, cfg.reward.timeout_s).name
+    except ValueError as exc:
+        text = str(exc)
+        raise ConfigError(text if text.startswith(("reward.", "data.")) else f"reward.function: {text}") from None
