@@ -196,6 +196,12 @@ class TrainConfig(msgspec.Struct, **_section()):
     weight_sync_timeout_s: PosFloat = 300.0
     save_checkpoint: bool = True
     threads: NonNegInt = 0  # torch threads in the trainer; 0 = leave default
+    # Learning-rate schedule (stages/lr_schedule.py): step k < warmup_steps uses
+    # lr * (k + 1) / warmup_steps, then constant, or linear / cosine decay towards
+    # lr * min_lr_ratio at run.steps.
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: NonNegInt = 0
+    min_lr_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.0
     memory: MemoryConfig = MemoryConfig()
 
 
@@ -532,6 +538,11 @@ def check_config(cfg: ConveyorConfig) -> None:
             f"dataflow.max_staleness: expected >= train.sync_interval - 1 "
             f"({tr.sync_interval - 1}), or some steps' samples could never be trained, "
             f"got {df.max_staleness}"
+        )
+    if tr.lr_scheduler != "constant" and tr.warmup_steps >= cfg.run.steps:
+        raise ConfigError(
+            f"train.warmup_steps: expected < run.steps ({cfg.run.steps}) for a decaying "
+            f"{tr.lr_scheduler} schedule, got {tr.warmup_steps}"
         )
     if ro.n < 2 and cfg.algorithm.group_baseline:
         raise ConfigError(f"rollout.n: expected >= 2 for {cfg.algorithm.name} (group baseline), got {ro.n}")

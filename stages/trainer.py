@@ -167,7 +167,7 @@ def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
     from stages.trainer_engine import TrainerEngine
 
     return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature,
-                         dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads)
+                         dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads, total_steps=cfg.run.steps)
 
 
 def summarise_batch_rewards(batches: list[RolloutBatch]) -> dict[str, float]:

@@ -49,6 +49,7 @@ from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import build_policy_loss
 from stages.logprobs import accepts_logits_to_keep, build_model_inputs, forward_completion_logprobs
+from stages.lr_schedule import build_lr_scheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -182,6 +183,7 @@ class TrainerEngine:
         seed: int,
         threads: int | None = None,
         chunk_size: int = 16,
+        total_steps: int = 0,
     ) -> None:
         threads = train.threads if threads is None else threads
         if threads > 0:
@@ -216,7 +218,10 @@ class TrainerEngine:
         model.train()
         ds_config = build_deepspeed_config(train, dtype, torch.cuda.is_available())
         params = [p for p in model.parameters() if p.requires_grad]
-        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+        # total_steps: the run's optimizer steps, where a decaying lr schedule ends.
+        scheduler = build_lr_scheduler(train.lr_scheduler, train.warmup_steps, total_steps, train.min_lr_ratio)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
+                                                    lr_scheduler=scheduler)
         self.module = self.engine.module
         self._keep = accepts_logits_to_keep(self.module)
         self._loss = build_policy_loss(algo)

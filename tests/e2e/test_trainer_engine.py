@@ -283,3 +283,22 @@ def test_streaming_token_mean_over_uneven_micro_batches_is_the_one_batch_gradien
     for name, grad in grads_whole.items():
         torch.testing.assert_close(streamed[name], grad, rtol=1e-5, atol=1e-7)
     assert step_streamed["grad_norm"] == pytest.approx(step_whole["grad_norm"], rel=1e-5)
+
+
+def test_lr_schedule_steps_with_the_optimizer_and_survives_a_state_round_trip(checkpoint, tmp_path):
+    # lr 1e-3, warmup 2 then linear decay to 0 at step 4: steps 0..3 use
+    #   1e-3 * [1/2, 2/2, 1 - 0/2, 1 - 1/2] = [5e-4, 1e-3, 1e-3, 5e-4]
+    train = TrainConfig(lr=1e-3, threads=1, lr_scheduler="linear", warmup_steps=2)
+    engine = TrainerEngine(checkpoint, train, GrpoConfig(kl_coef=0.0), temperature=1.0, dtype="float32", seed=0,
+                           chunk_size=64, total_steps=4)
+    batch = on_policy(engine, make_batch(seed=7))
+    used = []
+    for step in range(4):
+        if step == 2:
+            engine.save_state(tmp_path / "mid")
+        engine.train_micro_batch(batch, 1.0)
+        used.append(engine.optimizer_step()["lr"])
+    assert used == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4], rel=1e-12)
+    engine.load_state(tmp_path / "mid")  # the schedule's position comes back with the state
+    engine.train_micro_batch(batch, 1.0)
+    assert engine.optimizer_step()["lr"] == pytest.approx(1e-3, rel=1e-12)

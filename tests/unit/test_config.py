@@ -49,6 +49,10 @@ def test_bad_values_name_their_path(override, message):
         (["algorithm.gamma=0.9"], "algorithm.gamma: unknown field"),  # grpo has no gamma
         (["algorithm.name=reinforce_plus_plus", "algorithm.gamma=1.5"], "algorithm.gamma: expected float <= 1.0"),
         (["algorithm.name=rloo", "rollout.n=1"], "rollout.n: expected >= 2 for rloo (group baseline), got 1"),
+        (["train.lr_scheduler=step"], "train.lr_scheduler: expected one of ['constant', 'linear', 'cosine'], got 'step'"),
+        (["train.lr_scheduler=cosine", "train.warmup_steps=100", "run.steps=100"],
+         "train.warmup_steps: expected < run.steps (100) for a decaying cosine schedule, got 100"),
+        (["train.min_lr_ratio=1.5"], "train.min_lr_ratio: expected float <= 1.0, got 1.5"),
     ],
 )
 def test_per_algorithm_fields_are_validated(overrides, message):
