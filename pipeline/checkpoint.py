@@ -42,6 +42,7 @@ TRAINER_DIR = "trainer"
 # Keys a resumed run may change: how long it runs and how it reports, not what it learns.
 SAFE_RESUME_KEYS = (
     "run.steps", "run.progress", "run.tensorboard", "run.log_level", "run.address", "run.resume_from",
+    "run.overwrite", "run.dir",
     "train.checkpoint_every", "train.keep_checkpoints", "train.weight_sync_timeout_s", "train.save_checkpoint",
     "record.", "placement.",
 )
@@ -75,7 +76,8 @@ class ResumeState(msgspec.Struct, kw_only=True):
 
     ``version``: the policy version (= optimizer steps taken); ``trained_prompts`` and
     ``dropped`` (reason -> prompts) are the ledger's counters; ``consumed`` the prompt
-    indices they cover.
+    indices they cover; ``recent_metrics`` the trainer's metrics of the steps since the
+    previous checkpoint (the driver may not have logged them before a crash).
     """
 
     schema: int = SCHEMA_VERSION
@@ -83,6 +85,7 @@ class ResumeState(msgspec.Struct, kw_only=True):
     trained_prompts: int
     dropped: dict[str, int] = {}
     consumed: ConsumedPrompts = msgspec.field(default_factory=ConsumedPrompts)
+    recent_metrics: list[dict[str, Any]] = []
 
 
 def checkpoint_name(version: int) -> str:
@@ -166,6 +169,21 @@ def check_resume_config(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[
     return changed
 
 
+def restore_metrics(path: Path, rows: list[dict[str, Any]]) -> int:
+    """Append the rows of steps after the file's last one (the driver logs steps in
+    order, so what a crash lost is a suffix); returns how many were appended."""
+    last = -1
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            last = max(last, int(json.loads(line)["step"]))
+    missing = sorted((r for r in rows if int(r["step"]) > last), key=lambda r: int(r["step"]))
+    if missing:
+        with path.open("a", encoding="utf-8") as f:
+            for row in missing:
+                f.write(json.dumps({k: v for k, v in row.items() if isinstance(v, int | float)}) + "\n")
+    return len(missing)
+
+
 def truncate_metrics(path: Path, before_step: int) -> int:
     """Keep the rows of ``metrics.jsonl`` for steps below ``before_step`` (the resumed run
     logs the later ones again); a torn line is dropped too. Returns the lines removed."""
@@ -186,3 +204,54 @@ def truncate_metrics(path: Path, before_step: int) -> int:
     tmp.write_text("".join(kept), encoding="utf-8")
     tmp.replace(path)
     return len(lines) - len(kept)
+
+
+# ---------------------------------------------------------------------------- the run dir
+
+RUN_FILES = ("metrics.jsonl", "summary.json", CHECKPOINTS_DIR)
+
+
+def prepare_run_dir(run_dir: Path, resume_from: str | None, overwrite: bool) -> None:
+    """Make ``run_dir`` ready before anything is written to it.
+
+    A fresh run refuses a directory that already holds a run (so a failed or mistaken
+    launch leaves it exactly as it was) unless ``overwrite``, which clears that run's
+    outputs first. A resumed run keeps it and cuts ``metrics.jsonl`` back to the steps
+    before its checkpoint.
+    """
+    run_dir = Path(run_dir)
+    if resume_from:
+        state = load_resume_state(resume_from)
+        truncate_metrics(run_dir / "metrics.jsonl", state.version)
+        restore_metrics(run_dir / "metrics.jsonl", state.recent_metrics)
+        return
+    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if existing and not overwrite:
+        raise ConfigError(
+            f"run.dir: {run_dir} already holds a run ({', '.join(existing)}); continue it with "
+            f"`conveyor launch --resume {run_dir}` or replace it with run.overwrite=true"
+        )
+    for name in (*RUN_FILES, "tensorboard", "recording", "checkpoint"):
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def resolve_resume(run_dir: Path, new_config: Mapping[str, Any]) -> tuple[str, list[str], list[str]]:
+    """(checkpoint to resume from, safe keys changed, skipped damaged checkpoints) for
+    ``conveyor launch --resume RUN_DIR``; ``ConfigError`` when there is nothing to resume
+    or the config changed in a key that matters."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"--resume: {run_dir} holds no run (no config.yaml)")
+    changed = check_resume_config(yaml.safe_load(saved.read_text()) or {}, new_config)
+    found = find_latest_checkpoint(run_dir)
+    if found is None:
+        raise ConfigError(f"--resume: no complete checkpoint under {run_dir / CHECKPOINTS_DIR}")
+    path, _, skipped = found
+    return str(path), changed, skipped

@@ -1,6 +1,7 @@
 """The ``conveyor`` command.
 
     conveyor launch --config PATH [key.path=value ...]
+    conveyor launch --resume RUN_DIR [key.path=value ...]
     conveyor status --config PATH | --run-dir DIR [--watch]
     conveyor replay RECORDING --config PATH [--from-step K --steps N] [--verify] | --inspect
     conveyor bench NAME [--quick]
@@ -43,8 +44,32 @@ def _load(args: argparse.Namespace) -> tuple[ConveyorConfig, Any]:
     return cfg, df
 
 
-def cmd_launch(args: argparse.Namespace) -> int:
+def _load_resume(args: argparse.Namespace) -> ConveyorConfig:
+    """The config of ``launch --resume RUN_DIR``: the run's own (or ``--config``) with the
+    overrides, checked against the run's, pointed at its newest complete checkpoint."""
+    import msgspec
+
+    from pipeline.checkpoint import resolve_resume
+    from pipeline.config import to_dict
+
+    run_dir = Path(args.resume).expanduser().resolve()
+    args.config = args.config or str(run_dir / "config.yaml")
+    args.overrides = [*args.overrides, f"run.dir={run_dir}"]
     cfg, _ = _load(args)
+    checkpoint, changed, skipped = resolve_resume(run_dir, to_dict(cfg))
+    for message in skipped:
+        print(f"conveyor: {message}", file=sys.stderr)
+    print(f"resuming from {checkpoint}" + (f" (changed: {', '.join(changed)})" if changed else ""), flush=True)
+    return msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, resume_from=checkpoint))
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    if args.resume:
+        cfg = _load_resume(args)
+    elif args.config:
+        cfg, _ = _load(args)
+    else:
+        raise ConfigError("launch: expected --config PATH or --resume RUN_DIR")
     from pipeline.launch import launch_run
 
     summary = launch_run(cfg)
@@ -127,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     launch = sub.add_parser("launch", help="run a training job")
-    launch.add_argument("--config", required=True)
+    launch.add_argument("--config")
+    launch.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest complete checkpoint")
     launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
     launch.set_defaults(fn=cmd_launch)
 

@@ -194,7 +194,11 @@ class TrainConfig(msgspec.Struct, **_section()):
     # off: once, at the end of the run. The payload's sha256 is checked either way.
     weight_sync_monitor: bool = True
     weight_sync_timeout_s: PosFloat = 300.0
-    save_checkpoint: bool = True
+    save_checkpoint: bool = True  # a Hugging Face checkpoint in <run dir>/checkpoint at the end
+    # Resumable checkpoints (<run dir>/checkpoints/step-N: trainer state, ledger, prompts
+    # done) every k steps (0: none) and at the end of every run, interrupted ones included.
+    checkpoint_every: NonNegInt = 50
+    keep_checkpoints: PosInt = 2
     threads: NonNegInt = 0  # torch threads in the trainer; 0 = leave default
     # Learning-rate schedule (stages/lr_schedule.py): step k < warmup_steps uses
     # lr * (k + 1) / warmup_steps, then constant, or linear / cosine decay towards
@@ -310,6 +314,10 @@ class RunConfig(msgspec.Struct, **_section()):
     tensorboard: bool = True
     address: str | None = None  # Ray address; default RAY_ADDRESS or a local cluster
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # A checkpoint directory to continue from (``conveyor launch --resume RUN_DIR`` sets
+    # it to the run's newest complete one).
+    resume_from: str | None = None
+    overwrite: bool = False  # replace a run already in run.dir (otherwise a launch refuses it)
 
 
 class RecordConfig(msgspec.Struct, **_section()):

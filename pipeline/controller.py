@@ -28,7 +28,10 @@ from pipeline.versions import Ledger
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class ControllerActor:
-    def __init__(self, target_prompts: int, prompts_per_step: int, target_steps: int) -> None:
+    def __init__(self, target_prompts: int, prompts_per_step: int, target_steps: int,
+                 resumed: dict[str, Any] | None = None) -> None:
+        """``resumed``: ``{"version", "trained_prompts", "dropped"}`` of the checkpoint a
+        resumed run starts from; its prompts count as trained or dropped, none in flight."""
         self.ledger = Ledger(target=target_prompts, prompts_per_step=prompts_per_step)
         self.target_steps = target_steps
         self._cond = asyncio.Condition()
@@ -42,6 +45,11 @@ class ControllerActor:
         self._status: dict[str, dict[str, Any]] = {}
         self._stop_reason: str | None = None
         self._samples = {"generated": 0}
+        if resumed:
+            self.ledger.trained = int(resumed["trained_prompts"])
+            self.ledger.dropped.update({k: int(v) for k, v in resumed["dropped"].items()})
+            self.ledger.admitted = self.ledger.trained + self.ledger.dropped_total
+            self._trainer_version = int(resumed["version"])
 
     # ---------------------------------------------------------------- prompt ledger
     async def admit_prompts(self, want: int) -> tuple[int, int]:

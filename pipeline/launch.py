@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.checkpoint import prepare_run_dir
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
 from pipeline.log import configure_logging, get_logger
@@ -241,6 +242,7 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
     cfg, plan = plan_run_placement(cfg)
     df = build_dataflow(cfg, plan)
     run_dir = cfg.run_dir
+    prepare_run_dir(run_dir, cfg.run.resume_from, cfg.run.overwrite)  # refuses to clobber a run
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     taps = record_taps(cfg, df)
@@ -272,6 +274,7 @@ def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter
                           **detail: Any) -> dict[str, Any]:
     """``summary.json`` of a run that did not drain: what the driver saw until then."""
     summary = {"run": cfg.run.name, "status": status, **detail, "steps": len(reporter.steps),
+               "resume": f"conveyor launch --resume {run_dir}",
                "wall_s": time.time() - reporter.started,
                "reward_last": reporter.steps[-1].get("reward/mean") if reporter.steps else None}
     write_summary(run_dir, summary)
@@ -308,7 +311,8 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
     summary = {
         "run": cfg.run.name,
         "status": "interrupted" if result.interrupted else "completed",
-        **({"signal": result.interrupted} if result.interrupted else {}),
+        **({"signal": result.interrupted, "resume": f"conveyor launch --resume {run_dir}"}
+           if result.interrupted else {}),
         "mode": result.mode,
         "wall_s": result.wall_s,
         "steps": len(reporter.steps),

@@ -280,7 +280,7 @@ async def _run(
     prompts_per_step: int, target_steps: int, taps: dict[str, str],
     on_tick: Callable[[Graph], Any] | None, tick_s: float,
 ) -> RunResult:
-    controller = ControllerActor.remote(target_prompts, prompts_per_step, target_steps)
+    controller = ControllerActor.remote(target_prompts, prompts_per_step, target_steps, _resumed_counts(config))
     interrupts = _Interrupts(controller)
     try:
         graph = await _start(df, config, controller, taps)
@@ -317,6 +317,17 @@ async def _run(
     )
     await _teardown(graph)
     return result
+
+
+def _resumed_counts(config: Any) -> dict[str, Any] | None:
+    """The ledger's counters at the checkpoint ``run.resume_from`` names (None: a fresh run)."""
+    path = getattr(getattr(config, "run", None), "resume_from", None)
+    if not path:
+        return None
+    from pipeline.checkpoint import load_resume_state
+
+    state = load_resume_state(path)
+    return {"version": state.version, "trained_prompts": state.trained_prompts, "dropped": dict(state.dropped)}
 
 
 class RunInterrupted(RuntimeError):

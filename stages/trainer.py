@@ -50,6 +50,7 @@ from pipeline.splitting import count_groups, split_rollout_batch, split_rollout_
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness, is_too_stale
 from stages.reward import summarise_reward_extras
+from stages.trainer_checkpoint import TrainerCheckpoints
 
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
 
@@ -209,6 +210,12 @@ class TrainerStage:
         self.guard = MemoryGuard(ctx.name, cfg.train.memory, spans=ctx.spans)
         self.run_dir = cfg.run_dir
         self._step_rng = self.engine.get_rng_state()
+        self.checkpoints = TrainerCheckpoints(cfg, self.engine)
+        if cfg.run.resume_from:
+            version = await asyncio.to_thread(self.checkpoints.restore, cfg.run.resume_from)
+            self._step_rng = self.engine.get_rng_state()
+            await self._publish(version)  # the rollout starts from the checkpoint's model, not the base one
+            ctx.log.info("resumed", path=cfg.run.resume_from, policy_version=version)
         if ctx.recorder is not None:
             await asyncio.to_thread(self._save_state_for_replay)
 
@@ -303,6 +310,7 @@ class TrainerStage:
 
     async def _drop(self, batch: RolloutBatch, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + batch.num_samples
+        self.checkpoints.record_drop(batch, reason)
         self.ctx.log.info("batch_dropped", reason=reason, batch_id=batch.batch_id,
                           policy_version=batch.policy_version, trainer_version=self.engine.version)
         await self.ctx.controller.record_dropped.remote(len(batch.prompts), reason)
@@ -353,8 +361,15 @@ class TrainerStage:
             **{f"actor/{k}": float(v) for k, v in step_out.items()},
         }
         await controller.report_step.remote(metrics)
+        self.checkpoints.record_step(batches, metrics)
         if self.ctx.recorder is not None:
             await asyncio.to_thread(self._record_step, step, version, batches, pieces, step_out, layouts)
+        if self.checkpoints.due():
+            await self._write_checkpoint()
+
+    async def _write_checkpoint(self) -> None:
+        path = await asyncio.to_thread(self.checkpoints.write)
+        self.ctx.log.info("checkpoint_written", path=str(path), policy_version=self.engine.version)
 
     async def _publish(self, version: int) -> float:
         t0 = time.time()
@@ -397,6 +412,10 @@ class TrainerStage:
 
     # ------------------------------------------------------------------ end of stream
     async def finish(self) -> None:
+        # Before the drops below: a step cut short by a stop is not done, so a resumed
+        # run issues its prompts again.
+        if self.checkpoints.last_written != self.engine.version:
+            await self._write_checkpoint()
         if self._step_batches:
             # The ledger admits whole steps, so this only happens when a run is cut short.
             for b in self._step_batches:

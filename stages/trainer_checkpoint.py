@@ -1,0 +1,64 @@
+"""The trainer's side of resumable checkpoints (``pipeline/checkpoint.py`` holds the format).
+
+Guarantees:
+- ``TrainerCheckpoints`` counts, across resumes, the prompts trained and dropped (by
+  reason) and the indices of those prompts (``ConsumedPrompts``); what it writes at
+  version v covers exactly the optimizer steps before v and the drops recorded so far.
+- A checkpoint is written every ``train.checkpoint_every`` versions and at the end of
+  every run (an interrupted one too), each atomically, the newest
+  ``train.keep_checkpoints`` kept.
+- ``restore`` loads the trainer engine's state (model, optimizer, RNG, version) and the
+  counters from ``run.resume_from``; the resumed run continues from that version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint import TRAINER_DIR, ConsumedPrompts, ResumeState, load_resume_state, write_checkpoint
+from pipeline.types import RolloutBatch
+
+
+class TrainerCheckpoints:
+    def __init__(self, cfg: Any, engine: Any) -> None:
+        self.run_dir = cfg.run_dir
+        self.every = cfg.train.checkpoint_every
+        self.keep = cfg.train.keep_checkpoints
+        self.engine = engine
+        self.trained_prompts = 0
+        self.dropped: dict[str, int] = {}
+        self.consumed = ConsumedPrompts()
+        self.recent_metrics: list[dict[str, Any]] = []  # steps since the last checkpoint
+        self.last_written = -1
+
+    def restore(self, checkpoint: str | Path) -> int:
+        """Load ``checkpoint`` into the engine and the counters; returns its version."""
+        state = load_resume_state(checkpoint)
+        self.engine.load_state(Path(checkpoint) / TRAINER_DIR)
+        if self.engine.version != state.version:
+            raise ValueError(f"run.resume_from: {checkpoint} holds trainer version {self.engine.version} "
+                             f"but its state says {state.version}")
+        self.trained_prompts, self.dropped, self.consumed = state.trained_prompts, dict(state.dropped), state.consumed
+        self.last_written = state.version
+        return state.version
+
+    def record_step(self, batches: list[RolloutBatch], metrics: dict[str, Any]) -> None:
+        self.recent_metrics.append(metrics)
+        self.trained_prompts += sum(len(b.prompts) for b in batches)
+        self.consumed.add(p.index for b in batches for p in b.prompts)
+
+    def record_drop(self, batch: RolloutBatch, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + len(batch.prompts)
+        self.consumed.add(p.index for p in batch.prompts)
+
+    def due(self) -> bool:
+        return bool(self.every) and self.engine.version % self.every == 0 and self.engine.version != self.last_written
+
+    def write(self) -> Path:
+        """A checkpoint of the engine's current version (call from a thread)."""
+        state = ResumeState(version=self.engine.version, trained_prompts=self.trained_prompts,
+                            dropped=dict(self.dropped), consumed=self.consumed, recent_metrics=self.recent_metrics)
+        path = write_checkpoint(self.run_dir, state, self.engine.save_state, self.keep)
+        self.last_written, self.recent_metrics = self.engine.version, []
+        return path
