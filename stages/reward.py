@@ -27,7 +27,8 @@ Guarantees of ``RewardFn.score``:
   failure: it raises ``RewardShapeError`` (a ValueError) naming the function and both lengths.
 - ``extras[key]`` has one value per sample, NaN where that sample gave none.
 
-``RewardStage`` is the thin actor shell. Failures are visible: the first one is logged
+``RewardStage`` is the thin actor shell; it labels each error with its sample id (the
+wire format of ``RolloutBatch.reward_errors``). Failures are visible: the first one is logged
 at warning level with the function's name (the driver's console shows it), every step
 reports ``reward/errors``, ``summary.json`` the run's total and first error, and a
 step whose every sample failed stops the run with ``RewardFailedError`` naming the
@@ -352,6 +353,16 @@ def timeout_message(timeout_s: float | None) -> str:
     return f"the call took longer than reward.timeout_s = {timeout_s} s"
 
 
+def label_errors(errors: Sequence[str], sample_ids: Sequence[str]) -> list[str]:
+    """``"<sample index>: message"`` -> ``"<sample id>: message"``, the wire format of
+    ``RolloutBatch.reward_errors`` (splitting a batch keeps each error with its sample)."""
+    out = []
+    for err in errors:
+        index, sep, message = err.partition(": ")
+        out.append(f"{sample_ids[int(index)]}: {message}" if sep and index.isdigit() else err)
+    return out
+
+
 class StepFailureTracker:
     """Scored and failed samples per optimizer step (``batch.step``); says when a
     step's every sample failed. A step is complete once ``samples_per_step`` samples of
@@ -444,22 +455,23 @@ class RewardStage:
         import msgspec
 
         res = await asyncio.to_thread(self.fn.score, batch.prompts, batch.group_size, batch.completions)
+        errors = label_errors(res.errors, batch.sample_ids)
         self.scored += batch.num_samples
-        if res.errors:
-            self.failed += len(res.errors)
+        if errors:
+            self.failed += len(errors)
             if self.first_error is None:
-                self.first_error = res.errors[0]
+                self.first_error = errors[0]
                 self.ctx.log.warning("reward_failed", function=self.fn.name, batch_id=batch.batch_id,
-                                     policy_version=batch.policy_version, error=res.errors[0],
+                                     policy_version=batch.policy_version, error=errors[0],
                                      note="the first failure; all are counted in reward/errors")
-            for err in res.errors:
+            for err in errors:
                 self.ctx.log.debug("reward_failed", batch_id=batch.batch_id, error=err)
-        if self.tracker.record(batch.step, batch.num_samples, len(res.errors)):
+        if self.tracker.record(batch.step, batch.num_samples, len(errors)):
             raise RewardFailedError(
                 f"reward function {self.fn.name} failed on every sample of step {batch.step} "
-                f"({self.tracker.samples_per_step} samples); first error: {res.errors[0]}"
+                f"({self.tracker.samples_per_step} samples); first error: {errors[0]}"
             )
-        return msgspec.structs.replace(batch, rewards=res.rewards, reward_errors=res.errors, reward_extras=res.extras)
+        return msgspec.structs.replace(batch, rewards=res.rewards, reward_errors=errors, reward_extras=res.extras)
 
     def status(self) -> dict[str, Any]:
         return {"state": "scoring", "samples": self.scored, "failed": self.failed, "first_error": self.first_error}

@@ -18,6 +18,7 @@ from stages.reward import (
     RewardStage,
     StepFailureTracker,
     build_reward_fn,
+    label_errors,
     resolve_reward_spec,
     split_file_spec,
     summarise_reward_extras,
@@ -220,15 +221,22 @@ def test_a_step_whose_every_sample_fails_stops_the_run(tmp_path):
                     "    raise KeyError('answer')\n")
     stage, warnings = _stage(f"{path}:compute_score")  # a step = 2 prompts x n 2 = 4 samples
     out = asyncio.run(stage.process(_batch(step=0, batch_id=0)))
-    assert out.reward_errors == ["0: KeyError: 'answer'", "1: KeyError: 'answer'"]
+    # errors name their sample ids on the wire (the core numbers samples 0, 1)
+    assert out.reward_errors == ["b0s0: KeyError: 'answer'", "b0s1: KeyError: 'answer'"]
     with pytest.raises(RewardFailedError) as info:
         asyncio.run(stage.process(_batch(step=0, batch_id=1)))
     assert str(info.value) == (f"reward function {path}:compute_score failed on every sample of step 0 "
-                               f"(4 samples); first error: 0: KeyError: 'answer'")
+                               f"(4 samples); first error: b1s0: KeyError: 'answer'")
     # the first failure, once, at warning level with the function's name
     assert [(e, kw["function"], kw["error"]) for e, kw in warnings] == [
-        ("reward_failed", f"{path}:compute_score", "0: KeyError: 'answer'")]
-    assert stage.result() == {"state": "scoring", "samples": 4, "failed": 4, "first_error": "0: KeyError: 'answer'"}
+        ("reward_failed", f"{path}:compute_score", "b0s0: KeyError: 'answer'")]
+    assert stage.result() == {"state": "scoring", "samples": 4, "failed": 4,
+                              "first_error": "b0s0: KeyError: 'answer'"}
+
+
+def test_errors_are_labelled_with_sample_ids():
+    assert label_errors(["1: ValueError: x: y", "0: returned non-number 'a'"], ["s:a", "s:b"]) == [
+        "s:b: ValueError: x: y", "s:a: returned non-number 'a'"]
 
 
 def test_a_step_with_one_good_sample_goes_on(tmp_path):
