@@ -35,7 +35,6 @@ step whose every sample failed stops the run with ``RewardFailedError`` naming t
 function and its first error.
 """
 
-
 from __future__ import annotations
 
 import asyncio

@@ -83,7 +83,9 @@ class PromptSource:
     def _build_rows(self, seed: int) -> tuple[Iterator[tuple[int, str, Any]], ColumnMap]:
         """Endless (prompt index, where, raw row) and the column mapping of the rows."""
         if self._rows is not None:
-            return iter_list_rows(list(self._rows), "rows"), ColumnMap()
+            rows = list(self._rows)
+            keys = [str(k) for k in rows[0]] if rows and isinstance(rows[0], dict) else []
+            return iter_list_rows(rows, "rows"), resolve_columns(keys, self.data.prompt_key, self.data.answer_key, "rows")
         if self.data.path:
             data = open_data(self.data.path)
             cmap = resolve_columns(data.columns, self.data.prompt_key, self.data.answer_key, data.name)

@@ -88,3 +88,10 @@ def test_list_rows_cycle_with_unique_indices():
     seen = [next(it) for _ in range(5)]
     assert [i for i, _, _ in seen] == [0, 1, 2, 3, 4]
     assert [w for _, w, _ in seen[:3]] == ["rows row 1", "rows row 2", "rows row 1"]
+
+
+def test_rows_passed_in_use_the_column_mapping():
+    rows = [{"question": "5=", "answer": "5"}]
+    src = open_source(DataConfig(prompt_key="question", answer_key="answer"), rows=rows)
+    prompt = src._next_prompt()
+    assert (prompt.text, prompt.ground_truth, prompt.token_ids) == ("5=", "5", [1, 9, 70])  # <bos> "5" "="
