@@ -43,8 +43,16 @@ blockings, which change summation order and hence bits. It comes from the step r
 ``metrics["torch_threads"]`` when the trainer wrote it, else ``train.threads``, else
 what Ray gave the trainer actor (``OMP_NUM_THREADS`` = its ``num_cpus``, at least 1;
 measured: 1 for the default ``placement.trainer.num_cpus: 0``); override with
-``train.threads=K``. On a GPU, bitwise equality also needs deterministic kernels in both
-runs; without them expect the sha to differ.
+``train.threads=K``.
+
+On a GPU (the replay's trainer runs there whenever one is visible), bitwise equality
+would need deterministic kernels in both runs: bf16 attention and matmul backward passes
+accumulate with atomics, so the weights after a step can differ in their last bits and
+the difference grows step by step. There a step reproduces when its loss and grad norm
+are within GPU_RTOL = 1e-3 (relative): above bf16 rounding of the same computation
+(bf16 has 8 mantissa bits, but loss and norm are float32 reductions over many terms),
+below the smallest real change measured on CPU that moved the grad norm (a flipped
+reward: 2%). The weights' sha256 is printed but not required.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ from pipeline.versions import is_too_stale
 
 RTOL = 1e-6
 ATOL = 1e-9
+GPU_RTOL = 1e-3
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2
 STATES_DIR = "states"
 # Config fields that change what a trainer step computes: replay warns when --config
@@ -222,29 +231,37 @@ class MetricCheck:
     recorded: float | str
     replayed: float | str
     ok: bool
+    rtol: float = RTOL
 
     def describe(self) -> str:
         if isinstance(self.recorded, str):
-            verdict = "identical" if self.ok else "differs"
+            verdict = "identical" if self.recorded == self.replayed else "differs"
+            if self.ok and verdict == "differs":
+                verdict += " (not required on a GPU)"
             return f"{self.metric} {verdict} (recorded {self.recorded[:16]}, replayed {str(self.replayed)[:16]})"
         diff = abs(float(self.replayed) - float(self.recorded))
         rel = diff / abs(self.recorded) if self.recorded else math.inf if diff else 0.0
         return (f"{self.metric} replayed {self.replayed:.9g} recorded {self.recorded:.9g} "
-                f"(abs diff {diff:.3g}, rel {rel:.3g}{'' if self.ok else f' > rtol {RTOL:g}'})")
+                f"(abs diff {diff:.3g}, rel {rel:.3g}{'' if self.ok else f' > rtol {self.rtol:g}'})")
 
 
-def _close(replayed: float, recorded: float) -> bool:
+def _close(replayed: float, recorded: float, rtol: float = RTOL) -> bool:
     if math.isnan(replayed) or math.isnan(recorded):
         return math.isnan(replayed) and math.isnan(recorded)
-    return abs(replayed - recorded) <= RTOL * abs(recorded) + ATOL
+    return abs(replayed - recorded) <= rtol * abs(recorded) + ATOL
 
 
-def compare_step(record: StepRecord, loss: float, grad_norm: float, sha: str | None) -> list[MetricCheck]:
-    """Checks in the order they are reported: loss, grad_norm, weights_sha256 (if given)."""
-    checks = [MetricCheck("loss", record.loss, loss, _close(loss, record.loss)),
-              MetricCheck("grad_norm", record.grad_norm, grad_norm, _close(grad_norm, record.grad_norm))]
+def compare_step(record: StepRecord, loss: float, grad_norm: float, sha: str | None, *,
+                 on_gpu: bool = False) -> list[MetricCheck]:
+    """Checks in the order they are reported: loss, grad_norm, weights_sha256 (if given).
+    ``on_gpu``: GPU_RTOL for loss and grad norm, and the sha is reported, not required
+    (see the module doc)."""
+    rtol = GPU_RTOL if on_gpu else RTOL
+    checks = [MetricCheck("loss", record.loss, loss, _close(loss, record.loss, rtol), rtol),
+              MetricCheck("grad_norm", record.grad_norm, grad_norm, _close(grad_norm, record.grad_norm, rtol), rtol)]
     if sha is not None:
-        checks.append(MetricCheck("weights_sha256", record.weights_sha256, sha, sha == record.weights_sha256))
+        checks.append(MetricCheck("weights_sha256", record.weights_sha256, sha,
+                                  sha == record.weights_sha256 or on_gpu, rtol))
     return checks
 
 
@@ -272,6 +289,7 @@ def replay_trainer(engine: Any, plan: ReplayPlan, *, verify: bool, out: Out = pr
     from stages.trainer import compute_step_grad_scale, compute_step_loss, read_piece_layout, train_as_recorded
 
     result = ReplayResult()
+    on_gpu = bool(getattr(engine, "weights_on_gpu", False))
     for record in plan.records:
         judged = record.step >= plan.from_step
         if record.rng_state:
@@ -283,7 +301,8 @@ def replay_trainer(engine: Any, plan: ReplayPlan, *, verify: bool, out: Out = pr
         step_out = engine.optimizer_step(compute_step_grad_scale(batches, plan.step_samples, loss_agg))
         loss = compute_step_loss(losses, batches, plan.step_samples, loss_agg)
         # Hashing the weights costs a full serialisation: only for judged steps.
-        checks = compare_step(record, loss, float(step_out["grad_norm"]), engine.weights_sha256() if judged else None)
+        checks = compare_step(record, loss, float(step_out["grad_norm"]), engine.weights_sha256() if judged else None,
+                              on_gpu=on_gpu)
         ok = all(c.ok for c in checks)
         tag = ("ok" if ok else "DIFFERS") if judged else ("warm-up" if ok else "warm-up, differs")
         out(f"step {record.step:>5}  {tag:<8}  batches {record.batch_ids}  loss {loss:.9g}  "
@@ -461,7 +480,10 @@ def run_replay_command(args: argparse.Namespace, out: Out = print) -> int:
             if c is not bad:
                 out(f"  also {c.describe()}")
         return EXIT_DIVERGED if args.verify else EXIT_OK
-    if args.verify:
+    if args.verify and getattr(engine, "weights_on_gpu", False):
+        out(f"all {len(result.verified)} steps reproduce on the GPU ({args.from_step}..{last}): loss and grad_norm "
+            f"within rtol {GPU_RTOL:g} + atol {ATOL:g} (weights sha256 not required on a GPU)")
+    elif args.verify:
         out(f"all {len(result.verified)} steps reproduce ({args.from_step}..{last}): loss and grad_norm within "
             f"rtol {RTOL:g} + atol {ATOL:g}, weights sha256 identical")
     return EXIT_OK

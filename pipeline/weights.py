@@ -15,7 +15,9 @@ Guarantees:
   into one buffer; a dtype outside ``_ST_DTYPES`` goes through safetensors itself.
 - ``load_weights_file`` maps a payload file and returns tensors that view the mapping
   (no copy; the mapping is private, so nothing written to a tensor reaches the file).
-- ``compute_fingerprint`` is (sum, sum of squares) of every element in float64. Both are
+- ``compute_fingerprint`` is (sum, sum of squares) of every element in float64,
+  accumulated on the device that holds the tensor (a GPU's weights never leave it) and
+  read back once at the end (``accumulate_fingerprint`` leaves it on the device). Both are
   invariant to any reshaping, permutation, splitting or concatenation of the tensors,
   so an engine that fuses q/k/v into ``qkv_proj`` or gate/up into ``gate_up_proj``
   still reports the trainer's numbers; zero padding (vLLM pads the vocabulary rows of
@@ -49,6 +51,9 @@ Fingerprint = tuple[float, float]
 # Elements per float64 chunk in ``compute_fingerprint``: 2 MiB stays in cache, so the
 # float64 copy costs no memory traffic (a 128 MiB chunk was 1.7x slower).
 _CHUNK = 1 << 18
+# On a GPU each chunk costs kernel launches, not cache misses: 2^24 elements (128 MiB
+# of float64 scratch) keeps a 268M-parameter model to a few dozen launches.
+_DEVICE_CHUNK = 1 << 24
 
 # safetensors dtype names, in the order safetensors lays tensors out (its dtype enum,
 # descending; then by name).
@@ -222,25 +227,47 @@ def build_payload(state_dict: Mapping[str, torch.Tensor]) -> tuple[bytes, str, F
         return data, sha.result(), fingerprint
 
 
-def compute_fingerprint(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None) -> Fingerprint:
-    """(sum, sum of squares) over all elements of all tensors, accumulated in float64.
+def accumulate_fingerprint(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[2] float64 (sum, sum of squares) on the tensors' device, without a host sync.
 
-    ``dtype``: round every tensor to this dtype first. A worker whose engine serves
-    bfloat16 weights from a float32 payload passes ``torch.bfloat16`` to predict the
-    fingerprint of what its engine should now hold.
+    Accumulates where the data lives: a CUDA tensor is summed on its GPU in float64 and
+    nothing is read back here (the caller reads once, for all tensors). Tensors on
+    several devices are each summed on their own device and added on the CPU at the end.
+    ``dtype``: as in ``compute_fingerprint``.
     """
-    total = torch.zeros((), dtype=torch.float64)
-    total_sq = torch.zeros((), dtype=torch.float64)
+    totals: dict[torch.device, list[torch.Tensor]] = {}
     with torch.no_grad():
         for tensor in tensors:
             flat = tensor.detach().reshape(-1)
-            for start in range(0, flat.numel(), _CHUNK):
-                chunk = flat[start : start + _CHUNK]
+            device = flat.device
+            if device not in totals:
+                totals[device] = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]
+            total, total_sq = totals[device]
+            chunk_len = _CHUNK if device.type == "cpu" else _DEVICE_CHUNK
+            for start in range(0, flat.numel(), chunk_len):
+                chunk = flat[start : start + chunk_len]
                 if dtype is not None:
                     chunk = chunk.to(dtype)
                 chunk = chunk.to(torch.float64)
                 total += chunk.sum()
                 total_sq += torch.dot(chunk, chunk)
+    if not totals:
+        return torch.zeros(2, dtype=torch.float64)
+    if len(totals) == 1:
+        ((total, total_sq),) = totals.values()
+        return torch.stack([total, total_sq])
+    return torch.stack([torch.stack(pair).to("cpu") for pair in totals.values()]).sum(dim=0)
+
+
+def compute_fingerprint(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None) -> Fingerprint:
+    """(sum, sum of squares) over all elements of all tensors, accumulated in float64
+    on the tensors' own device, read back once.
+
+    ``dtype``: round every tensor to this dtype first. A worker whose engine serves
+    bfloat16 weights from a float32 payload passes ``torch.bfloat16`` to predict the
+    fingerprint of what its engine should now hold.
+    """
+    total, total_sq = accumulate_fingerprint(tensors, dtype).tolist()
     return (float(total), float(total_sq))
 
 
