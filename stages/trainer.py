@@ -23,7 +23,9 @@ Guarantees:
   again, in order, from the step's RNG state. A single group that still runs out of
   memory stops the run (``OomUnrecoverable``);
 - every ``train.sync_interval`` steps the weights are published once to the object
-  store with their sha256 and fingerprint; rollout workers pull and confirm them;
+  store with their sha256 and fingerprint; rollout workers pull and confirm them. The
+  transport is ``pipeline.transport.select_transport``'s: on a one-GPU cluster the
+  weights stay on the GPU and only a ``cuda_ipc`` descriptor travels;
 - when the run records the trainer's input, a ``StepRecord`` (batch ids, loss, grad
   norm, weights sha after the step, RNG state before it, the groups of each piece of a
   split micro-batch) is written per step, plus the trainer state at step 0 and every
@@ -35,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,6 +50,7 @@ from pipeline.admission import count_seq_lens, estimate_batch_bytes
 from pipeline.memory import OomRecovery, free_cached_memory, is_oom_error
 from pipeline.memory_guard import MemoryGuard, publish_status
 from pipeline.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
+from pipeline.transport import TRANSPORT_ENV, select_transport
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness, is_too_stale
 from stages.reward import summarise_reward_extras
@@ -171,6 +175,11 @@ def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
                          dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads, total_steps=cfg.run.steps)
 
 
+def _count_cluster_gpus() -> float:
+    """GPUs in the Ray cluster (0 outside Ray)."""
+    return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
+
+
 def summarise_batch_rewards(batches: list[RolloutBatch]) -> dict[str, float]:
     rewards = np.concatenate([b.rewards for b in batches if b.rewards is not None] or [np.zeros(0)])
     if rewards.size == 0:
@@ -191,6 +200,7 @@ class TrainerStage:
         self._step_rng = b""
         self._step_started = time.time()
         self._published_sha: tuple[int, str] = (-1, "")
+        self.transport = "shm"  # chosen in setup (pipeline.transport.select_transport)
         # Every piece trained in the current step, with its scale: re-accumulated in
         # order when an OOM leaves partial gradients behind.
         self._step_pieces: list[tuple[RolloutBatch, float]] = []
@@ -210,6 +220,9 @@ class TrainerStage:
         self.guard = MemoryGuard(ctx.name, cfg.train.memory, spans=ctx.spans)
         self.run_dir = cfg.run_dir
         self._step_rng = self.engine.get_rng_state()
+        self.transport = select_transport(self.engine.weights_on_gpu, _count_cluster_gpus(),
+                                          os.environ.get(TRANSPORT_ENV))
+        ctx.log.info("weight_transport", transport=self.transport)
         self.checkpoints = TrainerCheckpoints(cfg, self.engine)
         if cfg.run.resume_from:
             version = await asyncio.to_thread(self.checkpoints.restore, cfg.run.resume_from)
@@ -374,9 +387,14 @@ class TrainerStage:
     async def _publish(self, version: int) -> float:
         t0 = time.time()
         with self.ctx.spans.span("sync"):
-            data, sha, fingerprint = await asyncio.to_thread(self.engine.export_weights)
+            if self.transport == "cuda_ipc":
+                # A descriptor of buckets on this GPU: its sha guards the descriptor only,
+                # so the step record hashes the weights themselves when it needs to.
+                data, sha, fingerprint = await asyncio.to_thread(self.engine.export_weights_ipc)
+            else:
+                data, sha, fingerprint = await asyncio.to_thread(self.engine.export_weights)
+                self._published_sha = (version, sha)  # the step record reuses it: no second serialisation
             update = WeightUpdate(version=version, sha256=sha, fingerprint=fingerprint, num_bytes=len(data))
-            self._published_sha = (version, sha)  # the step record reuses it: no second serialisation
             await self.ctx.controller.publish.remote(update, [ray.put(data)])
         seconds = time.time() - t0
         self.sync_seconds.append(seconds)
@@ -437,6 +455,7 @@ class TrainerStage:
             "policy_version": self.engine.version,
             "samples_trained": self.trained_samples,
             "samples_dropped": dict(self.dropped),
+            "weight_transport": self.transport,
             "weight_publish_s": {"count": len(self.sync_seconds),
                                  "mean": float(np.mean(self.sync_seconds)) if self.sync_seconds else 0.0},
             "checkpoint": str(self.run_dir / "checkpoint") if self.cfg.train.save_checkpoint else None,

@@ -21,9 +21,12 @@ Guarantees:
   ``optimizer_step`` refuses to apply them until ``discard_gradients`` (after which the
   caller re-accumulates the step's pieces). A call that raises before any backward
   leaves the gradients as they were.
-- Weights leave the engine under their Hugging Face names (as in the checkpoint), on CPU,
-  in the rollout dtype, tied parameters once; ``weights_sha256`` is the sha256 of exactly
-  the bytes ``export_weights`` ships.
+- Weights leave the engine under their Hugging Face names (as in the checkpoint), in the
+  rollout dtype, tied parameters once: as safetensors bytes on CPU (``export_weights``;
+  ``weights_sha256`` is the sha256 of exactly those bytes) or, on a GPU, as a
+  ``cuda_ipc`` descriptor of buckets that stay on the GPU (``export_weights_ipc``).
+- On a GPU the engine trains with DeepSpeed mixed precision in the model dtype
+  (bfloat16: bf16 weights and activations, float32 master weights and Adam moments).
 - On CPU, the same state and the same inputs give bitwise-identical losses, gradient
   norms and weights (same thread count); ``save_state``/``load_state`` round-trip
   weights, optimizer moments, version and RNG states exactly.
@@ -45,6 +48,7 @@ import numpy as np
 import torch
 
 from pipeline.config import AlgorithmConfig, TrainConfig
+from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import build_policy_loss
@@ -224,6 +228,7 @@ class TrainerEngine:
                                                     lr_scheduler=scheduler)
         self.module = self.engine.module
         self._keep = accepts_logits_to_keep(self.module)
+        self._ipc: CudaIpcExporter | None = None  # made on the first cuda_ipc export
         self._loss = build_policy_loss(algo)
 
     # ------------------------------------------------------------------ training
@@ -370,9 +375,22 @@ class TrainerEngine:
         live = drop_tied_duplicates(self.module.state_dict())
         return {name: t.detach().to("cpu", self.sync_dtype, copy=True) for name, t in live.items()}
 
+    @property
+    def weights_on_gpu(self) -> bool:
+        return next(self.module.parameters()).is_cuda
+
     def export_weights(self) -> tuple[bytes, str, tuple[float, float]]:
         """(safetensors bytes, their sha256, fingerprint) of the current weights."""
         return build_payload(self.state_dict_for_sync())
+
+    def export_weights_ipc(self) -> tuple[bytes, str, tuple[float, float]]:
+        """(``cuda_ipc`` descriptor, its sha256, fingerprint) of the current weights, packed
+        in the rollout dtype into buckets on this GPU (``pipeline.transport``); the
+        descriptor's sha guards the descriptor, the fingerprint guards the weights."""
+        if self._ipc is None:
+            self._ipc = CudaIpcExporter(self.sync_dtype)
+        data, fingerprint = self._ipc.export(self.module.state_dict(), self.version)
+        return data, compute_sha256(data), fingerprint
 
     def weights_sha256(self) -> str:
         """sha256 of the bytes ``export_weights`` would ship now."""

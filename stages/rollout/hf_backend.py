@@ -13,7 +13,10 @@ Guarantees (beyond ``stages.rollout.base``):
   after temperature, top-k, top-p; greedy: the raw logits) at the sampled token. The
   checkpoint's own generation defaults (sampling flags, penalties) are ignored: only
   ``SamplingSettings`` and the end-of-sequence / padding ids apply.
-- ``update_weights`` copies the payload into the live parameters with
+- ``update_weights`` takes safetensors bytes or a ``cuda_ipc`` descriptor
+  (``pipeline.transport``: the buckets are mapped from the trainer's GPU and their
+  fingerprint checked before anything is copied), and copies it into the live
+  parameters (on the model's device: CUDA when there is one) with
   ``load_state_dict``; a name it does not know, a wrong shape, or a parameter the
   payload lacks (other than the alias of a tied one) raises ``WeightSyncError`` before
   anything is copied, and the old weights keep serving. If the copied weights then fail
@@ -31,6 +34,7 @@ import structlog
 import torch
 
 from pipeline.config import RolloutConfig
+from pipeline.transport import is_ipc_payload, open_ipc_payload, verify_opened
 from pipeline.weights import (
     Fingerprint,
     WeightSyncError,
@@ -185,7 +189,11 @@ class HFBackend:
         return await asyncio.to_thread(self._update_sync, bytes(data), version, verify)
 
     def _update_sync(self, data: bytes, version: int, verify: bool) -> Fingerprint:
-        weights = deserialize_weights(data)
+        if is_ipc_payload(data):
+            descriptor, weights = open_ipc_payload(data)
+            verify_opened(descriptor, compute_fingerprint(weights.values()))  # before any copy
+        else:
+            weights = deserialize_weights(data)
         with self._lock:
             model = self._model
             payload = compute_fingerprint(weights.values(), dtype=model.dtype)

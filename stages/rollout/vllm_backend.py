@@ -28,6 +28,12 @@ Guarantees (beyond ``stages.rollout.base``):
   /dev/shm, written from the bytes the caller verified and removed once every worker
   has loaded it; a worker that cannot see the file (another host) gets the bytes
   through ``collective_rpc`` instead.
+- A ``cuda_ipc`` descriptor (``pipeline.transport``) is applied from the trainer's GPU
+  buckets through CUDA IPC handles: nothing is copied to the host, and the buckets'
+  fingerprint is checked in the worker before anything is loaded (a mismatch raises
+  ``WeightSyncError`` with the old weights still serving).
+- ``shutdown`` stops the output handler before the engine process, and gives that
+  process time to exit on its own: no EngineDeadError, no force-kill.
 - A payload that names a tensor the checkpoint lacks, or gives one another shape, is
   refused with ``WeightSyncError`` before the engine is touched.
 - A failed weight update (load error, or a read-back fingerprint that does not match
@@ -47,6 +53,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -54,6 +61,7 @@ from typing import Any
 import structlog
 
 from pipeline.config import RolloutConfig
+from pipeline.transport import is_ipc_payload, read_ipc_shapes
 from pipeline.weights import (
     Fingerprint,
     WeightSyncError,
@@ -76,6 +84,7 @@ log = structlog.get_logger(__name__).bind(stage="rollout", backend="vllm")
 
 WORKER_EXTENSION = "stages.rollout.vllm_worker_ext.WeightSyncExtension"
 _GIB = 1 << 30
+_SHUTDOWN_GRACE_S = 30.0
 
 
 def build_engine_kwargs(
@@ -167,6 +176,7 @@ class VLLMBackend:
         self._keep_pause = True  # engine can pause keeping requests (vLLM >= 0.32)
         self._labels = True  # engine labels outputs with weight versions (vLLM >= 0.32)
         self._shm_dir: Path | None = None  # private dir for payload files (None: bytes)
+        self.last_pause_s = 0.0  # generation paused by the last update (pause to resume)
 
     @property
     def version(self) -> int:
@@ -289,9 +299,11 @@ class VLLMBackend:
         check_version_order(self._version, version)
         # vLLM's in-place reload is not transactional: a misshaped tensor leaves the
         # model half-loaded for good. Refuse a misfit before pausing anything.
+        ipc = is_ipc_payload(data)
         if self._shapes:  # empty for a checkpoint without safetensors files
-            check_payload_fits(read_payload_shapes(data), self._shapes)
+            check_payload_fits(read_ipc_shapes(data) if ipc else read_payload_shapes(data), self._shapes)
         async with self._update_lock:
+            paused_at = time.perf_counter()
             await self._pause(engine)
             try:
                 results = await self._ship_and_apply(engine, data, version, verify)
@@ -305,11 +317,20 @@ class VLLMBackend:
                 await engine.update_weight_version(str(version))
             self._version, self._live, self._broken = version, live, None
             await self._resume(engine)
-        log.info("weights applied", policy_version=version, fingerprint=live)
+            self.last_pause_s = time.perf_counter() - paused_at
+        log.info("weights applied", policy_version=version, fingerprint=live, transport="cuda_ipc" if ipc else "shm",
+                 paused_ms=round(1e3 * self.last_pause_s, 1))
         return live
 
     async def _ship_and_apply(self, engine: Any, data: bytes, version: int, verify: bool) -> list[dict[str, Any]]:
-        """Every rank's ``apply_weights`` result; by file where the workers see it."""
+        """Every rank's ``apply_weights`` result; by file where the workers see it, by
+        CUDA IPC handles for a ``cuda_ipc`` descriptor."""
+        if is_ipc_payload(data):
+            results = await engine.collective_rpc("apply_weights_ipc", args=(bytes(data), verify))
+            refused = [r["refused"] for r in results if "refused" in r]
+            if refused:
+                raise WeightSyncError(refused[0])
+            return results
         if self._shm_dir is not None:
             path = self._shm_dir / f"v{version}.safetensors"
             try:
@@ -325,7 +346,18 @@ class VLLMBackend:
 
     async def _pause(self, engine: Any) -> None:
         if self._keep_pause:
-            await engine.pause_generation(mode="keep", clear_cache=True)
+            core = getattr(engine, "engine_core", None)
+            pause = getattr(core, "pause_scheduler_async", None)
+            if pause is not None and {"mode", "clear_cache"} <= set(inspect.signature(pause).parameters):
+                # What pause_generation does, less its closing 20 ms courtesy sleep:
+                # outputs sampled before the pause still reach us while the update
+                # runs, and are tagged before the version changes.
+                clear_mm = getattr(getattr(engine, "renderer", None), "clear_mm_cache_async", None)
+                if clear_mm is not None:
+                    await clear_mm()
+                await pause(mode="keep", clear_cache=True)
+            else:
+                await engine.pause_generation(mode="keep", clear_cache=True)
         # Older vLLM cannot pause without aborting or draining: the update then lands
         # between two engine steps (collective_rpc runs between steps), in-flight
         # requests keep the KV computed by the old weights, and versions are tagged
@@ -370,8 +402,23 @@ class VLLMBackend:
             self._shm_dir = None
         if engine is None:
             return
-        await asyncio.to_thread(engine.shutdown)
+        # The output handler first: left running, it sees the engine process exit and
+        # logs EngineDeadError (vLLM cancels it only after stopping the engine).
+        handler = getattr(engine, "output_handler", None)
+        if isinstance(handler, asyncio.Task) and handler.get_loop() is asyncio.get_running_loop() and not handler.done():
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+        # A GPU engine needs more than vLLM's default 5 s grace to exit on SIGTERM;
+        # past it vLLM force-kills the process (and says so).
+        await asyncio.to_thread(self._stop_engine, engine)
         del engine
         # AsyncLLM.__del__ shuts down again; let it run now rather than during
         # interpreter teardown, when the modules it calls are already gone.
         gc.collect()
+
+    @staticmethod
+    def _stop_engine(engine: Any) -> None:
+        try:
+            engine.shutdown(timeout=_SHUTDOWN_GRACE_S)
+        except TypeError:  # vLLM without the timeout argument
+            engine.shutdown()
