@@ -1,0 +1,78 @@
+"""The quickstart, unchanged, on one GPU: a short streaming run with its trainer input
+recorded, then ``conveyor replay --verify`` of that GPU recording.
+
+The run goes through the command line in a subprocess, as a user starts it, so its log
+can be checked for shutdown noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.metrics import read_metrics
+
+ROOT = Path(__file__).parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+STEPS = 20
+LOG_DIR = Path(os.environ.get("CONVEYOR_GPU_LOG_DIR", ROOT / "runs" / "gpu-tests"))
+
+
+def _conveyor(*args: str, log: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log.write_text(done.stdout + "\n----- stderr -----\n" + done.stderr)
+    return done
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("quickstart")
+    done = _conveyor("launch", "--config", str(QUICKSTART), f"run.dir={run_dir}", f"run.steps={STEPS}",
+                     "run.progress=false", "record.edges=[reference->trainer]", "record.state_every=5",
+                     log=LOG_DIR / "quickstart.log")
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run_dir, json.loads((run_dir / "summary.json").read_text()), read_metrics(run_dir / "metrics.jsonl"), done
+
+
+def test_quickstart_accounting_reconciles(quickstart_run):
+    _, summary, rows, _ = quickstart_run
+    s = summary["samples"]
+    assert s["reconciles"] and s["in_flight"] == 0
+    assert s["produced"] == s["trained"] + sum(s["dropped"].values())
+    assert s["trained"] == STEPS * 8 * 8  # steps x prompts_per_step x n
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert max(r["staleness/max"] for r in rows) <= 1
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+
+
+def test_quickstart_serves_the_trainers_weights_over_cuda_ipc(quickstart_run):
+    _, summary, _, _ = quickstart_run
+    for worker, state in summary["served"].items():
+        assert state["version"] == summary["policy_version"] == STEPS, worker
+        assert state["verified"], worker
+    trainer = summary["trainer"]
+    print(f"transport {trainer['weight_transport']}, publish {trainer['weight_publish_s']}, served {summary['served']}")
+    assert trainer["weight_transport"] == "cuda_ipc", "one GPU: the trainer should publish over cuda_ipc"
+
+
+def test_quickstart_shuts_down_quietly(quickstart_run):
+    _, _, _, done = quickstart_run
+    text = done.stdout + done.stderr
+    for noise in ("EngineDeadError", "force killing"):
+        assert noise not in text, f"{noise!r} in the run's output (see {LOG_DIR / 'quickstart.log'})"
+
+
+def test_replay_of_the_gpu_recording_verifies(quickstart_run):
+    run_dir, _, _, _ = quickstart_run
+    done = _conveyor("replay", str(run_dir / "recording"), "--from-step", "6", "--steps", "4", "--verify",
+                     log=LOG_DIR / "replay.log")
+    print(done.stdout[-3000:])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "reproduce" in done.stdout
