@@ -24,6 +24,11 @@ number of one-copy equivalents (slope x memcpy bandwidth). Target: within 3x of 
 plus a fixed cost, i.e. ``copies_per_byte <= 3``.
 
 Writes ``weight_sync.json`` and ``weight_sync.png``.
+
+On a machine with a GPU it measures instead the 268.7M-parameter bf16 Llama (hidden 1024,
+16 layers) over both transports of ``pipeline.transport`` side by side, ``shm`` and
+``cuda_ipc``, with the time generation stays paused per update, and writes
+``weight_sync_gpu.json`` / ``.png`` (targets: publish + apply <= 100 ms, paused <= 50 ms).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from stages.rollout.vllm_worker_ext import WeightSyncExtension
 # name -> (hidden, intermediate, layers); heads = hidden / 64, untied embeddings.
 MODELS: dict[str, tuple[int, int, int]] = {"1M": (128, 512, 4), "10M": (256, 1024, 10), "50M": (512, 2048, 12)}
 QUICK_MODELS: dict[str, tuple[int, int, int]] = {"0.2M": (64, 256, 2)}
+# On a GPU: the 268.7M-parameter Llama of the GPU issue, in bf16.
+GPU_MODEL = (1024, 4096, 16)
 
 
 class TimedWeightSyncExtension(WeightSyncExtension):
@@ -181,7 +188,121 @@ async def _run_models(models: dict[str, tuple[int, int, int]], repeats: int) -> 
         shutil.rmtree(root, ignore_errors=True)
 
 
+async def measure_gpu_transports(shape: tuple[int, int, int], root: Path, repeats: int) -> dict[str, Any]:
+    """Publish + apply of one bf16 model on a GPU, over ``shm`` and ``cuda_ipc``, side by
+    side on one started vLLM engine. publish: the trainer's export from a CUDA state dict
+    (``build_payload``; ``CudaIpcExporter.export``); apply: ``update_weights`` verified;
+    paused: generation paused inside ``update_weights`` (pause to resume)."""
+    import torch
+
+    from pipeline.transport import CudaIpcExporter
+    from pipeline.weights import build_payload
+    from stages.rollout import build_backend
+    from stages.tiny import build_char_tokenizer, build_tiny_model, write_tiny_checkpoint
+
+    cfg = build_model_config(*shape)
+    path = root / "gpu-model"
+    path.mkdir(parents=True)
+    write_tiny_checkpoint(cfg, path)
+    model = build_tiny_model(cfg, build_char_tokenizer(cfg.architecture))
+    state = {k: v.detach().to("cuda", torch.bfloat16) for k, v in model.state_dict().items()}
+    params = sum(v.numel() for v in model.parameters())
+    del model
+    backend = build_backend("vllm", path, RolloutConfig(backend="vllm", gpu_memory_utilization=0.3, seed=0),
+                            "bfloat16")
+    t0 = time.perf_counter()
+    await backend.start()
+    start_s = time.perf_counter() - t0
+    exporter = CudaIpcExporter(torch.bfloat16)
+    rows: dict[str, list[dict[str, float]]] = {"shm": [], "cuda_ipc": []}
+    try:
+        for _ in range(repeats + 1):  # the first round warms both paths: dropped
+            for transport in ("shm", "cuda_ipc"):
+                with torch.no_grad():
+                    for v in state.values():
+                        v.mul_(1.0 + 1e-3)
+                torch.cuda.synchronize()
+                version = backend.version + 1
+                t1 = time.perf_counter()
+                if transport == "shm":
+                    data, _, fp = build_payload(state)
+                else:
+                    data, fp = exporter.export(state, version)
+                t2 = time.perf_counter()
+                live = await backend.update_weights(data, version)
+                t3 = time.perf_counter()
+                if not np.allclose(live, fp, rtol=1e-5):
+                    raise RuntimeError(f"{transport}: live fingerprint {live} != published {fp}")
+                rows[transport].append({"publish_s": t2 - t1, "apply_s": t3 - t2, "total_s": t3 - t1,
+                                        "paused_s": backend.last_pause_s, "payload_bytes": float(len(data))})
+    finally:
+        await backend.shutdown()
+        exporter.close()
+    out: dict[str, Any] = {"params": params, "bytes_bf16": 2 * params, "engine_start_s": start_s,
+                           "shape": {"hidden": shape[0], "intermediate": shape[1], "layers": shape[2]}}
+    for transport, samples in rows.items():
+        steady = samples[1:]
+        out[transport] = {"median": {k: float(np.median([r[k] for r in steady])) for k in steady[0]},
+                          "best": {k: float(np.min([r[k] for r in steady])) for k in steady[0]},
+                          "samples": steady}
+    return out
+
+
+def run_gpu(quick: bool, out_dir: Path) -> dict[str, Any]:
+    """``weight_sync`` on a GPU machine: the two transports side by side (see above)."""
+    import torch
+
+    shape = (256, 1024, 4) if quick else GPU_MODEL
+    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-weights-"))
+    try:
+        row = asyncio.run(measure_gpu_transports(shape, root, repeats=2 if quick else 8))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    shm, ipc = row["shm"]["median"], row["cuda_ipc"]["median"]
+    ratios = {
+        "device": torch.cuda.get_device_name(0),
+        "params_m": row["params"] / 1e6,
+        "shm_total_ms": 1e3 * shm["total_s"],
+        "cuda_ipc_total_ms": 1e3 * ipc["total_s"],
+        "cuda_ipc_publish_ms": 1e3 * ipc["publish_s"],
+        "cuda_ipc_apply_ms": 1e3 * ipc["apply_s"],
+        "cuda_ipc_paused_ms": 1e3 * ipc["paused_s"],
+        "shm_paused_ms": 1e3 * shm["paused_s"],
+        "speedup_cuda_ipc_over_shm": shm["total_s"] / ipc["total_s"],
+        "target_total_ms": 100.0,
+        "cuda_ipc_total_over_target": 1e3 * ipc["total_s"] / 100.0,
+        "target_paused_ms": 50.0,
+        "cuda_ipc_paused_over_target": 1e3 * ipc["paused_s"] / 50.0,
+    }
+    payload = {"quick": quick, "units": "seconds unless named _ms", "dtype": "bfloat16",
+               "params": {"repeats": 2 if quick else 8}, "row": row, "ratios": ratios}
+    return publish_result(out_dir, "weight_sync_gpu", payload, plot_gpu)
+
+
+def plot_gpu(payload: dict[str, Any], out_dir: Path) -> Path:
+    row = payload["row"]
+    fig, axes = new_figure(1, 1, size=(8, 4.5))
+    ax = axes[0][0]
+    names = ["shm", "cuda_ipc"]
+    for k, (key, label) in enumerate((("publish_s", "publish"), ("apply_s", "apply"), ("paused_s", "paused"))):
+        ax.bar(np.arange(2) + 0.27 * (k - 1), [1e3 * row[n]["median"][key] for n in names], width=0.27, label=label)
+    ax.axhline(100.0, linestyle="--", color="grey", linewidth=0.8, label="target publish+apply 100 ms")
+    ax.set_yscale("log")
+    ax.set_xticks(range(2), names)
+    ax.set_ylabel("ms (median)")
+    ax.set_title(f"weight sync, {row['params'] / 1e6:.1f}M bf16, {payload['ratios']['device']}")
+    ax.legend(fontsize=8)
+    return save_figure(fig, out_dir, "weight_sync_gpu")
+
+
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return run_gpu(quick, out_dir)
+    except ImportError:  # pragma: no cover
+        pass
     models = QUICK_MODELS if quick else MODELS
     rows = asyncio.run(_run_models(models, repeats=2 if quick else 5))
     xs = [r["bytes"] for r in rows]
