@@ -206,6 +206,29 @@ def truncate_metrics(path: Path, before_step: int) -> int:
     return len(lines) - len(kept)
 
 
+def reconcile_prompt_ids(issued: Mapping[str, Any], issued_count: int, done: Mapping[str, Any],
+                         done_count: int) -> dict[str, Any]:
+    """Compare two independent accounts of a run's prompts: the source's (every index it
+    issued) and the trainer's (every index it trained or dropped with a reason).
+
+    They reconcile when the index sets are equal and each count equals its set's size:
+    a prompt issued twice or finished twice makes a count exceed its set, one lost
+    leaves it in ``missing``, one finished but never issued in ``unexpected``.
+    """
+    a = msgspec.convert(issued, ConsumedPrompts)
+    b = msgspec.convert(done, ConsumedPrompts)
+
+    def members(s: ConsumedPrompts) -> set[int]:
+        return set(range(s.frontier)) | set(s.above)
+
+    sa, sb = members(a), members(b)
+    out = {"issued": issued_count, "finished": done_count, "missing": sorted(sa - sb)[:10],
+           "unexpected": sorted(sb - sa)[:10], "repeated_issue": issued_count - len(sa),
+           "repeated_finish": done_count - len(sb)}
+    out["reconciles"] = sa == sb and out["repeated_issue"] == 0 and out["repeated_finish"] == 0
+    return out
+
+
 # ---------------------------------------------------------------------------- the run dir
 
 RUN_FILES = ("metrics.jsonl", "summary.json", CHECKPOINTS_DIR)

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.checkpoint import prepare_run_dir
+from pipeline.checkpoint import prepare_run_dir, reconcile_prompt_ids
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
 from pipeline.log import configure_logging, get_logger
@@ -307,6 +307,8 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
     n = cfg.rollout.n
     trainer = result.result("trainer") or {}
     source = result.result("source") or {}
+    accounting = (reconcile_prompt_ids(source["issued"], source["issued_count"], trainer["done"], trainer["done_count"])
+                  if "issued" in source and "done" in trainer else {})
     reward = (result.result("reward") if "reward" in result.reports else None) or {}
     summary = {
         "run": cfg.run.name,
@@ -323,8 +325,10 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
             "trained": ledger["trained"] * n,
             "dropped": {k: v * n for k, v in ledger["dropped"].items()},
             "in_flight": ledger["in_flight"] * n,
-            "reconciles": ledger["reconciles"],
+            # The ledger's counters, and two independent accounts of the prompt ids.
+            "reconciles": ledger["reconciles"] and accounting.get("reconciles", True),
         },
+        "accounting": accounting,
         "source_rows_skipped": source.get("skipped", {}),
         **(checks.to_summary() if checks else {}),
         "reward/errors": reward.get("failed", 0),

@@ -26,6 +26,9 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import msgspec
+
+from pipeline.checkpoint import ConsumedPrompts
 from pipeline.types import Prompt, PromptBatch
 from stages.data_files import RowError, open_data
 from stages.prompt_rows import ColumnMap, PromptRenderer, load_tokenizer, render_rows, resolve_columns
@@ -51,6 +54,8 @@ class PromptSource:
     def __init__(self, rows: list[dict[str, Any]] | None = None) -> None:
         self._rows = rows
         self._done: Callable[[int], bool] | None = None  # prompt indices a resumed run skips
+        self.issued = ConsumedPrompts()  # indices of every prompt issued (a resumed run's included)
+        self._issued_before = 0
         self.skipped: Counter[str] = Counter()
         self.emitted_prompts = 0
 
@@ -65,7 +70,10 @@ class PromptSource:
 
             # Exactly once: prompts trained or dropped before the checkpoint are skipped,
             # the ones in flight then are issued again, in their original order.
-            self._done = load_resume_state(cfg.run.resume_from).consumed.as_set_checker()
+            state = load_resume_state(cfg.run.resume_from)
+            self._done = state.consumed.as_set_checker()
+            # The accounting covers the whole run: what the first part issued and finished counts.
+            self.issued, self._issued_before = state.consumed, state.trained_prompts + sum(state.dropped.values())
         self.open(cfg.data, load_tokenizer(model_path), model_path, cfg.run.seed, cfg.dataflow.prompts_per_micro_batch)
 
     def open(self, data: Any, tokenizer: Any, model_path: Any, seed: int, per_batch: int) -> None:
@@ -134,6 +142,7 @@ class PromptSource:
                 return
             prompts = [self._next_prompt() for _ in range(granted)]
             self.emitted_prompts += len(prompts)
+            self.issued.add(p.index for p in prompts)
             yield PromptBatch(batch_id=batch_id, step=step, prompts=prompts)
             batch_id += 1
 
@@ -141,4 +150,7 @@ class PromptSource:
         return {"prompts": self.emitted_prompts, "skipped": dict(self.skipped)}
 
     def result(self) -> dict[str, Any]:
-        return self.status()
+        """Status plus this source's own account of the prompts it issued (indices and
+        count), which the driver checks against the trainer's (``reconcile_prompt_ids``)."""
+        return {**self.status(), "issued": msgspec.to_builtins(self.issued),
+                "issued_count": self._issued_before + self.emitted_prompts}

@@ -459,4 +459,5 @@ class TrainerStage:
             "weight_publish_s": {"count": len(self.sync_seconds),
                                  "mean": float(np.mean(self.sync_seconds)) if self.sync_seconds else 0.0},
             "checkpoint": str(self.run_dir / "checkpoint") if self.cfg.train.save_checkpoint else None,
+            **self.checkpoints.accounting(),
         }

@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from pipeline.checkpoint import TRAINER_DIR, ConsumedPrompts, ResumeState, load_resume_state, write_checkpoint
 from pipeline.types import RolloutBatch
 
@@ -51,6 +53,12 @@ class TrainerCheckpoints:
     def record_drop(self, batch: RolloutBatch, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + len(batch.prompts)
         self.consumed.add(p.index for p in batch.prompts)
+
+    def accounting(self) -> dict[str, Any]:
+        """The trainer's account of the prompts it finished (trained or dropped): indices
+        and count, checked by the driver against the source's."""
+        return {"done": msgspec.to_builtins(self.consumed),
+                "done_count": self.trained_prompts + sum(self.dropped.values())}
 
     def due(self) -> bool:
         return bool(self.every) and self.engine.version % self.every == 0 and self.engine.version != self.last_written

@@ -63,6 +63,10 @@ def test_killed_run_resumes_exactly_once(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["policy_version"] == STEPS
     assert summary["prompts"]["trained"] == STEPS * 8 and summary["prompts"]["in_flight"] == 0
+    # The source's and the trainer's accounts of the prompt ids agree across the resume.
+    accounting = summary["accounting"]
+    assert accounting["reconciles"], accounting
+    assert accounting["issued"] == accounting["finished"] == STEPS * 8 + sum(summary["prompts"]["dropped"].values())
     # Exactly once: the final checkpoint's done set is prompts 0..79 with nothing above,
     # and as many prompts were trained as the set holds (a repeat would count twice).
     _, final, _ = find_latest_checkpoint(run_dir)

@@ -77,3 +77,19 @@ def test_metrics_after_the_checkpoint_are_cut(tmp_path):
     assert truncate_metrics(path, 4) == 3
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
     assert truncate_metrics(path, 4) == 0
+
+
+def test_prompt_accounts_reconcile_only_when_ids_and_counts_agree():
+    from pipeline.checkpoint import reconcile_prompt_ids
+
+    def ids(frontier, above=()):
+        return {"frontier": frontier, "above": list(above)}
+
+    ok = reconcile_prompt_ids(ids(8), 8, ids(6, [6, 7]), 8)  # {0..7} both ways
+    assert ok["reconciles"] and ok["missing"] == [] and ok["unexpected"] == []
+    lost = reconcile_prompt_ids(ids(8), 8, ids(6, [7]), 7)  # prompt 6 never finished
+    assert not lost["reconciles"] and lost["missing"] == [6]
+    twice = reconcile_prompt_ids(ids(8), 8, ids(8), 9)  # one prompt trained twice: 9 for a set of 8
+    assert not twice["reconciles"] and twice["repeated_finish"] == 1
+    stray = reconcile_prompt_ids(ids(4), 4, ids(4, [9]), 5)  # finished a prompt nobody issued
+    assert not stray["reconciles"] and stray["unexpected"] == [9]
