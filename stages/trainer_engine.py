@@ -169,6 +169,17 @@ def decode_rng_state(data: bytes) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
+def load_state_file(path: str, map_location: Any = None) -> Any:
+    """``torch.load`` with the weights-only unpickler: tensors, containers, numbers and
+    the few plain DeepSpeed records its optimizer states hold, nothing that runs code."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
 class TrainerEngine:
     """DeepSpeed-backed GRPO learner on one process (see the module guarantees).
 
@@ -420,7 +431,12 @@ class TrainerEngine:
         self.engine.save_checkpoint(str(path), tag=_STATE_TAG, client_state=client_state, save_latest=False)
 
     def load_state(self, path: Path) -> None:
-        """Restore what ``save_state`` wrote; pending (unstepped) gradients are dropped."""
+        """Restore what ``save_state`` wrote; pending (unstepped) gradients are dropped.
+
+        DeepSpeed's state files are pickles; they are read with torch's weights-only
+        unpickler (``load_state_file``), so a tampered file is refused, never executed.
+        """
+        self.engine.checkpoint_engine.load = load_state_file
         load_path, client_state = self.engine.load_checkpoint(
             str(path), tag=_STATE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
         )
