@@ -367,7 +367,7 @@ class TrainerStage:
             "response_length/mean": float(np.mean([b.completion_lens.mean() for b in batches])),
             **{f"actor/{k}": float(np.average([p[k] for p in pieces], weights=weight))
                for k in ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_upper", "clip_frac_lower", "clip_frac_dual",
-                         "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean")
+                         "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean", "logp_mismatch")
                if all(k in p for p in pieces)},
             **{f"actor/{k}": float(max(p[k] for p in pieces))
                for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},

@@ -262,6 +262,8 @@ class TrainerEngine:
         input_ids, attention_mask, completion_mask, positions = build_model_inputs(batch)
         completion_mask = completion_mask * torch.as_tensor(np.asarray(batch.loss_mask), dtype=completion_mask.dtype)
         old = torch.as_tensor(np.asarray(batch.behaviour_logprobs, dtype=np.float32))
+        # Tokens sampled by the weights being trained: their |logp - old| is sampler numerics.
+        fresh = torch.as_tensor(np.asarray(batch.token_versions) == self.version)
         ref = None if batch.ref_logprobs is None else torch.as_tensor(np.asarray(batch.ref_logprobs, dtype=np.float32))
         kl_coef = self.algo.kl_coef if ref is not None else 0.0
 
@@ -280,6 +282,7 @@ class TrainerEngine:
                 loss, metrics = self._loss(
                     logprobs, old[a:b].to(device), advantages[a:b].to(device), completion_mask[a:b].to(device),
                     ref_logprobs=None if ref is None else ref[a:b].to(device), kl_coef=kl_coef,
+                    fresh_mask=fresh[a:b].to(device),
                 )
                 # Backward per chunk frees its activations before the next forward: memory
                 # is bounded by one chunk. A zero-weight chunk (no valid token) adds zeros.

@@ -103,6 +103,7 @@ def compute_policy_loss(
     kl_estimator: KLEstimator = "k3",
     off_policy: OffPolicy = "off",
     behav_imp_weight_cap: float = 2.0,
+    fresh_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with dual-clip, optional off-policy correction and KL penalty.
 
@@ -129,7 +130,10 @@ def compute_policy_loss(
     ``clip_frac_upper`` (taken with A > 0: ratio above 1 + high), ``clip_frac_lower``
     (taken with A < 0: ratio below 1 - low), ``clip_frac_dual`` (dual clip binds),
     ``ratio_mean``, ``ratio_max``, ``is_weight_mean``, ``is_weight_max`` (of ``iw``) and
-    ``is_weight_capped_frac`` (``iw > cap``, whether or not a correction is on).
+    ``is_weight_capped_frac`` (``iw > cap``, whether or not a correction is on) and
+    ``logp_mismatch`` (mean ``|logp - behaviour|`` over the valid tokens where
+    ``fresh_mask`` [S, C] is set: tokens sampled by the very weights being trained, where
+    any difference is sampler-vs-trainer numerics, not staleness; 0 without such tokens).
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(
@@ -198,7 +202,11 @@ def compute_policy_loss(
             "is_weight_mean": _masked_mean(is_weight, m),
             "is_weight_max": float(is_weight[valid].max()) if n_valid > 0 else 0.0,
             "is_weight_capped_frac": _masked_mean((is_weight > behav_imp_weight_cap).float(), m),
+            "logp_mismatch": 0.0,
         }
+        if fresh_mask is not None:
+            fresh = m * _as_float_mask(fresh_mask, m)
+            metrics["logp_mismatch"] = _masked_mean((logp.detach() - behaviour).abs(), fresh)
     return loss, metrics
 
 

@@ -80,7 +80,13 @@ def train_one_step(trainer, batches) -> None:
     ("forward", 3, 5),
 ])
 def test_trainer_oom_mid_step_trains_every_sample_once(tmp_path, monkeypatch, call, fail_on, expected_calls):
-    from stages.trainer import TrainerStage, compute_step_loss, read_piece_layout, train_as_recorded
+    from stages.trainer import (
+        TrainerStage,
+        compute_step_grad_scale,
+        compute_step_loss,
+        read_piece_layout,
+        train_as_recorded,
+    )
     from stages.trainer_engine import find_free_port
 
     # The engine's rendezvous variables, scoped to this test: a Ray cluster started later
@@ -91,7 +97,7 @@ def test_trainer_oom_mid_step_trains_every_sample_once(tmp_path, monkeypatch, ca
     cfg = load_config(None, [
         f"run.dir={tmp_path / 'run'}", "train.threads=1", "train.save_checkpoint=false", "train.sync_interval=100",
         "rollout.n=8", "train.prompts_per_step=8", "dataflow.prompts_per_micro_batch=4", "algorithm.kl_coef=0",
-        "dataflow.async_execution=false", "dataflow.max_staleness=0",
+        "dataflow.async_execution=false", "dataflow.max_staleness=99",
     ])
     trainer = TrainerStage()
     ctx = FakeStageContext("trainer", cfg)
@@ -125,9 +131,10 @@ def test_trainer_oom_mid_step_trains_every_sample_once(tmp_path, monkeypatch, ca
     engine.load_state(tmp_path / "before")
     engine.set_rng_state(rng)
     losses = [train_as_recorded(engine, b, 64, layout)["loss"] for b, layout in zip(batches, layouts, strict=True)]
-    clean = engine.optimizer_step()
+    grad_scale = compute_step_grad_scale(batches, 64, "token-mean")  # exact token-mean over the step
+    clean = engine.optimizer_step(grad_scale)
     assert engine.weights_sha256() == recovered_sha  # bitwise: the failed attempt left no trace
-    assert compute_step_loss(losses, batches, 64) == record.loss
+    assert compute_step_loss(losses, batches, 64, "token-mean") == record.loss
     assert clean["grad_norm"] == step["actor/grad_norm"]
     # The step's loss as reported: micro-batch losses (pieces merged) weighted by tokens.
     assert np.average(losses, weights=[b.completion_tokens for b in batches]) == pytest.approx(
@@ -138,4 +145,4 @@ def test_trainer_oom_mid_step_trains_every_sample_once(tmp_path, monkeypatch, ca
     engine.set_rng_state(rng)
     for b in batches:
         train_as_recorded(engine, b, 64, None)
-    assert engine.optimizer_step()["grad_norm"] == pytest.approx(clean["grad_norm"], rel=1e-5)
+    assert engine.optimizer_step(grad_scale)["grad_norm"] == pytest.approx(clean["grad_norm"], rel=1e-5)

@@ -255,3 +255,16 @@ def test_seq_mean_token_sum_norm_divides_by_a_constant():
     assert out.item() == pytest.approx(14 / 12, abs=1e-6)
     with pytest.raises(ValueError, match="norm_tokens"):
         aggregate_loss(values, mask, "seq-mean-token-sum-norm")
+
+
+def test_logp_mismatch_is_measured_on_fresh_tokens_only():
+    # tokens: |logp - behaviour| = 0.1 (fresh), 0.3 (fresh), 2.0 (stale, ignored),
+    #   0.5 (fresh but masked out) -> (0.1 + 0.3) / 2 = 0.2
+    logp = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    old = torch.tensor([[-1.1, -0.7, -3.0, -1.5]])
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    fresh = torch.tensor([[1, 1, 0, 1]], dtype=torch.bool)
+    _, metrics = compute_policy_loss(logp, old, torch.tensor([1.0]), mask, fresh_mask=fresh)
+    assert metrics["logp_mismatch"] == pytest.approx(0.2, abs=1e-6)
+    _, metrics = compute_policy_loss(logp, old, torch.tensor([1.0]), mask)
+    assert metrics["logp_mismatch"] == 0.0
