@@ -42,8 +42,7 @@ import numpy as np
 import ray
 
 from pipeline.types import WeightUpdate
-from pipeline.versions import compute_staleness, is_too_stale
-from pipeline.versions import required_serving_version
+from pipeline.versions import compute_staleness, is_too_stale, required_serving_version
 
 
 class GenerationLengths(msgspec.Struct, frozen=True, kw_only=True):

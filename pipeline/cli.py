@@ -28,6 +28,7 @@ from typing import Any
 from pipeline import __version__
 from pipeline.config import ConfigError, ConveyorConfig, load_config
 from pipeline.dataflow import GraphError
+from pipeline.stage import StageError
 
 EXIT_BAD_CONFIG = 2
 
@@ -190,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"conveyor: invalid config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except StageError as exc:
+        # The stage's traceback was logged where it happened; summary.json says "failed".
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
