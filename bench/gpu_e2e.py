@@ -1,0 +1,212 @@
+"""GPU end to end: ``configs/gpu_small.yaml`` streaming vs lock-step vs TRL on the same GPU.
+
+Measures on the machine's GPU(s), one run each, in this process:
+
+- Conveyor async (the config as it is), and sync (``dataflow.async_execution=false``,
+  ``dataflow.max_staleness=0``), launched by ``pipeline.launch.launch_run``;
+- TRL's ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"`` on one GPU, bf16,
+  with the same locally built model, prompts, group size, completion length,
+  temperature, learning rate, clip, grad clip, token-mean loss and steps (no KL, no
+  reference model: the config has ``kl_coef: 0``).
+
+Steady state: samples/s over the steps after the first ``WARMUP_STEPS`` (engine start,
+compilation and the first updates set aside), per GPU used; also completion tokens/s,
+start-up time (launch to the first step), per-stage busy shares and the weight-sync
+share for Conveyor. ``bound_samples_per_s`` is the one-GPU bound of the GPU issue
+(engines alone, stages in sequence: 246 samples/s) where the config is that job's
+shape. Writes ``gpu_e2e.json`` and ``gpu_e2e.png``; needs a CUDA GPU (status "skipped"
+without one).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import new_figure, publish_result, save_figure
+from bench.e2e import _attempt, _version, summarize_curve
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
+WARMUP_STEPS = 5
+ONE_GPU_BOUND = 246.0  # samples/s, engines alone in sequence on one H200 (issue 10)
+
+
+def compute_steady_rate(times: list[float], samples_per_step: int, warmup: int) -> float | None:
+    """Samples/s from the end of step ``warmup - 1`` to the end of the last step."""
+    if len(times) <= warmup:
+        return None
+    span = times[-1] - times[warmup - 1]
+    return (len(times) - warmup) * samples_per_step / span if span > 0 else None
+
+
+def run_conveyor(mode: str, steps: int, root: Path) -> dict[str, Any]:
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.launch import launch_run
+    from pipeline.metrics import read_metrics
+
+    overrides = [f"run.dir={root / mode}", f"run.steps={steps}", "run.progress=false", f"run.name=gpu-e2e-{mode}",
+                 "train.save_checkpoint=false", "run.tensorboard=false"]
+    if mode == "sync":
+        overrides += ["dataflow.async_execution=false", "dataflow.max_staleness=0"]
+    cfg = load_config(CONFIG, overrides)
+    per_step = cfg.train.prompts_per_step * cfg.rollout.n
+    t0 = time.time()
+    summary = launch_run(cfg)
+    total = time.time() - t0
+    rows = read_metrics(cfg.run_dir)
+    times = [r["time"] for r in rows]
+    gpus = max(1, torch.cuda.device_count())
+    rate = compute_steady_rate(times, per_step, WARMUP_STEPS) or 0.0
+    tokens = [r.get("throughput/tokens_per_s") for r in rows[WARMUP_STEPS:]]
+    return {
+        "system": f"conveyor-{mode}", "overrides": overrides, "steps": summary["steps"], "gpus": gpus,
+        "startup_s": times[0] - t0 if times else None, "total_s": total,
+        "samples_trained": summary["samples"]["trained"], "samples_dropped": summary["samples"]["dropped"],
+        "samples_per_s": rate, "samples_per_s_per_gpu": rate / gpus if rate else None,
+        "completion_tokens_per_s": _mean([r.get("response_length/mean", 0) * per_step / r["time/step_s"]
+                                          for r in rows[WARMUP_STEPS:] if r.get("time/step_s")]),
+        "trainer_tokens_per_s": _mean(tokens),
+        "weight_sync_share": _mean([r.get("perf/weight_sync_share") for r in rows[WARMUP_STEPS:]]),
+        "gpu_util": _mean([r.get("perf/gpu_util") for r in rows[WARMUP_STEPS:]]),
+        "busy_ratio": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
+        "weight_transport": summary["trainer"].get("weight_transport"),
+        "weight_publish_s": summary["trainer"].get("weight_publish_s"),
+        **summarize_curve([(row["time"] - t0, row.get("reward/mean")) for row in rows]),
+    }
+
+
+def _mean(values: list[Any]) -> float | None:
+    vals = [float(v) for v in values if isinstance(v, int | float)]
+    return float(np.mean(vals)) if vals else None
+
+
+def run_trl(steps: int, root: Path) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from pipeline.config import load_config
+    from stages.tasks import load_task
+    from stages.tiny import resolve_model_path
+
+    t0 = time.time()
+    cfg = load_config(CONFIG)
+    path = resolve_model_path(cfg.model)
+    task = load_task(cfg.data.task, **cfg.data.task_kwargs)
+    per_step, n = cfg.train.prompts_per_step, cfg.rollout.n
+    rows = task.generate_rows(cfg.run.seed, steps * per_step)
+    data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": str(r["ground_truth"]),
+                               "data_source": r["data_source"]} for r in rows])
+
+    def reward(prompts: list[str], completions: list[str], ground_truth: list[str], data_source: list[str],
+               **_: Any) -> list[float]:
+        return [float(task.compute_score(ds, c, gt)) for c, gt, ds in zip(completions, ground_truth, data_source, strict=True)]
+
+    times: list[float] = []
+    curve: list[tuple[float, float | None]] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            times.append(time.time())
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+            if logs and "reward" in logs:
+                curve.append((time.time() - t0, float(logs["reward"])))
+
+    ro, alg, tr = cfg.rollout, cfg.algorithm, cfg.train
+    args = GRPOConfig(
+        output_dir=str(root / "trl"), per_device_train_batch_size=per_step * n, gradient_accumulation_steps=1,
+        num_generations=n, max_completion_length=ro.max_tokens, temperature=ro.temperature, top_p=ro.top_p,
+        learning_rate=tr.lr, weight_decay=tr.weight_decay, max_grad_norm=tr.grad_clip,
+        lr_scheduler_type="constant", warmup_steps=0, beta=alg.kl_coef, epsilon=alg.clip_eps_low,
+        epsilon_high=alg.clip_eps_high, loss_type="dapo", scale_rewards="group" if alg.norm_adv_by_std else "none",
+        num_iterations=1, max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
+        bf16=True, seed=cfg.run.seed, shuffle_dataset=False, dataloader_num_workers=0,
+        model_init_kwargs={"dtype": torch.bfloat16}, disable_dropout=True, log_completions=False,
+        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_enable_sleep_mode=False,
+    )
+    trainer = GRPOTrainer(model=str(path), reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=AutoTokenizer.from_pretrained(path), callbacks=[Record()])
+    trainer.train()
+    total = time.time() - t0
+    rate = compute_steady_rate(times, per_step * n, WARMUP_STEPS) or 0.0
+    return {
+        "system": "trl-grpo-vllm-colocate", "trl_version": _version("trl"), "steps": trainer.state.global_step,
+        "gpus": 1, "startup_s": times[0] - t0 if times else None, "total_s": total,
+        "samples_trained": trainer.state.global_step * per_step * n, "samples_dropped": {},
+        "samples_per_s": rate, "samples_per_s_per_gpu": rate, **summarize_curve(curve),
+    }
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return publish_result(out_dir, "gpu_e2e", {"status": "skipped", "error": "no CUDA GPU", "ratios": {}},
+                              plot)
+    from pipeline.config import load_config
+
+    steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
+    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-gpu-e2e-"))
+    try:
+        rows = {"async": _attempt("conveyor-async", run_conveyor, "async", steps, root),
+                "sync": _attempt("conveyor-sync", run_conveyor, "sync", steps, root)}
+        rows["trl"] = (_attempt("trl-grpo", run_trl, steps, root) if _version("trl")
+                       else {"system": "trl-grpo", "status": "skipped", "error": "trl is not installed"})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    def per_gpu(key: str) -> float | None:
+        row = rows[key]
+        return row.get("samples_per_s_per_gpu") if row.get("status") == "ok" else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    a, s, t = per_gpu("async"), per_gpu("sync"), per_gpu("trl")
+    ratios = {
+        "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+        "async_samples_per_s_per_gpu": a, "sync_samples_per_s_per_gpu": s, "trl_samples_per_s_per_gpu": t,
+        "async_over_sync": ratio(a, s), "async_over_trl": ratio(a, t),
+        "async_over_one_gpu_bound": ratio(a, ONE_GPU_BOUND), "trl_over_one_gpu_bound": ratio(t, ONE_GPU_BOUND),
+        "async_rollout_busy": (rows["async"].get("busy_ratio") or {}).get("rollout"),
+        "async_weight_sync_share": rows["async"].get("weight_sync_share"),
+        "targets": {"async_over_sync": 1.8, "async_rollout_busy": 0.7, "async_over_trl": 1.5},
+    }
+    status = "ok" if rows["async"].get("status") == "ok" and rows["sync"].get("status") == "ok" else "error"
+    payload = {"status": status, "quick": quick, "units": "samples = completions; seconds",
+               "params": {"config": str(CONFIG), "steps": steps, "warmup_steps": WARMUP_STEPS,
+                          "one_gpu_bound_samples_per_s": ONE_GPU_BOUND},
+               "runs": rows, "ratios": ratios}
+    return publish_result(out_dir, "gpu_e2e", payload, plot)
+
+
+def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+    fig, axes = new_figure(1, 2, size=(12, 4.5))
+    runs = payload.get("runs", {})
+    ax = axes[0][0]
+    names = [r["system"] for r in runs.values()]
+    ax.bar(names, [r.get("samples_per_s_per_gpu") or 0.0 for r in runs.values()])
+    ax.axhline(ONE_GPU_BOUND, linestyle="--", color="grey", linewidth=0.8, label="one-GPU bound")
+    ax.set_ylabel("samples / s / GPU (steady state)")
+    ax.set_title(f"gpu_e2e on {payload.get('ratios', {}).get('device', '?')}")
+    ax.legend(fontsize=8)
+    ax = axes[0][1]
+    for row in runs.values():
+        if row.get("status") == "ok" and row.get("curve"):
+            pts = [(t, r) for t, r in row["curve"] if r is not None]
+            if pts:
+                ts, rs = zip(*pts, strict=True)
+                ax.plot(ts, rs, label=row["system"], linewidth=1)
+    ax.set_xlabel("seconds since launch")
+    ax.set_ylabel("mean reward per step")
+    ax.legend(fontsize=8)
+    return save_figure(fig, out_dir, "gpu_e2e")
