@@ -323,17 +323,23 @@ class TrainerEngine:
             raise RuntimeError("optimizer_step: no micro-batch was trained since the last step")
         # torch AdamW under ZeRO 0 does not record the norm; ZeRO and the bf16/fp16
         # optimizers compute it themselves during step().
-        zero_scaled = grad_scale != 1.0 and self.engine.zero_optimization()
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        zero_scaled = grad_scale != 1.0 and isinstance(self.engine.optimizer, DeepSpeedZeroOptimizer)
         if grad_scale != 1.0 and not zero_scaled:
             self._scale_gradients(grad_scale)
-        own_norm = None if hasattr(self.engine.optimizer, "_global_grad_norm") else self._compute_grad_norm()
+        # The BF16 optimizer sets its norm (of its fp32 accumulators) only inside step().
+        reports_norm = isinstance(self.engine.optimizer, BF16_Optimizer) or hasattr(self.engine.optimizer, "_global_grad_norm")
+        own_norm = None if reports_norm else self._compute_grad_norm()
         lr = float(self.engine.get_lr()[0])
         skipped_before = self.engine.skipped_steps
         if zero_scaled:
             # ZeRO reduces gradients into its own partitions inside step() (stage 2: per
             # backward, unreachable before it) and divides them by its loss scale before
             # clipping there: dividing that scale by grad_scale for this one step is the
-            # same multiplication at the same point. Measured equal to ZeRO 0 on CPU.
+            # same multiplication at the same point. Measured equal to scaling the loss for
+            # every DeepSpeed optimizer wrapper this engine can get (ZeRO 0-2, fp32, bf16).
             opt = self.engine.optimizer
             before = opt.loss_scale
             opt.loss_scale = before / grad_scale
@@ -369,8 +375,15 @@ class TrainerEngine:
         self.gradients_tainted = False
 
     def _scale_gradients(self, factor: float) -> None:
+        """Multiply the accumulated gradients where ``step()`` will read them: the fp32
+        accumulators of DeepSpeed's BF16 optimizer, else each parameter's ``.grad``."""
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
         from deepspeed.utils import safe_update_full_grad_vectorized
 
+        if isinstance(self.engine.optimizer, BF16_Optimizer):
+            for flat in self.engine.optimizer.fp32_groups_gradients_flat:
+                flat.mul_(factor)
+            return
         params = [p for p in self.module.parameters() if p.requires_grad]
         safe_update_full_grad_vectorized(params, lambda grad, _param: grad.mul_(factor))
 

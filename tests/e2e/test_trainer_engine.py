@@ -302,3 +302,35 @@ def test_lr_schedule_steps_with_the_optimizer_and_survives_a_state_round_trip(ch
     engine.load_state(tmp_path / "mid")  # the schedule's position comes back with the state
     engine.train_micro_batch(batch, 1.0)
     assert engine.optimizer_step()["lr"] == pytest.approx(1e-3, rel=1e-12)
+
+
+@pytest.mark.parametrize(("zero_stage", "grad_accum"), [(0, None), (1, "fp32"), (2, None)])
+def test_grad_scale_equals_a_scaled_loss_under_bf16_optimizers(checkpoint, monkeypatch, zero_stage, grad_accum):
+    """optimizer_step(grad_scale) reaches the gradients wherever DeepSpeed keeps them: the
+    bf16 wrappers a GPU run gets (forced on here: fp16-style unfused for ZeRO 0, the BF16
+    optimizer's fp32 accumulators for ZeRO 1 with fp32 accumulation, ZeRO 2's partitions)."""
+    import stages.trainer_engine as te
+
+    def bf16_config(train, dtype, has_gpu):
+        cfg = build_deepspeed_config(train, dtype, True)
+        return {**cfg, "data_types": {"grad_accum_dtype": grad_accum}} if grad_accum else cfg
+
+    build_deepspeed_config = te.build_deepspeed_config
+    monkeypatch.setattr(te, "build_deepspeed_config", bf16_config)
+    results = []
+    for loss_scale, grad_scale in ((0.25, 1.0), (1.0, 0.25)):
+        engine = build_engine_bf16(checkpoint, zero_stage)
+        batch = on_policy(engine, make_batch(seed=8))
+        engine.train_micro_batch(batch, loss_scale)
+        out = engine.optimizer_step(grad_scale)
+        results.append((type(engine.engine.optimizer).__name__, out["grad_norm"], engine.state_dict_for_sync()))
+    (name, norm_a, w_a), (_, norm_b, w_b) = results
+    assert name == {0: "FP16_UnfusedOptimizer", 1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer"}[zero_stage]
+    assert norm_a == pytest.approx(norm_b, rel=1e-6)
+    assert all(torch.equal(w_a[n], w_b[n]) for n in w_a)
+
+
+def build_engine_bf16(checkpoint, zero_stage: int) -> TrainerEngine:
+    train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1)
+    return TrainerEngine(checkpoint, train, GrpoConfig(kl_coef=0.0), temperature=1.0, dtype="bfloat16", seed=0,
+                         chunk_size=64)

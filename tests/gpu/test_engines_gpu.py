@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-from pipeline.config import AlgorithmConfig, RolloutConfig, TinyModelConfig, TrainConfig
+from pipeline.config import GrpoConfig, RolloutConfig, TinyModelConfig, TrainConfig
 from pipeline.transport import CudaIpcExporter
 from pipeline.weights import WeightSyncError, build_payload, fingerprints_match
+from stages.algorithms import assign_advantages
 from stages.rollout import build_backend
 from stages.rollout.base import SamplingSettings
 from stages.tiny import ensure_tiny_checkpoint
@@ -36,12 +37,12 @@ def perturbed_state(checkpoint, scale: float, device) -> dict[str, torch.Tensor]
 def test_trainer_engine_steps_in_bf16_and_exports_both_ways(checkpoint, cuda):
     from stages.trainer_engine import TrainerEngine
 
-    engine = TrainerEngine(checkpoint, TrainConfig(lr=1e-3, grad_clip=1.0), AlgorithmConfig(kl_coef=0.0),
+    engine = TrainerEngine(checkpoint, TrainConfig(lr=1e-3, grad_clip=1.0), GrpoConfig(kl_coef=0.0),
                            temperature=1.0, dtype="bfloat16", seed=0)
     assert engine.weights_on_gpu and engine.engine.bfloat16_enabled()
     assert next(engine.module.parameters()).dtype == torch.bfloat16
     before = {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
-    metrics = engine.train_micro_batch(make_batch(0), 1.0)
+    metrics = engine.train_micro_batch(assign_advantages(make_batch(0), engine.algo), 1.0)
     out = engine.optimizer_step()
     assert engine.version == 1 and torch.isfinite(torch.tensor(metrics["loss"])) and out["grad_norm"] > 0
     changed = sum(not torch.equal(before[n], t) for n, t in engine.module.state_dict().items())
