@@ -239,12 +239,15 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
     configure_logging(cfg.run.log_level)
     cfg, checks = run_preflight(cfg)  # a bad path, import or data file: ConfigError, before Ray
     print(checks.describe(), flush=True)
-    cfg, plan = plan_run_placement(cfg)
-    df = build_dataflow(cfg, plan)
+    run_cfg, plan = plan_run_placement(cfg)
+    df = build_dataflow(run_cfg, plan)
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, cfg.run.resume_from, cfg.run.overwrite)  # refuses to clobber a run
     run_dir.mkdir(parents=True, exist_ok=True)
+    # The config as asked, not as planned: a resumed run plans its placement again (the
+    # cluster may differ) and must not take a planned value for the user's own.
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    cfg = run_cfg
     taps = record_taps(cfg, df)
     reporter = Reporter(cfg, run_dir)
     log.info("launch", run_dir=str(run_dir), mode="async" if cfg.dataflow.async_execution else "sync",

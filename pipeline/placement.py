@@ -183,6 +183,7 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
         f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident of "
         f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}), {RESERVE_FRACTION:.0%} reserve"
     )
+    planned = round(planned, 3)
     if chosen is not None:
         if chosen > planned + 1e-9:
             raise PlacementError(
@@ -197,7 +198,7 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
             f"vLLM on one GPU of {gpu_bytes / _GIB:.0f} GiB (vLLM would get {max(planned, 0):.2f} of it); "
             f"use more GPUs, a smaller model, or train.zero_stage with offload"
         )
-    return round(planned, 3)
+    return planned
 
 
 def check_plan(cfg: ConveyorConfig, plan: PlacementPlan) -> None:

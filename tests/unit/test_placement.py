@@ -110,3 +110,10 @@ def test_placement_config_forms():
         config(placement="manual")
     with pytest.raises(ConfigError, match=r"placement.rollout.gpus\[0\]: expected int >= 0"):
         config(placement={"rollout": [-1]})
+
+
+def test_a_share_equal_to_the_planned_one_is_accepted():
+    # A tiny model on 140 GiB: the plan gives vLLM its own-GPU cap, 0.9 (1 - ~0 - 0.1 in
+    # floating point is 0.8999...); the same value asked for explicitly must pass.
+    p = plan(config(rollout={"gpu_memory_utilization": 0.9}), 1, params=300_000, gpu_bytes=140 * GIB)
+    assert p.rollout_memory_fraction == 0.9
