@@ -47,6 +47,16 @@ def setup(tmp_path, models):
     return config, tmp_path
 
 
+@pytest.fixture
+def ray_starts(monkeypatch):
+    """Records any attempt to start Ray or the run (a test session may already have a
+    cluster up, so ``ray.is_initialized`` says nothing about this test)."""
+    calls: list[str] = []
+    monkeypatch.setattr(ray, "init", lambda *a, **kw: calls.append("ray.init"))
+    monkeypatch.setattr("pipeline.launch.run_dataflow", lambda *a, **kw: calls.append("run_dataflow"))
+    return calls
+
+
 def launch(config: Path, *overrides: str, command: str = "launch") -> int:
     return main([command, "--config", str(config), *overrides])
 
@@ -67,12 +77,12 @@ def launch(config: Path, *overrides: str, command: str = "launch") -> int:
         ("data.chat_template=none", "data.chat_template: 'none' cannot render chat messages"),
     ],
 )
-def test_bad_inputs_exit_2_naming_the_field_before_ray_starts(setup, capsys, override, expected):
+def test_bad_inputs_exit_2_naming_the_field_before_ray_starts(setup, capsys, ray_starts, override, expected):
     config, tmp = setup
     assert launch(config, override.format(tmp=tmp)) == 2
     err = capsys.readouterr().err
     assert f"conveyor: invalid config: {expected.format(tmp=tmp)}" in err
-    assert not ray.is_initialized()
+    assert ray_starts == []
 
 
 def test_chat_rows_on_a_model_without_a_template(setup, models, capsys):
@@ -99,7 +109,7 @@ def test_an_unimportable_custom_node_class(setup, capsys):
     assert "dataflow.nodes[0].node_class: cannot import module 'no_such_module_xyz'" in capsys.readouterr().err
 
 
-def test_a_file_with_no_usable_row_exits_2_with_the_report(setup, capsys):
+def test_a_file_with_no_usable_row_exits_2_with_the_report(setup, capsys, ray_starts):
     config, tmp = setup
     bad = tmp / "bad.jsonl"
     bad.write_text('{"messages": []}\n{oops\n\n')
@@ -108,7 +118,7 @@ def test_a_file_with_no_usable_row_exits_2_with_the_report(setup, capsys):
     assert f"data.path: no usable row in {bad}" in err
     assert "bad.jsonl (jsonl): 3 rows, 0 usable" in err
     assert "skipped 2 empty (rows 1, 3)" in err and "skipped 1 malformed (row 2)" in err
-    assert not ray.is_initialized()
+    assert ray_starts == []
 
 
 def test_status_runs_the_same_checks(setup, capsys):
@@ -117,7 +127,7 @@ def test_status_runs_the_same_checks(setup, capsys):
     assert "conveyor: invalid config: data.path:" in capsys.readouterr().err
 
 
-def test_a_good_config_passes_with_absolute_paths_and_a_data_report(setup, monkeypatch):
+def test_a_good_config_passes_with_absolute_paths_and_a_data_report(setup, monkeypatch, ray_starts):
     config, tmp = setup
     monkeypatch.chdir(tmp)
     cfg = load_config(config, ["data.path=chat.jsonl", "reward.function=my_reward.py:compute_score"])
@@ -126,7 +136,7 @@ def test_a_good_config_passes_with_absolute_paths_and_a_data_report(setup, monke
     assert cfg.reward.function == f"{tmp}/my_reward.py:compute_score"
     assert report.to_summary() == {"data/rows_total": 3, "data/rows_usable": 3}
     assert "chat.jsonl (jsonl): 3 rows, 3 usable (3 chat); prompt column 'messages'" in report.describe()
-    assert not ray.is_initialized()
+    assert ray_starts == []
 
 
 def test_verl_reward_spelling_is_checked_too(setup, capsys):
