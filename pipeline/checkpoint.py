@@ -102,9 +102,13 @@ def write_checkpoint(run_dir: Path, state: ResumeState, save_trainer: Callable[[
         save_trainer(tmp / TRAINER_DIR)
         (tmp / STATE_FILE).write_bytes(msgspec.msgpack.encode(state))
         _fsync_dir(tmp)
-        if final.exists():  # the same version again (a resumed run's first save): replace it
-            shutil.rmtree(final)
+        old = None
+        if final.exists():  # the same version again (drops recorded since): moved aside first,
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=root))  # removed once replaced
+            os.replace(final, old / "step")
         os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep or None]:
@@ -161,6 +165,8 @@ def check_resume_config(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[
     """The safe keys that changed; ``ConfigError`` naming the others if any changed."""
     changed = diff_configs(old, new)
     unsafe = [k for k in changed if not any(k == s or (s.endswith(".") and k.startswith(s)) for s in SAFE_RESUME_KEYS)]
+    if "run.steps" in changed and (new.get("train") or {}).get("lr_scheduler", "constant") != "constant":
+        unsafe.append("run.steps (the learning rate decays over run.steps)")
     if unsafe:
         raise ConfigError(
             f"--resume: the config differs from the run's own in {unsafe}; a resumed run must learn "

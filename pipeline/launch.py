@@ -120,7 +120,10 @@ def count_model_params(cfg: ConveyorConfig) -> int:
 
 def record_taps(cfg: ConveyorConfig, df: DataFlow) -> dict[str, str]:
     """Edge name -> recording dir (``<record.dir>/<consumer>``: one writer per directory)."""
-    root = Path(cfg.record.dir).expanduser() if cfg.record.dir else cfg.run_dir / "recording"
+    # A resumed run records apart (recording-from-step-N): its batch ids and sequence
+    # numbers start again, and must not replace the first session's files.
+    default = f"recording-from-{Path(cfg.run.resume_from).name}" if cfg.run.resume_from else "recording"
+    root = Path(cfg.record.dir).expanduser() if cfg.record.dir else cfg.run_dir / default
     for edge in cfg.record.edges:
         if edge not in df.edge_names:
             raise ConfigError(f"record.edges: {edge!r} is not an edge of the graph (edges: {df.edge_names})")

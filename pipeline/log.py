@@ -24,7 +24,9 @@ def configure_logging(level: str = "info") -> None:
             structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # The stream is looked up per logger, not once: a replaced sys.stderr (pytest's
+        # capture, a redirect) must not leave loggers writing to a closed file.
+        logger_factory=lambda *_: structlog.PrintLogger(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
 

@@ -11,7 +11,8 @@ Guarantees:
   Indices are positions in the run's placement group, as in verl's resource pools.
 - ``placement: auto`` (the default): no GPU: every stage on CPU. One GPU: rollout,
   reference and trainer share GPU 0 and vLLM's ``gpu_memory_utilization`` is what the
-  trainer and reference leave (``estimate_colocated_fraction``). Two or more: the
+  trainer and reference leave (``estimate_colocated_fraction``), split evenly between
+  the vLLM engines on that GPU when rollout replicas share it. Two or more: the
   rollout replicas get their own GPUs (round robin over ``min(num_workers, n - 1)``
   GPUs), trainer and reference share the next one; GPUs left over are reported idle.
   Reward (functions) stays on CPU.
@@ -171,8 +172,14 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
         return cfg.rollout.gpu_memory_utilization
     mates = [n for n in ("trainer", "reference") if n in placed and set(placed[n].gpus) & set(rollout.gpus)]
     chosen = cfg.rollout.gpu_memory_utilization
+    # Engines sharing one GPU split vLLM's share: each asks for its part of the memory.
+    engines = max(rollout.gpus.count(g) for g in set(rollout.gpus))
     if not mates:
-        return OWN_GPU_FRACTION if chosen is None else chosen
+        if chosen is not None and chosen * engines > OWN_GPU_FRACTION + 1e-9:
+            raise PlacementError(
+                f"placement.rollout: {engines} vLLM engines on one GPU with rollout.gpu_memory_utilization "
+                f"{chosen:g} each would ask for {chosen * engines:.2f} of it; at most {OWN_GPU_FRACTION} in all")
+        return round(OWN_GPU_FRACTION / engines, 3) if chosen is None else chosen
     if not (num_params and gpu_bytes):
         notes.append("GPU memory or model size unknown: vLLM keeps rollout.gpu_memory_utilization")
         return chosen
@@ -183,7 +190,7 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
         f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident of "
         f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}), {RESERVE_FRACTION:.0%} reserve"
     )
-    planned = round(planned, 3)
+    planned = round(planned / engines, 3)
     if chosen is not None:
         if chosen > planned + 1e-9:
             raise PlacementError(

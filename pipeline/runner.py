@@ -173,9 +173,11 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
     for ref, name in setups.items():
         try:
             await ref
-        except Exception as exc:
+        except BaseException as exc:  # a failed setup, or a forced stop while engines start
             await _teardown(graph)
-            raise _stage_error(name, exc) from None
+            if isinstance(exc, Exception):
+                raise _stage_error(name, exc) from None
+            raise
     return graph
 
 
@@ -283,7 +285,13 @@ async def _run(
     controller = ControllerActor.remote(target_prompts, prompts_per_step, target_steps, _resumed_counts(config))
     interrupts = _Interrupts(controller)
     try:
-        graph = await _start(df, config, controller, taps)
+        try:
+            graph = await _start(df, config, controller, taps)  # tears down what it made if it fails
+        except BaseException as exc:
+            ray.kill(controller, no_restart=True)
+            if interrupts.forced:
+                raise RunInterrupted(interrupts.received or "signal") from exc
+            raise
         t0 = time.time()
         try:
             if async_mode:
@@ -357,7 +365,7 @@ class _Interrupts:
             self.received = sig.name
             log.warning("stopping", signal=sig.name,
                         detail="no new prompts; what is in flight drains; send it again to force")
-            self._loop.create_task(self._stop())
+            self._stopping = self._loop.create_task(self._stop())  # held: a bare task may be collected
             return
         self.forced = True
         log.warning("forced_stop", signal=sig.name)

@@ -135,6 +135,8 @@ def select_transport(weights_on_gpu: bool, cluster_gpus: float, override: str | 
     if override:
         if override not in TRANSPORTS:
             raise ValueError(f"{TRANSPORT_ENV}: expected one of {TRANSPORTS}, got {override!r}")
+        if override == "cuda_ipc" and not weights_on_gpu:
+            raise ValueError(f"{TRANSPORT_ENV}=cuda_ipc: the trainer's weights are not on a GPU")
         return override
     return "cuda_ipc" if weights_on_gpu and cluster_gpus == 1 else "shm"
 

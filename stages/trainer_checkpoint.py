@@ -33,6 +33,7 @@ class TrainerCheckpoints:
         self.consumed = ConsumedPrompts()
         self.recent_metrics: list[dict[str, Any]] = []  # steps since the last checkpoint
         self.last_written = -1
+        self.dirty = False  # something was recorded since the last write
 
     def restore(self, checkpoint: str | Path) -> int:
         """Load ``checkpoint`` into the engine and the counters; returns its version."""
@@ -46,11 +47,13 @@ class TrainerCheckpoints:
         return state.version
 
     def record_step(self, batches: list[RolloutBatch], metrics: dict[str, Any]) -> None:
+        self.dirty = True
         self.recent_metrics.append(metrics)
         self.trained_prompts += sum(len(b.prompts) for b in batches)
         self.consumed.add(p.index for b in batches for p in b.prompts)
 
     def record_drop(self, batch: RolloutBatch, reason: str) -> None:
+        self.dirty = True
         self.dropped[reason] = self.dropped.get(reason, 0) + len(batch.prompts)
         self.consumed.add(p.index for p in batch.prompts)
 
@@ -68,5 +71,5 @@ class TrainerCheckpoints:
         state = ResumeState(version=self.engine.version, trained_prompts=self.trained_prompts,
                             dropped=dict(self.dropped), consumed=self.consumed, recent_metrics=self.recent_metrics)
         path = write_checkpoint(self.run_dir, state, self.engine.save_state, self.keep)
-        self.last_written, self.recent_metrics = self.engine.version, []
+        self.last_written, self.recent_metrics, self.dirty = self.engine.version, [], False
         return path

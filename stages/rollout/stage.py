@@ -163,7 +163,10 @@ class RolloutStage:
             # The backend raises WeightSyncError (and serves nothing unverified) when
             # the read-back differs from the payload.
             verify = self.cfg.train.weight_sync_monitor
-            fingerprint = await self.backend.update_weights(data, update.version, verify=verify)
+            # ``verify`` is passed only when off: a plug-in backend of the two-argument
+            # protocol keeps working with the default.
+            fingerprint = await (self.backend.update_weights(data, update.version) if verify
+                                 else self.backend.update_weights(data, update.version, verify=False))
         seconds = time.time() - t0
         await self.ctx.controller.confirm.remote(self.ctx.worker_id, update.version, fingerprint, verify, seconds)
         self.applied.append({"version": update.version, "apply_s": seconds, "verified": verify,

@@ -51,11 +51,16 @@ def test_signal_stops_the_run_cleanly(tmp_path, sig, code):
     assert proc.returncode == code, err[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == sig.name
-    samples = summary["samples"]
-    # Drained, not abandoned: every admitted prompt was trained or dropped with a reason.
-    assert samples["in_flight"] == 0 and samples["reconciles"]
-    assert samples["produced"] == samples["trained"] + sum(samples["dropped"].values())
+    # Drained, not abandoned: the source's issued prompt ids and the trainer's trained or
+    # dropped ones (two separate reports) are the same set, each id once.
+    accounting = summary["accounting"]
+    assert accounting["reconciles"], accounting
+    assert accounting["issued"] == accounting["finished"] == summary["prompts"]["admitted"]
+    assert summary["samples"]["in_flight"] == 0
     assert 3 <= summary["steps"] < 500
     assert (run_dir / "checkpoint" / "config.json").is_file()
+    # A resumable checkpoint of the last version, and the resume command in the summary.
+    assert (run_dir / "checkpoints" / f"step-{summary['policy_version']:08d}" / "state.msgpack").is_file()
+    assert summary["resume"] == f"conveyor launch --resume {run_dir}"
     alive = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]

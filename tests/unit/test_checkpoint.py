@@ -65,6 +65,9 @@ def test_resume_refuses_a_changed_config_naming_the_keys():
     assert diff_configs(old, old) == []
     new = {"train": {"lr": 1e-3, "checkpoint_every": 5}, "run": {"steps": 50}, "model": {"path": "a"}}
     assert check_resume_config(old, new) == ["run.steps", "train.checkpoint_every"]
+    decaying = {**new, "train": {"lr": 1e-3, "checkpoint_every": 5, "lr_scheduler": "cosine"}}
+    with pytest.raises(ConfigError, match=r"run.steps \(the learning rate decays over run.steps\)"):
+        check_resume_config({**old, "train": {**old["train"], "lr_scheduler": "cosine"}}, decaying)
     bad = {**new, "train": {"lr": 2e-3, "checkpoint_every": 5}, "model": {"path": "b"}}
     with pytest.raises(ConfigError, match=r"differs from the run's own in \['model.path', 'train.lr'\]"):
         check_resume_config(old, bad)

@@ -117,3 +117,13 @@ def test_a_share_equal_to_the_planned_one_is_accepted():
     # floating point is 0.8999...); the same value asked for explicitly must pass.
     p = plan(config(rollout={"gpu_memory_utilization": 0.9}), 1, params=300_000, gpu_bytes=140 * GIB)
     assert p.rollout_memory_fraction == 0.9
+
+
+def test_rollout_replicas_sharing_a_gpu_split_vllms_share():
+    # 2 GPUs, 4 replicas: min(4, 2 - 1) = 1 rollout GPU holds all four engines: 0.9 / 4.
+    p = plan(config(rollout={"num_workers": 4}), 2)
+    assert p.stages["rollout"].gpus == (0, 0, 0, 0) and p.rollout_memory_fraction == 0.225
+    # One GPU, two engines beside trainer and reference: 0.78358 / 2 = 0.392.
+    assert plan(config(rollout={"num_workers": 2}), 1).rollout_memory_fraction == 0.392
+    with pytest.raises(PlacementError, match=r"2 vLLM engines on one GPU .* would ask for 1.20"):
+        plan(config(rollout={"num_workers": 2, "gpu_memory_utilization": 0.6}), 2)

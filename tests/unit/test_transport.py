@@ -61,6 +61,8 @@ def test_transport_rule():
     assert select_transport(True, 1.0) == "cuda_ipc"
     assert select_transport(True, 2.0) == "shm"  # disaggregated: the rollout may not see the trainer's GPU
     assert select_transport(False, 1.0) == "shm"
-    assert select_transport(False, 0.0, "cuda_ipc") == "cuda_ipc"
+    assert select_transport(True, 2.0, "cuda_ipc") == "cuda_ipc"
+    with pytest.raises(ValueError, match="cuda_ipc: the trainer's weights are not on a GPU"):
+        select_transport(False, 0.0, "cuda_ipc")
     with pytest.raises(ValueError, match="expected one of"):
         select_transport(True, 1.0, "nccl")
