@@ -57,7 +57,10 @@ def _load_resume(args: argparse.Namespace) -> ConveyorConfig:
     args.config = args.config or str(run_dir / "config.yaml")
     args.overrides = [*args.overrides, f"run.dir={run_dir}"]
     cfg, _ = _load(args)
-    checkpoint, changed, skipped = resolve_resume(run_dir, to_dict(cfg))
+    from pipeline.preflight import absolutise_paths
+
+    # The saved config went through pre-flight's absolute paths; compare like with like.
+    checkpoint, changed, skipped = resolve_resume(run_dir, to_dict(absolutise_paths(cfg)))
     for message in skipped:
         print(f"conveyor: {message}", file=sys.stderr)
     print(f"resuming from {checkpoint}" + (f" (changed: {', '.join(changed)})" if changed else ""), flush=True)

@@ -96,3 +96,28 @@ def test_prompt_accounts_reconcile_only_when_ids_and_counts_agree():
     assert not twice["reconciles"] and twice["repeated_finish"] == 1
     stray = reconcile_prompt_ids(ids(4), 4, ids(4, [9]), 5)  # finished a prompt nobody issued
     assert not stray["reconciles"] and stray["unexpected"] == [9]
+
+
+def test_resume_with_the_original_config_and_relative_paths_is_accepted(tmp_path, monkeypatch):
+    """The saved config.yaml holds pre-flight's absolute paths; the same config given
+    again with relative ones is the same run, not a changed one."""
+    import argparse
+
+    import yaml
+
+    from pipeline.cli import _load_resume
+    from pipeline.config import load_config, to_dict
+    from pipeline.preflight import absolutise_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1="}\n')
+    original = tmp_path / "job.yaml"
+    original.write_text(yaml.safe_dump({"data": {"path": "prompts.jsonl"}, "run": {"dir": "run"}}))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = to_dict(absolutise_paths(load_config(original)))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    write_checkpoint(run_dir, ResumeState(version=2, trained_prompts=16), _save("2"), keep=1)
+    args = argparse.Namespace(resume=str(run_dir), config=str(original), overrides=["run.steps=5"])
+    cfg = _load_resume(args)
+    assert cfg.run.resume_from.endswith("step-00000002") and cfg.run.steps == 5
