@@ -170,11 +170,10 @@ def _attempt(name: str, fn: Any, *args: Any) -> dict[str, Any]:
     return row
 
 
-def run(quick: bool, out_dir: Path) -> dict[str, Any]:
-    from pipeline.config import load_config
-
-    steps = 3 if quick else load_config(QUICKSTART).run.steps
-    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-e2e-"))
+def run_three_systems(run_conveyor: Any, run_trl: Any, steps: int, prefix: str) -> dict[str, dict[str, Any]]:
+    """Conveyor async, Conveyor sync and TRL on the same job, one after the other, each
+    in a fresh temporary directory; a failing system is a row with its error."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         rows = {"async": _attempt("conveyor-async", run_conveyor, "async", steps, root),
                 "sync": _attempt("conveyor-sync", run_conveyor, "sync", steps, root)}
@@ -182,6 +181,14 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                        else {"system": "trl-grpo", "status": "skipped", "error": "trl is not installed"})
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    from pipeline.config import load_config
+
+    steps = 3 if quick else load_config(QUICKSTART).run.steps
+    rows = run_three_systems(run_conveyor, run_trl, steps, "conveyor-bench-e2e-")
 
     def ratio(a: str, b: str, key: str, invert: bool = False, threshold: float | None = None) -> float | None:
         ra, rb = rows[a], rows[b]

@@ -20,8 +20,6 @@ without one).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import new_figure, publish_result, save_figure
-from bench.e2e import _attempt, _version, summarize_curve
+from bench.e2e import _version, run_three_systems, summarize_curve
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 WARMUP_STEPS = 5
@@ -155,14 +153,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     from pipeline.config import load_config
 
     steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
-    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-gpu-e2e-"))
-    try:
-        rows = {"async": _attempt("conveyor-async", run_conveyor, "async", steps, root),
-                "sync": _attempt("conveyor-sync", run_conveyor, "sync", steps, root)}
-        rows["trl"] = (_attempt("trl-grpo", run_trl, steps, root) if _version("trl")
-                       else {"system": "trl-grpo", "status": "skipped", "error": "trl is not installed"})
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    rows = run_three_systems(run_conveyor, run_trl, steps, "conveyor-bench-gpu-e2e-")
 
     def per_gpu(key: str) -> float | None:
         row = rows[key]
