@@ -118,17 +118,9 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
             if logs and "reward" in logs:
                 curve.append((time.time() - t0, float(logs["reward"])))
 
-    n, ro, alg, tr = cfg.rollout.n, cfg.rollout, cfg.algorithm, cfg.train
-    args = GRPOConfig(
-        output_dir=str(root / "trl"), per_device_train_batch_size=per_step * n, gradient_accumulation_steps=1,
-        num_generations=n, max_completion_length=ro.max_tokens, temperature=ro.temperature, top_p=ro.top_p,
-        learning_rate=tr.lr, weight_decay=tr.weight_decay, max_grad_norm=tr.grad_clip,
-        lr_scheduler_type="constant", warmup_steps=0, beta=alg.kl_coef, epsilon=alg.clip_eps_low,
-        epsilon_high=alg.clip_eps_high, loss_type="dapo", scale_rewards="group" if alg.norm_adv_by_std else "none",
-        num_iterations=1, max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
-        use_cpu=True, bf16=False, seed=cfg.run.seed, shuffle_dataset=False, dataloader_num_workers=0,
-        model_init_kwargs={"dtype": torch.float32}, disable_dropout=True, log_completions=False,
-    )
+    n = cfg.rollout.n
+    args = GRPOConfig(**build_trl_args(cfg, root, steps), use_cpu=True, bf16=False,
+                      model_init_kwargs={"dtype": torch.float32})
     trainer = GRPOTrainer(model=str(path), reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=AutoTokenizer.from_pretrained(path), callbacks=[Record()])
     t_train = time.time()
@@ -168,6 +160,22 @@ def _attempt(name: str, fn: Any, *args: Any) -> dict[str, Any]:
             f"time to thresholds {row['time_to_threshold_s']}") if row["status"] == "ok" else row["error"]
     print(f"{name}: {line}", flush=True)
     return row
+
+
+def build_trl_args(cfg: Any, root: Path, steps: int) -> dict[str, Any]:
+    """``GRPOConfig`` keywords for TRL's run of a Conveyor config (same group size,
+    sampling, optimiser and loss); the caller adds the device's (CPU, bf16, vLLM)."""
+    ro, alg, tr = cfg.rollout, cfg.algorithm, cfg.train
+    return dict(
+        output_dir=str(root / "trl"), per_device_train_batch_size=tr.prompts_per_step * ro.n,
+        gradient_accumulation_steps=1, num_generations=ro.n, max_completion_length=ro.max_tokens,
+        temperature=ro.temperature, top_p=ro.top_p, learning_rate=tr.lr, weight_decay=tr.weight_decay,
+        max_grad_norm=tr.grad_clip, lr_scheduler_type="constant", warmup_steps=0, beta=alg.kl_coef,
+        epsilon=alg.clip_eps_low, epsilon_high=alg.clip_eps_high, loss_type="dapo",
+        scale_rewards="group" if alg.norm_adv_by_std else "none", num_iterations=1, max_steps=steps,
+        logging_steps=1, report_to="none", save_strategy="no", seed=cfg.run.seed, shuffle_dataset=False,
+        dataloader_num_workers=0, disable_dropout=True, log_completions=False,
+    )
 
 
 def run_three_systems(run_conveyor: Any, run_trl: Any, steps: int, prefix: str) -> dict[str, dict[str, Any]]:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import new_figure, publish_result, save_figure
-from bench.e2e import _version, run_three_systems, summarize_curve
+from bench.e2e import _version, build_trl_args, run_three_systems, summarize_curve
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 WARMUP_STEPS = 5
@@ -119,18 +119,9 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
             if logs and "reward" in logs:
                 curve.append((time.time() - t0, float(logs["reward"])))
 
-    ro, alg, tr = cfg.rollout, cfg.algorithm, cfg.train
-    args = GRPOConfig(
-        output_dir=str(root / "trl"), per_device_train_batch_size=per_step * n, gradient_accumulation_steps=1,
-        num_generations=n, max_completion_length=ro.max_tokens, temperature=ro.temperature, top_p=ro.top_p,
-        learning_rate=tr.lr, weight_decay=tr.weight_decay, max_grad_norm=tr.grad_clip,
-        lr_scheduler_type="constant", warmup_steps=0, beta=alg.kl_coef, epsilon=alg.clip_eps_low,
-        epsilon_high=alg.clip_eps_high, loss_type="dapo", scale_rewards="group" if alg.norm_adv_by_std else "none",
-        num_iterations=1, max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
-        bf16=True, seed=cfg.run.seed, shuffle_dataset=False, dataloader_num_workers=0,
-        model_init_kwargs={"dtype": torch.bfloat16}, disable_dropout=True, log_completions=False,
-        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_enable_sleep_mode=False,
-    )
+    args = GRPOConfig(**build_trl_args(cfg, root, steps), bf16=True, model_init_kwargs={"dtype": torch.bfloat16},
+                      use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+                      vllm_enable_sleep_mode=False)
     trainer = GRPOTrainer(model=str(path), reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=AutoTokenizer.from_pretrained(path), callbacks=[Record()])
     trainer.train()
