@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "rollout_overhead": "bench.rollout_overhead",
     "e2e": "bench.e2e",
     "admission": "bench.admission",
+    "staleness": "bench.staleness",
     "gpu_e2e": "bench.gpu_e2e",  # needs a CUDA GPU; "skipped" without one
 }
 

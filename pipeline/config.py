@@ -206,7 +206,23 @@ class TrainConfig(msgspec.Struct, **_section()):
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: NonNegInt = 0
     min_lr_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    # bf16 runs (a GPU): gradients accumulate across a step's pieces in fp32 next to
+    # fp32 master weights (DeepSpeed's BF16 optimizer); bf16 accumulates in the model
+    # dtype (less memory, rounding grows with the pieces of a step).
+    grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
     memory: MemoryConfig = MemoryConfig()
+
+
+class KLControlConfig(msgspec.Struct, **_section()):
+    """The coefficient of the KL penalty subtracted from the reward
+    (``algorithm.use_kl_in_reward``), verl's ``algorithm.kl_ctrl``: ``fixed`` keeps
+    ``kl_coef``; ``adaptive`` (Ziegler et al. 2019) multiplies it after every optimizer
+    step by ``1 + clip(kl / target_kl - 1, -0.2, 0.2) * samples / horizon``."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: NonNegFloat = 0.001
+    target_kl: PosFloat = 0.1
+    horizon: PosInt = 10000
 
 
 class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
@@ -221,10 +237,23 @@ class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
     - ``off_policy``: ``off`` (PPO ratio against the sampler), ``truncate`` or ``reject``
       (decoupled objective: importance weight current/behaviour, truncated at or
       rejected above ``behav_imp_weight_cap``).
+    - ``ratio_level``: ``token`` (PPO/GRPO) or ``sequence`` (GSPO: the geometric mean of
+      a sample's token ratios, clipped per sequence).
+    - ``kl_estimator`` ``k3+`` / ``k1+``: k3's (k1's) value with k2's gradient.
+    - ``use_kl_in_reward``: ``kl_ctrl.kl_coef * kl_penalty`` (behaviour vs reference,
+      per token) is subtracted from the reward before advantages; ``kl_ctrl.type:
+      adaptive`` steers the coefficient towards ``kl_ctrl.target_kl``.
+    - ``drop_zero_variance_groups``: the reward stage drops groups whose samples all got
+      the same reward (no learning signal; DAPO's dynamic sampling); the source
+      replaces them and summary.json counts them (``zero_variance``).
+    - ``overlong_mask``: completions cut by ``rollout.max_tokens`` (finish reason
+      ``length``) leave the loss; ``overlong_buffer_len`` > 0: DAPO's soft overlong
+      penalty, ``-factor * (length - (max_tokens - buffer)) / buffer`` when positive,
+      added to the reward.
     """
 
     kl_coef: NonNegFloat = 0.04
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+"] = "k3"
     clip_eps_low: NonNegFloat = 0.2
     clip_eps_high: NonNegFloat = 0.2
     clip_ratio_c: Annotated[float, Meta(gt=1)] | None = 3.0
@@ -232,6 +261,14 @@ class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
     loss_norm_tokens: PosInt | None = None
     off_policy: Literal["off", "truncate", "reject"] = "off"
     behav_imp_weight_cap: Annotated[float, Meta(ge=1)] = 2.0
+    ratio_level: Literal["token", "sequence"] = "token"
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal["k1", "k2", "k3"] = "k1"
+    kl_ctrl: KLControlConfig = KLControlConfig()
+    drop_zero_variance_groups: bool = False
+    overlong_mask: bool = False
+    overlong_buffer_len: NonNegInt = 0
+    overlong_penalty_factor: NonNegFloat = 1.0
 
     # Advantages compare the samples of one prompt: needs rollout.n >= 2.
     group_baseline: ClassVar[bool] = True
@@ -349,7 +386,7 @@ class ConveyorConfig(msgspec.Struct, **_section()):
     @property
     def reference_enabled(self) -> bool:
         if self.reference.enabled == "auto":
-            return self.algorithm.kl_coef > 0
+            return self.algorithm.kl_coef > 0 or self.algorithm.use_kl_in_reward
         return self.reference.enabled == "on"
 
     @property
@@ -484,7 +521,10 @@ def _tag_algorithm(raw: dict[str, Any]) -> dict[str, Any]:
     name = algo.get("name", "grpo")
     if name not in ALGORITHM_NAMES:
         raise ConfigError(f"algorithm.name: expected one of {list(ALGORITHM_NAMES)}, got {name!r}")
-    return {**raw, "algorithm": {**algo, "name": name}}
+    algo = {**algo, "name": name}
+    if algo.get("off_policy") is False:  # YAML 1.1 reads a bare `off` as false
+        algo["off_policy"] = "off"
+    return {**raw, "algorithm": algo}
 
 
 def _expand_placement(raw: dict[str, Any]) -> dict[str, Any]:
@@ -554,6 +594,7 @@ def check_config(cfg: ConveyorConfig) -> None:
         )
     if ro.n < 2 and cfg.algorithm.group_baseline:
         raise ConfigError(f"rollout.n: expected >= 2 for {cfg.algorithm.name} (group baseline), got {ro.n}")
+    check_algorithm(cfg)
     # The trainer and the reference score sampled tokens under the full softmax; a
     # truncated sampler renormalises over the kept tokens, so even on-policy the ratio
     # would be the kept mass, not 1, and negative-advantage tokens would lose their
@@ -584,6 +625,21 @@ def check_config(cfg: ConveyorConfig) -> None:
             f"reward.path: set either reward.function ({cfg.reward.function!r}) or reward.path with "
             f"reward.name (verl's spelling), not both"
         )
+
+
+def check_algorithm(cfg: ConveyorConfig) -> None:
+    """``algorithm`` fields that depend on other sections."""
+    algo, ro = cfg.algorithm, cfg.rollout
+    if algo.use_kl_in_reward and not cfg.reference_enabled:
+        raise ConfigError("algorithm.use_kl_in_reward: needs reference log-probs, but reference.enabled is 'off'")
+    if algo.drop_zero_variance_groups and ro.n < 2:
+        raise ConfigError(
+            f"algorithm.drop_zero_variance_groups: needs rollout.n >= 2 (a group of one sample always has "
+            f"zero variance), got rollout.n {ro.n}")
+    if algo.overlong_buffer_len >= ro.max_tokens:
+        raise ConfigError(
+            f"algorithm.overlong_buffer_len: expected < rollout.max_tokens ({ro.max_tokens}), "
+            f"got {algo.overlong_buffer_len}")
 
 
 def to_dict(cfg: ConveyorConfig) -> dict[str, Any]:

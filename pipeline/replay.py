@@ -295,8 +295,9 @@ def replay_trainer(engine: Any, plan: ReplayPlan, *, verify: bool, out: Out = pr
         if record.rng_state:
             engine.set_rng_state(record.rng_state)
         batches = plan.batches[record.step]
-        losses = [train_as_recorded(engine, b, plan.step_samples, read_piece_layout(record.metrics, b.batch_id))["loss"]
-                  for b in batches]
+        kl_coef = float(record.metrics.get("kl_reward_coef", 0.0))
+        losses = [train_as_recorded(engine, b, plan.step_samples, read_piece_layout(record.metrics, b.batch_id),
+                                    kl_coef)["loss"] for b in batches]
         loss_agg = engine.algo.loss_agg
         step_out = engine.optimizer_step(compute_step_grad_scale(batches, plan.step_samples, loss_agg))
         loss = compute_step_loss(losses, batches, plan.step_samples, loss_agg)

@@ -5,7 +5,8 @@ Guarantees:
   pieces are runs of whole groups, in order, as equal in group count as possible.
 - Every sample lands in exactly one piece with all of its per-sample values (ids,
   lengths, token arrays, texts, log-probs, versions, finish reasons, rewards, reward
-  extras, reward errors, reference log-probs, per-token training fields); columns beyond
+  extras, reward errors, reference log-probs, per-token training fields; a batch's
+  ``dropped_prompts`` go with its first piece only); columns beyond
   a piece's longest prompt or completion are dropped, so a short piece does not pay for
   a long one.
 - Pieces keep the batch's ``batch_id``, ``step``, ``group_size`` and ``policy_version``
@@ -149,6 +150,7 @@ def _cut(batch: RolloutBatch, bounds: list[tuple[int, int]]) -> list[RolloutBatc
             "reward_errors": [
                 e for e, who in owners.items() if who in id_set or (who is None and index == 0)
             ],
+            "dropped_prompts": batch.dropped_prompts if index == 0 else {},  # kept once
         }
         fields.update({f: _take(getattr(batch, f), rows) for f in _ROW_ARRAYS})
         fields.update({f: _take(getattr(batch, f), rows, plen) for f in _PROMPT_COLS})
@@ -170,6 +172,14 @@ def _merge_optional(name: str, values: list[np.ndarray | None], pad: bool) -> np
         raise ValueError(f"merge: some pieces have {name} and some do not")
     arrays = [v for v in values if v is not None]
     return _pad_cat(arrays) if pad else np.concatenate(arrays)
+
+
+def _merge_drops(parts: Sequence[RolloutBatch]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for p in parts:
+        for reason, indices in p.dropped_prompts.items():
+            out.setdefault(reason, []).extend(indices)
+    return out
 
 
 def merge_rollout_batches(parts: Sequence[RolloutBatch]) -> RolloutBatch:
@@ -204,6 +214,7 @@ def merge_rollout_batches(parts: Sequence[RolloutBatch]) -> RolloutBatch:
         "reward_errors": [e for p in parts for e in p.reward_errors],
         "reward_extras": {k: [x for p in parts for x in p.reward_extras[k]] for k in first.reward_extras},
         "policy_version": min(p.policy_version for p in parts),
+        "dropped_prompts": _merge_drops(parts),
     }
     for name in _ROW_ARRAYS:
         fields[name] = _merge_optional(name, [getattr(p, name) for p in parts], pad=False)

@@ -95,6 +95,9 @@ class RolloutBatch(msgspec.Struct, **_wire):
     loss_mask: np.ndarray | None = None
     values: np.ndarray | None = None
     returns: np.ndarray | None = None
+    # reason -> indices of prompts an upstream stage dropped (already counted in the
+    # controller's ledger); they ride to the trainer, which owns the run's done set.
+    dropped_prompts: dict[str, list[int]] = {}
 
     @property
     def num_samples(self) -> int:

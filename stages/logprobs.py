@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pipeline.types import RolloutBatch
-from stages.algorithms import compute_token_logprobs
+from stages.algorithms import compute_token_entropy, compute_token_logprobs
 
 
 def build_model_inputs(
@@ -83,15 +83,21 @@ def forward_completion_logprobs(
     positions: torch.Tensor,
     temperature: float = 1.0,
     use_logits_to_keep: bool | None = None,
+    entropy_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One forward pass over rows already cut from ``build_model_inputs``.
 
     Shapes: input_ids/attention_mask [s, L], completion_mask/positions [s, C];
     returns [s, C] float32 on the model's device (zeros where the mask is 0).
+    ``entropy_out``: a list that receives the entropy of each completion position's
+    next-token distribution at ``temperature``, [s, C] float32 detached (zeros where
+    the mask is 0), computed from the logits this pass already holds.
     """
     device = next(iter(getattr(model, "module", model).parameters())).device
     valid = completion_mask.to(device)
     if valid.numel() == 0 or input_ids.shape[1] < 2:
+        if entropy_out is not None:
+            entropy_out.append(torch.zeros(completion_mask.shape, dtype=torch.float32, device=device))
         return torch.zeros(completion_mask.shape, dtype=torch.float32, device=device)
     # Trim the chunk to its own longest sample: a short chunk should not pay for the
     # longest sequence of the whole batch.
@@ -114,6 +120,10 @@ def forward_completion_logprobs(
     token_lp = compute_token_logprobs(logits.float(), ids[:, first:], temperature=temperature)
     index = (pos - 1 - first).clamp(min=0, max=token_lp.shape[1] - 1)
     gathered = torch.gather(token_lp, 1, index)
+    if entropy_out is not None:
+        with torch.no_grad():
+            ent = torch.gather(compute_token_entropy(logits[:, :-1].detach().float(), temperature), 1, index)
+        entropy_out.append(torch.where(valid > 0, ent, torch.zeros_like(ent)))
     return torch.where(valid > 0, gathered, torch.zeros_like(gathered))
 
 

@@ -13,7 +13,8 @@ Guarantees:
 - prompts enter the pipeline only when the controller's ledger grants room, so a run
   never produces more prompts than it will train (plus replacements for drops);
 - every ``PromptBatch`` carries the optimizer step it is destined for, which the
-  rollout uses for its staleness gate.
+  rollout uses for its staleness gate (with ``algorithm.drop_zero_variance_groups`` no
+  later than the step the trainer is on: see ``generate``).
 File data is cycled (reshuffled each epoch when ``data.shuffle``, seeded by
 ``run.seed``) until the run has what it needs; prompt ids stay unique across epochs.
 Task datasets are endless.
@@ -64,6 +65,8 @@ class PromptSource:
 
         self.ctx = ctx
         cfg = ctx.config
+        # Dynamic sampling replaces dropped prompts out of step order (see generate).
+        self._current_step_only = bool(getattr(cfg.algorithm, "drop_zero_variance_groups", False))
         model_path = resolve_model_path(cfg.model)
         if cfg.run.resume_from:
             from pipeline.checkpoint import load_resume_state
@@ -140,6 +143,13 @@ class PromptSource:
             granted, step = await self.ctx.controller.admit_prompts.remote(want)
             if granted == 0:
                 return
+            if getattr(self, "_current_step_only", False):
+                # With groups dropped at the reward stage a prompt's step is unknown until
+                # its group is kept, and replacements for step k are admitted after prompts
+                # tagged k + 1, k + 2: a rollout holding those for versions that only step k's
+                # replacements can produce would wait forever. Tag the step being trained:
+                # generation never waits; the trainer's staleness gate still bounds it.
+                step = min(step, await self.ctx.controller.trainer_version.remote())
             prompts = [self._next_prompt() for _ in range(granted)]
             self.emitted_prompts += len(prompts)
             self.issued.add(p.index for p in prompts)

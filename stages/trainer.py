@@ -152,13 +152,15 @@ def read_piece_layout(metrics: Mapping[str, float], batch_id: int) -> list[int] 
     return [found[k] for k in range(len(found))] if found else None
 
 
-def train_as_recorded(engine: Any, batch: RolloutBatch, step_samples: int, layout: list[int] | None) -> dict[str, float]:
-    """Train ``batch`` as the trainer did: advantages assigned, then whole or as the
-    pieces ``layout`` names, with the same scales in the same order (``conveyor replay``
-    calls this; the step's ``grad_scale`` is ``compute_step_grad_scale``)."""
+def train_as_recorded(engine: Any, batch: RolloutBatch, step_samples: int, layout: list[int] | None,
+                      kl_reward_coef: float = 0.0) -> dict[str, float]:
+    """Train ``batch`` as the trainer did: advantages assigned (with the step's
+    KL-in-reward coefficient, ``StepRecord.metrics["kl_reward_coef"]``), then whole or as
+    the pieces ``layout`` names, with the same scales in the same order (``conveyor
+    replay`` calls this; the step's ``grad_scale`` is ``compute_step_grad_scale``)."""
     from stages.algorithms import assign_advantages
 
-    batch = assign_advantages(batch, engine.algo)
+    batch = assign_advantages(batch, engine.algo, kl_reward_coef=kl_reward_coef)
     pieces = split_rollout_batch_at(batch, layout) if layout else [batch]
     scale = compute_micro_batch_scale(batch, step_samples, engine.algo.loss_agg)
     weights = [compute_piece_weight(p, batch, engine.algo.loss_agg) for p in pieces]
@@ -178,6 +180,25 @@ def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
 def _count_cluster_gpus() -> float:
     """GPUs in the Ray cluster (0 outside Ray)."""
     return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
+
+
+def summarise_step_batches(batches: list[RolloutBatch], zero_variance_dropped: int = 0) -> dict[str, float]:
+    """A step's response and group statistics: completion length mean and max, the
+    fraction cut by the length limit (finish reason ``length``), and the fraction of
+    groups whose rewards were all equal, counting ``zero_variance_dropped`` groups the
+    reward stage dropped for that (so the figure means the same with dropping on or off)."""
+    from stages.reward_shaping import find_zero_variance_groups
+
+    lens = np.concatenate([np.asarray(b.completion_lens) for b in batches])
+    reasons = [r for b in batches for r in b.finish_reasons]
+    zero = sum(int(find_zero_variance_groups(b.rewards, b.group_size).sum()) for b in batches if b.rewards is not None)
+    groups = sum(len(b.prompts) for b in batches) + zero_variance_dropped
+    return {
+        "response_length/mean": float(lens.mean()) if lens.size else 0.0,
+        "response_length/max": int(lens.max()) if lens.size else 0,
+        "response_length/truncated_frac": (sum(r == "length" for r in reasons) / len(reasons)) if reasons else 0.0,
+        "batch/zero_std_frac": (zero + zero_variance_dropped) / groups if groups else 0.0,
+    }
 
 
 def summarise_batch_rewards(batches: list[RolloutBatch]) -> dict[str, float]:
@@ -205,6 +226,10 @@ class TrainerStage:
         # order when an OOM leaves partial gradients behind.
         self._step_pieces: list[tuple[RolloutBatch, float]] = []
         self._step_layouts: dict[int, list[int]] = {}
+        # Groups dropped upstream for zero reward variance since the last step, and the
+        # KL-in-reward penalty measured on each micro-batch of the step (kl, samples).
+        self._step_zero_variance = 0
+        self._step_kl: list[tuple[float, int]] = []
 
     async def setup(self, ctx: Any) -> None:
         from stages.reference import build_model_shape  # imports torch: not at module level
@@ -224,8 +249,12 @@ class TrainerStage:
                                           os.environ.get(TRANSPORT_ENV))
         ctx.log.info("weight_transport", transport=self.transport)
         self.checkpoints = TrainerCheckpoints(cfg, self.engine)
+        from stages.algorithms.kl_control import build_kl_controller
+
+        self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         if cfg.run.resume_from:
             version = await asyncio.to_thread(self.checkpoints.restore, cfg.run.resume_from)
+            self.kl_ctrl.load_state(self.engine.extra_state)  # the coefficient the run had reached
             self._step_rng = self.engine.get_rng_state()
             await self._publish(version)  # the rollout starts from the checkpoint's model, not the base one
             ctx.log.info("resumed", path=cfg.run.resume_from, policy_version=version)
@@ -234,13 +263,19 @@ class TrainerStage:
 
     # ------------------------------------------------------------------ per batch
     async def process(self, batch: RolloutBatch) -> None:
+        if batch.dropped_prompts:
+            self._record_upstream_drops(batch)
+        if batch.num_samples == 0:  # it only carried drops
+            return None
         version = self.engine.version
         if is_too_stale(version, batch.policy_version, self.max_staleness):
             await self._drop(batch, "stale")
             return None
         if batch.rewards is None and batch.advantages is None:
             raise ValueError(f"batch {batch.batch_id}: reaches the trainer without rewards (is a reward stage wired?)")
-        batch = await asyncio.to_thread(self._assign_advantages, batch)
+        batch, kl = await asyncio.to_thread(self._assign_advantages, batch)
+        if kl is not None:
+            self._step_kl.append((kl, batch.num_samples))
         if not self._step_batches:
             self._step_started = time.time()
             self._step_rng = self.engine.get_rng_state()
@@ -260,10 +295,29 @@ class TrainerStage:
             await self._optimizer_step()
         return None
 
-    def _assign_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+    def _assign_advantages(self, batch: RolloutBatch) -> tuple[RolloutBatch, float | None]:
+        """The batch with its advantages, and the KL-in-reward penalty measured on it
+        (None when ``use_kl_in_reward`` is off)."""
         from stages.algorithms import assign_advantages  # imports torch: not at module level
+        from stages.algorithms.registry import build_loss_mask, compute_kl_reward_penalty, summarise_kl_penalty
 
-        return assign_advantages(batch, self.cfg.algorithm)
+        algo = self.cfg.algorithm
+        if not algo.use_kl_in_reward:
+            return assign_advantages(batch, algo), None
+        mask = build_loss_mask(batch)
+        kl = summarise_kl_penalty(compute_kl_reward_penalty(batch, algo, mask), mask)
+        return assign_advantages(batch, algo, kl_reward_coef=self.kl_ctrl.coef), kl
+
+    def _record_upstream_drops(self, batch: RolloutBatch) -> None:
+        """Prompts an upstream stage dropped (it told the ledger already): into this
+        trainer's account of the run (counts, done set, checkpoints), once."""
+        from stages.reward_shaping import ZERO_VARIANCE
+
+        for reason, indices in batch.dropped_prompts.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + len(indices) * batch.group_size
+            self.checkpoints.record_dropped_prompts(list(indices), reason)
+            if reason == ZERO_VARIANCE:
+                self._step_zero_variance += len(indices)
 
     # ------------------------------------------------------------------ memory
     def _estimate(self, piece: RolloutBatch) -> int:
@@ -339,6 +393,7 @@ class TrainerStage:
         version = self.engine.version
         step = version - 1
         samples = sum(b.num_samples for b in batches)
+        kl_metrics = self._update_kl_controller(samples)
         self.trained_samples += samples
         self.steps_done += 1
         controller = self.ctx.controller
@@ -364,10 +419,13 @@ class TrainerStage:
             "time/step_s": step_s,
             "throughput/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
             "timing_s/weight_publish": sync_s,
-            "response_length/mean": float(np.mean([b.completion_lens.mean() for b in batches])),
+            **summarise_step_batches(batches, self._take_zero_variance()),
+            "samples/dropped_zero_variance": self.dropped.get("zero_variance", 0),
+            **kl_metrics,
             **{f"actor/{k}": float(np.average([p[k] for p in pieces], weights=weight))
                for k in ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_upper", "clip_frac_lower", "clip_frac_dual",
-                         "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean", "logp_mismatch")
+                         "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean", "logp_mismatch",
+                         "entropy")
                if all(k in p for p in pieces)},
             **{f"actor/{k}": float(max(p[k] for p in pieces))
                for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},
@@ -376,9 +434,26 @@ class TrainerStage:
         await controller.report_step.remote(metrics)
         self.checkpoints.record_step(batches, metrics)
         if self.ctx.recorder is not None:
-            await asyncio.to_thread(self._record_step, step, version, batches, pieces, step_out, layouts)
+            await asyncio.to_thread(self._record_step, step, version, batches, pieces, step_out, layouts,
+                                    kl_metrics.get("reward/kl_penalty_coef"))
         if self.checkpoints.due():
             await self._write_checkpoint()
+
+    def _take_zero_variance(self) -> int:
+        n, self._step_zero_variance = self._step_zero_variance, 0
+        return n
+
+    def _update_kl_controller(self, samples: int) -> dict[str, float]:
+        """After a step: its KL-in-reward metrics, and the controller's next coefficient
+        (kept in the engine's saved state)."""
+        measured, self._step_kl = self._step_kl, []
+        if not self.cfg.algorithm.use_kl_in_reward or not measured:
+            return {}
+        kl = float(np.average([k for k, _ in measured], weights=[n for _, n in measured]))
+        used = self.kl_ctrl.coef
+        self.kl_ctrl.update(kl, samples)
+        self.engine.extra_state.update(self.kl_ctrl.state())
+        return {"reward/kl_penalty": kl, "reward/kl_penalty_coef": used}
 
     async def _write_checkpoint(self) -> None:
         path = await asyncio.to_thread(self.checkpoints.write)
@@ -403,9 +478,11 @@ class TrainerStage:
     # ------------------------------------------------------------------ replay support
     def _record_step(self, step: int, version: int, batches: list[RolloutBatch],
                      pieces: list[dict[str, float]], step_out: dict[str, float],
-                     layouts: Mapping[int, list[int]] | None = None) -> None:
+                     layouts: Mapping[int, list[int]] | None = None, kl_reward_coef: float | None = None) -> None:
         import torch
 
+        # The KL-in-reward coefficient the step's advantages used: replay assigns them the same way.
+        kl_coef = {"kl_reward_coef": float(kl_reward_coef)} if kl_reward_coef is not None else {}
         loss = compute_step_loss([p["loss"] for p in pieces], batches, self.step_samples,
                                  self.cfg.algorithm.loss_agg)
         record = StepRecord(
@@ -415,7 +492,7 @@ class TrainerStage:
                             else self.engine.weights_sha256()),
             # Replay pins the same thread count: summation order can depend on it.
             metrics={**{k: float(v) for k, v in step_out.items()}, "torch_threads": float(torch.get_num_threads()),
-                     **encode_piece_layout(layouts or {})},
+                     **encode_piece_layout(layouts or {}), **kl_coef},
             rng_state=self._step_rng,
         )
         self.ctx.recorder.write_step(record)

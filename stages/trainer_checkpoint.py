@@ -53,9 +53,13 @@ class TrainerCheckpoints:
         self.consumed.add(p.index for b in batches for p in b.prompts)
 
     def record_drop(self, batch: RolloutBatch, reason: str) -> None:
+        self.record_dropped_prompts([p.index for p in batch.prompts], reason)
+
+    def record_dropped_prompts(self, indices: list[int], reason: str) -> None:
+        """Prompts dropped for ``reason`` (here or upstream: ``RolloutBatch.dropped_prompts``)."""
         self.dirty = True
-        self.dropped[reason] = self.dropped.get(reason, 0) + len(batch.prompts)
-        self.consumed.add(p.index for p in batch.prompts)
+        self.dropped[reason] = self.dropped.get(reason, 0) + len(indices)
+        self.consumed.add(indices)
 
     def accounting(self) -> dict[str, Any]:
         """The trainer's account of the prompts it finished (trained or dropped): indices

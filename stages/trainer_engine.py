@@ -26,7 +26,9 @@ Guarantees:
   ``weights_sha256`` is the sha256 of exactly those bytes) or, on a GPU, as a
   ``cuda_ipc`` descriptor of buckets that stay on the GPU (``export_weights_ipc``).
 - On a GPU the engine trains with DeepSpeed mixed precision in the model dtype
-  (bfloat16: bf16 weights and activations, float32 master weights and Adam moments).
+  (bfloat16: bf16 weights and activations, float32 master weights and Adam moments,
+  and, unless ``train.grad_accum_dtype: bf16``, float32 gradient accumulation across a
+  step's pieces).
 - On CPU, the same state and the same inputs give bitwise-identical losses, gradient
   norms and weights (same thread count); ``save_state``/``load_state`` round-trip
   weights, optimizer moments, version and RNG states exactly.
@@ -87,13 +89,22 @@ def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dic
     """The DeepSpeed config dict for ``train`` (see the module guarantees).
 
     Mixed precision only on a GPU: on CPU the master weights and the math stay float32
-    and weights are cast to ``dtype`` when they leave the engine.
+    and weights are cast to ``dtype`` when they leave the engine. A bf16 run with
+    ``train.grad_accum_dtype: fp32`` (the default) sets DeepSpeed's
+    ``data_types.grad_accum_dtype: fp32``: its BF16 optimizer then holds fp32 master
+    weights and adds every piece's gradients into fp32 accumulators. DeepSpeed reaches
+    that optimizer through ZeRO 1 only (ZeRO 0 with fp32 accumulation is not
+    implemented), so stage 0 becomes 1, which partitions nothing in a single process;
+    ZeRO 2 accumulates its partitions in fp32 itself.
     """
     if train.zero_stage > 2:
         raise ValueError(
             f"train.zero_stage: expected 0, 1 or 2 (stage 3 partitions parameters, which "
             f"weight export does not gather yet), got {train.zero_stage}"
         )
+    bf16 = has_gpu and dtype == "bfloat16"
+    fp32_accum = bf16 and train.grad_accum_dtype == "fp32"
+    stage = max(int(train.zero_stage), 1) if fp32_accum else int(train.zero_stage)
     return {
         # One sample per "micro-batch" and no managed accumulation: DeepSpeed's counters
         # are bypassed, the boundary is each optimizer_step call.
@@ -105,9 +116,10 @@ def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dic
             "type": "AdamW",
             "params": {"lr": float(train.lr), "weight_decay": float(train.weight_decay), "torch_adam": True},
         },
-        "zero_optimization": {"stage": int(train.zero_stage)},
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": has_gpu and dtype == "bfloat16"},
+        "bf16": {"enabled": bf16},
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if fp32_accum else {}),
         "fp16": {"enabled": has_gpu and dtype == "float16"},
         "steps_per_print": 1 << 62,
         "wall_clock_breakdown": False,
@@ -218,6 +230,9 @@ class TrainerEngine:
         self.chunk_size = chunk_size
         self.version = 0
         self._pieces = 0  # backward passes since the last optimizer step
+        # Small numbers the trainer stage keeps with the engine's state (the KL
+        # controller's coefficient): saved and restored by save_state / load_state.
+        self.extra_state: dict[str, float] = {}
         self.gradients_tainted = False  # a failed call accumulated part of its piece
 
         random.seed(seed)
@@ -274,16 +289,20 @@ class TrainerEngine:
         began = False  # set before a backward: one that fails midway has already written part
         try:
             for (a, b), weight in zip(bounds, weights, strict=True):
+                entropy: list[torch.Tensor] = []
                 logprobs = forward_completion_logprobs(
                     self.engine, input_ids[a:b], attention_mask[a:b], completion_mask[a:b], positions[a:b],
-                    temperature=self.temperature, use_logits_to_keep=self._keep,
+                    temperature=self.temperature, use_logits_to_keep=self._keep, entropy_out=entropy,
                 )
                 device = logprobs.device
+                chunk_mask = completion_mask[a:b].to(device)
                 loss, metrics = self._loss(
-                    logprobs, old[a:b].to(device), advantages[a:b].to(device), completion_mask[a:b].to(device),
+                    logprobs, old[a:b].to(device), advantages[a:b].to(device), chunk_mask,
                     ref_logprobs=None if ref is None else ref[a:b].to(device), kl_coef=kl_coef,
                     fresh_mask=fresh[a:b].to(device),
                 )
+                # Mean entropy of the loss tokens' distributions (from the logits in hand).
+                metrics["entropy"] = float((entropy[0] * chunk_mask).sum() / chunk_mask.sum().clamp(min=1.0))
                 # Backward per chunk frees its activations before the next forward: memory
                 # is bounded by one chunk. A zero-weight chunk (no valid token) adds zeros.
                 began = True
@@ -443,7 +462,8 @@ class TrainerEngine:
 
     def save_state(self, path: Path) -> None:
         """Write model, optimizer state, version and RNG states under directory ``path``."""
-        client_state = {"conveyor_version": self.version, "conveyor_rng": self.get_rng_state()}
+        client_state = {"conveyor_version": self.version, "conveyor_rng": self.get_rng_state(),
+                        "conveyor_extra": {k: float(v) for k, v in self.extra_state.items()}}
         self.engine.save_checkpoint(str(path), tag=_STATE_TAG, client_state=client_state, save_latest=False)
 
     def load_state(self, path: Path) -> None:
@@ -460,6 +480,7 @@ class TrainerEngine:
             raise FileNotFoundError(f"no trainer state under {path}")
         self._discard_gradients()
         self.version = int(client_state["conveyor_version"])
+        self.extra_state = {k: float(v) for k, v in client_state.get("conveyor_extra", {}).items()}
         self.set_rng_state(client_state["conveyor_rng"])
 
     def get_rng_state(self) -> bytes:

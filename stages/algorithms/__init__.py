@@ -23,6 +23,7 @@ from stages.algorithms.losses import (
     aggregate_loss,
     compute_kl,
     compute_policy_loss,
+    compute_token_entropy,
     compute_token_logprobs,
 )
 from stages.algorithms.registry import ALGORITHMS, Algorithm, assign_advantages, build_loss_mask, build_policy_loss
@@ -31,6 +32,7 @@ __all__ = [
     "ALGORITHMS", "KL_VALUE_CLAMP", "LOG_RATIO_CLAMP", "Algorithm", "aggregate_loss", "assign_advantages",
     "build_loss_mask", "build_policy_loss", "compute_discounted_returns", "compute_gae_advantages",
     "compute_grpo_advantages", "compute_kl", "compute_policy_loss", "compute_reinforce_pp_advantages",
-    "compute_reinforce_pp_baseline_advantages", "compute_rloo_advantages", "compute_token_logprobs",
+    "compute_reinforce_pp_baseline_advantages", "compute_rloo_advantages", "compute_token_entropy",
+    "compute_token_logprobs",
     "whiten_masked",
 ]

@@ -93,12 +93,38 @@ def whiten_masked(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return centred * torch.rsqrt(var + eps)
 
 
-def compute_reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+def compute_token_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """Discounted reward-to-go over each sequence's valid tokens.
+
+    ``token_rewards``, ``mask`` [S, C] -> [S, C]: ``G_t = r_t + gamma * G_next`` where
+    ``next`` is the following valid token (positions where ``mask`` is 0 are skipped
+    and hold 0). An outcome score on the last valid token gives
+    ``compute_discounted_returns``.
+    """
+    valid = mask > 0
+    r = torch.where(valid, token_rewards.float(), torch.zeros_like(token_rewards, dtype=torch.float32))
+    out = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0])
+    for t in reversed(range(r.shape[1])):
+        step = r[:, t] + gamma * running
+        out[:, t] = torch.where(valid[:, t], step, torch.zeros_like(step))
+        running = torch.where(valid[:, t], step, running)
+    return out
+
+
+def compute_reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0,
+                                    token_penalty: Tensor | None = None) -> Tensor:
     """REINFORCE++: discounted outcome returns whitened over the batch's valid tokens.
 
     ``rewards`` [S], ``mask`` [S, C] -> [S, C] float32 (0 where ``mask`` is 0).
+    ``token_penalty`` [S, C] (KL in the reward): subtracted from each token's reward
+    before the returns, so token t's return is its discounted score minus the
+    discounted penalties from t on.
     """
-    return whiten_masked(compute_discounted_returns(rewards, mask, gamma), mask)
+    returns = compute_discounted_returns(rewards, mask, gamma)
+    if token_penalty is not None:
+        returns = returns - compute_token_returns(token_penalty, mask, gamma)
+    return whiten_masked(returns, mask)
 
 
 def compute_reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:

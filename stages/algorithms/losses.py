@@ -17,7 +17,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-KLEstimator = Literal["k1", "k2", "k3"]
+KLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+"]
+RatioLevel = Literal["token", "sequence"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 OffPolicy = Literal["off", "truncate", "reject"]
 
@@ -38,7 +39,14 @@ def compute_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
     the KL's); k3 = ``exp(d) - d - 1`` (Schulman's estimator: unbiased and >= 0), clamped
     to +-KL_VALUE_CLAMP as verl does: a token far from the reference contributes at most
     10 and no gradient, instead of up to ``kl_coef * e**20``.
+    Straight-through forms (verl's ``k3+`` / ``low_var_kl+``, arXiv 2505.17508): ``k3+``
+    has k3's value (low variance, >= 0) and k2's gradient ``logp - ref`` (the KL's);
+    ``k1+`` has k1's value and k2's gradient. Written ``g - g.detach() + v.detach()``.
     """
+    if estimator.endswith("+"):
+        value = compute_kl(logprobs, ref_logprobs, estimator[:-1]).detach()  # type: ignore[arg-type]
+        grad = compute_kl(logprobs, ref_logprobs, "k2")
+        return grad - grad.detach() + value
     log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if estimator == "k1":
         return -log_ratio
@@ -46,7 +54,7 @@ def compute_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
         return 0.5 * log_ratio.square()
     if estimator == "k3":
         return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-KL_VALUE_CLAMP, KL_VALUE_CLAMP)
-    raise ValueError(f"kl_estimator: expected 'k1', 'k2' or 'k3', got {estimator!r}")
+    raise ValueError(f"kl_estimator: expected 'k1', 'k2', 'k3', 'k1+' or 'k3+', got {estimator!r}")
 
 
 def aggregate_loss(values: Tensor, mask: Tensor, mode: LossAgg, norm_tokens: int | None = None) -> Tensor:
@@ -104,6 +112,7 @@ def compute_policy_loss(
     off_policy: OffPolicy = "off",
     behav_imp_weight_cap: float = 2.0,
     fresh_mask: Tensor | None = None,
+    ratio_level: RatioLevel = "token",
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with dual-clip, optional off-policy correction and KL penalty.
 
@@ -124,6 +133,13 @@ def compute_policy_loss(
       (detached): ``truncate`` uses ``w = min(iw, cap)`` (TIS), ``reject`` uses
       ``w = iw`` where ``iw <= cap`` and 0 elsewhere (the token still counts in the
       normaliser).
+    ``ratio_level``: ``token`` (PPO / GRPO: one ratio per token) or ``sequence`` (GSPO,
+    arXiv 2507.18071): every token of sample i carries the sequence ratio
+    ``s_i = exp(mean over its valid tokens of (logp - anchor))``, the geometric mean of
+    its token ratios, so clipping (and dual-clip) decides per sequence; its gradient is
+    straight-through per token (GSPO-token: ``logp - logp.detach() + log s_i.detach()``),
+    so under ``seq-mean-token-mean`` (the paper's aggregation) a token's gradient is
+    ``-A_i * s_i / |y_i|`` over the sequences, exactly the sequence objective's.
     Aggregated by ``aggregate_loss(.., loss_agg, loss_norm_tokens)``. Returns (scalar
     loss, metrics), each over valid tokens: ``pg_loss`` (surrogate, same aggregation),
     ``kl`` (token mean, 0 without a reference), ``clip_frac`` (clipped branch taken),
@@ -151,6 +167,8 @@ def compute_policy_loss(
         raise ValueError(f"clip_ratio_c: expected > 1 (or None), got {clip_ratio_c}")
     if off_policy not in ("off", "truncate", "reject"):
         raise ValueError(f"off_policy: expected 'off', 'truncate' or 'reject', got {off_policy!r}")
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"ratio_level: expected 'token' or 'sequence', got {ratio_level!r}")
 
     m = _as_float_mask(mask, logprobs)
     valid = m > 0
@@ -160,7 +178,11 @@ def compute_policy_loss(
     adv = _zero_where_invalid(adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, valid)
 
     anchor = behaviour if off_policy == "off" else logp.detach()
-    ratio = torch.exp((logp - anchor).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    log_ratio = logp - anchor
+    if ratio_level == "sequence":
+        seq_log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
+        log_ratio = logp - logp.detach() + seq_log_ratio.detach()
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     pg_tokens = torch.maximum(unclipped, clipped)  # = -min(ratio*A, clip(ratio)*A)
@@ -230,6 +252,17 @@ def compute_token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float
     log_probs = torch.log_softmax(scaled, dim=-1)
     targets = input_ids[:, 1:].long().unsqueeze(-1)
     return log_probs.gather(-1, targets).squeeze(-1)
+
+
+def compute_token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy (nats) of ``softmax(logits / temperature)`` at each position:
+    ``logits`` [S, L, V] -> [S, L] float32, ``logsumexp(z) - sum(softmax(z) * z)``."""
+    if temperature <= 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature}")
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
 def _as_float_mask(mask: Tensor, like: Tensor) -> Tensor:

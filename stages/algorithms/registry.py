@@ -35,10 +35,11 @@ from stages.algorithms.advantages import (
     compute_reinforce_pp_baseline_advantages,
     compute_rloo_advantages,
 )
-from stages.algorithms.losses import compute_policy_loss
+from stages.algorithms.losses import compute_kl, compute_policy_loss
 
-# (rewards [S], loss mask [S, C] bool, group_size, algorithm config) -> advantages [S, C]
-Estimator = Callable[[Tensor, Tensor, int, Any], Tensor]
+# (rewards [S], loss mask [S, C] bool, group_size, algorithm config, per-token reward
+# penalty [S, C] or None) -> advantages [S, C]
+Estimator = Callable[[Tensor, Tensor, int, Any, Tensor | None], Tensor]
 
 
 @dataclass(frozen=True)
@@ -60,20 +61,30 @@ def _per_sample(adv: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, adv.unsqueeze(1).expand(mask.shape), torch.zeros(mask.shape))
 
 
-def _grpo(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
-    return _per_sample(compute_grpo_advantages(rewards, group_size, norm_by_std=cfg.norm_adv_by_std), mask)
+def _outcome(rewards: Tensor, mask: Tensor, penalty: Tensor | None) -> Tensor:
+    # An outcome estimator sees one number per sample: the score minus the sample's
+    # summed per-token penalty (verl sums token-level rewards the same way).
+    if penalty is None:
+        return rewards
+    return rewards - torch.where(mask, penalty, torch.zeros_like(penalty)).sum(dim=1)
 
 
-def _rloo(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
-    return _per_sample(compute_rloo_advantages(rewards, group_size), mask)
+def _grpo(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, penalty: Tensor | None) -> Tensor:
+    scores = _outcome(rewards, mask, penalty)
+    return _per_sample(compute_grpo_advantages(scores, group_size, norm_by_std=cfg.norm_adv_by_std), mask)
 
 
-def _reinforce_pp(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
-    return compute_reinforce_pp_advantages(rewards, mask, gamma=cfg.gamma)
+def _rloo(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, penalty: Tensor | None) -> Tensor:
+    return _per_sample(compute_rloo_advantages(_outcome(rewards, mask, penalty), group_size), mask)
 
 
-def _reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
-    return compute_reinforce_pp_baseline_advantages(rewards, mask, group_size)
+def _reinforce_pp(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, penalty: Tensor | None) -> Tensor:
+    return compute_reinforce_pp_advantages(rewards, mask, gamma=cfg.gamma, token_penalty=penalty)
+
+
+def _reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any,
+                           penalty: Tensor | None) -> Tensor:
+    return compute_reinforce_pp_baseline_advantages(_outcome(rewards, mask, penalty), mask, group_size)
 
 
 ALGORITHMS: dict[str, Algorithm] = {
@@ -103,18 +114,62 @@ def build_loss_mask(batch: RolloutBatch) -> np.ndarray:
     return mask
 
 
-def assign_advantages(batch: RolloutBatch, cfg: Any) -> RolloutBatch:
+def compute_kl_reward_penalty(batch: RolloutBatch, cfg: Any, mask: np.ndarray | None = None) -> Tensor:
+    """[S, C] float32: the per-token KL of the behaviour policy to the reference
+    (estimator ``cfg.kl_penalty``), 0 outside ``mask`` (default ``build_loss_mask``).
+    ``use_kl_in_reward`` subtracts ``coef`` times it from the reward."""
+    if batch.ref_logprobs is None:
+        raise ValueError(f"batch {batch.batch_id}: algorithm.use_kl_in_reward needs reference log-probs")
+    mask = build_loss_mask(batch) if mask is None else mask
+    valid = torch.from_numpy(mask)
+    behaviour = torch.as_tensor(np.asarray(batch.behaviour_logprobs, dtype=np.float32))
+    ref = torch.as_tensor(np.asarray(batch.ref_logprobs, dtype=np.float32))
+    zero = torch.zeros_like(behaviour)
+    kl = compute_kl(torch.where(valid, behaviour, zero), torch.where(valid, ref, zero), cfg.kl_penalty)
+    return torch.where(valid, kl, zero)
+
+
+def summarise_kl_penalty(penalty: Tensor, mask: np.ndarray) -> float:
+    """Mean over samples of each sample's token-mean KL (what the adaptive controller
+    compares with ``target_kl``, as verl does); samples without tokens count 0."""
+    m = torch.from_numpy(mask).float()
+    per_seq = (penalty * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+    return float(per_seq.mean()) if per_seq.numel() else 0.0
+
+
+def build_overlong_mask(batch: RolloutBatch) -> np.ndarray:
+    """[S] bool: samples cut by the length limit (finish reason ``length``)."""
+    return np.array([r == "length" for r in batch.finish_reasons], dtype=bool).reshape(-1)
+
+
+def assign_advantages(batch: RolloutBatch, cfg: Any, kl_reward_coef: float = 0.0) -> RolloutBatch:
     """``batch`` with ``loss_mask`` [S, C] bool and ``advantages`` [S, C] float32 set by
-    the algorithm ``cfg.name`` (see the module guarantees); a new value, never mutated."""
+    the algorithm ``cfg.name`` (see the module guarantees); a new value, never mutated.
+
+    ``kl_reward_coef`` > 0 (``use_kl_in_reward``; the trainer's KL controller chooses it
+    per step): ``kl_reward_coef * compute_kl_reward_penalty`` is subtracted from the
+    reward before advantages: from each token's reward (REINFORCE++'s returns) or, for
+    outcome estimators, the sample's sum from its score. ``cfg.overlong_mask``: samples
+    cut by the length limit leave the loss mask after advantages are computed (they
+    still count in their group's baseline, as in DAPO's overlong filtering)."""
     mask = build_loss_mask(batch)
     if batch.advantages is not None:
-        return msgspec.structs.replace(batch, loss_mask=mask)
+        return msgspec.structs.replace(batch, loss_mask=_mask_overlong(batch, mask, cfg))
     if batch.rewards is None:
         raise ValueError(f"batch {batch.batch_id}: no rewards; the reward stage must run first")
     algo = get_algorithm(cfg.name)
-    rewards = torch.as_tensor(np.asarray(batch.rewards, dtype=np.float32))
-    adv = algo.estimate(rewards, torch.from_numpy(mask), batch.group_size, cfg)
+    rewards = torch.as_tensor(np.array(batch.rewards, dtype=np.float32))
+    penalty = kl_reward_coef * compute_kl_reward_penalty(batch, cfg, mask) if kl_reward_coef > 0 else None
+    adv = algo.estimate(rewards, torch.from_numpy(mask), batch.group_size, cfg, penalty)
+    mask = _mask_overlong(batch, mask, cfg)
+    adv = torch.where(torch.from_numpy(mask), adv, torch.zeros_like(adv))
     return msgspec.structs.replace(batch, loss_mask=mask, advantages=adv.numpy().astype(np.float32))
+
+
+def _mask_overlong(batch: RolloutBatch, mask: np.ndarray, cfg: Any) -> np.ndarray:
+    if not getattr(cfg, "overlong_mask", False) or not batch.finish_reasons:
+        return mask
+    return mask & ~build_overlong_mask(batch)[:, None]
 
 
 def build_policy_loss(cfg: Any) -> Callable[..., tuple[Tensor, dict[str, float]]]:
@@ -124,5 +179,5 @@ def build_policy_loss(cfg: Any) -> Callable[..., tuple[Tensor, dict[str, float]]
         get_algorithm(cfg.name).loss,
         clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, clip_ratio_c=cfg.clip_ratio_c,
         loss_agg=cfg.loss_agg, loss_norm_tokens=cfg.loss_norm_tokens, kl_estimator=cfg.kl_estimator,
-        off_policy=cfg.off_policy, behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+        off_policy=cfg.off_policy, behav_imp_weight_cap=cfg.behav_imp_weight_cap, ratio_level=cfg.ratio_level,
     )

@@ -83,3 +83,15 @@ def test_deepspeed_config_leaves_the_step_boundary_to_the_caller():
     assert build_deepspeed_config(TrainConfig(), "bfloat16", has_gpu=True)["bf16"]["enabled"]
     with pytest.raises(ValueError, match="zero_stage"):
         build_deepspeed_config(TrainConfig(zero_stage=3), "float32", has_gpu=False)
+
+
+def test_bf16_runs_accumulate_gradients_in_fp32_by_default():
+    # A GPU bf16 run: fp32 accumulation, which DeepSpeed implements through ZeRO >= 1.
+    cfg = build_deepspeed_config(TrainConfig(zero_stage=0), "bfloat16", has_gpu=True)
+    assert cfg["data_types"] == {"grad_accum_dtype": "fp32"} and cfg["zero_optimization"] == {"stage": 1}
+    assert build_deepspeed_config(TrainConfig(zero_stage=2), "bfloat16", True)["zero_optimization"] == {"stage": 2}
+    # Opted out, on CPU (float32 math) or in float32: DeepSpeed's defaults, stage as asked.
+    for train, dtype, gpu in ((TrainConfig(grad_accum_dtype="bf16"), "bfloat16", True),
+                              (TrainConfig(), "bfloat16", False), (TrainConfig(), "float32", True)):
+        cfg = build_deepspeed_config(train, dtype, gpu)
+        assert "data_types" not in cfg and cfg["zero_optimization"] == {"stage": 0}

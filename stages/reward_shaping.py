@@ -1,0 +1,136 @@
+"""What the reward stage does to a scored micro-batch beyond scoring it: DAPO's soft
+overlong penalty and dynamic sampling (groups without learning signal dropped).
+
+Guarantees:
+- ``compute_overlong_penalty`` is a pure function of the completion lengths: 0 up to
+  ``max_tokens - buffer_len`` tokens, then falling linearly to ``-factor`` at
+  ``max_tokens`` (DAPO, arXiv 2503.14476, eq. 13).
+- ``GroupFilter`` (``algorithm.drop_zero_variance_groups``) drops every group whose
+  samples all got the same reward (its advantages would all be 0) and emits the kept
+  groups as micro-batches of exactly ``groups_per_batch`` groups, in arrival order, so
+  the trainer still sees whole micro-batches and a step never overshoots its size. A
+  batch with nothing dropped and nothing waiting passes through unchanged. A regrouped
+  batch takes the ``batch_id`` and ``step`` of the batch its first group came from
+  (unique: a batch's kept groups fit in the batch they start, see ``add``) and the
+  oldest ``policy_version`` of its groups.
+- Accounting: the dropped prompts' indices ride, by reason, in the ``dropped_prompts``
+  of the next batch emitted, so the trainer (which owns the run's done set and its
+  checkpoints) records each exactly once; the caller reports the count to the
+  controller's ledger at once, which reopens room so the source replaces them. At the
+  end of a stream ``flush`` emits what is left (a stopped run), an empty batch when
+  only drops are left, so none is lost.
+- A run whose groups never vary would replace them forever: after
+  ``MAX_CONSECUTIVE_DROPS_PER_STEP * prompts_per_step`` dropped groups in a row
+  ``add`` raises ``NoLearningSignalError``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+import numpy as np
+
+from pipeline.splitting import merge_rollout_batches, split_rollout_batch_at
+from pipeline.types import RolloutBatch
+
+ZERO_VARIANCE = "zero_variance"
+MAX_CONSECUTIVE_DROPS_PER_STEP = 100
+
+
+class NoLearningSignalError(RuntimeError):
+    """Every group for a long time got equal rewards: dynamic sampling cannot fill a step."""
+
+
+def compute_overlong_penalty(completion_lens: np.ndarray, max_tokens: int, buffer_len: int,
+                             factor: float = 1.0) -> np.ndarray:
+    """[S] float32 penalties <= 0: ``-factor * (len - (max_tokens - buffer_len)) / buffer_len``
+    where positive, else 0 (``buffer_len`` 0: all 0). Lengths never exceed ``max_tokens``."""
+    lens = np.asarray(completion_lens, dtype=np.float64)
+    if buffer_len <= 0:
+        return np.zeros(lens.shape, dtype=np.float32)
+    over = np.clip(lens - (max_tokens - buffer_len), 0.0, None)
+    return (-factor * over / buffer_len).astype(np.float32)
+
+
+def find_zero_variance_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    """[G] bool: groups whose rewards are all equal (exactly: max == min)."""
+    grouped = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
+    return grouped.max(axis=1) == grouped.min(axis=1)
+
+
+def empty_like(batch: RolloutBatch) -> RolloutBatch:
+    """A batch of ``batch``'s id with no groups (it only carries ``dropped_prompts``)."""
+    def blank(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.zeros((0, 0) if a.ndim == 2 else (0,), dtype=a.dtype)
+
+    arrays = ("prompt_ids", "prompt_lens", "completion_ids", "completion_lens", "behaviour_logprobs",
+              "token_versions", "rewards", "ref_logprobs", "advantages", "loss_mask", "values", "returns")
+    return msgspec.structs.replace(
+        batch, prompts=[], sample_ids=[], completions=[], finish_reasons=[], reward_errors=[],
+        reward_extras={k: [] for k in batch.reward_extras}, dropped_prompts={},
+        **{name: blank(getattr(batch, name)) for name in arrays})
+
+
+class GroupFilter:
+    """Dynamic sampling for one reward stage (see the module guarantees)."""
+
+    def __init__(self, groups_per_batch: int, prompts_per_step: int) -> None:
+        self.groups_per_batch = groups_per_batch
+        self.max_consecutive = MAX_CONSECUTIVE_DROPS_PER_STEP * prompts_per_step
+        self.kept: deque[RolloutBatch] = deque()  # single-group pieces waiting for a batch
+        self.pending: list[int] = []  # dropped prompt indices not yet handed on
+        self.dropped_groups = 0
+        self.consecutive = 0
+        self._last: RolloutBatch | None = None
+
+    def add(self, batch: RolloutBatch) -> tuple[list[RolloutBatch], int]:
+        """(batches to emit, groups dropped from ``batch``)."""
+        if batch.rewards is None:
+            raise ValueError(f"batch {batch.batch_id}: no rewards to filter on")
+        zero = find_zero_variance_groups(batch.rewards, batch.group_size)
+        dropped = int(zero.sum())
+        self.dropped_groups += dropped
+        self.consecutive = self.consecutive + dropped if dropped == len(zero) else 0
+        if self.consecutive > self.max_consecutive:
+            raise NoLearningSignalError(
+                f"algorithm.drop_zero_variance_groups: the last {self.consecutive} groups all had equal rewards "
+                f"within each group; no learning signal to train on (turn it off, or check the reward)")
+        self._last = batch
+        if not dropped and not self.kept:
+            return [self._with_pending(batch)], 0
+        # A batch's kept groups join the queue as one-group pieces; they leave in order.
+        pieces = split_rollout_batch_at(batch, [1] * len(zero)) if len(zero) > 1 else [batch]
+        for piece, is_zero in zip(pieces, zero, strict=True):
+            if is_zero:
+                self.pending.extend(p.index for p in piece.prompts)
+            else:
+                self.kept.append(msgspec.structs.replace(piece, dropped_prompts={}))
+        out = []
+        while len(self.kept) >= self.groups_per_batch:
+            out.append(self._with_pending(self._join([self.kept.popleft() for _ in range(self.groups_per_batch)])))
+        return out, dropped
+
+    def flush(self) -> list[RolloutBatch]:
+        """What is left at the end of the stream: kept groups short of a whole batch, or
+        an empty batch carrying drops not yet handed on."""
+        if self.kept:
+            parts = list(self.kept)
+            self.kept.clear()
+            return [self._with_pending(self._join(parts))]
+        if self.pending and self._last is not None:
+            return [self._with_pending(empty_like(self._last))]
+        return []
+
+    def _join(self, parts: list[RolloutBatch]) -> RolloutBatch:
+        first = parts[0]
+        return merge_rollout_batches([msgspec.structs.replace(p, batch_id=first.batch_id, step=first.step)
+                                      for p in parts])
+
+    def _with_pending(self, batch: RolloutBatch) -> RolloutBatch:
+        if not self.pending:
+            return batch
+        drops = {**batch.dropped_prompts}
+        drops[ZERO_VARIANCE] = [*drops.get(ZERO_VARIANCE, []), *self.pending]
+        self.pending = []
+        return msgspec.structs.replace(batch, dropped_prompts=drops)
