@@ -74,9 +74,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
         cfg, _ = _load(args)
     else:
         raise ConfigError("launch: expected --config PATH or --resume RUN_DIR")
+    from pipeline.checkpoint import find_latest_checkpoint
     from pipeline.launch import launch_run
 
-    summary = launch_run(cfg)
+    try:
+        summary = launch_run(cfg)
+    except StageError as exc:
+        # The run stopped (a dead trainer, say): how to continue it, when it can be.
+        if find_latest_checkpoint(cfg.run_dir) is None:
+            raise
+        print(f"conveyor: {exc}\nconveyor: resume with: conveyor launch --resume {cfg.run_dir}", file=sys.stderr)
+        return 1
     if summary["status"] == "interrupted":
         return 128 + signal.Signals[summary["signal"]].value  # 130 for SIGINT, 143 for SIGTERM
     verified = all(s.get("verified") for s in summary["served"].values())

@@ -355,6 +355,12 @@ class RunConfig(msgspec.Struct, **_section()):
     # it to the run's newest complete one).
     resume_from: str | None = None
     overwrite: bool = False  # replace a run already in run.dir (otherwise a launch refuses it)
+    # Restarts of each rollout, reward and reference actor after its process died (its
+    # micro-batches are delivered again); 0: a death stops the run.
+    max_restarts: NonNegInt = 5
+    # A dead trainer: resume from the newest checkpoint by itself (at most
+    # pipeline.launch.AUTO_RESUME_ATTEMPTS times) instead of stopping with the resume command.
+    auto_resume: bool = False
 
 
 class RecordConfig(msgspec.Struct, **_section()):

@@ -57,6 +57,10 @@ class Node:
     # asking for gpu_shares[r] of it; empty: num_gpus by count (pipeline/placement.py).
     gpu_bundles: tuple[int, ...] = ()
     gpu_shares: tuple[float, ...] = ()
+    # Times Ray restarts a replica whose process died (streaming mode; the runner then
+    # sets it up again and its input queue delivers what it held again). 0: a death
+    # stops the run.
+    max_restarts: int = 0
 
     def resolve_class(self) -> type:
         if isinstance(self.node_class, str):
@@ -81,6 +85,7 @@ class DataFlow:
         num_cpus: float = 0.0,
         num_gpus: float = 0.0,
         queue_size: int | None = None,
+        max_restarts: int = 0,
         **kwargs: Any,
     ) -> DataFlow:
         if not name or not isinstance(name, str):
@@ -89,7 +94,13 @@ class DataFlow:
             raise GraphError(f"node {name!r}: duplicate name")
         if replicas < 1 or concurrency < 1:
             raise GraphError(f"node {name!r}: replicas and concurrency must be >= 1")
-        self.nodes[name] = Node(name, node_class, input_from, replicas, concurrency, num_cpus, num_gpus, kwargs)
+        if max_restarts < 0:
+            raise GraphError(f"node {name!r}: max_restarts must be >= 0")
+        if max_restarts and input_from is None:
+            # A restarted source would start its data again: it is not restartable.
+            raise GraphError(f"node {name!r}: a source cannot be restarted (max_restarts must be 0)")
+        self.nodes[name] = Node(name, node_class, input_from, replicas, concurrency, num_cpus, num_gpus, kwargs,
+                                max_restarts=max_restarts)
         if queue_size is not None and input_from is not None:
             self.queue_sizes[f"{input_from}->{name}"] = queue_size
         return self
@@ -101,6 +112,15 @@ class DataFlow:
     @property
     def edges(self) -> list[tuple[str, str]]:
         return [(n.input_from, n.name) for n in self.nodes.values() if n.input_from is not None]
+
+    def downstream_of_restartable(self, name: str) -> bool:
+        """Whether an ancestor of ``name`` may be restarted (its outputs may then arrive twice)."""
+        node = self.nodes[name].input_from
+        while node is not None:
+            if self.nodes[node].max_restarts > 0:
+                return True
+            node = self.nodes[node].input_from
+        return False
 
     def queue_bound(self, producer: str, consumer: str) -> int:
         return self.queue_sizes.get(f"{producer}->{consumer}", self.default_queue_size)

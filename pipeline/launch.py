@@ -14,6 +14,13 @@ and validates the data file whole (a ``ConfigError``, exit 2, on the first bad o
 ``summary.json`` then carries ``data/rows_total``, ``data/rows_skipped/<reason>`` and
 the reward's ``reward/errors`` with its first error.
 
+Failed actors (streaming mode): a rollout, reward or reference actor whose process dies
+is restarted up to ``run.max_restarts`` times and its micro-batches delivered again
+(``pipeline/runner.py``); ``summary.json``'s ``faults`` counts restarts, redeliveries
+and duplicates dropped. Any other death (the trainer, the source) stops the run with
+the resume command when a checkpoint exists; with ``run.auto_resume`` the run resumes
+from its newest checkpoint by itself, at most ``AUTO_RESUME_ATTEMPTS`` times.
+
 Each step's metrics carry every stage's latest ``memory/``, ``admission/`` and ``oom/``
 metrics (posted to the controller with ``set_status``; counters since the start;
 replicas add up), and ``summary.json`` has their final values per stage under
@@ -28,9 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import yaml
 
-from pipeline.checkpoint import prepare_run_dir, reconcile_prompt_ids
+from pipeline.checkpoint import find_latest_checkpoint, prepare_run_dir, reconcile_prompt_ids
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
 from pipeline.log import configure_logging, get_logger
@@ -59,6 +67,8 @@ STAGE_CLASSES = {
 }
 
 log = get_logger(stage="driver")
+RESTARTABLE_STAGES = ("rollout", "reward", "reference")
+AUTO_RESUME_ATTEMPTS = 3  # resumes of one launch after deaths it could not restart
 
 
 def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> DataFlow:
@@ -80,6 +90,8 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
             extra: dict[str, Any] = {}
             if name == "rollout":
                 extra = {"replicas": cfg.rollout.num_workers, "concurrency": cfg.rollout.max_inflight}
+            if name in RESTARTABLE_STAGES and cfg.dataflow.async_execution:
+                extra["max_restarts"] = cfg.run.max_restarts
             df.add_node(name, STAGE_CLASSES[name], prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus, **extra)
             prev = name
     df.queue_sizes.update(cfg.dataflow.queue_sizes)
@@ -145,11 +157,15 @@ class Reporter:
         self._recent: list[Any] = []
         self._gpu = GpuSampler()
         self.started = time.time()
+        self.processes: dict[str, list[Any]] = {}
+        self.restarts: dict[str, int] = {}
         # Visible to ``conveyor status`` while actors are still starting.
         self._write_status({"trainer_version": 0, "served": {}, "status": {},
                             "ledger": {"in_flight": 0}}, {}, state="starting")
 
     async def __call__(self, graph: Graph) -> None:
+        self.processes = {f"{n}:{r}": list(hp) for (n, r), hp in graph.processes.items()}
+        self.restarts = dict(graph.restarts)
         drain = await graph.controller.drain.remote()
         self.last_drain = drain
         self.syncs.extend(drain["syncs"])
@@ -200,6 +216,9 @@ class Reporter:
             "stages": drain["status"],
             "queues": queues,
             "last_step": self.steps[-1] if self.steps else None,
+            # Where each stage runs now (a restarted one moves): for benches and operators.
+            "processes": self.processes,
+            "restarts": self.restarts,
         }
         tmp = self.run_dir / "status.json.tmp"
         tmp.write_text(json.dumps(status, default=str))
@@ -238,8 +257,28 @@ class _Progress:
 
 
 def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
-    """Run the configured job; returns the summary (also written to ``summary.json``)."""
+    """Run the configured job; returns the summary (also written to ``summary.json``).
+    With ``run.auto_resume`` a stage death the runner could not restart (the trainer's)
+    resumes the run from its newest checkpoint, at most ``AUTO_RESUME_ATTEMPTS`` times."""
     configure_logging(cfg.run.log_level)
+    resumes: list[dict[str, Any]] = []
+    while True:
+        try:
+            summary = _launch_once(cfg, resumes)
+        except StageError as exc:
+            found = find_latest_checkpoint(cfg.run_dir) if exc.died else None
+            if not (cfg.run.auto_resume and found is not None and len(resumes) < AUTO_RESUME_ATTEMPTS):
+                raise
+            resumes.append({"stage": exc.stage, "error": exc.message, "from": str(found[0]),
+                            "restarts": getattr(exc, "restarts", {})})
+            log.warning("auto_resume", stage=exc.stage, attempt=len(resumes), max_attempts=AUTO_RESUME_ATTEMPTS,
+                        checkpoint=str(found[0]))
+            cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, resume_from=str(found[0])))
+            continue
+        return summary
+
+
+def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str, Any]:
     cfg, checks = run_preflight(cfg)  # a bad path, import or data file: ConfigError, before Ray
     print(checks.describe(), flush=True)
     run_cfg, plan = plan_run_placement(cfg)
@@ -268,19 +307,22 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
         return write_stopped_summary(cfg, run_dir, reporter, "interrupted", signal=exc.signal_name, forced=True,
                                      **checks.to_summary())
     except StageError as exc:
+        exc.restarts = dict(reporter.restarts)  # the restarts of this attempt, for an auto-resume's record
         write_stopped_summary(cfg, run_dir, reporter, "failed", stage=exc.stage, error=exc.message,
-                              **checks.to_summary())
+                              **({"auto_resumes": resumes} if resumes else {}), **checks.to_summary())
         raise
     finally:
         reporter.close()
-    return finish_run(cfg, run_dir, result, reporter, checks)
+    return finish_run(cfg, run_dir, result, reporter, checks, resumes)
 
 
 def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter, status: str,
                           **detail: Any) -> dict[str, Any]:
     """``summary.json`` of a run that did not drain: what the driver saw until then."""
+    found = find_latest_checkpoint(run_dir)
     summary = {"run": cfg.run.name, "status": status, **detail, "steps": len(reporter.steps),
-               "resume": f"conveyor launch --resume {run_dir}",
+               # Only where there is something to resume from.
+               "resume": f"conveyor launch --resume {run_dir}" if found is not None else None,
                "wall_s": time.time() - reporter.started,
                "reward_last": reporter.steps[-1].get("reward/mean") if reporter.steps else None}
     write_summary(run_dir, summary)
@@ -299,8 +341,22 @@ def summarise_admission(reports: dict[str, list[dict[str, Any]]]) -> dict[str, d
     return out
 
 
+def summarise_faults(result: RunResult, resumes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Restarts after deaths, items delivered again and what consumers dropped as
+    duplicates or skipped as lost with their producer (``summary.json``'s ``faults``)."""
+    delivery = {f"{stage}:{i}": r["delivery"] for stage, reps in result.reports.items()
+                for i, r in enumerate(reps) if r.get("delivery")}
+    return {
+        "restarts": dict(result.restarts),
+        "redelivered": {name: q.get("redelivered", 0) for name, q in result.queues.items()},
+        "duplicate_groups_dropped": {k: v["duplicate_groups_dropped"] for k, v in delivery.items()},
+        "lost_inputs_skipped": {k: v["lost_inputs_skipped"] for k, v in delivery.items()},
+        "auto_resumes": list(resumes or []),
+    }
+
+
 def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: Reporter,
-               checks: PreflightReport | None = None) -> dict[str, Any]:
+               checks: PreflightReport | None = None, resumes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     df = build_dataflow(cfg)
     # Timeline rows in pipeline order; replica r > 0 of a node records as "<node>:<r>".
     order = [n if r == 0 else f"{n}:{r}" for n in df.topological_order() for r in range(df.nodes[n].replicas)]
@@ -335,6 +391,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
             "reconciles": ledger["reconciles"] and accounting.get("reconciles", True),
         },
         "accounting": accounting,
+        "faults": summarise_faults(result, resumes),
         "source_rows_skipped": source.get("skipped", {}),
         **(checks.to_summary() if checks else {}),
         "reward/errors": reward.get("failed", 0),

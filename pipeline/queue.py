@@ -9,6 +9,23 @@ Guarantees:
 - ``close()`` is called once by each producer; when all producers have closed and the
   queue is empty, every ``get`` returns ``END`` (end-of-stream) to every consumer.
 - Depth, put-wait and get-wait are measured inside the queue actor (``stats``).
+
+Delivery that survives dead stage actors (``lease`` instead of ``get``): an item a
+consumer leased stays held here, under the consumer's id, until it is released; when
+the consumer's process dies the runner calls ``requeue`` and its leased items go back
+to the front of the queue, for the restarted actor (the depth may then exceed the
+bound by those items). Each output carries its ``Origin`` (the producer's lease on
+its input); a lease is released when its consumer emitted nothing for it (the
+terminal stage, once it has taken the item in) or when every output derived from it
+was released downstream (``release_part``). So an item stays held here until what
+became of it reached the end of the graph. That is the price of Ray 2.60 having no
+``ray.put(_owner=...)``: the objects a stage emits are owned by its process and die
+with it, and an output that died unread (skipped by its consumer as lost) is made
+again from its input, which is then still leased upstream and requeued by the death
+of that producer. Any sequence of deaths of non-terminal, non-source stages is
+survived, one at a time. An item may be delivered twice (a release racing a
+requeue, a requeued item and its remade copy): consumers de-duplicate
+(``pipeline/delivery.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
@@ -41,6 +58,27 @@ class QueueClosed(RuntimeError):
     """``put`` on a queue whose producers have all closed it."""
 
 
+class Origin(NamedTuple):
+    """Where an output came from: the producer's lease ``seq`` on ``queue`` (an actor
+    handle) under ``consumer``; ``parts`` outputs (times output queues) derive from it."""
+
+    queue: Any
+    consumer: str
+    seq: int
+    parts: int
+
+
+class _Lease:
+    """An item out with a consumer (``wrapped`` keeps its object alive)."""
+
+    __slots__ = ("origin", "released_parts", "wrapped")
+
+    def __init__(self, wrapped: list[Any], origin: Origin | None) -> None:
+        self.wrapped = wrapped
+        self.origin = origin
+        self.released_parts = 0
+
+
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class QueueActor:
     """The state of one edge: a deque of wrapped references guarded by a condition."""
@@ -48,10 +86,16 @@ class QueueActor:
     def __init__(self, name: str, bound: int, producers: int = 1) -> None:
         self.name = name
         self.bound = bound
-        self._items: collections.deque[list[Any]] = collections.deque()
+        # Each entry: (wrapped reference, its Origin or None).
+        self._items: collections.deque[tuple[list[Any], Origin | None]] = collections.deque()
         self._cond = asyncio.Condition()
         self._open_producers = producers
+        self._closed_by: set[str] = set()
         self._closed = False
+        self._leases: dict[str, dict[int, _Lease]] = collections.defaultdict(dict)
+        self._seq = 0
+        self._redelivered = 0
+        self._dead: set[str] = set()  # consumer ids of processes that died
         self._puts = 0
         self._gets = 0
         self._put_wait_s = 0.0
@@ -66,7 +110,7 @@ class QueueActor:
         self._depth_area += len(self._items) * (now - self._last_change)
         self._last_change = now
 
-    async def put(self, wrapped: list[Any]) -> float:
+    async def put(self, wrapped: list[Any], origin: Origin | None = None) -> float:
         """Enqueue ``[ref]``; returns the seconds the producer waited for room."""
         t0 = time.monotonic()
         async with self._cond:
@@ -74,7 +118,7 @@ class QueueActor:
                 raise QueueClosed(f"queue {self.name}: put after all producers closed it")
             await self._cond.wait_for(lambda: len(self._items) < self.bound)
             self._touch()
-            self._items.append(wrapped)
+            self._items.append((wrapped, origin))
             self._puts += 1
             self._max_depth = max(self._max_depth, len(self._items))
             self._cond.notify_all()
@@ -82,25 +126,95 @@ class QueueActor:
         self._put_wait_s += waited
         return waited
 
-    async def get(self) -> Any:
-        """Dequeue the next ``[ref]``, or ``END`` once closed and drained."""
+    async def _pop(self) -> tuple[list[Any], Origin | None] | None:
         t0 = time.monotonic()
         async with self._cond:
             await self._cond.wait_for(lambda: self._items or self._closed)
+            entry = None
             if self._items:
                 self._touch()
-                item = self._items.popleft()
+                entry = self._items.popleft()
                 self._gets += 1
                 self._cond.notify_all()
-            else:
-                item = END
         self._get_wait_s += time.monotonic() - t0
-        return item
+        return entry
 
-    async def close(self) -> int:
-        """One producer is done; returns how many producers are still open."""
+    async def get(self) -> Any:
+        """Dequeue the next ``[ref]``, or ``END`` once closed and drained (no lease: the
+        item is released at once)."""
+        entry = await self._pop()
+        if entry is None:
+            return END
+        if entry[1] is not None:
+            self._forward(entry[1])
+        return entry[0]
+
+    async def lease(self, consumer: str, released: list[int] = (), lost: list[int] = ()) -> Any:
+        """``[ref, seq]`` of the next item, held under ``consumer`` until released, or
+        ``END``. ``released``: leases the consumer is done with (it emitted nothing for
+        them); ``lost``: leases whose object died with its producer (dropped, their
+        origins stay leased upstream, where that producer's requeue delivers them again)."""
+        if consumer in self._dead:
+            return END  # a call from a process that died, arriving late
+        held = self._leases[consumer]
+        for seq in released:
+            self._release(consumer, seq)
+        for seq in lost:
+            held.pop(seq, None)
+        entry = await self._pop()
+        if entry is None:
+            return END
+        if consumer in self._dead:  # it died while this call waited: the item stays here
+            async with self._cond:
+                self._items.appendleft(entry)
+                self._cond.notify_all()
+            return END
+        self._seq += 1
+        self._leases[consumer][self._seq] = _Lease(*entry)
+        return [entry[0][0], self._seq]
+
+    def release_part(self, consumer: str, seq: int, parts: int) -> None:
+        """One output derived from lease ``seq`` was released downstream; the lease is
+        released when all ``parts`` were (unknown or requeued leases are ignored)."""
+        lease = self._leases.get(consumer, {}).get(seq)
+        if lease is None:
+            return
+        lease.released_parts += 1
+        if lease.released_parts >= parts:
+            self._release(consumer, seq)
+
+    def _release(self, consumer: str, seq: int) -> None:
+        lease = self._leases.get(consumer, {}).pop(seq, None)
+        if lease is not None and lease.origin is not None:
+            self._forward(lease.origin)
+
+    @staticmethod
+    def _forward(origin: Origin) -> None:
+        # Fire and forget: a lost release only means a duplicate delivery after a death.
+        origin.queue.release_part.remote(origin.consumer, origin.seq, origin.parts)
+
+    async def requeue(self, consumer: str) -> int:
+        """``consumer``'s process died: its leased items go back to the front, in order.
+        The id is retired (a restarted actor leases under a new one)."""
+        self._dead.add(consumer)
+        held = self._leases.pop(consumer, {})
         async with self._cond:
-            self._open_producers = max(0, self._open_producers - 1)
+            self._touch()
+            for seq in sorted(held, reverse=True):
+                self._items.appendleft((held[seq].wrapped, held[seq].origin))
+            self._redelivered += len(held)
+            self._max_depth = max(self._max_depth, len(self._items))
+            self._cond.notify_all()
+        return len(held)
+
+    async def close(self, producer: str | None = None) -> int:
+        """One producer is done; returns how many producers are still open. A named
+        producer counts once however often it closes (a restarted actor closes again)."""
+        async with self._cond:
+            if producer is None or producer not in self._closed_by:
+                if producer is not None:
+                    self._closed_by.add(producer)
+                self._open_producers = max(0, self._open_producers - 1)
             if self._open_producers == 0:
                 self._closed = True
                 self._cond.notify_all()
@@ -119,6 +233,8 @@ class QueueActor:
             "put_wait_s": self._put_wait_s,
             "get_wait_s": self._get_wait_s,
             "closed": self._closed,
+            "leased": sum(len(h) for h in self._leases.values()),
+            "redelivered": self._redelivered,
         }
 
 
@@ -136,8 +252,8 @@ class QueueHandle:
         self.producer = producer
         self.consumer = consumer
 
-    async def put_ref(self, ref: ray.ObjectRef) -> float:
-        return await self.actor.put.remote([ref])
+    async def put_ref(self, ref: ray.ObjectRef, origin: Origin | None = None) -> float:
+        return await self.actor.put.remote([ref], origin)
 
     async def put(self, value: Any) -> float:
         return await self.put_ref(ray.put(value))
@@ -152,8 +268,16 @@ class QueueHandle:
         ref = await self.get_ref()
         return END if ref is END or ref == END else await ref
 
-    async def close(self) -> int:
-        return await self.actor.close.remote()
+    async def lease(self, consumer: str, released: list[int], lost: list[int]) -> tuple[Any, int]:
+        """(next ``ObjectRef``, its lease seq), or (``END``, -1); see ``QueueActor.lease``."""
+        item = await self.actor.lease.remote(consumer, released, lost)
+        return (END, -1) if item == END else (item[0], item[1])
+
+    async def requeue(self, consumer: str) -> int:
+        return await self.actor.requeue.remote(consumer)
+
+    async def close(self, producer: str | None = None) -> int:
+        return await self.actor.close.remote(producer)
 
     async def stats(self) -> dict[str, float]:
         return await self.actor.stats.remote()

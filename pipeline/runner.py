@@ -22,7 +22,17 @@ Guarantees:
   graph down at once and raises ``RunInterrupted``;
 - on every exit path the processes the stage actors spawned on this host (the vLLM
   engine core and its workers) are gone when ``run_dataflow`` returns or raises: they
-  are listed before the actors are killed and killed after them.
+  are listed before the actors are killed and killed after them;
+- streaming mode, a node with ``max_restarts`` (rollout, reward and reference in the
+  built-in graph): when a replica's process dies, Ray restarts the actor (its
+  ``max_restarts``: Ray's own restarts, as the design asks, rather than new actors
+  made here, so the handle every queue and the controller know stays valid) and
+  this runner, which Ray cannot replace there, requeues what the dead process had
+  leased from its input queue, kills the engine processes it left behind, sets the
+  actor up again (a rollout starts a fresh engine and takes the newest published
+  weights) and runs it again. ``max_task_retries`` stays 0: a ``run`` Ray retried by
+  itself would skip the set-up and the requeue. A death beyond ``max_restarts``, or
+  of any other node, stops the run (``StageError.died``).
 """
 
 from __future__ import annotations
@@ -43,12 +53,13 @@ from pipeline.controller import ControllerActor
 from pipeline.dataflow import DataFlow
 from pipeline.log import get_logger
 from pipeline.queue import QueueHandle, create_queue
-from pipeline.stage import StageActor, StageError
+from pipeline.stage import StageActor, StageError, lease_id
 from pipeline.types import Span
 
 log = get_logger(stage="driver")
 MAX_TRACE_SPANS = 500_000
 PLACEMENT_TIMEOUT_S = 120.0
+RESTART_TIMEOUT_S = 300.0  # for Ray to bring a dead stage actor's process back
 QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",  # its per-update warnings (e.g. layerwise reload) are noise here
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' and the hub's tqdm bars
@@ -66,6 +77,7 @@ class RunResult:
     controller: dict[str, Any]
     spans: list[Span] = field(default_factory=list)
     interrupted: str | None = None  # "SIGINT" / "SIGTERM" when a signal ended the run early
+    restarts: dict[str, int] = field(default_factory=dict)  # "<node>:<replica>" -> restarts after a death
 
     def result(self, stage: str, replica: int = 0) -> Any:
         return self.reports[stage][replica].get("result")
@@ -80,13 +92,20 @@ class Graph:
     actors: dict[str, list[Any]]
     queues: dict[str, QueueHandle]
     placement_group: Any = None
-    processes: list[tuple[str, int]] = field(default_factory=list)  # (host, pid) of each stage actor
+    # (node, replica) -> (host, pid) of its actor's current process
+    processes: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict)
+    # (node, replica) -> the processes it had spawned when set up (its engine's), which a
+    # death of the actor leaves orphaned
+    spawned: dict[tuple[str, int], list[Any]] = field(default_factory=dict)
+    restarts: collections.Counter[str] = field(default_factory=collections.Counter)
     # The trace keeps the latest spans only, so a long run's driver memory stays bounded.
     spans: collections.deque[Span] = field(default_factory=lambda: collections.deque(maxlen=MAX_TRACE_SPANS))
 
     async def collect_spans(self) -> list[Span]:
         calls = [a.drain_spans.remote() for reps in self.actors.values() for a in reps]
-        new = [s for batch in await asyncio.gather(*calls) for s in batch]
+        # A replica that died has lost its spans; its restart is the runner's business.
+        got = await asyncio.gather(*calls, return_exceptions=True)
+        new = [s for batch in got if not isinstance(batch, BaseException) for s in batch]
         self.spans.extend(new)
         return new
 
@@ -163,12 +182,17 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
             StageActor.options(
                 num_cpus=node.num_cpus,
                 max_concurrency=max(64, 4 * node.concurrency),
+                max_restarts=node.max_restarts,
+                max_task_retries=0,
                 **_gpu_options(node, r, pg),
-            ).remote(name, r, node.node_class, node.kwargs, config, controller, node.concurrency, tap, level)
+            ).remote(name, r, node.node_class, node.kwargs, config, controller, node.concurrency, tap, level,
+                     df.downstream_of_restartable(name))
             for r in range(node.replicas)
         ]
     graph = Graph(df, controller, actors, queues, pg)
-    graph.processes = list(await asyncio.gather(*(a.process_id.remote() for reps in actors.values() for a in reps)))
+    keys = [(name, r) for name, reps in actors.items() for r in range(len(reps))]
+    pids = await asyncio.gather(*(actors[n][r].process_id.remote() for n, r in keys))
+    graph.processes = dict(zip(keys, pids, strict=True))
     setups = {a.setup.remote(): name for name, reps in actors.items() for a in reps}
     for ref, name in setups.items():
         try:
@@ -178,6 +202,8 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
             if isinstance(exc, Exception):
                 raise _stage_error(name, exc) from None
             raise
+    for key, (host, pid) in graph.processes.items():
+        graph.spawned[key] = _children(host, pid)
     return graph
 
 
@@ -219,7 +245,8 @@ def _stage_error(name: str, exc: BaseException) -> StageError:
     if isinstance(exc, StageError):
         return exc
     if isinstance(exc, ray.exceptions.RayActorError):
-        return StageError(name, f"actor died: {exc}")
+        text = str(exc).strip().splitlines()
+        return StageError(name, f"actor died: {text[0] if text else type(exc).__name__}", str(exc), died=True)
     text = str(exc)
     return StageError(name, text.strip().splitlines()[-1] if text.strip() else type(exc).__name__, text)
 
@@ -237,19 +264,24 @@ async def _shutdown_cores(graph: Graph) -> None:
             log.warning("shutdown_failed", error=str(r).strip().splitlines()[-1] if str(r).strip() else repr(r))
 
 
-def _spawned_processes(graph: Graph) -> list[Any]:
-    """Every live descendant of this host's stage actors (engine cores, their workers)."""
+def _children(host: str, pid: int) -> list[Any]:
+    """The live descendants of process ``pid`` if it runs on this host."""
     import psutil
 
-    host, found = socket.gethostname(), []
-    for actor_host, pid in graph.processes:
-        if actor_host != host:
-            continue  # another node's pid means nothing here
-        try:
-            found.extend(psutil.Process(pid).children(recursive=True))
-        except psutil.Error:
-            continue
-    return found
+    if host != socket.gethostname():
+        return []  # another node's pid means nothing here
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _spawned_processes(graph: Graph) -> list[Any]:
+    """Every live descendant of this host's stage actors (engine cores, their workers),
+    and what earlier, dead processes of restarted actors had spawned."""
+    found = [p for host, pid in graph.processes.values() for p in _children(host, pid)]
+    seen = {p.pid for p in found}
+    return found + [p for procs in graph.spawned.values() for p in procs if p.pid not in seen and p.is_running()]
 
 
 def _reap(processes: list[Any]) -> None:
@@ -322,6 +354,7 @@ async def _run(
         controller=await controller.summary.remote(),
         spans=list(graph.spans),
         interrupted=interrupts.received,
+        restarts=dict(graph.restarts),
     )
     await _teardown(graph)
     return result
@@ -386,33 +419,94 @@ async def _maybe_await(value: Any) -> Any:
 
 async def _run_streaming(graph: Graph, on_tick: Callable[[Graph], Any] | None, tick_s: float) -> dict[str, list[dict[str, Any]]]:
     df = graph.dataflow
-    running: dict[asyncio.Future[Any], tuple[str, int]] = {}
+    running: dict[asyncio.Task[Any], tuple[str, int]] = {}
     for name, reps in graph.actors.items():
         node = df.nodes[name]
         inp = graph.queues[f"{node.input_from}->{name}"] if node.input_from else None
         outs = [graph.queues[f"{name}->{c}"] for c in df.consumers(name)]
-        for r, actor in enumerate(reps):
-            fut = asyncio.wrap_future(actor.run.remote(inp, outs).future())
-            # Killed actors fail their futures after a stop; mark them read, not "never retrieved".
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-            running[fut] = (name, r)
+        for r in range(len(reps)):
+            task = asyncio.create_task(_supervise(graph, name, r, inp, outs))
+            # Killed actors fail their tasks after a stop; mark them read, not "never retrieved".
+            task.add_done_callback(lambda f: f.cancelled() or f.exception())
+            running[task] = (name, r)
     reports: dict[str, list[dict[str, Any]]] = {n: [{}] * len(reps) for n, reps in graph.actors.items()}
     pending = set(running)
-    while pending:
-        done, pending = await asyncio.wait(pending, timeout=tick_s, return_when=asyncio.FIRST_COMPLETED)
-        for fut in done:
-            name, r = running[fut]
-            try:
-                reports[name][r] = fut.result()
-            except Exception as exc:
-                err = _stage_error(name, exc)
-                log.error("stage_failed", failed=name, error=str(err))
-                for other in pending:
-                    other.cancel()
-                raise err from None
-        if on_tick is not None:
-            await _maybe_await(on_tick(graph))
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=tick_s, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                name, r = running[fut]
+                try:
+                    reports[name][r] = fut.result()
+                except Exception as exc:
+                    err = _stage_error(name, exc)
+                    log.error("stage_failed", failed=name, error=str(err))
+                    raise err from None
+            if on_tick is not None:
+                await _maybe_await(on_tick(graph))
+    finally:
+        for other in pending:
+            other.cancel()
     return reports
+
+
+async def _supervise(graph: Graph, name: str, r: int, inp: QueueHandle | None,
+                     outs: list[QueueHandle]) -> dict[str, Any]:
+    """Run replica ``r`` of ``name`` to the end, restarting it after a death while its
+    node's ``max_restarts`` allow (see the module guarantees)."""
+    actor = graph.actors[name][r]
+    limit = graph.dataflow.nodes[name].max_restarts
+    attempts = 0
+    while True:
+        try:
+            return await actor.run.remote(inp, outs)
+        except ray.exceptions.RayActorError as exc:
+            if attempts >= limit:
+                raise
+            attempts += 1
+            await _restart(graph, name, r, inp, exc)
+
+
+async def _call_when_up(actor: Any, method: str) -> Any:
+    """``actor.<method>()`` once Ray has restarted it: while it restarts, calls fail
+    with ``ActorUnavailableError`` and are tried again (for at most RESTART_TIMEOUT_S);
+    a death beyond its ``max_restarts`` raises ``ActorDiedError``."""
+    deadline = time.time() + RESTART_TIMEOUT_S
+    while True:
+        try:
+            return await getattr(actor, method).remote()
+        except ray.exceptions.ActorUnavailableError:
+            if time.time() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def _restart(graph: Graph, name: str, r: int, inp: QueueHandle | None, exc: BaseException) -> None:
+    worker = f"{name}:{r}"
+    limit = graph.dataflow.nodes[name].max_restarts
+    old = graph.processes[(name, r)]
+    log.warning("stage_died", failed=worker, pid=old[1], restart=graph.restarts[worker] + 1, max_restarts=limit,
+                error=(str(exc).strip().splitlines() or [type(exc).__name__])[0])
+    actor = graph.actors[name][r]
+    _reap(graph.spawned.pop((name, r), []))  # its engine processes, orphaned
+    new = await _call_when_up(actor, "process_id")
+    if new == old:
+        # Unreachable rather than dead: a second run() beside the first must never
+        # happen, so the process is killed and Ray starts another.
+        ray.kill(actor, no_restart=False)
+        while new == old:
+            await asyncio.sleep(0.5)
+            new = await _call_when_up(actor, "process_id")
+    requeued = await inp.requeue(lease_id(worker, old[1])) if inp is not None else 0
+    graph.processes[(name, r)] = new
+    t0 = time.time()
+    try:
+        await _call_when_up(actor, "setup")
+    except Exception as err:
+        raise _stage_error(name, err) from None
+    graph.spawned[(name, r)] = _children(*new)
+    graph.restarts[worker] += 1  # counted once it serves again
+    log.warning("stage_restarted", stage=worker, pid=new[1], requeued=requeued, setup_s=round(time.time() - t0, 1))
 
 
 async def _run_lockstep(

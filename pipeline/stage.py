@@ -20,7 +20,14 @@ Guarantees:
 - the event loop never runs heavy compute: cores hand it to a thread
   (``asyncio.to_thread``), so control calls (status, spans, shutdown) are answered while
   a core works;
-- output queues are closed exactly once, at end-of-stream, so consumers drain and stop.
+- output queues are closed exactly once, at end-of-stream, so consumers drain and stop
+  (once per producer id: an actor restarted after a crash closes them again harmlessly);
+- inputs are leased (``pipeline/queue.py``): this shell tells its input queue which
+  items it is done with (piggybacked on its next ``lease`` call) and tags each output
+  with its input's ``Origin``, so that the items a dead actor held are delivered again
+  to its restarted self; an input whose object died with its producer is skipped (that
+  producer's input is delivered again); with ``dedup`` a micro-batch whose groups were
+  seen already is dropped (``pipeline/delivery.py``).
 """
 
 from __future__ import annotations
@@ -35,23 +42,26 @@ from typing import Any
 
 import ray
 
+from pipeline.delivery import SeenGroups
 from pipeline.log import configure_logging, get_logger
 from pipeline.profiler import SpanRecorder
-from pipeline.queue import END, QueueHandle
+from pipeline.queue import END, Origin, QueueHandle
 
 
 class StageError(RuntimeError):
-    """A stage's core raised; carries the stage name and the remote traceback."""
+    """A stage's core raised; carries the stage name and the remote traceback.
+    ``died``: the stage's process died (killed, crashed) rather than its code raising."""
 
-    def __init__(self, stage: str, message: str, remote_traceback: str = "") -> None:
+    def __init__(self, stage: str, message: str, remote_traceback: str = "", died: bool = False) -> None:
         super().__init__(f"stage {stage!r} failed: {message}")
         self.stage = stage
         self.message = message
         self.remote_traceback = remote_traceback
+        self.died = died
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Exceptions pickle their ``args``; ours has three, so say how to rebuild it.
-        return (StageError, (self.stage, self.message, self.remote_traceback))
+        # Exceptions pickle their ``args``; ours has more, so say how to rebuild it.
+        return (StageError, (self.stage, self.message, self.remote_traceback, self.died))
 
 
 class StageContext:
@@ -66,6 +76,12 @@ class StageContext:
         self.spans = spans
         self.log = get_logger(stage=name, replica=replica)
         self.recorder: Any = None  # set by the shell when a tap needs it
+
+
+def lease_id(worker_id: str, pid: int) -> str:
+    """The id a stage process leases its inputs under: one per process, so a late call
+    of a dead one is told apart from its restarted successor's."""
+    return f"{worker_id}@{pid}"
 
 
 def _as_list(out: Any) -> list[Any]:
@@ -87,6 +103,7 @@ class StageActor:
         concurrency: int,
         tap: tuple[str, str] | None = None,
         log_level: str = "info",
+        dedup: bool = False,
     ) -> None:
         configure_logging(log_level)
         self.name = name
@@ -106,6 +123,11 @@ class StageActor:
         # recording holds exactly what the consumer saw (and the trainer's step records).
         self._tap = tap
         self._recorder: Any = None
+        self.lease_id = lease_id(self.ctx.worker_id, os.getpid())
+        self._released: list[int] = []  # leases done with, nothing emitted for them
+        self._lost: list[int] = []  # leases whose object died with its producer
+        self._seen = SeenGroups() if dedup else None
+        self._lost_inputs = 0  # inputs whose producer died before they were read
 
     # ---------------------------------------------------------------- lifecycle
     async def setup(self) -> str:
@@ -152,7 +174,7 @@ class StageActor:
             raise StageError(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
         finally:
             for out in outs:
-                await out.close()
+                await out.close(self.ctx.worker_id)
             self.close_taps()
         self._state = "done"
         return self.report()
@@ -164,21 +186,38 @@ class StageActor:
             self._gen = self.core.generate()
         return self._gen
 
-    async def _fetch(self, inp: QueueHandle) -> Any:
-        """The next input item (or ``END``), with its wait and transfer spans."""
-        t0 = time.time()
-        ref = await inp.get_ref()
-        if ref is END or ref == END:
-            self.spans.add("wait_input", t0, time.time())
-            return END
-        t1 = time.time()
-        item = await ref
-        batch_id = getattr(item, "batch_id", -1)
-        # Waiting for an item and moving it are told apart: "transfer" is the hop's cost.
-        self.spans.add("wait_input", t0, t1, batch_id)
-        self.spans.add("transfer", t1, time.time(), batch_id)
-        self._record_input(item)
-        return item
+    async def _fetch(self, inp: QueueHandle) -> tuple[Any, int]:
+        """The next input item (or ``END``) and its lease, with wait and transfer spans."""
+        while True:
+            t0 = time.time()
+            released, self._released = self._released, []
+            lost, self._lost = self._lost, []
+            ref, seq = await inp.lease(self.lease_id, released, lost)
+            if ref is END or ref == END:
+                self.spans.add("wait_input", t0, time.time())
+                return END, -1
+            t1 = time.time()
+            try:
+                item = await ref
+            except ray.exceptions.ObjectLostError:
+                # Its producer died before this read it; the producer's own input is
+                # still leased upstream and is delivered again to its restarted self.
+                self._lost_inputs += 1
+                self._lost.append(seq)
+                self.ctx.log.warning("input_lost", edge=inp.name, detail="its producer died; redelivered upstream")
+                continue
+            if self._seen is not None:
+                item = self._seen.filter(item)
+                if item is None:
+                    self._released.append(seq)
+                    self.ctx.log.info("duplicate_dropped", edge=inp.name)
+                    continue
+            batch_id = getattr(item, "batch_id", -1)
+            # Waiting for an item and moving it are told apart: "transfer" is the hop's cost.
+            self.spans.add("wait_input", t0, t1, batch_id)
+            self.spans.add("transfer", t1, time.time(), batch_id)
+            self._record_input(item)
+            return item, seq
 
     async def _consume(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
         if self.concurrency == 1:
@@ -195,7 +234,7 @@ class StageActor:
         sender: asyncio.Task[None] | None = None
         try:
             while True:
-                item = await fetch
+                item, seq = await fetch
                 if item is END or item == END:
                     break
                 fetch = asyncio.create_task(self._fetch(inp))
@@ -204,7 +243,7 @@ class StageActor:
                 self._processed += 1
                 if sender is not None:
                     await sender  # outputs leave in order; a failed put surfaces here
-                sender = asyncio.create_task(self._emit_all(_as_list(out), outs))
+                sender = asyncio.create_task(self._emit_all(_as_list(out), outs, inp, seq))
             if sender is not None:
                 await sender
         finally:
@@ -212,9 +251,16 @@ class StageActor:
                 if task is not None and not task.done():
                     task.cancel()
 
-    async def _emit_all(self, items: list[Any], outs: list[QueueHandle]) -> None:
+    async def _emit_all(self, items: list[Any], outs: list[QueueHandle], inp: QueueHandle, seq: int) -> None:
+        """Put the outputs derived from input lease ``seq``, each tagged with its origin
+        (released at once when there are none: nothing downstream will release it)."""
+        parts = len(items) * len(outs)
+        if not parts:
+            self._released.append(seq)
+            return
+        origin = Origin(inp.actor, self.lease_id, seq, parts)
         for o in items:
-            await self._emit(o, outs)
+            await self._emit(o, outs, origin)
 
     async def _consume_concurrently(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
         """Up to ``concurrency`` items in the core at once; outputs in completion order."""
@@ -232,11 +278,11 @@ class StageActor:
             await slots.acquire()
             if errors:
                 raise errors[0]
-            item = await self._fetch(inp)
+            item, seq = await self._fetch(inp)
             if item is END or item == END:
                 slots.release()
                 break
-            task = asyncio.create_task(self._handle(item, outs))
+            task = asyncio.create_task(self._handle(item, outs, inp, seq))
             pending.add(task)
             task.add_done_callback(done)
         if pending:
@@ -244,20 +290,19 @@ class StageActor:
         if errors:
             raise errors[0]
 
-    async def _handle(self, item: Any, outs: list[QueueHandle]) -> None:
+    async def _handle(self, item: Any, outs: list[QueueHandle], inp: QueueHandle, seq: int) -> None:
         with self.spans.span("busy", batch_id=getattr(item, "batch_id", -1)):
             out = await self.core.process(item)
         self._processed += 1
-        for o in _as_list(out):
-            await self._emit(o, outs)
+        await self._emit_all(_as_list(out), outs, inp, seq)
 
-    async def _emit(self, item: Any, outs: list[QueueHandle]) -> list[ray.ObjectRef]:
+    async def _emit(self, item: Any, outs: list[QueueHandle], origin: Origin | None = None) -> list[ray.ObjectRef]:
         with self.spans.span("transfer", batch_id=getattr(item, "batch_id", -1)):
             ref = ray.put(item)
         self._emitted += 1
         for out in outs:
             with self.spans.span("wait_output", batch_id=getattr(item, "batch_id", -1)):
-                await out.put_ref(ref)
+                await out.put_ref(ref, origin)
         return [ref]
 
     # ---------------------------------------------------------------- lock-step mode
@@ -303,7 +348,8 @@ class StageActor:
 
     # ---------------------------------------------------------------- control calls
     def process_id(self) -> tuple[str, int]:
-        """(host name, pid) of this actor, so the driver can reap what it spawned."""
+        """(host name, pid) of this actor, so the driver can reap what it spawned (and
+        name its leases, ``lease_id``, when it dies)."""
         import socket
 
         return socket.gethostname(), os.getpid()
@@ -324,6 +370,9 @@ class StageActor:
             out["result"] = self.core.result()
         if self._recorder is not None:
             out["recording"] = self._recorder.stats()
+        if self._seen is not None or self._lost_inputs:
+            out["delivery"] = {"duplicate_groups_dropped": self._seen.dropped_groups if self._seen else 0,
+                               "lost_inputs_skipped": self._lost_inputs}
         return out
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -222,3 +222,25 @@ class FakeStageContext:
         self.spans = SpanRecorder(stage=name)
         self.log = get_logger(stage=name)
         self.recorder: Any = None
+
+
+class FakeDyingStage:
+    """Passes batches on after ``delay_s``; at its ``die_at``-th item it SIGKILLs its own
+    process (as ``kill -9`` would), once per ``marker`` file: a restarted actor goes on."""
+
+    def __init__(self, die_at: int, marker: str, delay_s: float = 0.0) -> None:
+        self.die_at, self.marker, self.delay_s = die_at, marker, delay_s
+        self.seen = 0
+
+    async def process(self, batch: RolloutBatch) -> RolloutBatch:
+        import os
+        import signal
+        from pathlib import Path
+
+        self.seen += 1
+        if self.seen == self.die_at and not Path(self.marker).exists():
+            Path(self.marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.delay_s:
+            await asyncio.to_thread(time.sleep, self.delay_s)
+        return batch
