@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "rollout_overhead": "bench.rollout_overhead",
     "e2e": "bench.e2e",
     "admission": "bench.admission",
+    "soak": "bench.soak",  # --minutes N (default 60): memory growth, then kills and a resume
     "staleness": "bench.staleness",
     "gpu_e2e": "bench.gpu_e2e",  # needs a CUDA GPU; "skipped" without one
 }
@@ -34,12 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=[*BENCHMARKS, "all"])
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds (smoke test)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"result directory (default {RESULTS_DIR})")
+    p.add_argument("--minutes", type=float, help="soak only: how long it runs (default 60)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    # "all" leaves the hour-long soak out: it is run on its own.
+    names = [n for n in BENCHMARKS if n != "soak"] if args.name == "all" else [args.name]
     import ray
 
     started_ray = not ray.is_initialized()
@@ -48,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             t0 = time.time()
             module = importlib.import_module(BENCHMARKS[name])
-            payload = module.run(quick=args.quick, out_dir=args.out)
+            extra = {"minutes": args.minutes} if args.minutes and name == "soak" else {}
+            payload = module.run(quick=args.quick, out_dir=args.out, **extra)
             ok = payload.get("status", "ok") in ("ok", "skipped")
             status = status or (0 if ok else 1)
             print(f"{name}: {'done' if ok else payload.get('status')} in {time.time() - t0:.0f}s -> "

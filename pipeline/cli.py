@@ -155,7 +155,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from bench.__main__ import main as bench_main
 
-    return bench_main([args.name, *(["--quick"] if args.quick else [])])
+    return bench_main([args.name, *(["--quick"] if args.quick else []),
+                       *(["--minutes", str(args.minutes)] if args.minutes else [])])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark from bench/")
     bench.add_argument("name")
     bench.add_argument("--quick", action="store_true")
+    bench.add_argument("--minutes", type=float, help="soak only: how long it runs (default 60)")
     bench.set_defaults(fn=cmd_bench)
     return p
 

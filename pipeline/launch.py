@@ -159,6 +159,7 @@ class Reporter:
         self.started = time.time()
         self.processes: dict[str, list[Any]] = {}
         self.restarts: dict[str, int] = {}
+        self._object_store = _ObjectStoreGauge()
         # Visible to ``conveyor status`` while actors are still starting.
         self._write_status({"trainer_version": 0, "served": {}, "status": {},
                             "ledger": {"in_flight": 0}}, {}, state="starting")
@@ -219,6 +220,7 @@ class Reporter:
             # Where each stage runs now (a restarted one moves): for benches and operators.
             "processes": self.processes,
             "restarts": self.restarts,
+            "object_store_used_bytes": self._object_store.read(),
         }
         tmp = self.run_dir / "status.json.tmp"
         tmp.write_text(json.dumps(status, default=str))
@@ -228,6 +230,35 @@ class Reporter:
         self.writer.close()
         if self._progress:
             self._progress.close()
+
+
+class _ObjectStoreGauge:
+    """Bytes in Ray's object store (all nodes), asked of a raylet at most every
+    ``EVERY_S`` seconds (a gRPC call, ~70 ms); None when Ray cannot say."""
+
+    EVERY_S = 10.0
+
+    def __init__(self) -> None:
+        self._state: Any = None
+        self._at = 0.0
+        self._value: int | None = None
+
+    def read(self) -> int | None:
+        import ray
+
+        if time.time() - self._at < self.EVERY_S or not ray.is_initialized():
+            return self._value
+        self._at = time.time()
+        try:
+            from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+            if self._state is None:
+                self._state = get_state_from_address(ray.get_runtime_context().gcs_address)
+            reply = get_memory_info_reply(self._state, timeout_seconds=5.0)
+            self._value = int(reply.store_stats.object_store_bytes_used)
+        except Exception:  # a private API: its absence costs this figure, never the run
+            self._value = None
+        return self._value
 
 
 def _is_number(v: Any) -> bool:

@@ -58,3 +58,26 @@ def test_queue_hop_quick_writes_result(ray_cluster, tmp_path):
         assert row["actor"]["latency_s"]["n"] >= 1
     # numpy payloads reach the consumer as read-only views of the object store: no copy.
     assert doc["ratios"]["consumer_zero_copy"] is True
+
+
+def test_soak_quick_writes_result(tmp_path):
+    """The soak on the HF rollout backend: 30 s of memory samples, then a reward actor
+    killed (restarted by Ray) and the driver killed with its cluster (then resumed);
+    its own Ray cluster, in a subprocess (~90 s)."""
+    assert main(["soak", "--quick", "--out", str(tmp_path)]) == 0
+    doc = _load(tmp_path / "soak.json")
+    assert (tmp_path / "soak.png").stat().st_size > 0
+    assert doc["status"] == "ok", doc["error"]
+    growth = doc["phase1"]["growth"]
+    for stage in ("source:0", "rollout:0", "reward:0", "reference:0", "trainer:0", "driver"):
+        assert stage in growth["rss_mib_per_hour"] and stage in growth["uss_mib_per_hour"]
+    for q in doc["phase1"]["queues"].values():
+        assert q["max_depth"] <= q["bound"]  # no failure yet: the bound holds
+    kinds = [(e["kind"], e.get("stage")) for e in doc["phase2"]["events"]]
+    assert kinds == [("stage", "reward:0"), ("driver", None)]
+    # Stopped by SIGINT after the resume; every prompt issued was trained or dropped
+    # once, by the two independent accounts, across the stage kill and the resume.
+    phase2 = doc["phase2"]
+    assert phase2["exit_code"] == 130 and phase2["run_status"] == "interrupted"
+    assert phase2["accounting"]["reconciles"] and phase2["prompts"]["in_flight"] == 0
+    assert doc["ratios"]["samples_lost"] == 0 and doc["ratios"]["samples_duplicated"] == 0
