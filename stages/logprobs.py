@@ -121,8 +121,10 @@ def forward_completion_logprobs(
     index = (pos - 1 - first).clamp(min=0, max=token_lp.shape[1] - 1)
     gathered = torch.gather(token_lp, 1, index)
     if entropy_out is not None:
-        with torch.no_grad():
-            ent = torch.gather(compute_token_entropy(logits[:, :-1].detach().float(), temperature), 1, index)
+        with torch.no_grad():  # only the completion positions' logits: [s, C, V], not [s, L, V]
+            rows = logits[:, :-1].detach()
+            picked = torch.gather(rows, 1, index.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
+            ent = compute_token_entropy(picked, temperature)
         entropy_out.append(torch.where(valid > 0, ent, torch.zeros_like(ent)))
     return torch.where(valid > 0, gathered, torch.zeros_like(gathered))
 

@@ -114,6 +114,8 @@ class ReferenceStage:
         self.batches = 0
 
     async def process(self, batch: RolloutBatch) -> RolloutBatch:
+        if batch.num_samples == 0:  # it only carries prompts dropped upstream to the trainer
+            return batch
         out = await self.guard.run(
             batch, self._score_recovering, estimate=self._estimate, split=split_rollout_batch,
             merge=merge_rollout_batches, size=count_groups, key=batch.batch_id,

@@ -8,8 +8,10 @@ Guarantees:
 - ``GroupFilter`` (``algorithm.drop_zero_variance_groups``) drops every group whose
   samples all got the same reward (its advantages would all be 0) and emits the kept
   groups as micro-batches of exactly ``groups_per_batch`` groups, in arrival order, so
-  the trainer still sees whole micro-batches and a step never overshoots its size. A
-  batch with nothing dropped and nothing waiting passes through unchanged. A regrouped
+  the trainer still sees whole micro-batches and a step never overshoots its size (the
+  ledger's end would then fall inside a step, which never completes). A whole batch with
+  nothing dropped and nothing waiting passes through unchanged; a short one (the source
+  grants what room a drop reopened) waits in the queue like kept groups. A regrouped
   batch takes the ``batch_id`` and ``step`` of the batch its first group came from
   (unique: a batch's kept groups fit in the batch they start, see ``add``) and the
   oldest ``policy_version`` of its groups.
@@ -18,7 +20,8 @@ Guarantees:
   checkpoints) records each exactly once; the caller reports the count to the
   controller's ledger at once, which reopens room so the source replaces them. At the
   end of a stream ``flush`` emits what is left (a stopped run), an empty batch when
-  only drops are left, so none is lost.
+  only drops are left (the reference passes it on, the trainer only records its drops),
+  so none is lost.
 - A run whose groups never vary would replace them forever: after
   ``MAX_CONSECUTIVE_DROPS_PER_STEP * prompts_per_step`` dropped groups in a row
   ``add`` raises ``NoLearningSignalError``.
@@ -60,14 +63,16 @@ def find_zero_variance_groups(rewards: np.ndarray, group_size: int) -> np.ndarra
 
 
 def empty_like(batch: RolloutBatch) -> RolloutBatch:
-    """A batch of ``batch``'s id with no groups (it only carries ``dropped_prompts``)."""
+    """A batch with no groups (it only carries ``dropped_prompts``) under the id
+    ``-1 - batch.batch_id``: never a source's (those are >= 0), so a recording never
+    holds two items of one id."""
     def blank(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else np.zeros((0, 0) if a.ndim == 2 else (0,), dtype=a.dtype)
 
     arrays = ("prompt_ids", "prompt_lens", "completion_ids", "completion_lens", "behaviour_logprobs",
               "token_versions", "rewards", "ref_logprobs", "advantages", "loss_mask", "values", "returns")
     return msgspec.structs.replace(
-        batch, prompts=[], sample_ids=[], completions=[], finish_reasons=[], reward_errors=[],
+        batch, batch_id=-1 - batch.batch_id, prompts=[], sample_ids=[], completions=[], finish_reasons=[], reward_errors=[],
         reward_extras={k: [] for k in batch.reward_extras}, dropped_prompts={},
         **{name: blank(getattr(batch, name)) for name in arrays})
 
@@ -97,7 +102,7 @@ class GroupFilter:
                 f"algorithm.drop_zero_variance_groups: the last {self.consecutive} groups all had equal rewards "
                 f"within each group; no learning signal to train on (turn it off, or check the reward)")
         self._last = batch
-        if not dropped and not self.kept:
+        if not dropped and not self.kept and len(zero) == self.groups_per_batch:
             return [self._with_pending(batch)], 0
         # A batch's kept groups join the queue as one-group pieces; they leave in order.
         pieces = split_rollout_batch_at(batch, [1] * len(zero)) if len(zero) > 1 else [batch]

@@ -204,7 +204,9 @@ def test_saved_checkpoint_reloads_and_generates(engine, tmp_path):
 
 def test_state_round_trip_reproduces_the_next_step(engine, tmp_path):
     batch = on_policy(engine, make_batch(seed=4))
+    engine.extra_state = {"kl_ctrl_coef": 0.0123}  # the trainer stage's KL controller keeps its coefficient here
     engine.save_state(tmp_path / "state")
+    engine.extra_state = {"kl_ctrl_coef": 9.0}
     draws = (torch.rand(3).tolist(), float(np.random.rand()), random.random())
     version = engine.version
 
@@ -212,7 +214,7 @@ def test_state_round_trip_reproduces_the_next_step(engine, tmp_path):
     sha_first = engine.weights_sha256()
 
     engine.load_state(tmp_path / "state")
-    assert engine.version == version
+    assert engine.version == version and engine.extra_state == {"kl_ctrl_coef": 0.0123}
     assert (torch.rand(3).tolist(), float(np.random.rand()), random.random()) == draws
     second = engine.train_micro_batch(batch, 1.0) | engine.optimizer_step()
     # Bitwise: same state, same inputs, same thread count on CPU.
@@ -304,33 +306,74 @@ def test_lr_schedule_steps_with_the_optimizer_and_survives_a_state_round_trip(ch
     assert engine.optimizer_step()["lr"] == pytest.approx(1e-3, rel=1e-12)
 
 
-@pytest.mark.parametrize(("zero_stage", "grad_accum"), [(0, None), (1, "fp32"), (2, None)])
+@pytest.mark.parametrize(("zero_stage", "grad_accum"), [(0, "bf16"), (0, "fp32"), (2, "fp32")])
 def test_grad_scale_equals_a_scaled_loss_under_bf16_optimizers(checkpoint, monkeypatch, zero_stage, grad_accum):
     """optimizer_step(grad_scale) reaches the gradients wherever DeepSpeed keeps them: the
-    bf16 wrappers a GPU run gets (forced on here: fp16-style unfused for ZeRO 0, the BF16
-    optimizer's fp32 accumulators for ZeRO 1 with fp32 accumulation, ZeRO 2's partitions)."""
-    import stages.trainer_engine as te
-
-    def bf16_config(train, dtype, has_gpu):
-        cfg = build_deepspeed_config(train, dtype, True)
-        return {**cfg, "data_types": {"grad_accum_dtype": grad_accum}} if grad_accum else cfg
-
-    build_deepspeed_config = te.build_deepspeed_config
-    monkeypatch.setattr(te, "build_deepspeed_config", bf16_config)
+    bf16 wrappers a GPU run gets (forced on here: fp16-style unfused for ZeRO 0 with bf16
+    accumulation, the BF16 optimizer's fp32 accumulators for the default fp32
+    accumulation, ZeRO 2's fp32 partitions)."""
+    force_bf16(monkeypatch)
     results = []
     for loss_scale, grad_scale in ((0.25, 1.0), (1.0, 0.25)):
-        engine = build_engine_bf16(checkpoint, zero_stage)
+        engine = build_engine_bf16(checkpoint, zero_stage, grad_accum)
         batch = on_policy(engine, make_batch(seed=8))
         engine.train_micro_batch(batch, loss_scale)
         out = engine.optimizer_step(grad_scale)
         results.append((type(engine.engine.optimizer).__name__, out["grad_norm"], engine.state_dict_for_sync()))
     (name, norm_a, w_a), (_, norm_b, w_b) = results
-    assert name == {0: "FP16_UnfusedOptimizer", 1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer"}[zero_stage]
+    want = {(0, "bf16"): "FP16_UnfusedOptimizer", (0, "fp32"): "BF16_Optimizer", (2, "fp32"): "DeepSpeedZeroOptimizer"}
+    assert name == want[(zero_stage, grad_accum)]
     assert norm_a == pytest.approx(norm_b, rel=1e-6)
     assert all(torch.equal(w_a[n], w_b[n]) for n in w_a)
 
 
-def build_engine_bf16(checkpoint, zero_stage: int) -> TrainerEngine:
-    train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1)
+def test_bf16_run_accumulates_gradients_and_keeps_master_weights_in_fp32(checkpoint, monkeypatch, tmp_path):
+    """A bf16 run (forced on CPU) by default: fp32 master weights, and a small piece's
+    gradient added after a large one survives in the accumulators (bf16 keeps 8 bits of
+    mantissa: 1e-3 of a gradient added to it would round away), state saved and reloaded."""
+    force_bf16(monkeypatch)
+    engine = build_engine_bf16(checkpoint, 0, "fp32")
+    opt = engine.engine.optimizer
+    assert type(opt).__name__ == "BF16_Optimizer"
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    assert {t.dtype for t in opt.fp32_groups_flat_partition} == {torch.float32}  # master weights
+    assert {t.dtype for t in opt.fp32_groups_gradients_flat} == {torch.float32}  # accumulators
+    big, small = on_policy(engine, make_batch(seed=11)), on_policy(engine, make_batch(seed=12))
+
+    def accumulated() -> torch.Tensor:
+        return torch.cat([g.detach().clone() for g in opt.fp32_groups_gradients_flat])
+
+    engine.train_micro_batch(small, 1e-3)
+    small_only = accumulated()
+    engine.discard_gradients()
+    assert accumulated().abs().max() == 0
+    engine.train_micro_batch(big, 1.0)
+    big_only = accumulated()
+    engine.train_micro_batch(small, 1e-3)
+    added = accumulated() - big_only
+    # fp32: what was added is the small piece's gradient up to fp32 rounding of the sum
+    # (|big| * 2^-24 ~ 6e-8 |big|); bf16 accumulation would be off by up to |big| * 2^-9.
+    tol = float(big_only.abs().max()) * 2.0**-20
+    assert float(small_only.abs().max()) > 100 * tol  # the test can tell the two apart
+    torch.testing.assert_close(added, small_only, atol=tol, rtol=0)
+    engine.optimizer_step()
+    engine.save_state(tmp_path / "state")
+    before = engine.state_dict_for_sync()
+    engine.train_micro_batch(big, 1.0)
+    engine.optimizer_step()
+    engine.load_state(tmp_path / "state")
+    assert all(torch.equal(before[n], t) for n, t in engine.state_dict_for_sync().items())
+
+
+def force_bf16(monkeypatch) -> None:
+    """Build DeepSpeed configs as on a GPU (bf16 on) while running on CPU."""
+    import stages.trainer_engine as te
+
+    real = te.build_deepspeed_config
+    monkeypatch.setattr(te, "build_deepspeed_config", lambda train, dtype, has_gpu: real(train, dtype, True))
+
+
+def build_engine_bf16(checkpoint, zero_stage: int, grad_accum: str = "fp32") -> TrainerEngine:
+    train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1, grad_accum_dtype=grad_accum)
     return TrainerEngine(checkpoint, train, GrpoConfig(kl_coef=0.0), temperature=1.0, dtype="bfloat16", seed=0,
                          chunk_size=64)

@@ -4,7 +4,8 @@ They must write valid JSON with the keys their readers use, and a PNG. Nothing h
 checks a time or a ratio (benchmarks are not tests); what is checked are properties the
 runs must have whatever the machine: exact accounting, the staleness bound, zero-copy
 delivery of arrays. weight_sync, rollout_overhead and e2e start vLLM engines or whole
-training jobs (a minute or more each on a 2-core CPU) and are left out.
+training jobs (a minute or more each on a 2-core CPU) and are left out; staleness runs
+its two quick jobs on the HF rollout backend (about a minute).
 """
 
 from __future__ import annotations
@@ -58,6 +59,24 @@ def test_queue_hop_quick_writes_result(ray_cluster, tmp_path):
         assert row["actor"]["latency_s"]["n"] >= 1
     # numpy payloads reach the consumer as read-only views of the object store: no copy.
     assert doc["ratios"]["consumer_zero_copy"] is True
+
+
+def test_staleness_quick_writes_result(ray_cluster, tmp_path):
+    """Two 3-step quickstart runs (lock-step, and η 2 with truncated importance weights)
+    on the HF rollout backend, which starts in seconds."""
+    assert main(["staleness", "--quick", "--out", str(tmp_path)]) == 0
+    doc = _load(tmp_path / "staleness.json")
+    assert (tmp_path / "staleness.png").stat().st_size > 0
+    assert set(doc["runs"]) == {"sync", "eta2-truncate"} and len(doc["table"]) == 2 + len(doc["runs"])
+    for row in doc["runs"].values():
+        assert row["status"] == "ok", row.get("error")
+        assert row["steps"] == 3 and len(row["curve_samples"]) == 3
+        assert [s for s, _ in row["curve_samples"]] == [64, 128, 192]  # 8 prompts x 8 samples a step
+        assert row["staleness_max"] <= row["eta"]
+        assert row["samples_trained"] == 3 * 64 and row["samples_dropped"] == {}
+    assert doc["runs"]["sync"]["staleness_max"] == 0
+    assert {"sync_reward_final", "eta2-truncate_reward_final", "eta2-truncate_minus_sync_reward_final"} <= \
+        doc["ratios"].keys()
 
 
 def test_soak_quick_writes_result(tmp_path):

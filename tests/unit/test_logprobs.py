@@ -137,3 +137,20 @@ def test_gradient_reaches_the_model_only_through_real_tokens(model):
 def test_chunk_size_must_be_positive(model):
     with pytest.raises(ValueError, match="chunk_size"):
         compute_completion_logprobs(model, make_batch([2, 2], [1, 1], group_size=2), chunk_size=0)
+
+
+def test_entropy_of_each_completion_position_matches_a_per_sample_loop(model):
+    batch = make_batch([4, 4, 1, 1, 7, 7], [5, 0, 9, 2, 3, 6], group_size=2, seed=6)
+    inputs = build_model_inputs(batch)
+    got: list[torch.Tensor] = []
+    forward_completion_logprobs(model, *inputs, temperature=0.7, entropy_out=got)
+    want = np.zeros(batch.completion_ids.shape, np.float32)
+    for i in range(batch.num_samples):  # completion token j is predicted at position p + j - 1
+        p, c = int(batch.prompt_lens[i]), int(batch.completion_lens[i])
+        seq = np.concatenate([batch.prompt_ids[i, :p], batch.completion_ids[i, :c]])
+        with torch.no_grad():
+            probs = torch.softmax(model(input_ids=torch.tensor(seq[None], dtype=torch.long)).logits[0] / 0.7, dim=-1)
+        for j in range(c):
+            want[i, j] = float(-(probs[p + j - 1] * probs[p + j - 1].log()).sum())
+    assert not got[0].requires_grad
+    np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-5, atol=1e-5)

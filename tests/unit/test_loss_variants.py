@@ -178,3 +178,14 @@ def test_kl_in_reward_turns_the_reference_on_and_a_bare_off_reads_as_off():
     cfg = load_config(None, ["algorithm.kl_coef=0", "algorithm.use_kl_in_reward=true", "algorithm.off_policy=off"])
     assert cfg.reference_enabled and cfg.algorithm.off_policy == "off"
     assert not load_config(None, ["algorithm.kl_coef=0"]).reference_enabled
+
+
+def test_token_entropy_by_hand():
+    from stages.algorithms import compute_token_entropy
+
+    # [0, 0]: uniform over 2 -> ln 2. [0, ln 3]: p = 1/4, 3/4 -> -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623351
+    logits = torch.tensor([[[0.0, 0.0], [0.0, math.log(3.0)]]])
+    torch.testing.assert_close(compute_token_entropy(logits), torch.tensor([[math.log(2.0), 0.5623351]]))
+    # temperature 2 on [0, 2 ln 3] is the same distribution as [0, ln 3]
+    hot = compute_token_entropy(torch.tensor([[[0.0, 2 * math.log(3.0)]]]), temperature=2.0)
+    assert float(hot) == pytest.approx(0.5623351, abs=1e-6)

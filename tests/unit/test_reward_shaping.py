@@ -4,6 +4,7 @@ account of prompts dropped upstream."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import msgspec
@@ -74,12 +75,24 @@ def test_filter_passes_a_clean_batch_through_unchanged():
     assert out == [batch] and out[0] is batch and dropped == 0
 
 
+def test_a_short_batch_waits_for_a_whole_micro_batch():
+    # The source grants only the room a drop reopened: a 1-group batch must not reach the
+    # trainer alone, or a step could take 4 + 4 + 1 groups and the run's last step never fill.
+    filt = GroupFilter(groups_per_batch=2, prompts_per_step=4)
+    out, _ = filt.add(scored([0, 1], batch_id=5, first_index=0))
+    assert out == [] and len(filt.kept) == 1
+    out, _ = filt.add(scored([0, 1, 1, 0], batch_id=6, first_index=1))
+    assert [len(b.prompts) for b in out] == [2] and [p.index for p in out[0].prompts] == [0, 1]
+    assert len(filt.kept) == 1
+
+
 def test_drops_left_at_the_end_ride_an_empty_batch():
     filt = GroupFilter(groups_per_batch=2, prompts_per_step=2)
     out, dropped = filt.add(scored([1, 1, 0, 0], batch_id=9, first_index=10))
     assert out == [] and dropped == 2
     (carrier,) = filt.flush()
     assert carrier.num_samples == 0 and carrier.prompts == [] and carrier.rewards.shape == (0,)
+    assert carrier.batch_id == -10  # -1 - 9: no source batch has it
     assert carrier.completion_ids.shape == (0, 0) and carrier.dropped_prompts == {ZERO_VARIANCE: [10, 11]}
 
 
@@ -123,3 +136,19 @@ def test_trainer_account_takes_upstream_drops_into_its_done_set():
     ckpt.record_drop(scored([0, 1], batch_id=1, first_index=1), "stale")
     assert ckpt.dropped == {ZERO_VARIANCE: 2, "stale": 1}
     assert ckpt.accounting() == {"done": {"frontier": 3, "above": []}, "done_count": 3}
+
+
+def test_trainer_records_a_carriers_drops_and_trains_nothing():
+    from stages.trainer import TrainerStage
+
+    filt = GroupFilter(groups_per_batch=2, prompts_per_step=2)
+    filt.add(scored([1, 1, 0, 0], batch_id=9, first_index=10))
+    (carrier,) = filt.flush()
+    stage = TrainerStage()  # no engine: an empty batch must not reach it
+    cfg = SimpleNamespace(run_dir=None, train=SimpleNamespace(checkpoint_every=0, keep_checkpoints=1))
+    stage.checkpoints = TrainerCheckpoints(cfg, engine=None)
+    assert asyncio.run(stage.process(carrier)) is None
+    assert stage.dropped == {ZERO_VARIANCE: 4}  # 2 prompts x group of 2, in samples
+    assert stage.checkpoints.dropped == {ZERO_VARIANCE: 2}
+    assert stage.checkpoints.accounting() == {"done": {"frontier": 0, "above": [10, 11]}, "done_count": 2}
+    assert stage._take_zero_variance() == 2 and stage._take_zero_variance() == 0
