@@ -191,7 +191,7 @@ def summarise_queues(samples: list[dict[str, Any]]) -> dict[str, dict[str, int]]
 class _Soak:
     def __init__(self, quick: bool, minutes: float, root: Path) -> None:
         self.quick = quick
-        self.phase_s = 30.0 if quick else minutes * 60 / 2
+        self.phase_s = 15.0 if quick else minutes * 60 / 2
         self.sample_s = QUICK_SAMPLE_S if quick else SAMPLE_S
         self.root = root
         self.run_dir = root / "run"

@@ -80,7 +80,7 @@ def test_staleness_quick_writes_result(ray_cluster, tmp_path):
 
 
 def test_soak_quick_writes_result(tmp_path):
-    """The soak on the HF rollout backend: 30 s of memory samples, then a reward actor
+    """The soak on the HF rollout backend: 15 s of memory samples, then a reward actor
     killed (restarted by Ray) and the driver killed with its cluster (then resumed);
     its own Ray cluster, in a subprocess (~90 s)."""
     assert main(["soak", "--quick", "--out", str(tmp_path)]) == 0

@@ -34,6 +34,8 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
         ("dataflow.nodes=[{name: a}]", "dataflow.nodes[0].node_class: required field missing"),
         ("rollout.backend=nope", "rollout.backend: expected 'vllm', 'hf' or 'module:attr'"),
         ("model.dtype=int8", "model.dtype: expected one of"),
+        ("run.max_restarts=-1", "run.max_restarts: expected int >= 0, got -1"),
+        ("run.auto_resume=sometimes", "run.auto_resume: expected bool, got str"),
     ],
 )
 def test_bad_values_name_their_path(override, message):
