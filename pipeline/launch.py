@@ -90,7 +90,9 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
             extra: dict[str, Any] = {}
             if name == "rollout":
                 extra = {"replicas": cfg.rollout.num_workers, "concurrency": cfg.rollout.max_inflight}
-            if name in RESTARTABLE_STAGES and cfg.dataflow.async_execution:
+            if name in RESTARTABLE_STAGES and cfg.dataflow.async_execution and not (
+                    # Regrouping, the reward holds groups across micro-batches: a restart would lose them.
+                    name == "reward" and getattr(cfg.algorithm, "drop_zero_variance_groups", False)):
                 extra["max_restarts"] = cfg.run.max_restarts
             df.add_node(name, STAGE_CLASSES[name], prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus, **extra)
             prev = name
