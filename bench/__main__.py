@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "soak": "bench.soak",  # --minutes N (default 60): memory growth, then kills and a resume
     "staleness": "bench.staleness",
     "gpu_e2e": "bench.gpu_e2e",  # needs a CUDA GPU; "skipped" without one
+    "rollout_gpu": "bench.rollout_gpu",  # needs a CUDA GPU; "skipped" without one
 }
 
 

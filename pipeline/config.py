@@ -152,7 +152,10 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # vLLM's share of its GPU's memory. None: chosen by the placement plan (what trainer
     # and reference on the same GPU leave, or 0.9 on a GPU of its own; 0.5 unplanned).
     gpu_memory_utilization: Ratio | None = None
-    enforce_eager: bool = True
+    # None: eager on CPU, CUDA graphs on a GPU (decoding a small model is bound by
+    # kernel launches; graphs are captured once at start-up and survive weight updates,
+    # which load in place).
+    enforce_eager: bool | None = None
     seed: NonNegInt = 0
     memory: MemoryConfig = MemoryConfig()
     max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio
@@ -176,7 +179,8 @@ class RewardConfig(msgspec.Struct, **_section()):
 
 
 class ReferenceConfig(msgspec.Struct, **_section()):
-    """Frozen reference model; skipped when ``algorithm.kl_coef`` is 0 and ``enabled: auto``."""
+    """Frozen reference model; skipped when ``algorithm.kl_coef`` is 0, ``algorithm.use_kl_in_reward``
+    is off and ``enabled: auto``."""
 
     enabled: Literal["auto", "on", "off"] = "auto"
     path: str | None = None  # default: model.path

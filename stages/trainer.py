@@ -55,6 +55,7 @@ from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness, is_too_stale
 from stages.reward import summarise_reward_extras
 from stages.trainer_checkpoint import TrainerCheckpoints
+from stages.trainer_metrics import summarise_batch_rewards, summarise_step_batches
 
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
 
@@ -180,33 +181,6 @@ def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
 def _count_cluster_gpus() -> float:
     """GPUs in the Ray cluster (0 outside Ray)."""
     return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
-
-
-def summarise_step_batches(batches: list[RolloutBatch], zero_variance_dropped: int = 0) -> dict[str, float]:
-    """A step's response and group statistics: completion length mean and max, the
-    fraction cut by the length limit (finish reason ``length``), and the fraction of
-    groups whose rewards were all equal, counting ``zero_variance_dropped`` groups the
-    reward stage dropped for that (so the figure means the same with dropping on or off)."""
-    from stages.reward_shaping import find_zero_variance_groups
-
-    lens = np.concatenate([np.asarray(b.completion_lens) for b in batches])
-    reasons = [r for b in batches for r in b.finish_reasons]
-    zero = sum(int(find_zero_variance_groups(b.rewards, b.group_size).sum()) for b in batches if b.rewards is not None)
-    groups = sum(len(b.prompts) for b in batches) + zero_variance_dropped
-    return {
-        "response_length/mean": float(lens.mean()) if lens.size else 0.0,
-        "response_length/max": int(lens.max()) if lens.size else 0,
-        "response_length/truncated_frac": (sum(r == "length" for r in reasons) / len(reasons)) if reasons else 0.0,
-        "batch/zero_std_frac": (zero + zero_variance_dropped) / groups if groups else 0.0,
-    }
-
-
-def summarise_batch_rewards(batches: list[RolloutBatch]) -> dict[str, float]:
-    rewards = np.concatenate([b.rewards for b in batches if b.rewards is not None] or [np.zeros(0)])
-    if rewards.size == 0:
-        return {}
-    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-            "reward/max": float(rewards.max()), "reward/min": float(rewards.min())}
 
 
 class TrainerStage:

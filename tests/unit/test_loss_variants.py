@@ -168,6 +168,12 @@ def test_overlong_mask_removes_truncated_samples_after_the_group_baseline():
     (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type"),
     (["algorithm.kl_ctrl.horizon=0"], "algorithm.kl_ctrl.horizon"),
     (["algorithm.kl_estimator=k2+"], "algorithm.kl_estimator"),
+    (["algorithm.kl_penalty=k3+"], "algorithm.kl_penalty"),
+    (["algorithm.kl_ctrl.kl_coef=-0.1"], "algorithm.kl_ctrl.kl_coef"),
+    (["algorithm.kl_ctrl.target_kl=0"], "algorithm.kl_ctrl.target_kl"),
+    (["algorithm.overlong_penalty_factor=-1"], "algorithm.overlong_penalty_factor"),
+    (["algorithm.drop_zero_variance_groups=maybe"], "algorithm.drop_zero_variance_groups"),
+    (["train.grad_accum_dtype=fp16"], "train.grad_accum_dtype"),
 ])
 def test_new_algorithm_fields_are_validated_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

@@ -20,8 +20,8 @@ from stages.reward_shaping import (
     compute_overlong_penalty,
     find_zero_variance_groups,
 )
-from stages.trainer import summarise_step_batches
 from stages.trainer_checkpoint import TrainerCheckpoints
+from stages.trainer_metrics import summarise_step_batches
 from tests.unit.test_admission import make_batch
 
 

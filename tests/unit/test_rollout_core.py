@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 
@@ -94,6 +95,9 @@ def test_engine_kwargs_on_cpu_and_gpu() -> None:
     assert cpu["enforce_eager"] is True
     gpu = build_engine_kwargs(Path("/ckpt"), cfg, "auto", on_cpu=False)
     assert gpu["gpu_memory_utilization"] == 0.4 and "kv_cache_memory_bytes" not in gpu
+    assert gpu["enforce_eager"] is False  # unset: CUDA graphs on a GPU
+    forced = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, enforce_eager=True), "auto", on_cpu=False)
+    assert forced["enforce_eager"] is True
     # An older vLLM without kv_cache_memory_bytes: the field is dropped (the env takes
     # over); without logprobs_mode the behaviour log-probs would be wrong: refuse.
     old = build_engine_kwargs(Path("/ckpt"), cfg, "auto", on_cpu=True, supported=set(cpu) - {"kv_cache_memory_bytes"})
@@ -197,3 +201,15 @@ def test_worker_fingerprint_counts_a_tied_parameter_once() -> None:
     # embed once: sum 1+2+0-1+3+0 = 5, squares 1+4+0+1+9+0 = 15; norm: (1.0, 0.5).
     assert out == {"embed_tokens.weight": (5.0, 15.0), "norm.weight": (1.0, 0.5)}
     assert combine_rank_fingerprints([out]) == (6.0, 15.5)
+
+
+def test_split_points_expand_to_one_version_per_token() -> None:
+    from stages.rollout.vllm_backend import expand_splits
+
+    assert expand_splits([(0, 3)], 4) == [3, 3, 3, 3]
+    assert expand_splits([(0, 3), (2, 4)], 5) == [3, 3, 4, 4, 4]
+    # Added during an update (split at 0): every token under the new version.
+    assert expand_splits([(0, 5)], 2) == [5, 5]
+    # Two updates while in flight, the second before any new token came.
+    assert expand_splits([(0, 1), (3, 2), (6, 3)], 7) == [1, 1, 1, 2, 2, 2, 3]
+    assert expand_splits([(0, 1)], 0) == []

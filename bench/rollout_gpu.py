@@ -1,0 +1,154 @@
+"""Rollout on a GPU: the vLLM backend's generation throughput against vLLM driven bare.
+
+On ``configs/gpu_small.yaml``'s model (268.7M-parameter Llama, bf16) and step shape (32
+prompts x 8 samples x up to 128 tokens, 4 micro-batches of 8 prompts in flight), one
+engine per ``enforce_eager`` setting, measured in this process:
+
+- ``bare``: the same 256 requests submitted straight to ``AsyncLLM.generate`` (one
+  output per request, no detokenization): the engine's own ceiling for this shape;
+- ``final``: ``VLLMBackend.generate`` as the rollout stage calls it (one output per
+  request, versions from labels or split points, text decoded once);
+- ``stream`` (CUDA graphs only): ``VLLMBackend(output_mode="stream")``: every token
+  through the event loop with vLLM's incremental detokenization (the path before
+  final-only outputs).
+
+Each variant runs one warm-up step and then ``ROUNDS`` timed steps; the figure is
+completion tokens/s of the best round (completion lengths are sampled, EOS can end one
+early). Ratios: backend / bare per mode, and CUDA graphs / eager. Writes
+``rollout_gpu.json`` and ``.png``; needs a CUDA GPU (status "skipped" without one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from bench.common import new_figure, publish_result, save_figure
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
+ROUNDS = 3
+
+
+async def _bare_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int) -> int:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    async def one(i: int, prompt: list[int]) -> int:
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=0,
+                                output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        tokens = 0
+        async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id=f"bare-{round_}-{i}"):
+            tokens = len(out.outputs[0].token_ids)
+        return tokens
+
+    counts = await asyncio.gather(*(one(i * n + j, p) for i, p in enumerate(prompts) for j in range(n)))
+    return sum(counts)
+
+
+async def _backend_step(backend: Any, prompts: list[list[int]], n: int, max_tokens: int, per_micro: int) -> int:
+    from stages.rollout.base import SamplingSettings
+
+    # No per-request seed, as in the pipeline (a seeded request takes vLLM's slower
+    # per-request sampling path).
+    sampling = SamplingSettings(n=n, temperature=1.0, max_tokens=max_tokens)
+    parts = [prompts[k:k + per_micro] for k in range(0, len(prompts), per_micro)]
+    results = await asyncio.gather(*(backend.generate(part, sampling) for part in parts))
+    return sum(len(c.token_ids) for res in results for r in res for c in r.completions)
+
+
+async def _timed(step: Any, rounds: int) -> dict[str, Any]:
+    await step(0)  # warm-up
+    times, tokens = [], []
+    for r in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        tokens.append(await step(r))
+        times.append(time.perf_counter() - t0)
+    rates = [t / s for t, s in zip(tokens, times, strict=True)]
+    best = int(np.argmax(rates))
+    return {"step_s": times, "tokens": tokens, "tokens_per_s": rates[best], "best_step_s": times[best],
+            "mean_tokens_per_s": float(np.mean(rates))}
+
+
+async def measure(quick: bool) -> dict[str, Any]:
+    from pipeline.config import load_config
+    from stages.rollout.vllm_backend import VLLMBackend
+    from stages.tiny import resolve_model_path
+
+    # torch.cuda.is_available() has initialised the driver in this process: a forked
+    # engine process could not use CUDA.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+    cfg = load_config(CONFIG, [])
+    model_path = resolve_model_path(cfg.model)
+    prompts_per_step = 8 if quick else cfg.train.prompts_per_step
+    n, max_tokens = cfg.rollout.n, (16 if quick else cfg.rollout.max_tokens)
+    per_micro = cfg.dataflow.prompts_per_micro_batch
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randrange(4, 90) for _ in range(rng.randrange(12, 24))] for _ in range(prompts_per_step)]
+    rows: dict[str, Any] = {}
+    for eager in (True, False):
+        label = "eager" if eager else "graphs"
+        rcfg = msgspec.structs.replace(cfg.rollout, enforce_eager=eager, gpu_memory_utilization=0.5)
+        for mode in (None, "stream") if not eager else (None,):
+            backend = VLLMBackend(model_path, rcfg, cfg.model.dtype, output_mode=mode)
+            t0 = time.perf_counter()
+            await backend.start()
+            startup = time.perf_counter() - t0
+            try:
+                name = f"{label}/{'final' if mode is None else 'stream'}"
+                rows[name] = await _timed(lambda s, b=backend: _backend_step(b, prompts, n, max_tokens, per_micro),
+                                          ROUNDS)
+                rows[name].update(startup_s=startup, output_mode=backend._output_mode)
+                if mode is None:
+                    rows[f"{label}/bare"] = await _timed(
+                        lambda s, e=backend._engine: _bare_step(e, prompts, n, max_tokens, s), ROUNDS)
+            finally:
+                await backend.shutdown()
+    return {"rows": rows, "params": {"prompts_per_step": prompts_per_step, "n": n, "max_tokens": max_tokens,
+                                     "prompts_per_micro_batch": per_micro, "rounds": ROUNDS,
+                                     "model": str(model_path), "dtype": cfg.model.dtype}}
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        payload = {"status": "skipped", "reason": "needs a CUDA GPU", "quick": quick, "ratios": {}}
+        return publish_result(out_dir, "rollout_gpu", payload, lambda p, d: None)
+    result = asyncio.run(measure(quick))
+    rows = result["rows"]
+    rate = {k: v["tokens_per_s"] for k, v in rows.items()}
+    ratios = {
+        "device": torch.cuda.get_device_name(0),
+        **{f"{k}_tokens_per_s": v for k, v in rate.items()},
+        "graphs_final_over_bare": rate["graphs/final"] / rate["graphs/bare"],
+        "graphs_stream_over_bare": rate["graphs/stream"] / rate["graphs/bare"],
+        "eager_final_over_bare": rate["eager/final"] / rate["eager/bare"],
+        "graphs_bare_step_s": rows["graphs/bare"]["best_step_s"],
+        "graphs_over_eager_final": rate["graphs/final"] / rate["eager/final"],
+        "final_over_stream_graphs": rate["graphs/final"] / rate["graphs/stream"],
+        "graphs_final_step_s": rows["graphs/final"]["best_step_s"],
+    }
+    payload = {"quick": quick, "units": "completion tokens/s; seconds", **result, "ratios": ratios}
+    return publish_result(out_dir, "rollout_gpu", payload, plot)
+
+
+def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+    rows = payload["rows"]
+    names = list(rows)
+    fig, axes = new_figure(1, 1, size=(8, 4.5))
+    ax = axes[0][0]
+    ax.bar(range(len(names)), [rows[k]["tokens_per_s"] for k in names], color="tab:blue")
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ax.set_ylabel("completion tokens/s (best round)")
+    ax.set_title(f"rollout on {payload['ratios']['device']}: backend vs bare vLLM")
+    return save_figure(fig, out_dir, "rollout_gpu")
