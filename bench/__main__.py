@@ -35,13 +35,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("name", choices=[*BENCHMARKS, "all"])
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds (smoke test)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"result directory (default {RESULTS_DIR})")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"result directory (default: {RESULTS_DIR} in a source checkout, else ./bench-results; "
+                        "with --quick ./bench-results/quick, so a smoke run never replaces a committed result)")
     p.add_argument("--minutes", type=float, help="soak only: how long it runs (default 60)")
     return p
 
 
+def default_out_dir(quick: bool, results_dir: Path = RESULTS_DIR, cwd: Path | None = None) -> Path:
+    """Where results go without ``--out``: the committed ``bench/results`` of a source
+    checkout for full runs; never an installed package's directory, and never the
+    committed results for a ``--quick`` run."""
+    here = (cwd or Path.cwd()) / "bench-results"
+    if quick:
+        return here / "quick"
+    return results_dir if (results_dir.parent.parent / "pyproject.toml").is_file() else here
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.out is None:
+        args.out = default_out_dir(args.quick)
     # "all" leaves the hour-long soak out: it is run on its own.
     names = [n for n in BENCHMARKS if n != "soak"] if args.name == "all" else [args.name]
     import ray

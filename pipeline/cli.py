@@ -156,7 +156,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from bench.__main__ import main as bench_main
 
     return bench_main([args.name, *(["--quick"] if args.quick else []),
-                       *(["--minutes", str(args.minutes)] if args.minutes else [])])
+                       *(["--minutes", str(args.minutes)] if args.minutes else []),
+                       *(["--out", str(args.out)] if args.out else [])])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name")
     bench.add_argument("--quick", action="store_true")
     bench.add_argument("--minutes", type=float, help="soak only: how long it runs (default 60)")
+    bench.add_argument("--out", help="result directory (default: bench/results in a source checkout, "
+                                     "./bench-results elsewhere, ./bench-results/quick with --quick)")
     bench.set_defaults(fn=cmd_bench)
     return p
 
