@@ -222,6 +222,30 @@ def test_state_round_trip_reproduces_the_next_step(engine, tmp_path):
     assert (second["loss"], second["grad_norm"]) == (first["loss"], first["grad_norm"])
 
 
+def test_replay_assigns_advantages_with_the_recorded_kl_reward_coefficient(engine):
+    """``train_as_recorded`` (what ``conveyor replay`` runs) with a step's recorded
+    KL-in-reward coefficient trains exactly what the trainer stage trained."""
+    from stages.trainer import train_as_recorded
+
+    batch = on_policy(engine, make_batch(seed=13))
+    rng = np.random.default_rng(13)
+    ref = batch.behaviour_logprobs - rng.uniform(0.0, 0.5, batch.behaviour_logprobs.shape).astype(np.float32)
+    raw = msgspec.structs.replace(batch, advantages=None, loss_mask=None, ref_logprobs=ref)
+
+    def train(b: RolloutBatch) -> dict[str, float]:
+        out = engine.train_micro_batch(b, 1.0)
+        engine.discard_gradients()
+        return out
+
+    staged = train(assign_advantages(raw, engine.algo, kl_reward_coef=0.5))  # as the trainer stage does
+    replayed = train_as_recorded(engine, raw, raw.num_samples, None, kl_reward_coef=0.5)
+    engine.discard_gradients()
+    plain = train_as_recorded(engine, raw, raw.num_samples, None)
+    engine.discard_gradients()
+    assert (replayed["loss"], replayed["adv_abs_mean"]) == (staged["loss"], staged["adv_abs_mean"])
+    assert plain["loss"] != staged["loss"]  # the coefficient matters: 0 would replay another step
+
+
 def train_one_split_step(engine: TrainerEngine, batch: RolloutBatch) -> dict[str, float]:
     """Two pieces at the trainer's token-mean scales: token sums, rescaled at the step
     (through ZeRO's loss scale on stages 1 and 2)."""
