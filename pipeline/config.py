@@ -642,6 +642,13 @@ def check_algorithm(cfg: ConveyorConfig) -> None:
     algo, ro = cfg.algorithm, cfg.rollout
     if algo.use_kl_in_reward and not cfg.reference_enabled:
         raise ConfigError("algorithm.use_kl_in_reward: needs reference log-probs, but reference.enabled is 'off'")
+    if algo.drop_zero_variance_groups and not cfg.dataflow.async_execution:
+        # Lock-step moves a fixed number of micro-batches per step; with dropped groups
+        # replaced, the last prompts of a run can sit in the reward stage's regrouping
+        # queue while the runner waits for admission room that only they would free.
+        raise ConfigError(
+            "algorithm.drop_zero_variance_groups: needs dataflow.async_execution: true (lock-step cannot "
+            "schedule the replacements of dropped groups)")
     if algo.drop_zero_variance_groups and ro.n < 2:
         raise ConfigError(
             f"algorithm.drop_zero_variance_groups: needs rollout.n >= 2 (a group of one sample always has "

@@ -164,6 +164,8 @@ def test_overlong_mask_removes_truncated_samples_after_the_group_baseline():
     (["algorithm.name=reinforce_plus_plus", "rollout.n=1", "algorithm.drop_zero_variance_groups=true"],
      "algorithm.drop_zero_variance_groups"),
     (["algorithm.overlong_buffer_len=2", "rollout.max_tokens=2"], "algorithm.overlong_buffer_len"),
+    (["algorithm.drop_zero_variance_groups=true", "dataflow.async_execution=false"],
+     "algorithm.drop_zero_variance_groups"),
     (["algorithm.ratio_level=group"], "algorithm.ratio_level"),
     (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type"),
     (["algorithm.kl_ctrl.horizon=0"], "algorithm.kl_ctrl.horizon"),
