@@ -200,8 +200,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """Like ``parse_args``, but ``key=value`` overrides may also come after the options
+    (``conveyor replay REC --steps 2 train.lr=1e-5``), where argparse alone refuses them
+    once the command's positionals are taken."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    late = [a for a in extra if "=" in a and not a.startswith("-")]
+    rest = [a for a in extra if a not in late]
+    if rest or (late and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     try:
         return args.fn(args)
     except ConfigError as exc:

@@ -206,6 +206,7 @@ class Reporter:
         self._write_status(drain, queues)
 
     def _write_status(self, drain: dict[str, Any], queues: dict[str, Any], state: str = "running") -> None:
+        self._last_status = (drain, queues)
         status = {
             "state": state,
             "pid": os.getpid(),
@@ -228,10 +229,13 @@ class Reporter:
         tmp.write_text(json.dumps(status, default=str))
         tmp.replace(self.run_dir / "status.json")
 
-    def close(self) -> None:
+    def close(self, state: str = "completed") -> None:
+        """Flush the metrics and leave ``status.json`` saying how the run ended
+        (``completed``, ``interrupted`` or ``failed``), not ``running``."""
         self.writer.close()
         if self._progress:
             self._progress.close()
+        self._write_status(*self._last_status, state=state)
 
 
 class _ObjectStoreGauge:
@@ -327,6 +331,7 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
     reporter = Reporter(cfg, run_dir)
     log.info("launch", run_dir=str(run_dir), mode="async" if cfg.dataflow.async_execution else "sync",
              stages=df.topological_order(), placement=plan.describe() if plan.available_gpus else "cpu")
+    ended = "failed"
     try:
         result = run_dataflow(
             df, cfg,
@@ -336,7 +341,9 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
             taps=taps,
             on_tick=reporter,
         )
+        ended = "interrupted" if result.interrupted else "completed"
     except RunInterrupted as exc:
+        ended = "interrupted"
         return write_stopped_summary(cfg, run_dir, reporter, "interrupted", signal=exc.signal_name, forced=True,
                                      **checks.to_summary())
     except StageError as exc:
@@ -345,7 +352,7 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
                               **({"auto_resumes": resumes} if resumes else {}), **checks.to_summary())
         raise
     finally:
-        reporter.close()
+        reporter.close(ended)
     return finish_run(cfg, run_dir, result, reporter, checks, resumes)
 
 

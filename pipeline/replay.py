@@ -396,14 +396,20 @@ def inspect_recording(reader: RecordingReader, *, limit: int, from_step: int = 0
         f"every {m.get('every', '?')}  edges {reader.edges}")
     states = list_states(reader.root)
     out(f"states: {', '.join(f'{p.name} (before step {v})' for v, p in states.items()) or 'none'}")
-    records = [r for r in reader.steps(on_error="skip") if r.step >= from_step]
+    every = list(reader.steps(on_error="skip"))
+    records = [r for r in every if r.step >= from_step]
+    if every and not records:
+        steps = [r.step for r in every]
+        out(f"\n--from-step {from_step}: the recording's step records run from {min(steps)} to {max(steps)}; "
+            f"nothing at or after step {from_step}")
+        return EXIT_BAD_INPUT
     out(f"\nsteps from {from_step}: {len(records)}" + (f" (showing {limit})" if len(records) > limit else ""))
     out(f"  {'step':>5}  {'version':>7}  {'loss':>13}  {'grad_norm':>11}  {'weights_sha256':<16}  batch_ids")
     for r in records[:limit]:
         out(f"  {r.step:>5}  {r.policy_version:>7}  {r.loss:>13.6g}  {r.grad_norm:>11.6g}  "
             f"{r.weights_sha256[:16]:<16}  {r.batch_ids}")
     wanted = {b for r in records[:limit] for b in r.batch_ids} if from_step > 0 else None
-    trained = {b for r in reader.steps(on_error="skip") for b in r.batch_ids}
+    trained = {b for r in every for b in r.batch_ids}
     shown = total = 0
     untrained: list[int] = []
     out("\nitems" + (" of the steps above" if wanted is not None else "") + ":")

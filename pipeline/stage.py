@@ -38,12 +38,13 @@ import os
 import time
 import traceback
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from pipeline.delivery import SeenGroups
-from pipeline.log import configure_logging, get_logger
+from pipeline.log import configure_logging, get_logger, redirect_process_output
 from pipeline.profiler import SpanRecorder
 from pipeline.queue import END, Origin, QueueHandle
 
@@ -105,7 +106,12 @@ class StageActor:
         log_level: str = "info",
         dedup: bool = False,
     ) -> None:
-        configure_logging(log_level)
+        run_dir = getattr(config, "run_dir", None)
+        console = None
+        if run_dir is not None and log_level != "debug":  # a launched run: its stages log to files
+            file_name = f"{name}.log" if replica == 0 else f"{name}-{replica}.log"
+            console = redirect_process_output(Path(run_dir) / "logs" / file_name)
+        configure_logging(log_level, console_fd=console)
         self.name = name
         self.concurrency = concurrency
         self.spans = SpanRecorder(stage=name if replica == 0 else f"{name}:{replica}")

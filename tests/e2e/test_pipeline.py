@@ -87,6 +87,12 @@ def test_run_outputs_are_written(streaming_run):
     trace = json.loads((run_dir / "trace.json").read_text())
     assert {e["ph"] for e in trace["traceEvents"]} >= {"X", "M"}
     assert set(summary["stages"]) >= {"source", "rollout", "reward", "reference", "trainer"}
+    # status.json (what `conveyor status` reads) says the run ended, not "running".
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+    # Each stage's own output (and its engine's) is in its log file, not on the console.
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    assert {"source.log", "rollout.log", "reward.log", "reference.log", "trainer.log"} <= set(logs), sorted(logs)
+    assert "engine started" in logs["rollout.log"] and "checkpoint_saved" in logs["trainer.log"]
 
 
 @pytest.fixture(scope="module")

@@ -188,6 +188,10 @@ def test_inspect_lists_sample_ids_rewards_and_steps(run_dir, capsys):
     assert main(["replay", str(run_dir), "--inspect", "--limit", "0"]) == 0  # a run directory works too
     assert "8 items read, 0 shown" in capsys.readouterr().out
 
+    # Past the last step: the steps that exist are named, not an empty table.
+    assert main(["replay", str(run_dir / "recording"), "--inspect", "--from-step", "42"]) == 2
+    assert "nothing at or after step 42" in capsys.readouterr().out
+
 
 def test_truncated_item_is_named(run_copy, capsys):
     path = item_path(run_copy, 4)

@@ -51,6 +51,7 @@ def test_signal_stops_the_run_cleanly(tmp_path, sig, code):
     assert proc.returncode == code, err[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == sig.name
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
     # Drained, not abandoned: the source's issued prompt ids and the trainer's trained or
     # dropped ones (two separate reports) are the same set, each id once.
     accounting = summary["accounting"]

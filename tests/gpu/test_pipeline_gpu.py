@@ -63,8 +63,10 @@ def test_quickstart_serves_the_trainers_weights_over_cuda_ipc(quickstart_run):
 
 
 def test_quickstart_shuts_down_quietly(quickstart_run):
-    _, _, _, done = quickstart_run
-    text = done.stdout + done.stderr
+    run_dir, _, _, done = quickstart_run
+    # The console, and every stage's log file (its engine processes write there too).
+    text = done.stdout + done.stderr + "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert "engine started" in (run_dir / "logs" / "rollout.log").read_text()
     for noise in ("EngineDeadError", "force killing"):
         assert noise not in text, f"{noise!r} in the run's output (see {LOG_DIR / 'quickstart.log'})"
 

@@ -1,8 +1,10 @@
-"""Where ``conveyor bench`` writes when no ``--out`` is given."""
+"""The command line: where `conveyor bench` writes, and where overrides may go."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from bench.__main__ import build_parser, default_out_dir
 from pipeline.cli import build_parser as cli_parser
@@ -28,3 +30,16 @@ def test_conveyor_bench_takes_out_as_python_m_bench_does() -> None:
     args = cli_parser().parse_args(["bench", "overlap", "--quick", "--out", "/tmp/x"])
     assert (args.name, args.quick, args.out) == ("overlap", True, "/tmp/x")
     assert build_parser().parse_args(["overlap", "--out", "/tmp/x"]).out == Path("/tmp/x")
+
+
+def test_overrides_may_follow_the_options() -> None:
+    from pipeline.cli import parse_command_line
+
+    args = parse_command_line(["replay", "rec", "--steps", "2", "train.lr=1e-5", "--verify", "run.seed=3"])
+    assert (args.recording, args.steps, args.verify) == ("rec", 2, True)
+    assert args.overrides == ["train.lr=1e-5", "run.seed=3"]
+    assert parse_command_line(["replay", "rec", "train.lr=1e-5", "--steps", "2"]).overrides == ["train.lr=1e-5"]
+    with pytest.raises(SystemExit):
+        parse_command_line(["replay", "rec", "--no-such-flag"])
+    with pytest.raises(SystemExit):  # bench takes no overrides
+        parse_command_line(["bench", "overlap", "x=1"])
