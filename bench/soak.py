@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import fit_line, new_figure, publish_result, save_figure
+from pipeline.runner import reap_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -81,12 +82,7 @@ class _Job:
         except ProcessLookupError:
             pass
         self.proc.wait()
-        for p in spawned:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(spawned, timeout=10)
+        reap_processes(spawned)
         self._out.close()
 
     def stop(self, timeout: float) -> int:

@@ -284,7 +284,8 @@ def _spawned_processes(graph: Graph) -> list[Any]:
     return found + [p for procs in graph.spawned.values() for p in procs if p.pid not in seen and p.is_running()]
 
 
-def _reap(processes: list[Any]) -> None:
+def reap_processes(processes: list[Any]) -> None:
+    """SIGKILL ``processes`` (psutil handles) and wait for them; ones already gone are skipped."""
     import psutil
 
     for p in processes:
@@ -301,7 +302,7 @@ async def _teardown(graph: Graph) -> None:
         for a in reps:
             ray.kill(a, no_restart=True)
     # A killed actor cannot stop its children; whatever survives it is killed here.
-    _reap(spawned)
+    reap_processes(spawned)
     for q in graph.queues.values():
         ray.kill(q.actor, no_restart=True)
     ray.kill(graph.controller, no_restart=True)
@@ -488,7 +489,7 @@ async def _restart(graph: Graph, name: str, r: int, inp: QueueHandle | None, exc
     log.warning("stage_died", failed=worker, pid=old[1], restart=graph.restarts[worker] + 1, max_restarts=limit,
                 error=(str(exc).strip().splitlines() or [type(exc).__name__])[0])
     actor = graph.actors[name][r]
-    _reap(graph.spawned.pop((name, r), []))  # its engine processes, orphaned
+    reap_processes(graph.spawned.pop((name, r), []))  # its engine processes, orphaned
     new = await _call_when_up(actor, "process_id")
     if new == old:
         # Unreachable rather than dead: a second run() beside the first must never

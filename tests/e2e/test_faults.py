@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from bench.soak import count_steps, read_status
+
 ROOT = Path(__file__).parents[2]
 ARGS = ["run.progress=false", "run.tensorboard=false", "train.checkpoint_every=2"]
 
@@ -35,23 +37,11 @@ def _launch(run_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
     )
 
 
-def _status(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
-
-
 def _wait(proc: subprocess.Popen, run_dir: Path, what: str, ready, timeout: float = 600) -> dict:
     """Poll status.json until ``ready(status)`` (every 0.2 s, up to ``timeout`` s)."""
     for _ in range(int(timeout / 0.2)):
         assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}"
-        status = _status(run_dir)
+        status = read_status(run_dir)
         if status.get("processes") and ready(status):
             return status
         time.sleep(0.2)
@@ -80,7 +70,7 @@ def test_killed_trainer_resumes_and_killed_stage_actors_restart(tmp_path):
     engines: list[psutil.Process] = []
     try:
         # The trainer first, after the checkpoint of step 2: the run resumes by itself.
-        status = _wait(proc, run_dir, "the trainer at step 3", lambda s: _steps(run_dir) >= 3)
+        status = _wait(proc, run_dir, "the trainer at step 3", lambda s: count_steps(run_dir) >= 3)
         trainer = status["processes"]["trainer:0"]
         _kill(status, "trainer:0")
         # Then, in the resumed run, each stage once the one before has been restarted
@@ -89,7 +79,7 @@ def test_killed_trainer_resumes_and_killed_stage_actors_restart(tmp_path):
         for stage, at_step in (("rollout:0", 5), ("reward:0", 7), ("reference:0", 9)):
             status = _wait(proc, run_dir, f"{stage} at step {at_step}",
                            lambda s, n=at_step, r=restarted: (s["processes"]["trainer:0"] != trainer
-                                                              and _steps(run_dir) >= n and s.get("restarts") == r))
+                                                              and count_steps(run_dir) >= n and s.get("restarts") == r))
             if stage == "rollout:0":
                 engines = psutil.Process(status["processes"][stage][1]).children(recursive=True)
                 assert engines, "the rollout actor has no vLLM engine process"
@@ -121,7 +111,7 @@ def test_killed_trainer_stops_the_run_with_the_resume_command(tmp_path):
     run_dir = tmp_path / "run"
     proc = _launch(run_dir, 50)
     try:
-        status = _wait(proc, run_dir, "a checkpoint", lambda s: (run_dir / "checkpoints").is_dir() and _steps(run_dir) >= 3)
+        status = _wait(proc, run_dir, "a checkpoint", lambda s: (run_dir / "checkpoints").is_dir() and count_steps(run_dir) >= 3)
         _kill(status, "trainer:0")
         err = _finish(proc, timeout=300)
     finally:
