@@ -95,8 +95,8 @@ class DataConfig(msgspec.Struct, **_section()):
 
 
 class MemoryConfig(msgspec.Struct, **_section()):
-    """Admission control and OOM recovery for one stage (``pipeline/admission.py`` decides,
-    ``pipeline/memory_guard.py`` enforces).
+    """Admission control and OOM recovery for one stage (``pipeline/memory/admission.py`` decides,
+    ``pipeline/memory/guard.py`` enforces).
 
     ``oom_protection``: estimate each micro-batch before it runs and admit, defer or split
     it (by whole GRPO groups), and on an out-of-memory error free cached memory, halve

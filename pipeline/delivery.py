@@ -9,7 +9,7 @@ unique in a run, and a group travels whole inside one micro-batch.
 Guarantees:
 - ``SeenGroups.filter`` returns the item unchanged when none of its groups was seen,
   ``None`` when all were, and otherwise the item cut down to its unseen groups
-  (``RolloutBatch`` through ``pipeline/splitting.py``, ``PromptBatch`` by its prompts);
+  (``RolloutBatch`` through ``pipeline/memory/splitting.py``, ``PromptBatch`` by its prompts);
   an item without ``prompts`` passes unchanged;
 - memory is bounded: the newest ``window`` keys are remembered. A redelivered group
   arrives within the queue bounds plus the items in the stages of its first copy, a few
@@ -38,7 +38,7 @@ def keep_groups(item: Any, keep: list[bool]) -> Any:
     if isinstance(item, PromptBatch):
         return msgspec.structs.replace(item, prompts=[p for p, k in zip(item.prompts, keep, strict=True) if k])
     if isinstance(item, RolloutBatch):
-        from pipeline.splitting import merge_rollout_batches, split_rollout_batch_at
+        from pipeline.memory.splitting import merge_rollout_batches, split_rollout_batch_at
 
         counts, flags = [], []
         for k in keep:  # runs of equal flags

@@ -42,7 +42,7 @@ from pipeline.checkpoint import find_latest_checkpoint, prepare_run_dir, reconci
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
 from pipeline.log import configure_logging, get_logger
-from pipeline.memory_guard import merge_guard_metrics
+from pipeline.memory.guard import merge_guard_metrics
 from pipeline.metrics import MetricsWriter, write_summary
 from pipeline.placement import PlacementPlan, check_plan, detect_gpus, plan_placement
 from pipeline.preflight import PreflightReport, run_preflight
@@ -126,7 +126,7 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
 
 def count_model_params(cfg: ConveyorConfig) -> int:
     """Parameters of ``model.path`` from its ``config.json`` (no weights are read)."""
-    from pipeline.admission import ModelShape
+    from pipeline.memory.admission import ModelShape
     from stages.tiny import resolve_model_path
 
     return ModelShape.from_hf_config(json.loads((resolve_model_path(cfg.model) / "config.json").read_text())).num_params

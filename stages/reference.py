@@ -15,7 +15,7 @@ Guarantees:
 each micro-batch off the event loop, under ``reference.memory``: a micro-batch is
 admitted against the budget or split by whole GRPO groups, an out-of-memory error halves
 the failing piece, and the pieces' results are merged back into one micro-batch with
-every sample once (``pipeline/memory_guard.py``); each forward's peak teaches the
+every sample once (``pipeline/memory/guard.py``); each forward's peak teaches the
 estimate's calibration.
 """
 
@@ -29,10 +29,10 @@ import msgspec
 import numpy as np
 import torch
 
-from pipeline.admission import ModelShape, count_seq_lens, estimate_batch_bytes
-from pipeline.memory import run_with_oom_recovery
-from pipeline.memory_guard import MemoryGuard, publish_status
-from pipeline.splitting import count_groups, merge_rollout_batches, split_rollout_batch
+from pipeline.memory.admission import ModelShape, count_seq_lens, estimate_batch_bytes
+from pipeline.memory.guard import MemoryGuard, publish_status
+from pipeline.memory.oom import run_with_oom_recovery
+from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 from pipeline.types import RolloutBatch
 from stages.logprobs import compute_completion_logprobs
 

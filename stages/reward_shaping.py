@@ -34,7 +34,7 @@ from collections import deque
 import msgspec
 import numpy as np
 
-from pipeline.splitting import merge_rollout_batches, split_rollout_batch_at
+from pipeline.memory.splitting import merge_rollout_batches, split_rollout_batch_at
 from pipeline.types import RolloutBatch
 
 ZERO_VARIANCE = "zero_variance"

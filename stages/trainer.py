@@ -46,10 +46,10 @@ from typing import Any
 import numpy as np
 import ray
 
-from pipeline.admission import count_seq_lens, estimate_batch_bytes
-from pipeline.memory import OomRecovery, free_cached_memory, is_oom_error
-from pipeline.memory_guard import MemoryGuard, publish_status
-from pipeline.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
+from pipeline.memory.admission import count_seq_lens, estimate_batch_bytes
+from pipeline.memory.guard import MemoryGuard, publish_status
+from pipeline.memory.oom import OomRecovery, free_cached_memory, is_oom_error
+from pipeline.memory.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
 from pipeline.transport import TRANSPORT_ENV, select_transport
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness, is_too_stale

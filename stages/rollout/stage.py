@@ -39,10 +39,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pipeline.admission import ModelShape, estimate_kv_cache_bytes, expand_rollout_seq_lens
-from pipeline.memory import run_with_oom_recovery
-from pipeline.memory_guard import MemoryGuard, build_pool_reading, publish_status
-from pipeline.splitting import count_groups, split_prompt_batch
+from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes, expand_rollout_seq_lens
+from pipeline.memory.guard import MemoryGuard, build_pool_reading, publish_status
+from pipeline.memory.oom import run_with_oom_recovery
+from pipeline.memory.splitting import count_groups, split_prompt_batch
 from pipeline.types import PromptBatch, RolloutBatch
 from pipeline.versions import required_serving_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.config import GrpoConfig, TinyModelConfig, TrainConfig
-from pipeline.splitting import split_rollout_batch, split_rollout_batch_at
+from pipeline.memory.splitting import split_rollout_batch, split_rollout_batch_at
 from pipeline.types import Prompt, RolloutBatch
 from pipeline.weights import compute_fingerprint, compute_sha256, deserialize_weights
 from stages.algorithms import assign_advantages

@@ -16,9 +16,9 @@ import msgspec
 import numpy as np
 
 from pipeline.config import MemoryConfig
-from pipeline.memory import run_with_oom_recovery
-from pipeline.memory_guard import MemoryGuard, publish_status
-from pipeline.splitting import count_groups, merge_rollout_batches, split_rollout_batch
+from pipeline.memory.guard import MemoryGuard, publish_status
+from pipeline.memory.oom import run_with_oom_recovery
+from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 from pipeline.types import Prompt, RolloutBatch
 
 

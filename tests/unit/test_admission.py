@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.admission import (
+from pipeline.config import MemoryConfig
+from pipeline.memory.admission import (
     AdmissionController,
     AdmissionTimeout,
     Calibration,
@@ -23,9 +24,9 @@ from pipeline.admission import (
     estimate_resident_bytes,
     expand_rollout_seq_lens,
 )
-from pipeline.config import MemoryConfig
-from pipeline.memory import MemoryReading, OomEvent, OomUnrecoverable, is_oom_error, run_with_oom_recovery
-from pipeline.splitting import (
+from pipeline.memory.oom import OomEvent, OomUnrecoverable, is_oom_error, run_with_oom_recovery
+from pipeline.memory.readings import MemoryReading
+from pipeline.memory.splitting import (
     CannotSplitError,
     check_rollout_batch,
     count_groups,
@@ -182,10 +183,10 @@ def test_defer_counts_unallocated_in_flight_against_free_memory() -> None:
 
 def test_split_when_item_alone_exceeds_budget() -> None:
     ctl = make_controller()
-    # capacity 1000 - 200 = 800; 3000 > 800, > 1600, <= 3200: 4 parts.
+    # capacity 1000 - 200 = 800; 3000 > 800, > 1600, <= 3200: 4 pieces.
     d = ctl.decide(3000, reading(used=200, free=10**6))
-    assert (d.kind, d.parts) == (DecisionKind.SPLIT, 4)
-    assert ctl.decide(3000, reading(used=200, free=10**6), max_parts=3).parts == 3
+    assert (d.kind, d.pieces) == (DecisionKind.SPLIT, 4)
+    assert ctl.decide(3000, reading(used=200, free=10**6), max_pieces=3).pieces == 3
     assert ctl.splits == 2 and ctl.in_flight_bytes == 0
 
 
@@ -193,10 +194,10 @@ def test_atomic_over_budget_item_runs_alone() -> None:
     ctl = make_controller()
     other = ctl.decide(100, reading(used=200, free=10**6))
     # One group of 900 > capacity 800 cannot be split: it waits for the stage to empty...
-    assert ctl.decide(900, reading(used=300, free=10**6), max_parts=1).kind is DecisionKind.DEFER
+    assert ctl.decide(900, reading(used=300, free=10**6), max_pieces=1).kind is DecisionKind.DEFER
     ctl.release(other.bytes)
     # ...then runs alone, over budget (OOM recovery is the last guard).
-    assert ctl.decide(900, reading(used=200, free=10**6), max_parts=1).kind is DecisionKind.ADMIT
+    assert ctl.decide(900, reading(used=200, free=10**6), max_pieces=1).kind is DecisionKind.ADMIT
 
 
 def test_timeout_names_stage_and_numbers() -> None:
@@ -332,14 +333,14 @@ def test_split_merge_round_trip_keeps_every_sample_once() -> None:
     assert_batches_equal(merge_rollout_batches([merge_rollout_batches(h) for h in halves]), batch)
 
 
-def test_split_caps_parts_and_refuses_single_group() -> None:
+def test_split_caps_pieces_and_refuses_single_group() -> None:
     batch = make_batch(num_groups=3, group_size=2)
     assert len(split_rollout_batch(batch, 8)) == 3  # never more pieces than groups
     assert split_rollout_batch(batch, 1) == [batch]
     one = make_batch(num_groups=1, group_size=4)
     with pytest.raises(CannotSplitError, match="micro-batch 7 holds 1 GRPO group"):
         split_rollout_batch(one, 2)
-    with pytest.raises(ValueError, match="parts"):
+    with pytest.raises(ValueError, match="pieces"):
         split_rollout_batch(batch, 0)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import ALGORITHM_NAMES, AlgorithmConfig, GrpoConfig, ReinforcePlusPlusConfig, RlooConfig
-from pipeline.splitting import split_rollout_batch_at
+from pipeline.memory.splitting import split_rollout_batch_at
 from stages.algorithms import ALGORITHMS, assign_advantages, compute_policy_loss
 from stages.trainer import (
     compute_micro_batch_scale,

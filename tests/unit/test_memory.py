@@ -14,19 +14,21 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.memory import (
-    MemoryReading,
+from pipeline.memory.oom import (
     OomEvent,
     OomRecovery,
     OomUnrecoverable,
-    combine_cpu_reading,
     free_cached_memory,
     is_oom_error,
+    run_with_oom_recovery,
+)
+from pipeline.memory.readings import (
+    MemoryReading,
+    combine_cpu_reading,
     read_cgroup_memory,
     read_memory,
     read_peak_memory,
     reset_peak_memory,
-    run_with_oom_recovery,
 )
 
 MiB = 1 << 20
@@ -150,7 +152,7 @@ def test_recovery_state_machine_retries_only_the_failed_piece() -> None:
     rec: OomRecovery[list[int], list[int]] = OomRecovery(list(range(6)), halve, stage="reward")
     assert rec.next_piece() == [0, 1, 2, 3, 4, 5]
     event = rec.failed(MemoryError())
-    assert (event.kind, event.parts, event.error) == ("oom", 2, "MemoryError")
+    assert (event.kind, event.pieces, event.error) == ("oom", 2, "MemoryError")
     assert rec.next_piece() == [0, 1, 2]
     rec.succeeded([0, 10, 20])
     assert rec.next_piece() == [3, 4, 5]

@@ -1,4 +1,4 @@
-"""The admission driver (``pipeline/memory_guard.py``) with injected readings, clock and
+"""The admission driver (``pipeline/memory/guard.py``) with injected readings, clock and
 sleep; the driver's summary of it; pieces cut at recorded group counts."""
 
 from __future__ import annotations
@@ -7,12 +7,13 @@ import asyncio
 
 import pytest
 
-from pipeline.admission import AdmissionTimeout
 from pipeline.config import MemoryConfig
 from pipeline.launch import summarise_admission
-from pipeline.memory import MemoryReading, OomEvent
-from pipeline.memory_guard import MemoryGuard, build_pool_reading, merge_guard_metrics, shift_reading
-from pipeline.splitting import merge_rollout_batches, split_rollout_batch, split_rollout_batch_at
+from pipeline.memory.admission import AdmissionTimeout
+from pipeline.memory.guard import MemoryGuard, build_pool_reading, merge_guard_metrics, shift_reading
+from pipeline.memory.oom import OomEvent
+from pipeline.memory.readings import MemoryReading
+from pipeline.memory.splitting import merge_rollout_batches, split_rollout_batch, split_rollout_batch_at
 from tests.unit.test_admission import FakeClock, assert_batches_equal, make_batch
 
 MiB = 1 << 20
@@ -199,7 +200,7 @@ def test_oom_events_count_and_leave_spans() -> None:
     spans = Spans()
     guard = MemoryGuard("trainer", MemoryConfig(), read=lambda: reading(0), spans=spans)
     record = guard.on_oom(batch_id=3)
-    record(OomEvent(stage="trainer", kind="oom", size=4, parts=2))
+    record(OomEvent(stage="trainer", kind="oom", size=4, pieces=2))
     record(OomEvent(stage="trainer", kind="recovered", count=1))
     m = guard.metrics()
     assert (m["oom/trainer/events"], m["oom/trainer/recovered"]) == (1.0, 1.0)

@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipeline.splitting import merge_rollout_batches, split_rollout_batch
+from pipeline.memory.splitting import merge_rollout_batches, split_rollout_batch
 from pipeline.types import RolloutBatch
 from stages.reward_shaping import (
     ZERO_VARIANCE,

@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipeline.splitting import split_rollout_batch, split_rollout_batch_at
+from pipeline.memory.splitting import split_rollout_batch, split_rollout_batch_at
 from stages.trainer import (
     compute_piece_weight,
     encode_piece_layout,

@@ -1,27 +1,27 @@
 """Admission control: estimate a micro-batch's bytes, then admit, defer or split it.
 
-Invariant (per stage, while ``oom_protection`` is on): an item is admitted only if
+Invariant (per stage, while ``oom_protection`` is on): a micro-batch is admitted only if
   max(used, resident + in_flight) + estimate <= budget  and
   estimate + (in-flight bytes not yet allocated) <= free,
 where ``resident`` is what the stage holds with nothing in flight (weights, optimizer
 state, caches; re-measured whenever nothing is in flight) and ``in_flight`` the sum of
-admitted, unreleased estimates. An item that could never satisfy it (estimate >
+admitted, unreleased estimates. A micro-batch that could never satisfy it (estimate >
 budget - resident) is split, never deferred forever; one that cannot be split (a single
-GRPO group) is admitted only when it runs alone. Deferral of one item is bounded by
+GRPO group) is admitted only when it runs alone. Deferral of one micro-batch is bounded by
 ``defer_timeout_s``, after which ``AdmissionTimeout`` says why with the numbers.
-Splitting itself (whole GRPO groups, every sample once) lives in ``pipeline/splitting.py``.
+Splitting itself (whole GRPO groups, every sample once) lives in ``pipeline/memory/splitting.py``.
 
 The controller is a pure state machine (no asyncio, no threads, an injectable clock).
 An asyncio actor drives it like this (DEFER: wait and ask again; SPLIT reserves
-nothing: run each part through the same steps, then merge the parts' results)::
+nothing: run each piece through the same steps, then merge the pieces' results)::
 
     ctl = AdmissionController("reference", cfg.reference.memory)
     est = estimate_batch_bytes("reference", shape, count_seq_lens(batch))
     while (d := ctl.decide(est, read_memory(), key=batch.batch_id,
-                           max_parts=count_groups(batch))).kind is DecisionKind.DEFER:
+                           max_pieces=count_groups(batch))).kind is DecisionKind.DEFER:
         await asyncio.sleep(d.retry_after_s)
     if d.kind is DecisionKind.SPLIT:
-        parts = split_rollout_batch(batch, d.parts)  # each: estimate, decide, run; merge
+        pieces = split_rollout_batch(batch, d.pieces)  # each: estimate, decide, run; merge
     else:
         try:
             out = await run_with_oom_recovery(score, batch, split=split_rollout_batch,
@@ -43,7 +43,8 @@ import msgspec
 import numpy as np
 
 from pipeline.config import MemoryConfig
-from pipeline.memory import MemoryReading, OomEvent
+from pipeline.memory.oom import OomEvent
+from pipeline.memory.readings import MemoryReading
 from pipeline.types import RolloutBatch
 
 StageKind = Literal["rollout", "reference", "trainer"]
@@ -186,7 +187,7 @@ class Calibration:
     def observe(self, estimated_bytes: int, observed_bytes: int) -> float:
         """Fold one (raw estimate, measured peak above baseline) pair in; return the factor."""
         if estimated_bytes <= 0 or observed_bytes < 0:
-            return self.factor  # nothing to learn from an empty item or a bad window
+            return self.factor  # nothing to learn from an empty micro-batch or a bad window
         ratio = min(self.high, max(self.low, observed_bytes / estimated_bytes))
         self.factor = ratio if self.observations == 0 else (1 - self.alpha) * self.factor + self.alpha * ratio
         self.observations += 1
@@ -206,18 +207,18 @@ class DecisionKind(enum.Enum):
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
     """ADMIT: ``bytes`` are now reserved; pass them to ``release`` when the work ends.
-    DEFER: ask again after ``retry_after_s``. SPLIT: split into ``parts`` and decide on
-    each part (its own estimate) again."""
+    DEFER: ask again after ``retry_after_s``. SPLIT: split into ``pieces`` and decide on
+    each piece (its own estimate) again."""
 
     kind: DecisionKind
     bytes: int
-    parts: int = 1
+    pieces: int = 1
     retry_after_s: float = 0.0
     reason: str = ""
 
 
 class AdmissionTimeout(TimeoutError):
-    """One item stayed deferred for longer than ``defer_timeout_s``."""
+    """One micro-batch stayed deferred for longer than ``defer_timeout_s``."""
 
 
 # Stage name -> config section, so that errors name the knob to turn.
@@ -264,19 +265,19 @@ class AdmissionController:
         in_flight_bytes: int | None = None,
         *,
         key: Hashable = None,
-        max_parts: int | None = None,
+        max_pieces: int | None = None,
     ) -> Decision:
-        """Admit, defer or split one item. ``estimate_bytes`` is the raw estimate (the
+        """Admit, defer or split one micro-batch. ``estimate_bytes`` is the raw estimate (the
         calibration factor is applied here); ``in_flight_bytes`` defaults to this
-        controller's admitted, unreleased bytes; ``key`` names the item so deferral time
-        accrues per item; ``max_parts`` (its GRPO groups) caps a split. Raises
-        ``AdmissionTimeout`` when the item has been deferred for ``defer_timeout_s``."""
+        controller's admitted, unreleased bytes; ``key`` names the micro-batch so deferral time
+        accrues per micro-batch; ``max_pieces`` (its GRPO groups) caps a split. Raises
+        ``AdmissionTimeout`` when the micro-batch has been deferred for ``defer_timeout_s``."""
         if estimate_bytes < 0:
             raise ValueError(f"estimate_bytes: expected >= 0, got {estimate_bytes}")
         self._last = reading
         est = self.calibration.apply(estimate_bytes)
         if not self.config.oom_protection or est == 0:
-            return self._admit(est, key, "oom_protection off" if est else "empty item")
+            return self._admit(est, key, "oom_protection off" if est else "empty micro-batch")
         budget = self.budget_for(reading)
         in_flight = self._in_flight if in_flight_bytes is None else in_flight_bytes
         if in_flight == 0:
@@ -284,15 +285,15 @@ class AdmissionController:
         resident = self._resident if self._resident is not None else max(0, reading.used_bytes - in_flight)
         capacity = budget - resident
         if 0 < capacity < est:
-            parts = 1
-            while est > capacity * parts:
-                parts *= 2
-            if max_parts is None or max_parts > 1:
-                parts = parts if max_parts is None else min(parts, max_parts)
+            pieces = 1
+            while est > capacity * pieces:
+                pieces *= 2
+            if max_pieces is None or max_pieces > 1:
+                pieces = pieces if max_pieces is None else min(pieces, max_pieces)
                 self.splits += 1
                 self._deferred_since.pop(key, None)
                 return Decision(
-                    kind=DecisionKind.SPLIT, bytes=est, parts=parts,
+                    kind=DecisionKind.SPLIT, bytes=est, pieces=pieces,
                     reason=f"{est / MiB:.1f} MiB exceeds the {capacity / MiB:.1f} MiB left in the budget",
                 )
             if in_flight == 0:
@@ -319,7 +320,7 @@ class AdmissionController:
         since = self._deferred_since.get(key)
         if since is None:
             since = self._deferred_since[key] = now
-            self.deferred += 1  # counts items, not polls
+            self.deferred += 1  # counts micro-batches, not polls
         numbers = (
             f"estimate {est / MiB:.1f} MiB, free {reading.free_bytes / MiB:.1f} MiB, "
             f"budget {budget / MiB:.1f} MiB, in flight {in_flight / MiB:.1f} MiB, "
@@ -331,18 +332,18 @@ class AdmissionController:
             section = _CONFIG_SECTION.get(self.stage)
             knob = f"{section}.memory.budget_bytes or max_memory_ratio" if section else "the stage's memory budget"
             raise AdmissionTimeout(
-                f"stage {self.stage!r}: an item waited {waited:.1f} s for memory "
+                f"stage {self.stage!r}: a micro-batch waited {waited:.1f} s for memory "
                 f"(defer_timeout_s {self.config.defer_timeout_s:g}): {numbers}. Raise {knob}, "
                 f"lower dataflow.prompts_per_micro_batch, or free memory held by other processes."
             )
         return Decision(kind=DecisionKind.DEFER, bytes=est, retry_after_s=self.poll_interval_s, reason=numbers)
 
     def forget(self, key: Hashable) -> None:
-        """Drop the deferral clock of an item the caller gave up on."""
+        """Drop the deferral clock of a micro-batch the caller gave up on."""
         self._deferred_since.pop(key, None)
 
     def release(self, nbytes: int) -> None:
-        """Return the bytes of an admitted item whose work has ended (or failed)."""
+        """Return the bytes of an admitted micro-batch whose work has ended (or failed)."""
         if not 0 <= nbytes <= self._in_flight:
             raise ValueError(f"release: {nbytes} bytes, but {self._in_flight} are in flight in stage {self.stage!r}")
         self._in_flight -= nbytes

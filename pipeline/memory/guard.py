@@ -1,10 +1,10 @@
 """The admission controller as a stage actor drives it: admit, defer, split, measure.
 
-``pipeline/admission.py`` decides; this module enforces the decisions on a stage's event
+``pipeline/memory/admission.py`` decides; this module enforces the decisions on a stage's event
 loop. Invariants, while ``oom_protection`` is on:
-- work starts only once admitted. A SPLIT decision runs the parts (runs of whole GRPO
+- work starts only once admitted. A SPLIT decision runs the pieces (runs of whole GRPO
   groups, each estimated and admitted on its own, split again if need be) and merges their
-  results in the item's order: the stage still emits one whole micro-batch, and every
+  results in the micro-batch's order: the stage still emits one whole micro-batch, and every
   sample is processed exactly once. DEFER waits and asks again, until ``AdmissionTimeout``
   names the stage and the numbers: it waits ``retry_after_s`` (memory freed elsewhere) or
   less, as soon as work of this stage releases its bytes;
@@ -25,9 +25,10 @@ import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
-from pipeline.admission import AdmissionController, Decision, DecisionKind
 from pipeline.config import MemoryConfig
-from pipeline.memory import MemoryReading, OomEvent, read_memory, read_peak_memory, reset_peak_memory
+from pipeline.memory.admission import AdmissionController, Decision, DecisionKind
+from pipeline.memory.oom import OomEvent
+from pipeline.memory.readings import MemoryReading, read_memory, read_peak_memory, reset_peak_memory
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -48,7 +49,7 @@ def shift_reading(reading: MemoryReading, rest_bytes: int) -> MemoryReading:
 
 def build_pool_reading(pool_bytes: int, source: str = "kv_cache") -> MemoryReading:
     """A preallocated pool (vLLM's KV cache) seen from its owner: nothing of it is held
-    at rest and all of it is free; what admitted items will take is the controller's
+    at rest and all of it is free; what admitted micro-batches will take is the controller's
     in-flight sum, so admission against it is admission against the in-flight total."""
     return MemoryReading(used_bytes=0, free_bytes=pool_bytes, total_bytes=pool_bytes, source=source)
 
@@ -114,11 +115,11 @@ class MemoryGuard:
             self._rest = raw.used_bytes  # re-measured at rest, as the controller does
         return shift_reading(raw, self._rest)
 
-    async def admit(self, raw_estimate: int, *, key: Hashable, max_parts: int | None) -> Decision:
+    async def admit(self, raw_estimate: int, *, key: Hashable, max_pieces: int | None) -> Decision:
         """ADMIT (bytes reserved: ``release`` them) or SPLIT; waits out DEFER."""
         try:
             while True:
-                decision = self.controller.decide(raw_estimate, self.read(), key=key, max_parts=max_parts)
+                decision = self.controller.decide(raw_estimate, self.read(), key=key, max_pieces=max_pieces)
                 if decision.kind is not DecisionKind.DEFER:
                     return decision
                 await self._wait(decision.retry_after_s)
@@ -142,11 +143,11 @@ class MemoryGuard:
         self.controller.release(nbytes)
         if self._released is not None:
             event, self._released = self._released, None
-            event.set()  # every item waiting now asks again
+            event.set()  # every micro-batch waiting now asks again
 
     async def run(
         self,
-        item: T,
+        batch: T,
         work: Callable[[T], Awaitable[R]],
         *,
         estimate: Callable[[T], int],
@@ -156,26 +157,26 @@ class MemoryGuard:
         key: Hashable,
         concurrent: bool = False,
     ) -> R:
-        """``work(item)`` once admitted; after SPLIT, ``merge`` of the parts' results in
-        order. ``concurrent`` parts run at once, each when admitted (the rollout: many
+        """``work(batch)`` once admitted; after SPLIT, ``merge`` of the pieces' results in
+        order. ``concurrent`` pieces run at once, each when admitted (the rollout: many
         generate calls share the engine); otherwise one after another."""
         if not self.protected:
-            return await work(item)
-        decision = await self.admit(estimate(item), key=key, max_parts=size(item))
+            return await work(batch)
+        decision = await self.admit(estimate(batch), key=key, max_pieces=size(batch))
         if decision.kind is DecisionKind.SPLIT:
-            parts = split(item, decision.parts)
+            pieces = split(batch, decision.pieces)
 
-            def run_part(i: int, part: T) -> Awaitable[R]:
-                return self.run(part, work, estimate=estimate, split=split, merge=merge, size=size,
+            def run_piece(i: int, piece: T) -> Awaitable[R]:
+                return self.run(piece, work, estimate=estimate, split=split, merge=merge, size=size,
                                 key=(key, i), concurrent=concurrent)
 
             if concurrent:
                 async with asyncio.TaskGroup() as group:  # one failure cancels its siblings
-                    tasks = [group.create_task(run_part(i, p)) for i, p in enumerate(parts)]
+                    tasks = [group.create_task(run_piece(i, p)) for i, p in enumerate(pieces)]
                 return merge([t.result() for t in tasks])
-            return merge([await run_part(i, p) for i, p in enumerate(parts)])
+            return merge([await run_piece(i, p) for i, p in enumerate(pieces)])
         try:
-            return await work(item)
+            return await work(batch)
         finally:
             self._release(decision.bytes)
 

@@ -45,25 +45,25 @@ def count_groups(batch: RolloutBatch | PromptBatch) -> int:
     return len(batch.prompts)
 
 
-def _group_bounds(num_groups: int, parts: int, what: str) -> list[tuple[int, int]]:
-    """[start, end) group ranges of at most ``parts`` near-equal runs."""
-    if parts < 1:
-        raise ValueError(f"parts: expected >= 1, got {parts}")
-    if num_groups <= 1 and parts > 1:
+def _group_bounds(num_groups: int, pieces: int, what: str) -> list[tuple[int, int]]:
+    """[start, end) group ranges of at most ``pieces`` near-equal runs."""
+    if pieces < 1:
+        raise ValueError(f"pieces: expected >= 1, got {pieces}")
+    if num_groups <= 1 and pieces > 1:
         raise CannotSplitError(f"{what} holds {num_groups} GRPO group(s); a group is never split")
-    parts = min(parts, num_groups) if num_groups else 1
-    base, extra = divmod(num_groups, parts)
+    pieces = min(pieces, num_groups) if num_groups else 1
+    base, extra = divmod(num_groups, pieces)
     bounds, start = [], 0
-    for i in range(parts):
+    for i in range(pieces):
         end = start + base + (1 if i < extra else 0)
         bounds.append((start, end))
         start = end
     return bounds
 
 
-def split_prompt_batch(batch: PromptBatch, parts: int) -> list[PromptBatch]:
-    """At most ``parts`` pieces of whole prompts (each prompt is one future group)."""
-    bounds = _group_bounds(len(batch.prompts), parts, f"prompt batch {batch.batch_id}")
+def split_prompt_batch(batch: PromptBatch, pieces: int) -> list[PromptBatch]:
+    """At most ``pieces`` pieces of whole prompts (each prompt is one future group)."""
+    bounds = _group_bounds(len(batch.prompts), pieces, f"prompt batch {batch.batch_id}")
     return [msgspec.structs.replace(batch, prompts=batch.prompts[a:b]) for a, b in bounds]
 
 
@@ -105,11 +105,11 @@ def _take(arr: np.ndarray | None, rows: slice, width: int | None = None) -> np.n
     return np.ascontiguousarray(piece)
 
 
-def split_rollout_batch(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
-    """At most ``parts`` pieces of whole GRPO groups (fewer when there are fewer
-    groups); raises ``CannotSplitError`` for a single group and ``parts > 1``."""
+def split_rollout_batch(batch: RolloutBatch, pieces: int) -> list[RolloutBatch]:
+    """At most ``pieces`` pieces of whole GRPO groups (fewer when there are fewer
+    groups); raises ``CannotSplitError`` for a single group and ``pieces > 1``."""
     check_rollout_batch(batch)
-    bounds = _group_bounds(len(batch.prompts), parts, f"micro-batch {batch.batch_id}")
+    bounds = _group_bounds(len(batch.prompts), pieces, f"micro-batch {batch.batch_id}")
     if len(bounds) == 1:
         return [batch]
     return _cut(batch, bounds)
@@ -174,50 +174,50 @@ def _merge_optional(name: str, values: list[np.ndarray | None], pad: bool) -> np
     return _pad_cat(arrays) if pad else np.concatenate(arrays)
 
 
-def _merge_drops(parts: Sequence[RolloutBatch]) -> dict[str, list[int]]:
+def _merge_drops(pieces: Sequence[RolloutBatch]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
-    for p in parts:
+    for p in pieces:
         for reason, indices in p.dropped_prompts.items():
             out.setdefault(reason, []).extend(indices)
     return out
 
 
-def merge_rollout_batches(parts: Sequence[RolloutBatch]) -> RolloutBatch:
+def merge_rollout_batches(pieces: Sequence[RolloutBatch]) -> RolloutBatch:
     """Concatenate pieces of one micro-batch, in order (see the module guarantees)."""
-    if not parts:
+    if not pieces:
         raise ValueError("merge: no pieces")
-    first = parts[0]
-    if len(parts) == 1:
+    first = pieces[0]
+    if len(pieces) == 1:
         return first
-    for p in parts:
+    for p in pieces:
         if (p.batch_id, p.step, p.group_size) != (first.batch_id, first.step, first.group_size):
             raise ValueError(
                 f"merge: piece of batch {p.batch_id} (step {p.step}, group_size {p.group_size}) does not "
                 f"belong with batch {first.batch_id} (step {first.step}, group_size {first.group_size})"
             )
         check_rollout_batch(p)
-    ids = [s for p in parts for s in p.sample_ids]
+    ids = [s for p in pieces for s in p.sample_ids]
     if len(set(ids)) != len(ids):
         twice = sorted({s for s in ids if ids.count(s) > 1})
         raise ValueError(f"merge: batch {first.batch_id}: samples present twice: {twice[:5]}")
     keys = set(first.reward_extras)
-    if any(set(p.reward_extras) != keys for p in parts):
+    if any(set(p.reward_extras) != keys for p in pieces):
         raise ValueError(f"merge: batch {first.batch_id}: pieces disagree on reward_extras keys")
-    finish = [r for p in parts for r in p.finish_reasons]
+    finish = [r for p in pieces for r in p.finish_reasons]
     if finish and len(finish) != len(ids):
         raise ValueError(f"merge: batch {first.batch_id}: some pieces lack finish_reasons")
     fields: dict[str, Any] = {
-        "prompts": [q for p in parts for q in p.prompts],
+        "prompts": [q for p in pieces for q in p.prompts],
         "sample_ids": ids,
-        "completions": [c for p in parts for c in p.completions],
+        "completions": [c for p in pieces for c in p.completions],
         "finish_reasons": finish,
-        "reward_errors": [e for p in parts for e in p.reward_errors],
-        "reward_extras": {k: [x for p in parts for x in p.reward_extras[k]] for k in first.reward_extras},
-        "policy_version": min(p.policy_version for p in parts),
-        "dropped_prompts": _merge_drops(parts),
+        "reward_errors": [e for p in pieces for e in p.reward_errors],
+        "reward_extras": {k: [x for p in pieces for x in p.reward_extras[k]] for k in first.reward_extras},
+        "policy_version": min(p.policy_version for p in pieces),
+        "dropped_prompts": _merge_drops(pieces),
     }
     for name in _ROW_ARRAYS:
-        fields[name] = _merge_optional(name, [getattr(p, name) for p in parts], pad=False)
+        fields[name] = _merge_optional(name, [getattr(p, name) for p in pieces], pad=False)
     for name in _PROMPT_COLS + _COMPLETION_COLS:
-        fields[name] = _merge_optional(name, [getattr(p, name) for p in parts], pad=True)
+        fields[name] = _merge_optional(name, [getattr(p, name) for p in pieces], pad=True)
     return msgspec.structs.replace(first, **fields)

@@ -1,9 +1,6 @@
-"""Memory readings, out-of-memory recognition and recovery by halving.
+"""Out-of-memory recognition and recovery by halving.
 
 Guarantees:
-- ``read_memory`` is cheap (a few syscalls, no allocation on the device) and never
-  imports torch unless a CUDA device is asked for by name: a process that has not
-  imported torch holds no CUDA tensors, so it is read as a CPU process.
 - ``is_oom_error`` is true for exactly the errors a smaller batch can cure: torch's
   ``OutOfMemoryError``, ``MemoryError``, and ``RuntimeError``s whose message says the
   allocator ran out of memory (also when raised ``from`` one of those). It is false for
@@ -21,155 +18,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
-import os
 import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
-import psutil
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-# cgroup v1 reports "no limit" as a page-aligned number close to 2**63.
-_CGROUP_V1_UNLIMITED = 1 << 60
-
-
-class MemoryReading(msgspec.Struct, frozen=True, kw_only=True):
-    """One reading. ``used_bytes``: held by this process (CUDA: allocated tensors; CPU:
-    resident set). ``free_bytes``: what this process could still allocate (CUDA: free on
-    the device plus the allocator's cached blocks; CPU: available memory, within the
-    container's limit when one is set). ``source``: ``cuda:N``, ``cpu`` or ``cgroup``."""
-
-    used_bytes: int
-    free_bytes: int
-    total_bytes: int
-    source: str
-
-
-# ------------------------------------------------------------------------ readings
-
-def read_memory(device: str | None = None) -> MemoryReading:
-    """Read memory for ``device`` (``None``: CUDA if torch is loaded and sees a GPU,
-    else CPU; ``"cpu"``; ``"cuda"``; ``"cuda:N"``)."""
-    if device is None:
-        torch = sys.modules.get("torch")
-        device = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return _read_cpu_memory()
-    if device == "cuda" or device.startswith("cuda:"):
-        return _read_cuda_memory(device)
-    raise ValueError(f"device: expected None, 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-
-
-def _cuda_index(torch: Any, device: str) -> int:
-    return torch.cuda.current_device() if device == "cuda" else int(device.split(":", 1)[1])
-
-
-def _read_cuda_memory(device: str) -> MemoryReading:
-    import torch
-
-    index = _cuda_index(torch, device)
-    free_on_device, total = torch.cuda.mem_get_info(index)
-    allocated = torch.cuda.memory_allocated(index)
-    reserved = torch.cuda.memory_reserved(index)
-    # Blocks the caching allocator reserved but no tensor uses are free to this process
-    # even though the driver counts them as taken.
-    free = free_on_device + max(0, reserved - allocated)
-    return MemoryReading(used_bytes=allocated, free_bytes=free, total_bytes=total, source=f"cuda:{index}")
-
-
-def _read_cpu_memory() -> MemoryReading:
-    vm = psutil.virtual_memory()
-    rss = psutil.Process(os.getpid()).memory_info().rss
-    return combine_cpu_reading(rss, vm.available, vm.total, read_cgroup_memory())
-
-
-def combine_cpu_reading(
-    rss: int, available: int, total: int, cgroup: tuple[int, int] | None
-) -> MemoryReading:
-    """A CPU reading from the process RSS, the machine's available and total memory and,
-    when the process runs under a cgroup limit, ``(limit, working_set)``: the container
-    is killed at its limit long before the machine runs dry, so the limit wins."""
-    if cgroup is None:
-        return MemoryReading(used_bytes=rss, free_bytes=available, total_bytes=total, source="cpu")
-    limit, working_set = cgroup
-    return MemoryReading(
-        used_bytes=rss,
-        free_bytes=max(0, min(available, limit - working_set)),
-        total_bytes=min(total, limit),
-        source="cgroup",
-    )
-
-
-def read_cgroup_memory(root: Path = CGROUP_ROOT) -> tuple[int, int] | None:
-    """``(limit, working_set)`` of this container's memory cgroup, or ``None`` without a
-    limit. The working set leaves out inactive file cache, which the kernel reclaims
-    before it kills anything (the same measure kubelet and docker use)."""
-    v2, v1 = root / "memory.max", root / "memory" / "memory.limit_in_bytes"
-    try:
-        if v2.is_file():
-            raw = v2.read_text().strip()
-            if raw == "max":
-                return None
-            usage = int((root / "memory.current").read_text())
-            stat_file, inactive_key = root / "memory.stat", "inactive_file"
-        elif v1.is_file():
-            raw = v1.read_text().strip()
-            if int(raw) >= _CGROUP_V1_UNLIMITED:
-                return None
-            usage = int((root / "memory" / "memory.usage_in_bytes").read_text())
-            stat_file, inactive_key = root / "memory" / "memory.stat", "total_inactive_file"
-        else:
-            return None
-        inactive = 0
-        if stat_file.is_file():
-            for line in stat_file.read_text().splitlines():
-                name, _, value = line.partition(" ")
-                if name == inactive_key:
-                    inactive = int(value)
-        return int(raw), max(0, usage - inactive)
-    except (OSError, ValueError):
-        return None  # unreadable or malformed: fall back to the machine's numbers
-
-
-def reset_peak_memory(device: str | None = None) -> int:
-    """Start a peak window and return the bytes used now (the window's baseline).
-
-    The window is per process (CPU) or per process and device (CUDA): measure one item
-    at a time, or the peaks of concurrent items mix."""
-    reading = read_memory(device)
-    if reading.source.startswith("cuda"):
-        import torch
-
-        torch.cuda.reset_peak_memory_stats(int(reading.source.split(":")[1]))
-    else:
-        try:
-            # "5" resets only the peak RSS (VmHWM); it touches no page state.
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass  # not Linux, or not permitted: read_peak_memory answers None
-    return reading.used_bytes
-
-
-def read_peak_memory(device: str | None = None) -> int | None:
-    """Peak bytes used since ``reset_peak_memory`` (``None`` where it cannot be known)."""
-    reading = read_memory(device)
-    if reading.source.startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.max_memory_allocated(int(reading.source.split(":")[1])))
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 # ------------------------------------------------------------------ OOM recognition
@@ -221,14 +78,14 @@ def free_cached_memory() -> None:
 # --------------------------------------------------------------------- OOM recovery
 
 class OomEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """``oom``: a piece of ``size`` ran out of memory and was split into ``parts``.
+    """``oom``: a piece of ``size`` ran out of memory and was split into ``pieces``.
     ``recovered``: the whole batch finished after ``count`` such errors."""
 
     stage: str
     kind: Literal["oom", "recovered"]
     error: str = ""
     size: int | None = None
-    parts: int = 0
+    pieces: int = 0
     count: int = 0
 
 
@@ -313,7 +170,7 @@ class OomRecovery(Generic[T, R]):
         self._pending.extendleft(reversed(halves))
         if size is not None:
             self._failed_size = size if self._failed_size is None else min(self._failed_size, size)
-        event = OomEvent(stage=self.stage, kind="oom", error=text, size=size, parts=len(halves))
+        event = OomEvent(stage=self.stage, kind="oom", error=text, size=size, pieces=len(halves))
         self.events.append(event)
         return event
 
