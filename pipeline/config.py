@@ -304,8 +304,22 @@ class ReinforcePlusPlusBaselineConfig(_AlgorithmFields, tag="reinforce_plus_plus
     """REINFORCE++ with a group baseline: ``r - group mean``, whitened over the tokens."""
 
 
+class PpoConfig(_AlgorithmFields, tag="ppo"):
+    """PPO with a critic: GAE over each sample's tokens (``stages/algorithms/advantages.py``),
+    the outcome score on the last token and, with ``use_kl_in_reward``, the KL penalty on
+    every token. ``gamma``/``lam``: GAE's discount and lambda. ``adv_whiten``:
+    ``whiten`` (mean 0, std 1 over the micro-batch's tokens), ``scale`` (std 1, mean
+    kept) or ``none``. Needs the ``critic`` stage (its values, [S, C]); no group
+    baseline (``rollout.n`` may be 1)."""
+
+    gamma: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    lam: Annotated[float, Meta(ge=0, le=1)] = 0.95
+    adv_whiten: Literal["whiten", "scale", "none"] = "whiten"
+    group_baseline: ClassVar[bool] = False
+
+
 # One entry per ``stages/algorithms/registry.py`` entry (a unit test keeps them equal).
-AlgorithmConfig = GrpoConfig | RlooConfig | ReinforcePlusPlusConfig | ReinforcePlusPlusBaselineConfig
+AlgorithmConfig = GrpoConfig | RlooConfig | ReinforcePlusPlusConfig | ReinforcePlusPlusBaselineConfig | PpoConfig
 ALGORITHM_NAMES = tuple(t.__struct_config__.tag for t in typing.get_args(AlgorithmConfig))
 
 

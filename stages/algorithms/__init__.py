@@ -1,7 +1,7 @@
 """RL algorithms as pure functions and an explicit registry.
 
 - ``advantages``: estimators (GRPO / Dr. GRPO, RLOO, REINFORCE++ and its baseline
-  variant, GAE for a future critic).
+  variant, GAE for PPO with a critic).
 - ``losses``: KL estimators, loss aggregation, the clipped policy loss (dual-clip,
   off-policy correction) and token log-probs.
 - ``registry``: ``ALGORITHMS`` (name -> what it needs, its estimator, its loss) and
@@ -15,6 +15,7 @@ from stages.algorithms.advantages import (
     compute_reinforce_pp_advantages,
     compute_reinforce_pp_baseline_advantages,
     compute_rloo_advantages,
+    compute_token_rewards,
     whiten_masked,
 )
 from stages.algorithms.losses import (
@@ -33,6 +34,6 @@ __all__ = [
     "build_loss_mask", "build_policy_loss", "compute_discounted_returns", "compute_gae_advantages",
     "compute_grpo_advantages", "compute_kl", "compute_policy_loss", "compute_reinforce_pp_advantages",
     "compute_reinforce_pp_baseline_advantages", "compute_rloo_advantages", "compute_token_entropy",
-    "compute_token_logprobs",
+    "compute_token_logprobs", "compute_token_rewards",
     "whiten_masked",
 ]

@@ -5,7 +5,8 @@ Guarantees:
   ``i // group_size`` (groups are consecutive runs, as in ``RolloutBatch``).
 - Outcome estimators (``grpo``, ``rloo``) map ``rewards`` [S] to one advantage per
   sample; token-level estimators (``reinforce_plus_plus*``, ``gae``) return [S, C] and are
-  exactly 0 wherever ``mask`` is 0.
+  exactly 0 wherever ``mask`` is 0. ``gae`` also returns the critic's targets
+  (``returns = advantages + values``, before any whitening).
 - Whitening statistics (REINFORCE++) run over the valid tokens of the batch they are
   given: in Conveyor that is one streaming micro-batch, computed before any split, so an
   admission or OOM split never changes an advantage.
@@ -76,11 +77,13 @@ def compute_discounted_returns(scores: Tensor, mask: Tensor, gamma: float = 1.0)
     return torch.where(valid, returns, torch.zeros_like(returns))
 
 
-def whiten_masked(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+def whiten_masked(values: Tensor, mask: Tensor, eps: float = 1e-8, shift_mean: bool = True) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the positions where ``mask`` is set; 0 elsewhere.
 
     The variance is unbiased (Bessel's correction over the valid positions, as verl's
     ``masked_whiten``); fewer than two valid positions give 0 everywhere.
+    ``shift_mean=False`` adds the mean back: ``x / std``-like scaling that keeps the sign
+    of a batch whose advantages are all positive.
     """
     valid = mask > 0
     n = valid.sum()
@@ -90,7 +93,8 @@ def whiten_masked(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     mean = x.sum() / n
     centred = torch.where(valid, x - mean, torch.zeros_like(x))
     var = centred.square().sum() / (n - 1)
-    return centred * torch.rsqrt(var + eps)
+    out = centred * torch.rsqrt(var + eps)
+    return out if shift_mean else torch.where(valid, out + mean, out)
 
 
 def compute_token_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
@@ -137,11 +141,25 @@ def compute_reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, grou
     return whiten_masked(per_token, mask)
 
 
+def compute_token_rewards(scores: Tensor, mask: Tensor, token_penalty: Tensor | None = None) -> Tensor:
+    """Per-token rewards for a token-level estimator: each sample's outcome ``scores`` [S]
+    on its last valid token, minus ``token_penalty`` [S, C] (KL in the reward) on every
+    valid token. ``mask`` [S, C] -> [S, C] float32, 0 where ``mask`` is 0; a sample with
+    no valid token gets nothing."""
+    valid = mask > 0
+    count = valid.long().cumsum(dim=1)
+    last = valid & (count == valid.sum(dim=1, keepdim=True))
+    rewards = torch.where(last, scores.float().unsqueeze(1).expand(mask.shape), torch.zeros(mask.shape))
+    if token_penalty is not None:
+        rewards = rewards - torch.where(valid, token_penalty.float(), torch.zeros(mask.shape))
+    return rewards
+
+
 def compute_gae_advantages(
     token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over each sequence's valid tokens (for PPO with a
-    critic; no registry entry uses it until a value model exists).
+    """Generalised advantage estimation over each sequence's valid tokens (PPO with a
+    critic: the registry's ``ppo`` entry).
 
     ``token_rewards``, ``values``, ``mask`` [S, C] -> (advantages, returns) [S, C]:
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` 0 past the last valid token,

@@ -30,31 +30,43 @@ from torch import Tensor
 
 from pipeline.types import RolloutBatch
 from stages.algorithms.advantages import (
+    compute_gae_advantages,
     compute_grpo_advantages,
     compute_reinforce_pp_advantages,
     compute_reinforce_pp_baseline_advantages,
     compute_rloo_advantages,
+    compute_token_rewards,
+    whiten_masked,
 )
 from stages.algorithms.losses import compute_kl, compute_policy_loss
 
 # (rewards [S], loss mask [S, C] bool, group_size, algorithm config, per-token reward
 # penalty [S, C] or None) -> advantages [S, C]
 Estimator = Callable[[Tensor, Tensor, int, Any, Tensor | None], Tensor]
+# (rewards [S], critic values [S, C], loss mask [S, C] bool, algorithm config, per-token
+# reward penalty [S, C] or None) -> (advantages [S, C], returns [S, C])
+ValueEstimator = Callable[[Tensor, Tensor, Tensor, Any, Tensor | None], tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
 class Algorithm:
     """One registry entry. ``needs_group``: advantages compare the samples of a prompt
     (``rollout.n >= 2``); ``needs_reference``: reference log-probs beyond the KL term
-    (every entry today uses them only for ``kl_coef > 0``); ``needs_values``: a critic's
-    per-token values (none today; PPO with ``compute_gae_advantages`` will)."""
+    (every entry today uses them only for ``kl_coef > 0``). An entry estimates either
+    from rewards alone (``estimate``) or from rewards and a critic's per-token values
+    (``estimate_with_values``, which also gives the critic's returns); ``needs_values``
+    says which."""
 
     name: str
-    estimate: Estimator
+    estimate: Estimator | None
     needs_group: bool
     needs_reference: bool = False
-    needs_values: bool = False
+    estimate_with_values: ValueEstimator | None = None
     loss: Callable[..., tuple[Tensor, dict[str, float]]] = compute_policy_loss
+
+    @property
+    def needs_values(self) -> bool:
+        return self.estimate_with_values is not None
 
 
 def _per_sample(adv: Tensor, mask: Tensor) -> Tensor:
@@ -87,11 +99,22 @@ def _reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group_size: int, cfg: 
     return compute_reinforce_pp_baseline_advantages(_outcome(rewards, mask, penalty), mask, group_size)
 
 
+def _gae(rewards: Tensor, values: Tensor, mask: Tensor, cfg: Any, penalty: Tensor | None) -> tuple[Tensor, Tensor]:
+    # Token-level rewards as PPO users expect: the score on the last token, the KL
+    # penalty on every token; returns (the critic's targets) are never whitened.
+    adv, returns = compute_gae_advantages(compute_token_rewards(rewards, mask, penalty), values, mask,
+                                          gamma=cfg.gamma, lam=cfg.lam)
+    if cfg.adv_whiten != "none":
+        adv = whiten_masked(adv, mask, shift_mean=cfg.adv_whiten == "whiten")
+    return adv, returns
+
+
 ALGORITHMS: dict[str, Algorithm] = {
     "grpo": Algorithm("grpo", _grpo, needs_group=True),
     "rloo": Algorithm("rloo", _rloo, needs_group=True),
     "reinforce_plus_plus": Algorithm("reinforce_plus_plus", _reinforce_pp, needs_group=False),
     "reinforce_plus_plus_baseline": Algorithm("reinforce_plus_plus_baseline", _reinforce_pp_baseline, needs_group=True),
+    "ppo": Algorithm("ppo", None, needs_group=False, estimate_with_values=_gae),
 }
 
 
@@ -151,7 +174,9 @@ def assign_advantages(batch: RolloutBatch, cfg: Any, kl_reward_coef: float = 0.0
     reward before advantages: from each token's reward (REINFORCE++'s returns) or, for
     outcome estimators, the sample's sum from its score. ``cfg.overlong_mask``: samples
     cut by the length limit leave the loss mask after advantages are computed (they
-    still count in their group's baseline, as in DAPO's overlong filtering)."""
+    still count in their group's baseline, as in DAPO's overlong filtering).
+    An entry with ``estimate_with_values`` (``ppo``) reads ``batch.values`` and also sets
+    ``returns`` [S, C] float32 (the critic's targets)."""
     mask = build_loss_mask(batch)
     if batch.advantages is not None:
         return msgspec.structs.replace(batch, loss_mask=_mask_overlong(batch, mask, cfg))
@@ -160,10 +185,24 @@ def assign_advantages(batch: RolloutBatch, cfg: Any, kl_reward_coef: float = 0.0
     algo = get_algorithm(cfg.name)
     rewards = torch.as_tensor(np.array(batch.rewards, dtype=np.float32))
     penalty = kl_reward_coef * compute_kl_reward_penalty(batch, cfg, mask) if kl_reward_coef > 0 else None
-    adv = algo.estimate(rewards, torch.from_numpy(mask), batch.group_size, cfg, penalty)
+    returns = None
+    if algo.estimate_with_values is not None:
+        if batch.values is None:
+            raise ValueError(f"batch {batch.batch_id}: algorithm {cfg.name!r} needs critic values [S, C] "
+                             f"(is a critic stage wired before the trainer?)")
+        values = torch.as_tensor(np.asarray(batch.values, dtype=np.float32))
+        if values.shape != mask.shape:
+            raise ValueError(f"batch {batch.batch_id}: values: expected shape {mask.shape} (samples, completion "
+                             f"positions), got {tuple(values.shape)}")
+        adv, ret = algo.estimate_with_values(rewards, values, torch.from_numpy(mask), cfg, penalty)
+        returns = ret.numpy().astype(np.float32)
+    else:
+        assert algo.estimate is not None
+        adv = algo.estimate(rewards, torch.from_numpy(mask), batch.group_size, cfg, penalty)
     mask = _mask_overlong(batch, mask, cfg)
     adv = torch.where(torch.from_numpy(mask), adv, torch.zeros_like(adv))
-    return msgspec.structs.replace(batch, loss_mask=mask, advantages=adv.numpy().astype(np.float32))
+    extra = {} if returns is None else {"returns": returns}
+    return msgspec.structs.replace(batch, loss_mask=mask, advantages=adv.numpy().astype(np.float32), **extra)
 
 
 def _mask_overlong(batch: RolloutBatch, mask: np.ndarray, cfg: Any) -> np.ndarray:

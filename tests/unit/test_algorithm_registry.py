@@ -28,7 +28,7 @@ def test_registry_and_config_name_the_same_algorithms():
     for cls in typing.get_args(AlgorithmConfig):
         entry = ALGORITHMS[cls.__struct_config__.tag]
         assert entry.needs_group == cls.group_baseline, entry.name
-        assert not entry.needs_values  # no critic stage exists yet
+        assert entry.needs_values == (entry.name == "ppo")  # GAE reads the critic's values
 
 
 def test_assign_advantages_fills_per_token_fields_without_mutating():
