@@ -25,6 +25,10 @@ import ray
 from pipeline.types import WeightUpdate
 from pipeline.versions import Ledger
 
+# Publish times of the newest versions, for the publish-to-serve lag: a worker confirms
+# the newest update it found, so one older than these has long been superseded.
+PUBLISH_TIMES_KEPT = 64
+
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class ControllerActor:
@@ -98,6 +102,8 @@ class ControllerActor:
                 )
             self._update, self._payload = update, payload
             self._published_at[update.version] = time.time()
+            if len(self._published_at) > PUBLISH_TIMES_KEPT:  # versions go in ascending: drop the oldest
+                del self._published_at[next(iter(self._published_at))]
             self._cond.notify_all()
 
     async def set_trainer_version(self, version: int) -> None:

@@ -11,9 +11,19 @@ Guarantees:
   ``None`` when all were, and otherwise the item cut down to its unseen groups
   (``RolloutBatch`` through ``pipeline/memory/splitting.py``, ``PromptBatch`` by its prompts);
   an item without ``prompts`` passes unchanged;
-- memory is bounded: the newest ``window`` keys are remembered. A redelivered group
-  arrives within the queue bounds plus the items in the stages of its first copy, a few
-  dozen groups, far inside the default window of 65,536.
+- memory is bounded: the newest ``window`` keys are remembered, and exactly-once still
+  holds. Invariant: a group comes again only from an item still leased upstream, and an
+  item stays leased until what became of it reached the end of the graph
+  (``pipeline/queue.py``); queues hand items out in order. So between a group's first
+  and second copy a consumer takes in only groups that travel with it or behind it
+  through the part of the graph that holds it: at most the queues' bounds plus the
+  items inside the stages (concurrency x replicas; a requeue adds the dead process's
+  leases, also at most its concurrency), each of at most ``prompts_per_micro_batch``
+  groups, plus the step of prompts the trainer holds. ``dedup_window`` is four times
+  that (at least ``MIN_DEDUP_WINDOW``): a few hundred to a few thousand keys, full
+  within minutes, instead of a fixed 65,536 that kept growing for half an hour of a
+  fast run. A window too small would let a duplicate through to the trainer, where the
+  id accounting (``summary.json`` ``accounting``) counts it as finished twice.
 """
 
 from __future__ import annotations
@@ -25,7 +35,16 @@ import msgspec
 
 from pipeline.types import PromptBatch, RolloutBatch
 
-DEDUP_WINDOW = 1 << 16
+DEDUP_WINDOW = 1 << 16  # when the graph is not known (a consumer built by hand)
+MIN_DEDUP_WINDOW = 1024
+
+
+def dedup_window(df: Any, prompts_per_micro_batch: int, prompts_per_step: int) -> int:
+    """Group keys a consumer of ``df`` (a ``DataFlow``) remembers: four times the most
+    groups that can be in flight at once (see the module's invariant)."""
+    items = sum(df.queue_bound(p, c) for p, c in df.edges)
+    items += sum(n.concurrency * n.replicas for n in df.nodes.values())
+    return max(MIN_DEDUP_WINDOW, 4 * (items * prompts_per_micro_batch + prompts_per_step))
 
 
 def group_key(prompt: Any) -> int | str:

@@ -29,6 +29,7 @@ replicas add up), and ``summary.json`` has their final values per stage under
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -68,6 +69,7 @@ STAGE_CLASSES = {
 
 log = get_logger(stage="driver")
 RESTARTABLE_STAGES = ("rollout", "reward", "reference")
+MAX_SYNC_MARKERS = 10_000
 AUTO_RESUME_ATTEMPTS = 3  # resumes of one launch after deaths it could not restart
 
 
@@ -151,8 +153,13 @@ class Reporter:
         self.cfg = cfg
         self.run_dir = run_dir
         self.writer = MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard)
-        self.steps: list[dict[str, Any]] = []
-        self.syncs: list[dict[str, Any]] = []
+        # A long run's driver keeps no per-step history (every step is in metrics.jsonl):
+        # a count, the first and the last step's metrics, and the latest weight syncs
+        # (the trace's markers; the trace holds the latest spans only).
+        self.step_count = 0
+        self.first_step: dict[str, Any] | None = None
+        self.last_step: dict[str, Any] | None = None
+        self.syncs: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_SYNC_MARKERS)
         self.last_drain: dict[str, Any] = {}
         self._last_step_end: float | None = None  # the first window opens at the first span
         self._progress = _Progress(cfg.run.steps) if cfg.run.progress else None
@@ -200,7 +207,9 @@ class Reporter:
             self._recent = [sp for sp in self._recent if sp.end > end]
             self.writer.log(int(step["step"]), {k: v for k, v in metrics.items()
                                                 if _is_number(v) and k not in ("step", "time")})
-            self.steps.append(metrics)
+            self.step_count += 1
+            self.first_step = self.first_step or metrics
+            self.last_step = metrics
             if self._progress:
                 self._progress.update(metrics)
         self._write_status(drain, queues)
@@ -219,7 +228,7 @@ class Reporter:
             "ledger": drain["ledger"],
             "stages": drain["status"],
             "queues": queues,
-            "last_step": self.steps[-1] if self.steps else None,
+            "last_step": self.last_step,
             # Where each stage runs now (a restarted one moves): for benches and operators.
             "processes": self.processes,
             "restarts": self.restarts,
@@ -360,11 +369,11 @@ def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter
                           **detail: Any) -> dict[str, Any]:
     """``summary.json`` of a run that did not drain: what the driver saw until then."""
     found = find_latest_checkpoint(run_dir)
-    summary = {"run": cfg.run.name, "status": status, **detail, "steps": len(reporter.steps),
+    summary = {"run": cfg.run.name, "status": status, **detail, "steps": reporter.step_count,
                # Only where there is something to resume from.
                "resume": f"conveyor launch --resume {run_dir}" if found is not None else None,
                "wall_s": time.time() - reporter.started,
-               "reward_last": reporter.steps[-1].get("reward/mean") if reporter.steps else None}
+               "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None}
     write_summary(run_dir, summary)
     log.warning("run_stopped", **{k: v for k, v in summary.items() if k != "run"})
     return summary
@@ -400,8 +409,9 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
     df = build_dataflow(cfg)
     # Timeline rows in pipeline order; replica r > 0 of a node records as "<node>:<r>".
     order = [n if r == 0 else f"{n}:{r}" for n in df.topological_order() for r in range(df.nodes[n].replicas)]
-    agg = aggregate_spans(result.spans) if result.spans else {}
-    markers = [(s["time"], f"sync v{s['version']}") for s in reporter.syncs if "time" in s]
+    agg = result.stage_times  # the whole run; the trace and timeline show its latest spans
+    shown_from = min((s.start for s in result.spans), default=0.0)
+    markers = [(s["time"], f"sync v{s['version']}") for s in reporter.syncs if s.get("time", -1.0) >= shown_from]
     if result.spans:
         write_chrome_trace(result.spans, run_dir / "trace.json", markers)
         plot_timeline(result.spans, run_dir / "timeline.png", markers, stages=order)
@@ -419,7 +429,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
            if result.interrupted else {}),
         "mode": result.mode,
         "wall_s": result.wall_s,
-        "steps": len(reporter.steps),
+        "steps": reporter.step_count,
         "policy_version": result.controller["trainer_version"],
         "prompts": ledger,
         "samples": {
@@ -440,8 +450,8 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "served": result.controller["served"],
         "queues": result.queues,
         "stages": {name: {"busy_s": t.seconds.get("busy", 0.0), "busy_ratio": t.busy_ratio} for name, t in agg.items()},
-        "reward_first": reporter.steps[0].get("reward/mean") if reporter.steps else None,
-        "reward_last": reporter.steps[-1].get("reward/mean") if reporter.steps else None,
+        "reward_first": reporter.first_step.get("reward/mean") if reporter.first_step else None,
+        "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
         "admission": summarise_admission(result.reports),
     }
     write_summary(run_dir, summary)

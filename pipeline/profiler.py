@@ -175,6 +175,71 @@ def aggregate_spans(spans: Sequence[Span], window: Interval | None = None) -> di
     return out
 
 
+class SpanTotals:
+    """``aggregate_spans`` over a whole run, in memory bounded by the spans of the last
+    ``settle_s`` seconds rather than by the run's length (a long run's driver keeps this,
+    not its spans).
+
+    Per (stage, kind) it keeps the merged intervals that may still grow; once an interval
+    ends more than ``settle_s`` before the latest span end seen, its length is folded into
+    a running sum and the interval forgotten. A span that arrives later only counts its
+    part after the folded time (``_folded``) of its (stage, kind), so nothing is counted
+    twice; ``aggregates()`` equals ``aggregate_spans`` of every span added (stages in order
+    of their first span) as long as no span arrives ``settle_s`` after its end (the driver
+    drains the stages every tick, about a second). Window: earliest start, latest end;
+    ``intervals`` hold the unfolded part only.
+    """
+
+    def __init__(self, settle_s: float = 120.0) -> None:
+        if settle_s < 0:
+            raise ValueError(f"settle_s: expected >= 0, got {settle_s}")
+        self.settle_s = settle_s
+        self._open: dict[str, dict[str, list[Interval]]] = {}
+        self._sums: dict[str, dict[str, float]] = {}
+        self._folded: dict[tuple[str, str], float] = {}
+        self._first: dict[str, float] = {}  # each stage's first start: the order of the stages
+        self._window: Interval | None = None
+
+    def add(self, spans: Iterable[Span]) -> None:
+        touched: set[tuple[str, str]] = set()
+        for s in spans:
+            lo, hi = self._window or (s.start, s.end)
+            self._window = (min(lo, s.start), max(hi, s.end))
+            self._sums.setdefault(s.stage, {k: 0.0 for k in SPAN_KINDS})
+            self._first[s.stage] = min(s.start, self._first.get(s.stage, s.start))
+            start = max(s.start, self._folded.get((s.stage, s.kind), s.start))
+            if s.end >= start:
+                self._open.setdefault(s.stage, {}).setdefault(s.kind, []).append((start, s.end))
+                touched.add((s.stage, s.kind))
+        if self._window is None:
+            return
+        horizon = self._window[1] - self.settle_s
+        for stage, kind in touched:
+            merged = merge_intervals(self._open[stage][kind])
+            # Merged intervals are disjoint and sorted, so the settled ones are a prefix.
+            done = [iv for iv in merged if iv[1] <= horizon]
+            keep = merged[len(done):]
+            if done:
+                self._sums[stage][kind] += sum_intervals(done)
+                self._folded[(stage, kind)] = max(e for _, e in done)
+            self._open[stage][kind] = keep
+
+    def aggregates(self) -> dict[str, StageTimes]:
+        """Per stage, as ``aggregate_spans(all spans added)``; {} before the first span."""
+        if self._window is None:
+            return {}
+        length = self._window[1] - self._window[0]
+        out: dict[str, StageTimes] = {}
+        for stage in sorted(self._sums, key=self._first.__getitem__):
+            sums = self._sums[stage]
+            open_ = self._open.get(stage, {})
+            intervals = {k: tuple(merge_intervals(open_.get(k, []))) for k in SPAN_KINDS}
+            seconds = {k: sums[k] + sum_intervals(intervals[k]) for k in SPAN_KINDS}
+            busy = seconds["busy"] / length if length > 0 else 0.0
+            out[stage] = StageTimes(stage, self._window, seconds, intervals, busy, 1.0 - busy)
+        return out
+
+
 # ---------------------------------------------------------------- throughput bound
 
 def compute_seconds_per_item(aggregates: Mapping[str, StageTimes], items: Mapping[str, int]) -> dict[str, float]:

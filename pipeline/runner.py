@@ -51,13 +51,17 @@ import ray
 
 from pipeline.controller import ControllerActor
 from pipeline.dataflow import DataFlow
+from pipeline.delivery import DEDUP_WINDOW, dedup_window
 from pipeline.log import get_logger
+from pipeline.profiler import SpanTotals, StageTimes
 from pipeline.queue import QueueHandle, create_queue
 from pipeline.stage import StageActor, StageError, lease_id
 from pipeline.types import Span
 
 log = get_logger(stage="driver")
-MAX_TRACE_SPANS = 500_000
+# The trace and timeline show the latest spans of a long run (about the last minutes of
+# the quickstart); the summary's stage figures cover the whole run (``SpanTotals``).
+MAX_TRACE_SPANS = 50_000
 PLACEMENT_TIMEOUT_S = 120.0
 RESTART_TIMEOUT_S = 300.0  # for Ray to bring a dead stage actor's process back
 QUIET_ENV = {
@@ -75,7 +79,8 @@ class RunResult:
     reports: dict[str, list[dict[str, Any]]]
     queues: dict[str, dict[str, Any]]
     controller: dict[str, Any]
-    spans: list[Span] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)  # the latest MAX_TRACE_SPANS
+    stage_times: dict[str, StageTimes] = field(default_factory=dict)  # every span of the run
     interrupted: str | None = None  # "SIGINT" / "SIGTERM" when a signal ended the run early
     restarts: dict[str, int] = field(default_factory=dict)  # "<node>:<replica>" -> restarts after a death
 
@@ -100,6 +105,7 @@ class Graph:
     restarts: collections.Counter[str] = field(default_factory=collections.Counter)
     # The trace keeps the latest spans only, so a long run's driver memory stays bounded.
     spans: collections.deque[Span] = field(default_factory=lambda: collections.deque(maxlen=MAX_TRACE_SPANS))
+    totals: SpanTotals = field(default_factory=SpanTotals)  # the whole run's time per stage and kind
 
     async def collect_spans(self) -> list[Span]:
         calls = [a.drain_spans.remote() for reps in self.actors.values() for a in reps]
@@ -107,6 +113,7 @@ class Graph:
         got = await asyncio.gather(*calls, return_exceptions=True)
         new = [s for batch in got if not isinstance(batch, BaseException) for s in batch]
         self.spans.extend(new)
+        self.totals.add(new)
         return new
 
     async def queue_stats(self) -> dict[str, dict[str, Any]]:
@@ -174,6 +181,8 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
     level = config.run.log_level if config is not None else os.environ.get("CONVEYOR_LOG_LEVEL", "info")
     pg = await _create_placement_group(df)
     actors: dict[str, list[Any]] = {}
+    window = (dedup_window(df, config.dataflow.prompts_per_micro_batch, config.train.prompts_per_step)
+              if config is not None else DEDUP_WINDOW)
     for name in df.topological_order():
         node = df.nodes[name]
         edge = f"{node.input_from}->{name}"
@@ -185,15 +194,15 @@ async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str
                 max_restarts=node.max_restarts,
                 max_task_retries=0,
                 **_gpu_options(node, r, pg),
-            ).remote(name, r, node.node_class, node.kwargs, config, controller, node.concurrency, tap, level,
-                     df.downstream_of_restartable(name))
+            ).remote(name, r, node.node_class, node.kwargs, config, node.concurrency, tap, level,
+                     df.downstream_of_restartable(name), window)
             for r in range(node.replicas)
         ]
     graph = Graph(df, controller, actors, queues, pg)
     keys = [(name, r) for name, reps in actors.items() for r in range(len(reps))]
     pids = await asyncio.gather(*(actors[n][r].process_id.remote() for n, r in keys))
     graph.processes = dict(zip(keys, pids, strict=True))
-    setups = {a.setup.remote(): name for name, reps in actors.items() for a in reps}
+    setups = {a.setup.remote(controller): name for name, reps in actors.items() for a in reps}
     for ref, name in setups.items():
         try:
             await ref
@@ -354,6 +363,7 @@ async def _run(
         queues=queues,
         controller=await controller.summary.remote(),
         spans=list(graph.spans),
+        stage_times=graph.totals.aggregates(),
         interrupted=interrupts.received,
         restarts=dict(graph.restarts),
     )
@@ -468,14 +478,14 @@ async def _supervise(graph: Graph, name: str, r: int, inp: QueueHandle | None,
             await _restart(graph, name, r, inp, exc)
 
 
-async def _call_when_up(actor: Any, method: str) -> Any:
+async def _call_when_up(actor: Any, method: str, *args: Any) -> Any:
     """``actor.<method>()`` once Ray has restarted it: while it restarts, calls fail
     with ``ActorUnavailableError`` and are tried again (for at most RESTART_TIMEOUT_S);
     a death beyond its ``max_restarts`` raises ``ActorDiedError``."""
     deadline = time.time() + RESTART_TIMEOUT_S
     while True:
         try:
-            return await getattr(actor, method).remote()
+            return await getattr(actor, method).remote(*args)
         except ray.exceptions.ActorUnavailableError:
             if time.time() > deadline:
                 raise
@@ -502,7 +512,7 @@ async def _restart(graph: Graph, name: str, r: int, inp: QueueHandle | None, exc
     graph.processes[(name, r)] = new
     t0 = time.time()
     try:
-        await _call_when_up(actor, "setup")
+        await _call_when_up(actor, "setup", graph.controller)
     except Exception as err:
         raise _stage_error(name, err) from None
     graph.spawned[(name, r)] = _children(*new)

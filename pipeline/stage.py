@@ -43,7 +43,7 @@ from typing import Any
 
 import ray
 
-from pipeline.delivery import SeenGroups
+from pipeline.delivery import DEDUP_WINDOW, SeenGroups
 from pipeline.log import configure_logging, get_logger, redirect_process_output
 from pipeline.profiler import SpanRecorder
 from pipeline.queue import END, Origin, QueueHandle
@@ -100,11 +100,11 @@ class StageActor:
         node_class: Any,
         kwargs: dict[str, Any],
         config: Any,
-        controller: Any,
         concurrency: int,
         tap: tuple[str, str] | None = None,
         log_level: str = "info",
         dedup: bool = False,
+        dedup_window: int = DEDUP_WINDOW,
     ) -> None:
         run_dir = getattr(config, "run_dir", None)
         console = None
@@ -115,7 +115,7 @@ class StageActor:
         self.name = name
         self.concurrency = concurrency
         self.spans = SpanRecorder(stage=name if replica == 0 else f"{name}:{replica}")
-        self.ctx = StageContext(name, replica, config, controller, self.spans)
+        self.ctx = StageContext(name, replica, config, None, self.spans)  # the controller comes with setup
         if isinstance(node_class, str):
             from pipeline.dataflow import import_object
 
@@ -132,11 +132,20 @@ class StageActor:
         self.lease_id = lease_id(self.ctx.worker_id, os.getpid())
         self._released: list[int] = []  # leases done with, nothing emitted for them
         self._lost: list[int] = []  # leases whose object died with its producer
-        self._seen = SeenGroups() if dedup else None
+        self._seen = SeenGroups(dedup_window) if dedup else None
         self._lost_inputs = 0  # inputs whose producer died before they were read
 
     # ---------------------------------------------------------------- lifecycle
-    async def setup(self) -> str:
+    async def setup(self, controller: Any) -> str:
+        """Set the stage up (again after a restart), with the controller's handle.
+
+        The handle comes here, not with the constructor's arguments: Ray runs a
+        restarted actor's constructor again with its first arguments, and warns at
+        creation (``core_worker.cc``, once per run) that an argument holding an object
+        reference (an actor handle does) may be gone by then. The runner calls ``setup``
+        after every restart anyway.
+        """
+        self.ctx.controller = controller
         self._state = "setup"
         self._open_taps()  # before the core's setup: the trainer saves its step-0 state there
         if hasattr(self.core, "setup"):

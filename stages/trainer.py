@@ -188,7 +188,7 @@ class TrainerStage:
         self.dropped: dict[str, int] = {}
         self.trained_samples = 0
         self.steps_done = 0
-        self.sync_seconds: list[float] = []
+        self.publishes, self.publish_s_total = 0, 0.0  # running totals: a long run keeps no list
         self._step_batches: list[RolloutBatch] = []
         self._step_metrics: list[dict[str, float]] = []
         self._step_staleness: list[int] = []
@@ -446,7 +446,8 @@ class TrainerStage:
             update = WeightUpdate(version=version, sha256=sha, fingerprint=fingerprint, num_bytes=len(data))
             await self.ctx.controller.publish.remote(update, [ray.put(data)])
         seconds = time.time() - t0
-        self.sync_seconds.append(seconds)
+        self.publishes += 1
+        self.publish_s_total += seconds
         return seconds
 
     # ------------------------------------------------------------------ replay support
@@ -507,8 +508,8 @@ class TrainerStage:
             "samples_trained": self.trained_samples,
             "samples_dropped": dict(self.dropped),
             "weight_transport": self.transport,
-            "weight_publish_s": {"count": len(self.sync_seconds),
-                                 "mean": float(np.mean(self.sync_seconds)) if self.sync_seconds else 0.0},
+            "weight_publish_s": {"count": self.publishes,
+                                 "mean": self.publish_s_total / self.publishes if self.publishes else 0.0},
             "checkpoint": str(self.run_dir / "checkpoint") if self.cfg.train.save_checkpoint else None,
             **self.checkpoints.accounting(),
         }

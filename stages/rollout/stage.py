@@ -102,7 +102,9 @@ class RolloutStage:
     def __init__(self) -> None:
         self.generated_samples = 0
         self.generated_tokens = 0
-        self.applied: list[dict[str, Any]] = []
+        # Counters and the last update only: a long run applies one update per sync.
+        self.applied_count, self.apply_s_total = 0, 0.0
+        self.last_applied: dict[str, Any] | None = None
         self._watch_error: BaseException | None = None
 
     async def setup(self, ctx: Any) -> None:
@@ -169,8 +171,10 @@ class RolloutStage:
                                  else self.backend.update_weights(data, update.version, verify=False))
         seconds = time.time() - t0
         await self.ctx.controller.confirm.remote(self.ctx.worker_id, update.version, fingerprint, verify, seconds)
-        self.applied.append({"version": update.version, "apply_s": seconds, "verified": verify,
-                             "fingerprint": list(fingerprint)})
+        self.applied_count += 1
+        self.apply_s_total += seconds
+        self.last_applied = {"version": update.version, "apply_s": seconds, "verified": verify,
+                             "fingerprint": list(fingerprint)}
         self.ctx.log.debug("weights_applied", policy_version=update.version, seconds=round(seconds, 3), verified=verify)
         async with self._version_changed:
             self._version_changed.notify_all()
@@ -236,7 +240,8 @@ class RolloutStage:
                 "samples": self.generated_samples, "tokens": self.generated_tokens, **self.guard.status()}
 
     def result(self) -> dict[str, Any]:
-        return {**self.status(), "weight_updates": self.applied}
+        return {**self.status(), "weight_updates": {"count": self.applied_count, "apply_s_total": self.apply_s_total,
+                                                    "last": self.last_applied}}
 
     async def shutdown(self) -> None:
         async with self._applying:  # never cancel an update half-applied inside the engine
@@ -253,7 +258,7 @@ class RolloutStage:
 
     async def _verify_final(self, update: Any) -> None:
         """The end-of-run read-back when updates were applied unverified."""
-        expected = self.applied[-1]["fingerprint"] if self.applied else None
+        expected = self.last_applied["fingerprint"] if self.last_applied else None
         live = await self.backend.live_fingerprint()
         if expected is None or not fingerprints_match(tuple(expected), live):
             raise WeightSyncError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pipeline.delivery import SeenGroups, group_key
+from pipeline.delivery import MIN_DEDUP_WINDOW, SeenGroups, dedup_window, group_key
 from pipeline.types import Prompt, PromptBatch
 from tests.ray_local.fakes import make_fake_rollout_batch
 
@@ -50,3 +50,16 @@ def test_memory_is_bounded_by_the_window():
     assert len(seen._keys) == 4 and len(seen._order) == 4
     # The newest 4 are remembered, older ones forgotten.
     assert seen.filter(PromptBatch(batch_id=9, step=0, prompts=[Prompt(prompt_id="p9", text="", index=9)])) is None
+
+
+def test_window_covers_four_times_what_can_be_in_flight():
+    from pipeline.config import load_config
+    from pipeline.launch import build_dataflow
+
+    keys = ["dataflow.queue_size=64", "dataflow.prompts_per_micro_batch=8", "train.prompts_per_step=64"]
+    df = build_dataflow(load_config("configs/quickstart.yaml", keys))
+    # 4 edges of 64 items; in the stages source 1 + rollout 4 + reward 1 + reference 1 +
+    # trainer 1 = 8 items: (256 + 8) items x 8 groups + a step of 64 = 2176; x 4 = 8704.
+    assert dedup_window(df, 8, 64) == 8704
+    # The quickstart: (16 + 8) x 4 + 8 = 104, x 4 = 416, below the floor.
+    assert dedup_window(build_dataflow(load_config("configs/quickstart.yaml")), 4, 8) == MIN_DEDUP_WINDOW == 1024

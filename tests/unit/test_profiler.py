@@ -10,6 +10,7 @@ import pytest
 from pipeline.profiler import (
     GpuSampler,
     SpanRecorder,
+    SpanTotals,
     aggregate_spans,
     build_chrome_trace,
     compute_efficiency,
@@ -324,3 +325,48 @@ def test_gpu_sampler_uses_query_and_disables_after_failure():
 def test_gpu_sampler_default_backend_never_raises():
     value = GpuSampler().sample()
     assert value is None or 0.0 <= value <= 100.0
+
+
+# ------------------------------------------------------------------- running totals
+
+def test_span_totals_fold_settled_time_and_count_a_late_span_once() -> None:
+    totals = SpanTotals(settle_s=5.0)
+    totals.add([span("rollout", "busy", 0.0, 2.0), span("rollout", "busy", 1.0, 3.0)])
+    totals.add([span("rollout", "busy", 10.0, 12.0), span("reward", "wait_input", 11.0, 11.5)])
+    # Horizon 12 - 5 = 7: [0, 3] is folded (3 s) and forgotten, [10, 12] stays open.
+    assert totals.aggregates()["rollout"].intervals["busy"] == ((10.0, 12.0),)
+    # A late span over folded time counts only its part after 3: [3, 4] adds 1 s.
+    totals.add([span("rollout", "busy", 2.5, 4.0)])
+    t = totals.aggregates()["rollout"]
+    # Union of [0,2], [1,3], [2.5,4], [10,12] = [0,4] + [10,12] = 6 s over the window [0, 12].
+    assert t.seconds["busy"] == pytest.approx(6.0)
+    assert t.window == (0.0, 12.0)
+    assert t.busy_ratio == pytest.approx(0.5)
+    assert totals.aggregates()["reward"].seconds["wait_input"] == pytest.approx(0.5)
+
+
+def test_span_totals_match_aggregate_spans_and_stay_bounded() -> None:
+    import random
+
+    rng = random.Random(0)
+    spans, open_sizes = [], []
+    totals = SpanTotals(settle_s=10.0)
+    t = 0.0
+    for _ in range(200):  # 200 driver ticks of overlapping spans of three stages
+        chunk = []
+        for stage in ("rollout", "reward", "trainer"):
+            for kind in ("busy", "wait_input"):
+                start = t + rng.uniform(0.0, 1.0)
+                chunk.append(span(stage, kind, start, start + rng.uniform(0.0, 2.0)))
+        spans += chunk
+        totals.add(chunk)
+        open_sizes.append(sum(len(v) for s in totals.aggregates().values() for v in s.intervals.values()))
+        t += 1.0
+    want, got = aggregate_spans(spans), totals.aggregates()
+    assert list(got) == list(want)
+    for stage in want:
+        assert got[stage].window == want[stage].window
+        for kind, seconds in want[stage].seconds.items():
+            assert got[stage].seconds[kind] == pytest.approx(seconds, abs=1e-9)
+    # Only the last ~settle_s seconds stay as intervals: at most ~13 per (stage, kind).
+    assert max(open_sizes) <= 6 * 13
