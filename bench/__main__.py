@@ -10,24 +10,24 @@ benchmark ran, 1 when it could not (the JSON then says why, where it got that fa
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from pathlib import Path
 
 from bench.common import RESULTS_DIR
+from pipeline.plugins import import_object
 
 BENCHMARKS: dict[str, str] = {
-    "overlap": "bench.overlap",
-    "queue_hop": "bench.queue_hop",
-    "weight_sync": "bench.weight_sync",
-    "rollout_overhead": "bench.rollout_overhead",
-    "e2e": "bench.e2e",
-    "admission": "bench.admission",
-    "soak": "bench.soak",  # --minutes N (default 60): memory growth, then kills and a resume
-    "staleness": "bench.staleness",
-    "gpu_e2e": "bench.gpu_e2e",  # needs a CUDA GPU; "skipped" without one
-    "rollout_gpu": "bench.rollout_gpu",  # needs a CUDA GPU; "skipped" without one
+    "overlap": "bench.overlap:run",
+    "queue_hop": "bench.queue_hop:run",
+    "weight_sync": "bench.weight_sync:run",
+    "rollout_overhead": "bench.rollout_overhead:run",
+    "e2e": "bench.e2e:run",
+    "admission": "bench.admission:run",
+    "soak": "bench.soak:run",  # --minutes N (default 60): memory growth, then kills and a resume
+    "staleness": "bench.staleness:run",
+    "gpu_e2e": "bench.gpu_e2e:run",  # needs a CUDA GPU; "skipped" without one
+    "rollout_gpu": "bench.rollout_gpu:run",  # needs a CUDA GPU; "skipped" without one
 }
 
 
@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             t0 = time.time()
-            module = importlib.import_module(BENCHMARKS[name])
+            run = import_object(BENCHMARKS[name], f"bench {name}")
             extra = {"minutes": args.minutes} if args.minutes and name == "soak" else {}
-            payload = module.run(quick=args.quick, out_dir=args.out, **extra)
+            payload = run(quick=args.quick, out_dir=args.out, **extra)
             ok = payload.get("status", "ok") in ("ok", "skipped")
             status = status or (0 if ok else 1)
             print(f"{name}: {'done' if ok else payload.get('status')} in {time.time() - t0:.0f}s -> "

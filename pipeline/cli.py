@@ -153,9 +153,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from bench.__main__ import main as bench_main
+    from pipeline.plugins import load_builtin
 
-    return bench_main([args.name, *(["--quick"] if args.quick else []),
+    return load_builtin("bench")([args.name, *(["--quick"] if args.quick else []),
                        *(["--minutes", str(args.minutes)] if args.minutes else []),
                        *(["--out", str(args.out)] if args.out else [])])
 

@@ -17,30 +17,12 @@ node share its input queue and output queues (e.g. several rollout workers).
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
 
 class GraphError(ValueError):
     """The graph is invalid; the message names the node and the reason."""
-
-
-def import_object(path: str, what: str = "object") -> Any:
-    """``"package.module:attr"`` -> the attribute; errors (``ImportError``) start with ``what``."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ImportError(f"{what}: expected 'module:attr', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"{what}: cannot import module {module_name!r} ({exc})") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ImportError(f"{what}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 @dataclass
@@ -61,11 +43,6 @@ class Node:
     # sets it up again and its input queue delivers what it held again). 0: a death
     # stops the run.
     max_restarts: int = 0
-
-    def resolve_class(self) -> type:
-        if isinstance(self.node_class, str):
-            return import_object(self.node_class, f"node {self.name!r} node_class")
-        return self.node_class
 
 
 class DataFlow:

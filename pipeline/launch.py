@@ -46,6 +46,7 @@ from pipeline.log import configure_logging, get_logger
 from pipeline.memory.guard import merge_guard_metrics
 from pipeline.metrics import MetricsWriter, write_summary
 from pipeline.placement import PlacementPlan, check_plan, detect_gpus, plan_placement
+from pipeline.plugins import STAGE_CLASSES, load_builtin
 from pipeline.preflight import PreflightReport, run_preflight
 from pipeline.profiler import (
     GpuSampler,
@@ -58,14 +59,6 @@ from pipeline.profiler import (
 )
 from pipeline.runner import Graph, RunInterrupted, RunResult, run_dataflow
 from pipeline.stage import StageError
-
-STAGE_CLASSES = {
-    "source": "stages.source:PromptSource",
-    "rollout": "stages.rollout.stage:RolloutStage",
-    "reward": "stages.reward:RewardStage",
-    "reference": "stages.reference:ReferenceStage",
-    "trainer": "stages.trainer:TrainerStage",
-}
 
 log = get_logger(stage="driver")
 RESTARTABLE_STAGES = ("rollout", "reward", "reference")
@@ -129,9 +122,9 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
 def count_model_params(cfg: ConveyorConfig) -> int:
     """Parameters of ``model.path`` from its ``config.json`` (no weights are read)."""
     from pipeline.memory.admission import ModelShape
-    from stages.tiny import resolve_model_path
 
-    return ModelShape.from_hf_config(json.loads((resolve_model_path(cfg.model) / "config.json").read_text())).num_params
+    config = json.loads((load_builtin("resolve_model_path")(cfg.model) / "config.json").read_text())
+    return ModelShape.from_hf_config(config).num_params
 
 
 def record_taps(cfg: ConveyorConfig, df: DataFlow) -> dict[str, str]:

@@ -38,13 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import ConfigError, ConveyorConfig
+from pipeline.dtypes import DTYPE_BYTES
 
 GPU_STAGES = ("rollout", "reference", "trainer")
 _GIB = 1 << 30
-# Bytes per parameter held by the trainer: weights in the train dtype, fp32 master
-# weights and gradients (mixed precision) and two fp32 Adam moments.
-_TRAINER_BYTES_PER_PARAM = {"float32": 4 + 4 + 8, "bfloat16": 2 + 4 + 4 + 8, "float16": 2 + 4 + 4 + 8}
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Share of a GPU kept free beside the resident estimates: activations and logits of a
 # training chunk, CUDA contexts, allocator slack.
 RESERVE_FRACTION = 0.1
@@ -112,9 +109,11 @@ def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, 
     Example: 0.5B params in bf16 on 80 GiB: trainer 0.5e9 x 18 B = 8.4 GiB, reference
     0.5e9 x 2 B = 0.93 GiB: 1 - 9.3 / 80 - 0.1 = 0.78.
     """
-    resident = num_params * _TRAINER_BYTES_PER_PARAM[dtype]
+    # The trainer holds per parameter: weights in the train dtype, fp32 master weights
+    # (mixed precision only), fp32 gradients and two fp32 Adam moments.
+    resident = num_params * (DTYPE_BYTES[dtype] + (0 if dtype == "float32" else 4) + 4 + 8)
     if with_reference:
-        resident += num_params * _DTYPE_BYTES[dtype]
+        resident += num_params * DTYPE_BYTES[dtype]
     return min(OWN_GPU_FRACTION, 1.0 - resident / gpu_bytes - RESERVE_FRACTION)
 
 

@@ -15,8 +15,8 @@ Guarantees of ``run_preflight``:
 - The returned config has ``data.path`` and a reward file's path made absolute, so
   actors started in another working directory read the same files.
 
-The model-aware checks live in ``stages/``; they are imported inside the functions
-here, so importing this module loads no model code.
+The model-aware checks live in ``stages/`` and are reached by import path
+(``pipeline/plugins.py``) when a check runs, so importing this module loads no model code.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from pipeline.config import ConfigError, ConveyorConfig
-from pipeline.dataflow import import_object
+from pipeline.plugins import import_object, load_builtin
 
 
 @dataclass
@@ -66,12 +66,9 @@ def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]
 
 def check_model(cfg: ConveyorConfig) -> tuple[Path, Any]:
     """``model.path`` resolved (``tiny`` is built locally) and its tokenizer loaded."""
-    from stages.prompt_rows import load_tokenizer
-    from stages.tiny import resolve_model_path
-
     try:
-        path = resolve_model_path(cfg.model)
-        return path, load_tokenizer(path)
+        path = load_builtin("resolve_model_path")(cfg.model)
+        return path, load_builtin("load_tokenizer")(path)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -106,13 +103,11 @@ def _import(spec: str, field_name: str) -> Any:
 
 def absolutise_paths(cfg: ConveyorConfig) -> ConveyorConfig:
     """``data.path`` and a reward ``file.py:name`` made absolute (``~`` expanded)."""
-    from stages.reward import resolve_reward_spec, split_file_spec
-
     data, reward = cfg.data, cfg.reward
     if data.path:
         data = msgspec.structs.replace(data, path=str(Path(data.path).expanduser().absolute()))
-    spec = resolve_reward_spec(reward)
-    file_spec = split_file_spec(spec)
+    spec = load_builtin("resolve_reward_spec")(reward)
+    file_spec = load_builtin("split_file_spec")(spec)
     if file_spec is not None:
         file, name = file_spec
         reward = msgspec.structs.replace(reward, function=f"{Path(file).expanduser().absolute()}:{name}", path=None)
@@ -122,13 +117,9 @@ def absolutise_paths(cfg: ConveyorConfig) -> ConveyorConfig:
 def check_data(cfg: ConveyorConfig, tokenizer: Any, model_path: Path) -> Any:
     """``data.path`` validated whole (a ``DataReport``), or ``data.task`` loaded (None)."""
     if cfg.data.path:
-        from stages.prompt_rows import check_data_file
-
-        return check_data_file(cfg.data, tokenizer, model_path)
-    from stages.tasks import load_task
-
+        return load_builtin("check_data_file")(cfg.data, tokenizer, model_path)
     try:
-        load_task(cfg.data.task, **cfg.data.task_kwargs)
+        load_builtin("load_task")(cfg.data.task, **cfg.data.task_kwargs)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return None
@@ -136,13 +127,10 @@ def check_data(cfg: ConveyorConfig, tokenizer: Any, model_path: Path) -> Any:
 
 def check_reward(cfg: ConveyorConfig) -> str:
     """The reward function loads and its calling convention is recognised; its name."""
-    from stages.reward import build_reward_fn, resolve_reward_spec
-    from stages.tasks import load_task
-
-    spec = resolve_reward_spec(cfg.reward)
+    spec = load_builtin("resolve_reward_spec")(cfg.reward)
     try:
-        task = load_task(cfg.data.task, **cfg.data.task_kwargs) if spec == "task" else None
-        return build_reward_fn(spec, task, cfg.reward.signature, cfg.reward.on_error, cfg.reward.timeout_s).name
+        task = load_builtin("load_task")(cfg.data.task, **cfg.data.task_kwargs) if spec == "task" else None
+        return load_builtin("build_reward_fn")(spec, task, cfg.reward.signature, cfg.reward.on_error, cfg.reward.timeout_s).name
     except ValueError as exc:
         text = str(exc)
         raise ConfigError(text if text.startswith(("reward.", "data.")) else f"reward.function: {text}") from None

@@ -31,7 +31,7 @@ import json
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -282,32 +282,6 @@ def compute_stage_metrics(aggregates: Mapping[str, StageTimes]) -> dict[str, flo
     return out
 
 
-def compute_throughput_metrics(tokens: int, elapsed_s: float, num_gpus: int = 0) -> dict[str, float]:
-    """``perf/throughput_tokens_per_s``; with ``num_gpus`` also verl's per-GPU
-    ``perf/throughput`` (tokens/s/GPU). 0.0 over an empty interval."""
-    rate = tokens / elapsed_s if elapsed_s > 0 else 0.0
-    out = {"perf/throughput_tokens_per_s": rate}
-    if num_gpus > 0:
-        out["perf/throughput"] = rate / num_gpus
-    return out
-
-
-def compute_queue_metrics(depths: Mapping[str, int]) -> dict[str, float]:
-    """``queue/<edge>/depth`` for each edge, e.g. ``queue/rollout->reward/depth``."""
-    return {f"queue/{edge}/depth": float(d) for edge, d in depths.items()}
-
-
-def compute_staleness_metrics(staleness: Iterable[int], max_staleness: int | None = None) -> dict[str, float]:
-    """``staleness/hist/<k>``: how many of ``staleness`` (one value per trained sample, or
-    per micro-batch: the caller's unit) were k versions old (trainer version - policy
-    version); dense from 0 to max(observed, ``max_staleness``) so no bar is missing."""
-    counts = Counter(staleness)
-    if any(k < 0 for k in counts):
-        raise ValueError(f"staleness must be >= 0 (data cannot be newer than the trainer), got {sorted(counts)}")
-    top = max([*counts, -1 if max_staleness is None else max_staleness])
-    return {f"staleness/hist/{k}": float(counts.get(k, 0)) for k in range(top + 1)}
-
-
 def compute_union_seconds(aggregates: Mapping[str, StageTimes], kind: str) -> float:
     """Wall-clock seconds during which at least one stage was in ``kind``."""
     return sum_intervals(merge_intervals(iv for t in aggregates.values() for iv in t.intervals.get(kind, ())))
@@ -335,30 +309,6 @@ def compute_overhead_metrics(aggregates: Mapping[str, StageTimes]) -> dict[str, 
         "perf/weight_sync_share": sync / window_s if window_s > 0 else 0.0,
         "timing_s/queue_transfer": transfer,
         "perf/queue_transfer_share": transfer / stage_time if stage_time > 0 else 0.0,
-    }
-
-
-def compute_step_metrics(
-    aggregates: Mapping[str, StageTimes],
-    *,
-    tokens: int = 0,
-    elapsed_s: float | None = None,
-    queue_depths: Mapping[str, int] | None = None,
-    staleness: Iterable[int] = (),
-    max_staleness: int | None = None,
-    num_gpus: int = 0,
-) -> dict[str, float]:
-    """All of the above in one dict for ``MetricsWriter.log``. ``tokens``: tokens the
-    pipeline finished in the interval (the caller picks: trained prompt + completion
-    tokens, as verl counts); ``elapsed_s`` defaults to the aggregates' window length."""
-    if elapsed_s is None:
-        elapsed_s = next(iter(aggregates.values())).window_s if aggregates else 0.0
-    return {
-        **compute_stage_metrics(aggregates),
-        **compute_throughput_metrics(tokens, elapsed_s, num_gpus),
-        **compute_queue_metrics(queue_depths or {}),
-        **compute_staleness_metrics(staleness, max_staleness),
-        **compute_overhead_metrics(aggregates),
     }
 
 

@@ -50,16 +50,13 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Self
+from typing import Any, Literal, NamedTuple, Self
 
 import msgspec
 import numpy as np
 
 from pipeline.log import get_logger
 from pipeline.types import SCHEMA_VERSION, WIRE_TYPES, PromptBatch, RolloutBatch, StepRecord, decode, encode
-
-if TYPE_CHECKING:
-    from pipeline.config import ConveyorConfig
 
 FORMAT = "conveyor-recording"
 MANIFEST = "manifest.json"
@@ -434,16 +431,6 @@ class RecordingWriter:
         while view:
             view = view[self._index.write(view):]
         self._index_torn = False
-
-
-def build_recorder(cfg: ConveyorConfig) -> RecordingWriter | None:
-    """The run's writer per ``cfg.record``, or None when no edge is tapped."""
-    from pipeline.config import to_dict
-
-    if not cfg.record.edges:
-        return None
-    root = Path(cfg.record.dir).expanduser() if cfg.record.dir else cfg.run_dir / "recording"
-    return RecordingWriter(root, to_dict(cfg), cfg.record.every, run_name=cfg.run.name, edges=cfg.record.edges)
 
 
 # ---------------------------------------------------------------------------- reader

@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, ConveyorConfig, load_config, to_dict
+from pipeline.plugins import load_builtin
 from pipeline.recorder import INDEX, MANIFEST, STEPS_DIR, RecordedItem, RecordingError, RecordingReader, describe_item
 from pipeline.types import RolloutBatch, StepRecord
 from pipeline.versions import is_too_stale
@@ -286,21 +287,14 @@ def replay_trainer(engine: Any, plan: ReplayPlan, *, verify: bool, out: Out = pr
         raise ReplayError(f"{plan.state_path}: holds version {engine.version}, its name says {plan.state_version}")
     # The trainer's own rules (scales, and the pieces a split micro-batch was trained
     # as), so a replay cannot drift from what the run did.
-    from stages.trainer import compute_step_grad_scale, compute_step_loss, read_piece_layout, train_as_recorded
-
+    train_step = load_builtin("train_recorded_step")
     result = ReplayResult()
     on_gpu = bool(getattr(engine, "weights_on_gpu", False))
     for record in plan.records:
         judged = record.step >= plan.from_step
         if record.rng_state:
             engine.set_rng_state(record.rng_state)
-        batches = plan.batches[record.step]
-        kl_coef = float(record.metrics.get("kl_reward_coef", 0.0))
-        losses = [train_as_recorded(engine, b, plan.step_samples, read_piece_layout(record.metrics, b.batch_id),
-                                    kl_coef)["loss"] for b in batches]
-        loss_agg = engine.algo.loss_agg
-        step_out = engine.optimizer_step(compute_step_grad_scale(batches, plan.step_samples, loss_agg))
-        loss = compute_step_loss(losses, batches, plan.step_samples, loss_agg)
+        loss, step_out = train_step(engine, plan.batches[record.step], plan.step_samples, record.metrics)
         # Hashing the weights costs a full serialisation: only for judged steps.
         checks = compare_step(record, loss, float(step_out["grad_norm"]), engine.weights_sha256() if judged else None,
                               on_gpu=on_gpu)
@@ -379,10 +373,7 @@ def resolve_threads(cfg: ConveyorConfig, records: Iterable[StepRecord]) -> tuple
 
 def build_trainer_engine(cfg: ConveyorConfig, threads: int) -> Any:
     """A ``TrainerEngine`` built as ``TrainerStage.setup`` builds it."""
-    # Model code is imported here, not at module level: ``pipeline`` stays model-free.
-    from stages.trainer import build_trainer_engine as build
-
-    return build(cfg, threads)
+    return load_builtin("build_trainer_engine")(cfg, threads)
 
 
 # ------------------------------------------------------------------ inspect
@@ -436,11 +427,7 @@ def inspect_recording(reader: RecordingReader, *, limit: int, from_step: int = 0
 
 def _load_tokenizer(cfg: ConveyorConfig, out: Out) -> Any:
     try:
-        from transformers import AutoTokenizer
-
-        from stages.tiny import resolve_model_path
-
-        return AutoTokenizer.from_pretrained(resolve_model_path(cfg.model))
+        return load_builtin("load_tokenizer")(load_builtin("resolve_model_path")(cfg.model))
     except Exception as exc:  # decoding ids is a bonus; the recorded texts are shown anyway
         out(f"note: token ids not decoded ({type(exc).__name__}: {exc})")
         return None

@@ -117,7 +117,7 @@ class StageActor:
         self.spans = SpanRecorder(stage=name if replica == 0 else f"{name}:{replica}")
         self.ctx = StageContext(name, replica, config, None, self.spans)  # the controller comes with setup
         if isinstance(node_class, str):
-            from pipeline.dataflow import import_object
+            from pipeline.plugins import import_object
 
             node_class = import_object(node_class, f"node {name!r} node_class")
         self.core = node_class(**kwargs)
@@ -389,12 +389,6 @@ class StageActor:
             out["delivery"] = {"duplicate_groups_dropped": self._seen.dropped_groups if self._seen else 0,
                                "lost_inputs_skipped": self._lost_inputs}
         return out
-
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Invoke a core method by name (benchmarks and replay use this)."""
-        fn = getattr(self.core, method)
-        res = fn(*args, **kwargs)
-        return await res if inspect.isawaitable(res) else res
 
     async def shutdown(self) -> None:
         if hasattr(self.core, "shutdown"):

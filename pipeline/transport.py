@@ -51,16 +51,13 @@ from collections.abc import Mapping
 import msgspec
 import torch
 
+from pipeline.dtypes import format_dtype, resolve_dtype
 from pipeline.weights import Fingerprint, WeightSyncError, compute_fingerprint, drop_tied_duplicates, fingerprints_match
 
 IPC_MAGIC = b"CONVEYOR-CUDA-IPC\x00"
 TRANSPORTS = ("shm", "cuda_ipc")
 TRANSPORT_ENV = "CONVEYOR_WEIGHT_TRANSPORT"
 DEFAULT_BUCKET_BYTES = 1 << 30
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                torch.float64: "float64", torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
-_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 # Exporters alive in this process, by key: a descriptor made here resolves to them.
 _LOCAL: weakref.WeakValueDictionary[str, CudaIpcExporter] = weakref.WeakValueDictionary()
@@ -249,7 +246,7 @@ class CudaIpcExporter:
         for _ in range(self.slots):
             ring = [torch.empty(numel, dtype=dtype, device=device) for dtype, numel in buckets]
             self._rings.append(ring)
-            self._handles.append([IpcBucket(dtype=_DTYPE_NAMES[b.dtype], handle=_export_handle(b)) for b in ring])
+            self._handles.append([IpcBucket(dtype=format_dtype(b.dtype), handle=_export_handle(b)) for b in ring])
 
     def export(self, state_dict: Mapping[str, torch.Tensor], version: int) -> tuple[bytes, Fingerprint]:
         state = drop_tied_duplicates(state_dict)
@@ -288,7 +285,7 @@ def open_ipc_payload(data: bytes | bytearray | memoryview) -> tuple[IpcPayload, 
         if exporter is None:
             raise WeightSyncError("cuda_ipc: the descriptor names an exporter of this process that is gone")
         return payload, exporter.local_views(payload.slot)
-    buckets = [_open_handle(b.handle, _DTYPES[b.dtype]) for b in payload.buckets]
+    buckets = [_open_handle(b.handle, resolve_dtype(b.dtype)) for b in payload.buckets]
     return payload, _slice_named(buckets, payload.tensors)
 
 

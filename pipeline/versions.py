@@ -7,9 +7,9 @@ Invariants stated where they are enforced:
   produced any of its tokens. ``is_too_stale`` is applied where data is consumed (the
   trainer), so nothing staler than ``max_staleness`` is ever trained on, whatever the
   producers did.
-- ``may_generate`` is only an economy: it holds generation of step k's prompts until the
-  rollout serves version ``k - max_staleness``, so samples are rarely produced only to
-  be dropped. η = 0 in sync mode is exactly on-policy.
+- ``required_serving_version`` is only an economy: it holds generation of step k's prompts
+  until the rollout serves a version trainable at step k, so samples are rarely produced
+  only to be dropped. η = 0 in sync mode is exactly on-policy.
 - ``Ledger`` reconciles: admitted = trained + dropped + in flight, per prompt, at all times.
 """
 
@@ -26,12 +26,6 @@ def compute_staleness(trainer_version: int, policy_version: int) -> int:
 def is_too_stale(trainer_version: int, policy_version: int, max_staleness: int) -> bool:
     """The gate at the trainer: drop when ``trainer_version - policy_version > max_staleness``."""
     return compute_staleness(trainer_version, policy_version) > max_staleness
-
-
-def may_generate(step: int, served_version: int, max_staleness: int) -> bool:
-    """Generation for train step ``step`` may start once the served version is at least
-    ``step - max_staleness`` (AReaL's bound, expressed per step)."""
-    return served_version >= step - max_staleness
 
 
 def required_serving_version(step: int, max_staleness: int, sync_interval: int) -> int:

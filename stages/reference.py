@@ -29,23 +29,13 @@ import msgspec
 import numpy as np
 import torch
 
+from pipeline.dtypes import resolve_dtype
 from pipeline.memory.admission import ModelShape, count_seq_lens, estimate_batch_bytes
 from pipeline.memory.guard import MemoryGuard, publish_status
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 from pipeline.types import RolloutBatch
 from stages.logprobs import compute_completion_logprobs
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"`` or ``torch.bfloat16`` -> ``torch.bfloat16`` (ValueError otherwise)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
 
 
 def build_model_shape(model: Any, dtype: str) -> ModelShape:

@@ -195,7 +195,7 @@ def load_task(name: str, **kwargs: Any) -> Task:
 
 def import_attr(spec: str, field: str) -> Any:
     """``"package.module:attr"`` -> the attribute; errors are ``ValueError``s naming the config ``field``."""
-    from pipeline.dataflow import import_object
+    from pipeline.plugins import import_object
 
     try:
         return import_object(spec, field)

@@ -169,6 +169,21 @@ def train_as_recorded(engine: Any, batch: RolloutBatch, step_samples: int, layou
                                weights)
 
 
+
+def train_recorded_step(engine: Any, batches: list[RolloutBatch], step_samples: int,
+                        metrics: Mapping[str, float]) -> tuple[float, dict[str, float]]:
+    """One recorded step trained again as the trainer trained it (``conveyor replay``):
+    each micro-batch through ``train_as_recorded`` with the pieces and KL-in-reward
+    coefficient the step record's ``metrics`` name, then the optimizer step with the
+    step's grad scale. Returns the step's loss (as ``StepRecord.loss``) and what
+    ``optimizer_step`` returned."""
+    kl_coef = float(metrics.get("kl_reward_coef", 0.0))
+    losses = [train_as_recorded(engine, b, step_samples, read_piece_layout(metrics, b.batch_id), kl_coef)["loss"]
+              for b in batches]
+    loss_agg = engine.algo.loss_agg
+    step_out = engine.optimizer_step(compute_step_grad_scale(batches, step_samples, loss_agg))
+    return compute_step_loss(losses, batches, step_samples, loss_agg), step_out
+
 def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
     """The ``TrainerEngine`` of a run (the trainer stage and ``conveyor replay`` share it)."""
     from stages.tiny import resolve_model_path

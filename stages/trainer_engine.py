@@ -14,8 +14,8 @@ Guarantees:
   (applied before clipping: a streaming step can know its token count only at its end).
   Inside a piece, memory-bounding chunks are weighted so that chunking never changes the
   loss.
-  With ``scale_k`` from ``compute_piece_scale`` the split of a micro-batch into pieces
-  never changes the update either (up to float rounding).
+  With ``scale_k`` from the trainer's ``compute_piece_weight`` (``stages/trainer.py``) the
+  split of a micro-batch into pieces never changes the update either (up to float rounding).
 - A ``train_micro_batch`` call that raises after its first backward began leaves
   ``gradients_tainted`` set: the accumulated gradients then hold part of a piece, and
   ``optimizer_step`` refuses to apply them until ``discard_gradients`` (after which the
@@ -50,14 +50,13 @@ import numpy as np
 import torch
 
 from pipeline.config import AlgorithmConfig, TrainConfig
+from pipeline.dtypes import resolve_dtype
 from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import build_policy_loss
 from stages.logprobs import accepts_logits_to_keep, build_model_inputs, forward_completion_logprobs
 from stages.lr_schedule import build_lr_scheduler
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _STATE_TAG = "conveyor"
 # Files a checkpoint directory holds besides weights and config: tokenizer, chat
@@ -144,18 +143,6 @@ def compute_chunk_weights(completion_mask: torch.Tensor, bounds: list[tuple[int,
     return [c / total if total > 0 else 0.0 for c in counts]
 
 
-def compute_piece_scale(piece: RolloutBatch, step_samples: int, step_tokens: int, loss_agg: str) -> float:
-    """The ``scale`` that makes pieces of a step add up to one aggregated step loss.
-
-    seq-mean-*: the piece's fraction of the step's samples; token-mean: its fraction of
-    the step's completion tokens (a sample fraction would weigh short pieces' tokens
-    more). ``step_samples``/``step_tokens``: totals over the whole optimizer step.
-    """
-    if loss_agg == "token-mean":
-        return piece.completion_tokens / step_tokens if step_tokens else 0.0
-    return piece.num_samples / step_samples if step_samples else 0.0
-
-
 def encode_rng_state() -> bytes:
     """torch (CPU and CUDA), numpy and python RNG states as msgpack (no pickle)."""
     np_state = np.random.get_state()
@@ -215,8 +202,7 @@ class TrainerEngine:
         threads = train.threads if threads is None else threads
         if threads > 0:
             torch.set_num_threads(threads)
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+        sync_dtype = resolve_dtype(dtype)
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
         if temperature <= 0:
@@ -226,7 +212,7 @@ class TrainerEngine:
         self.train_cfg = train
         self.algo = algo
         self.temperature = float(temperature)
-        self.sync_dtype = DTYPES[dtype]
+        self.sync_dtype = sync_dtype
         self.chunk_size = chunk_size
         self.version = 0
         self._pieces = 0  # backward passes since the last optimizer step

@@ -43,6 +43,7 @@ import msgspec
 import numpy as np
 
 from pipeline.config import MemoryConfig
+from pipeline.dtypes import DTYPE_BYTES
 from pipeline.memory.oom import OomEvent
 from pipeline.memory.readings import MemoryReading
 from pipeline.types import RolloutBatch
@@ -51,9 +52,6 @@ StageKind = Literal["rollout", "reference", "trainer"]
 MiB = float(1 << 20)
 
 # ---------------------------------------------------------------------- estimators
-
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
-
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     """What memory estimates need to know of a decoder-only model.
@@ -92,7 +90,7 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
             num_params = layers * per_layer + embeddings + hidden
         if dtype_bytes is None:
             dtype = str(d.get("torch_dtype") or d.get("dtype") or "float32").replace("torch.", "")
-            dtype_bytes = _DTYPE_BYTES.get(dtype, 4)
+            dtype_bytes = DTYPE_BYTES.get(dtype, 4)
         return cls(
             num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden,
             vocab_size=vocab, num_params=num_params, dtype_bytes=dtype_bytes, intermediate_size=inter,
@@ -124,15 +122,6 @@ def estimate_forward_bytes(shape: ModelShape, num_sequences: int, seq_len: int, 
     activations = tokens * per_layer * (shape.num_layers if with_grad else 1)
     logits = tokens * shape.vocab_size * (12 if with_grad else 8)
     return activations + logits
-
-
-def estimate_resident_bytes(shape: ModelShape, stage_kind: StageKind) -> int:
-    """Weights only for inference; weights, gradients and Adam state for the trainer:
-    16 bytes per parameter in float32 (4 + 4 + 4 + 4) and in mixed precision alike
-    (2 + 2 + 4 master + 4 + 4)."""
-    if stage_kind == "trainer":
-        return shape.num_params * 16
-    return shape.num_params * shape.dtype_bytes
 
 
 def estimate_batch_bytes(

@@ -11,10 +11,10 @@ Guarantees:
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 from pipeline.config import RolloutConfig
+from pipeline.plugins import import_object
 from stages.rollout.base import (
     Completion,
     GenerationResult,
@@ -43,17 +43,15 @@ __all__ = [
 def resolve_backend(name_or_import_path: str) -> object:
     """``vllm`` / ``hf`` / ``module:attr`` -> the class or factory it names."""
     target = BACKENDS.get(name_or_import_path, name_or_import_path)
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in target:
         raise ValueError(
             f"rollout.backend: expected one of {sorted(BACKENDS)} or 'module:attr', "
             f"got {name_or_import_path!r}"
         )
-    module = importlib.import_module(module_name)
     try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"rollout.backend: module {module_name!r} has no attribute {attr!r}") from None
+        return import_object(target, "rollout.backend")
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def build_backend(

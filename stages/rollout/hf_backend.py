@@ -34,6 +34,7 @@ import structlog
 import torch
 
 from pipeline.config import RolloutConfig
+from pipeline.dtypes import DTYPE_BYTES, resolve_dtype
 from pipeline.transport import is_ipc_payload, open_ipc_payload, verify_opened
 from pipeline.weights import (
     Fingerprint,
@@ -45,8 +46,6 @@ from pipeline.weights import (
 from stages.rollout.base import Completion, GenerationResult, SamplingSettings, check_version_order
 
 log = structlog.get_logger(__name__).bind(stage="rollout", backend="hf")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def group_prompts_by_length(prompts: list[list[int]]) -> dict[int, list[int]]:
@@ -93,7 +92,7 @@ class HFBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        torch_dtype = _DTYPES.get(self.dtype, "auto")
+        torch_dtype = resolve_dtype(self.dtype, "rollout.dtype") if self.dtype in DTYPE_BYTES else "auto"
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         eos = model.generation_config.eos_token_id

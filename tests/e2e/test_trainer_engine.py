@@ -23,7 +23,7 @@ from stages.algorithms import assign_advantages
 from stages.logprobs import compute_completion_logprobs
 from stages.tiny import build_vocab, ensure_tiny_checkpoint
 from stages.trainer import compute_micro_batch_scale, compute_piece_weight, compute_step_grad_scale
-from stages.trainer_engine import TrainerEngine, compute_piece_scale
+from stages.trainer_engine import TrainerEngine
 
 NUM_PROMPTS, GROUP, MAX_COMPLETION = 8, 8, 20
 
@@ -137,9 +137,10 @@ def test_split_halves_accumulate_to_the_whole_batch_update(engine, tmp_path):
 
     engine.load_state(tmp_path / "start")
     pieces = split_rollout_batch(batch, 2)
-    # Unequal token counts on purpose: the scale must be the token share under token-mean.
+    # Unequal token counts on purpose: under token-mean a piece weighs its share of the
+    # loss tokens, not of the samples (the trainer's own rule, compute_piece_weight).
     assert pieces[0].completion_tokens != pieces[1].completion_tokens
-    scales = [compute_piece_scale(p, batch.num_samples, batch.completion_tokens, "token-mean") for p in pieces]
+    scales = [compute_piece_weight(p, batch, engine.algo.loss_agg) for p in pieces]
     losses = [engine.train_micro_batch(p, s)["loss"] for p, s in zip(pieces, scales, strict=True)]
     grads_split = gradients(engine)
     step_split = engine.optimizer_step()

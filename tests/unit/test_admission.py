@@ -21,7 +21,6 @@ from pipeline.memory.admission import (
     estimate_batch_bytes,
     estimate_forward_bytes,
     estimate_kv_cache_bytes,
-    estimate_resident_bytes,
     expand_rollout_seq_lens,
 )
 from pipeline.memory.oom import OomEvent, OomUnrecoverable, is_oom_error, run_with_oom_recovery
@@ -101,11 +100,6 @@ def test_shape_from_hf_config() -> None:
     bare = {k: v for k, v in LLAMA_DICT.items() if k not in ("head_dim", "num_key_value_heads")}
     assert ModelShape.from_hf_config(bare).head_dim == 64
     assert ModelShape.from_hf_config(bare).num_kv_heads == 2
-
-
-def test_resident_bytes() -> None:
-    assert estimate_resident_bytes(SHAPE, "trainer") == 353_920 * 16
-    assert estimate_resident_bytes(SHAPE, "reference") == 353_920 * 4
 
 
 # --------------------------------------------------------------------- calibration

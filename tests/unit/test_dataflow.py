@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.dataflow import DataFlow, GraphError, import_object
+from pipeline.dataflow import DataFlow, GraphError
+from pipeline.plugins import import_object
 
 
 def chain(*names: str) -> DataFlow:

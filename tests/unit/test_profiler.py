@@ -15,9 +15,9 @@ from pipeline.profiler import (
     build_chrome_trace,
     compute_efficiency,
     compute_ideal_throughput,
+    compute_overhead_metrics,
     compute_seconds_per_item,
-    compute_staleness_metrics,
-    compute_step_metrics,
+    compute_stage_metrics,
     format_summary_table,
     merge_intervals,
     plot_timeline,
@@ -195,7 +195,7 @@ def test_seconds_per_item_divides_busy_union_by_items():
 
 # ------------------------------------------------------------------------ metrics
 
-def test_step_metrics_from_hand_built_spans():
+def test_stage_and_overhead_metrics_from_hand_built_spans():
     spans = [
         span("rollout", "busy", 0.0, 6.0),
         span("rollout", "sync", 6.5, 7.5),
@@ -205,42 +205,16 @@ def test_step_metrics_from_hand_built_spans():
         span("trainer", "sync", 6.0, 7.0),
     ]
     agg = aggregate_spans(spans)
-    metrics = compute_step_metrics(
-        agg, tokens=500, queue_depths={"rollout->reward": 3}, staleness=[0, 0, 1, 2, 0],
-        max_staleness=3, num_gpus=2,
-    )
-    # Window (0, 10). Busy 6 s each -> ratio 0.6, idle 0.4. 500 tokens / 10 s = 50/s,
-    # over 2 GPUs 25/s/GPU. Sync union [6,7] u [6.5,7.5] = [6,7.5] = 1.5 s -> 0.15 of 10 s.
-    # Transfer 1 s + 1 s = 2 stage-seconds of 2 x 10 -> 0.1. Staleness 0:3, 1:1, 2:1, 3:0.
+    metrics = {**compute_stage_metrics(agg), **compute_overhead_metrics(agg)}
+    # Window (0, 10). Busy 6 s each -> ratio 0.6, idle 0.4. Sync union [6,7] u [6.5,7.5]
+    # = [6,7.5] = 1.5 s -> 0.15 of 10 s. Transfer 1 s + 1 s = 2 stage-seconds of 2 x 10 -> 0.1.
     assert metrics == pytest.approx({
         "timing_s/rollout": 6.0, "rollout/busy_ratio": 0.6, "rollout/idle_ratio": 0.4,
         "timing_s/trainer": 6.0, "trainer/busy_ratio": 0.6, "trainer/idle_ratio": 0.4,
-        "perf/throughput_tokens_per_s": 50.0, "perf/throughput": 25.0,
-        "queue/rollout->reward/depth": 3.0,
-        "staleness/hist/0": 3.0, "staleness/hist/1": 1.0, "staleness/hist/2": 1.0,
-        "staleness/hist/3": 0.0,
         "timing_s/weight_sync": 1.5, "perf/weight_sync_share": 0.15,
         "timing_s/queue_transfer": 2.0, "perf/queue_transfer_share": 0.1,
     })
 
-
-def test_step_metrics_explicit_elapsed_overrides_window():
-    agg = aggregate_spans([span("trainer", "busy", 0.0, 10.0)])
-    # 300 tokens over an explicit 4 s -> 75 tokens/s (not 300 / 10).
-    metrics = compute_step_metrics(agg, tokens=300, elapsed_s=4.0)
-    assert metrics["perf/throughput_tokens_per_s"] == pytest.approx(75.0)
-    assert "perf/throughput" not in metrics
-
-
-def test_staleness_histogram_rejects_negative_and_is_dense():
-    # Observed {0, 2}: bars 0..2, the empty bar 1 included.
-    assert compute_staleness_metrics([2, 0]) == {
-        "staleness/hist/0": 1.0, "staleness/hist/1": 0.0, "staleness/hist/2": 1.0}
-    with pytest.raises(ValueError, match="staleness"):
-        compute_staleness_metrics([-1])
-
-
-# ------------------------------------------------------------------------ outputs
 
 def test_chrome_trace_format(tmp_path):
     spans = [

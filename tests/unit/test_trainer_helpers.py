@@ -13,7 +13,6 @@ from pipeline.types import Prompt, RolloutBatch
 from stages.trainer_engine import (
     build_deepspeed_config,
     compute_chunk_weights,
-    compute_piece_scale,
     decode_rng_state,
     encode_rng_state,
 )
@@ -55,14 +54,6 @@ def test_chunk_weights_make_chunked_token_mean_equal_the_whole():
         weights = compute_chunk_weights(mask, bounds, agg)
         chunked = sum(w * aggregate_loss(values[a:b], mask[a:b], agg) for (a, b), w in zip(bounds, weights, strict=True))
         assert float(chunked) == pytest.approx(float(aggregate_loss(values, mask, agg)), abs=1e-6)
-
-
-def test_piece_scale_is_the_token_share_under_token_mean():
-    part = piece([4, 2, 6])  # 3 samples, 12 tokens
-    # Step of 8 samples and 40 tokens: token share 12/40, sample share 3/8.
-    assert compute_piece_scale(part, 8, 40, "token-mean") == pytest.approx(12 / 40)
-    assert compute_piece_scale(part, 8, 40, "seq-mean-token-mean") == pytest.approx(3 / 8)
-    assert compute_piece_scale(part, 8, 40, "seq-mean-token-sum") == pytest.approx(3 / 8)
 
 
 def test_rng_state_round_trips_every_generator():

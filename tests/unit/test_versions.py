@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.versions import Ledger, is_too_stale, may_generate, required_serving_version
+from pipeline.versions import Ledger, is_too_stale, required_serving_version
 
 
 def test_staleness_gate():
@@ -13,11 +13,6 @@ def test_staleness_gate():
     assert is_too_stale(5, 3, max_staleness=1)
     assert not is_too_stale(5, 5, max_staleness=0)
     assert is_too_stale(5, 4, max_staleness=0)
-
-
-def test_generation_gate():
-    assert may_generate(step=3, served_version=2, max_staleness=1)
-    assert not may_generate(step=3, served_version=1, max_staleness=1)
 
 
 @pytest.mark.parametrize(

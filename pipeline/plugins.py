@@ -1,0 +1,63 @@
+"""Code named by import path: the one resolver of ``module:attr``, and the one list of
+what ``pipeline`` calls in ``stages`` and ``bench``.
+
+Guarantees:
+- ``pipeline`` holds no import statement of ``stages`` or ``bench`` (a unit test reads
+  every module): it reaches them only through the paths below, imported when first
+  called. Importing ``pipeline.launch`` or ``pipeline.cli`` therefore loads no model
+  code, and the plumbing can be tested, and replaced piece by piece, without it.
+- ``import_object`` is the only place a ``module:attr`` string becomes an object
+  (built-in stages, custom nodes, rollout backends, tasks, the trainer engine a replay
+  builds, benchmarks). Its errors are ``ImportError``s whose message begins with the
+  config field (or command) that named the path.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# The built-in stages, by the name they have in a launched graph.
+STAGE_CLASSES: dict[str, str] = {
+    "source": "stages.source:PromptSource",
+    "rollout": "stages.rollout.stage:RolloutStage",
+    "reward": "stages.reward:RewardStage",
+    "reference": "stages.reference:ReferenceStage",
+    "trainer": "stages.trainer:TrainerStage",
+}
+
+# What the plumbing asks of model-aware code (pre-flight, plan, replay, CLI).
+BUILTINS: dict[str, str] = {
+    "resolve_model_path": "stages.tiny:resolve_model_path",  # model.path, "tiny" built locally
+    "load_tokenizer": "stages.prompt_rows:load_tokenizer",
+    "check_data_file": "stages.prompt_rows:check_data_file",
+    "load_task": "stages.tasks:load_task",
+    "resolve_reward_spec": "stages.reward:resolve_reward_spec",
+    "split_file_spec": "stages.reward:split_file_spec",
+    "build_reward_fn": "stages.reward:build_reward_fn",
+    "build_trainer_engine": "stages.trainer:build_trainer_engine",
+    "train_recorded_step": "stages.trainer:train_recorded_step",  # replay: the trainer's own rules
+    "bench": "bench.__main__:main",  # conveyor bench NAME
+}
+
+
+def import_object(path: str, what: str = "object") -> Any:
+    """``"package.module:attr"`` -> the attribute; errors (``ImportError``) start with ``what``."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ImportError(f"{what}: expected 'module:attr', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"{what}: cannot import module {module_name!r} ({exc})") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ImportError(f"{what}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_builtin(name: str) -> Any:
+    """The object ``BUILTINS[name]`` names (``KeyError`` for a name not listed)."""
+    return import_object(BUILTINS[name], name)
