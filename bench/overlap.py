@@ -1,10 +1,10 @@
 """Overlap: how close streaming gets to the bottleneck stage's pace, and what it costs.
 
 Measures, on the real control plane (``pipeline.dataflow.DataFlow`` run by
-``pipeline.runner.run_dataflow``: Ray actors, bounded queues, the controller's ledger and
-version board, the trainer's staleness gate, weight-sync messages) with the simulated
-stage cores of ``bench.simulated`` (source -> rollout -> reward -> reference -> trainer,
-four stages that take time):
+``pipeline.runner.run_dataflow``: the real stage shells, bounded queues, the controller's
+ledger and version board, weight-sync messages) with the fake cores of
+``bench.fake_cores``, which sleep where real stages compute (source -> rollout -> reward
+-> reference -> trainer, four stages that take time):
 
 - async throughput (``async_execution=True``) in micro-batches/s, and its baseline measured
   in the same run: the lock-step synchronous loop (``async_execution=False``,
@@ -36,13 +36,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import CpuMeter, new_figure, publish_result, save_figure
-from bench.simulated import (
-    GenerationLengths,
-    SimulatedRollout,
-    SimulatedScorer,
-    SimulatedSource,
-    SimulatedTrainer,
-)
+from bench.fake_cores import FakeRolloutCore, FakeScorerCore, FakeSourceCore, FakeTrainerCore, GenerationLengths
 from pipeline.dataflow import DataFlow
 from pipeline.profiler import aggregate_spans, compute_efficiency, compute_ideal_throughput
 from pipeline.runner import RunResult, run_dataflow
@@ -75,16 +69,16 @@ class Scenario:
 
 
 def build_overlap_dataflow(sc: Scenario, max_staleness: int, read_ahead: bool = False) -> DataFlow:
-    """The simulated RL chain; parameters travel as node kwargs (``ctx.config`` is None)."""
+    """The fake RL chain; parameters travel as node kwargs (``ctx.config`` is None)."""
     extra = {"concurrency": 2, "exclusive": True} if read_ahead else {}
     df = DataFlow()
     df.default_queue_size = sc.queue_size
-    df.add_node("source", SimulatedSource, None, prompts_per_micro_batch=sc.prompts_per_micro_batch)
-    df.add_node("rollout", SimulatedRollout, "source", mean_s=sc.rollout_s, lengths=sc.lengths,
+    df.add_node("source", FakeSourceCore, None, prompts_per_micro_batch=sc.prompts_per_micro_batch)
+    df.add_node("rollout", FakeRolloutCore, "source", mean_s=sc.rollout_s, lengths=sc.lengths,
                 max_staleness=max_staleness, apply_s=sc.apply_s, payload_bytes=sc.payload_bytes, **extra)
-    df.add_node("reward", SimulatedScorer, "rollout", mean_s=sc.reward_s, lengths=sc.lengths, **extra)
-    df.add_node("reference", SimulatedScorer, "reward", mean_s=sc.reference_s, lengths=sc.lengths, **extra)
-    df.add_node("trainer", SimulatedTrainer, "reference", mean_s=sc.trainer_s, lengths=sc.lengths,
+    df.add_node("reward", FakeScorerCore, "rollout", mean_s=sc.reward_s, lengths=sc.lengths, **extra)
+    df.add_node("reference", FakeScorerCore, "reward", mean_s=sc.reference_s, lengths=sc.lengths, **extra)
+    df.add_node("trainer", FakeTrainerCore, "reference", mean_s=sc.trainer_s, lengths=sc.lengths,
                 max_staleness=max_staleness, prompts_per_step=sc.prompts_per_step,
                 weight_bytes=sc.weight_bytes, **extra)
     return df

@@ -6,8 +6,19 @@ It owns no compute and no tensors. It holds
 - the policy version board: the trainer publishes a ``WeightUpdate`` plus an
   ``ObjectRef`` to its payload every ``sync_interval`` steps; rollout workers wait on it,
   apply, and confirm the version and fingerprint they now serve;
-- per-step metrics the trainer reports, and status lines from every stage, which the
-  driver drains for metrics.jsonl, TensorBoard and ``conveyor status``.
+- per-step metrics the trainer reports, which the driver drains for metrics.jsonl,
+  TensorBoard and ``conveyor status``;
+- in lock-step runs (``barrier``), the step barrier: prompts of step k are admitted
+  only once the trainer has finished step k - 1.
+
+Stages reach it only through ``ControllerClient`` (typed, one remote call per method),
+and only where the data needs it: at most one call per micro-batch (the source's
+admission), one per optimizer step (``finish_step``, which carries the step's metrics
+and, on a sync step, its weights) and one per weight update per rollout worker
+(``wait_for_update``, which carries the confirmation of the previous one); a dropped
+micro-batch adds its ``record_dropped``. Telemetry (spans, stage status, counters) never
+comes here: the driver pulls it from each stage on its tick. ``calls`` counts the
+stages' calls by method, so a test and ``summary.json`` can check that budget.
 
 Invariant: versions on the board only grow. A worker confirms only weights it has
 loaded; ``verified`` says whether it read them back from its engine and found the
@@ -17,12 +28,13 @@ payload there (a mismatch never reaches the board: it fails the worker).
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Any
 
 import ray
 
-from pipeline.types import WeightUpdate
+from pipeline.types import WeightConfirmation, WeightUpdate
 from pipeline.versions import Ledger
 
 # Publish times of the newest versions, for the publish-to-serve lag: a worker confirms
@@ -33,11 +45,13 @@ PUBLISH_TIMES_KEPT = 64
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class ControllerActor:
     def __init__(self, target_prompts: int, prompts_per_step: int, target_steps: int,
-                 resumed: dict[str, Any] | None = None) -> None:
+                 resumed: dict[str, Any] | None = None, barrier: bool = False) -> None:
         """``resumed``: ``{"version", "trained_prompts", "dropped"}`` of the checkpoint a
-        resumed run starts from; its prompts count as trained or dropped, none in flight."""
+        resumed run starts from; its prompts count as trained or dropped, none in flight.
+        ``barrier``: lock-step, the admission of step k waits for trainer version k."""
         self.ledger = Ledger(target=target_prompts, prompts_per_step=prompts_per_step)
         self.target_steps = target_steps
+        self.barrier = barrier
         self._cond = asyncio.Condition()
         self._update: WeightUpdate | None = None
         self._payload: list[Any] = []
@@ -46,9 +60,8 @@ class ControllerActor:
         self._sync_log: list[dict[str, Any]] = []
         self._trainer_version = 0
         self._steps: list[dict[str, Any]] = []
-        self._status: dict[str, dict[str, Any]] = {}
         self._stop_reason: str | None = None
-        self._samples = {"generated": 0}
+        self.calls: collections.Counter[str] = collections.Counter()
         if resumed:
             self.ledger.trained = int(resumed["trained_prompts"])
             self.ledger.dropped.update({k: int(v) for k, v in resumed["dropped"].items()})
@@ -57,35 +70,46 @@ class ControllerActor:
 
     # ---------------------------------------------------------------- prompt ledger
     async def admit_prompts(self, want: int) -> tuple[int, int]:
-        """Wait until there is room; (granted, step). (0, -1) means the run needs no more."""
+        """Wait until there is room (and, in lock-step, until the step the prompts are
+        destined for is the trainer's next); (granted, step). (0, -1): no more needed."""
+        self.calls["admit_prompts"] += 1
         async with self._cond:
-            await self._cond.wait_for(lambda: self.ledger.room > 0 or self._done())
+            await self._cond.wait_for(lambda: (self.ledger.room > 0 and self._step_open()) or self._done())
             if self._done():
                 return 0, -1
             return self.ledger.admit(want)
 
+    def _step_open(self) -> bool:
+        # Lock-step's barrier: step k = live // prompts_per_step opens at trainer version k.
+        # A drop lowers ``live``, so its replacement joins the step it left.
+        return not self.barrier or self.ledger.live // self.ledger.prompts_per_step <= self._trainer_version
+
     def _done(self) -> bool:
         return self.ledger.finished or self._stop_reason is not None
 
-    async def record_trained(self, prompts: int) -> None:
+    async def finish_step(self, prompts: int, version: int, metrics: dict[str, Any],
+                          update: WeightUpdate | None = None, payload: list[Any] | None = None) -> None:
+        """The trainer took an optimizer step on ``prompts`` prompts, reaching ``version``:
+        its metrics and, on a sync step, its weights (``payload`` is ``[ObjectRef]``, a list
+        so Ray passes the reference unresolved), all in one call."""
+        self.calls["finish_step"] += 1
         async with self._cond:
-            self.ledger.record_trained(prompts)
-            self._cond.notify_all()
-
-    async def finish_step(self, prompts: int, version: int) -> None:
-        """The trainer took an optimizer step on ``prompts`` prompts: one call, not two."""
-        async with self._cond:
+            if update is not None:
+                self._publish(update, payload or [])
             self.ledger.record_trained(prompts)
             self._trainer_version = version
+            self._steps.append(metrics)
             self._cond.notify_all()
 
     async def record_dropped(self, prompts: int, reason: str) -> None:
+        self.calls["record_dropped"] += 1
         async with self._cond:
             self.ledger.record_dropped(prompts, reason)
             self._cond.notify_all()
 
-    def record_generated(self, samples: int) -> None:
-        self._samples["generated"] += samples
+    def trainer_version(self) -> int:
+        self.calls["trainer_version"] += 1
+        return self._trainer_version
 
     async def stop(self, reason: str) -> None:
         async with self._cond:
@@ -94,32 +118,31 @@ class ControllerActor:
 
     # ---------------------------------------------------------------- weights
     async def publish(self, update: WeightUpdate, payload: list[Any]) -> None:
-        """``payload`` is ``[ObjectRef]`` (a list, so Ray passes the reference unresolved)."""
+        """Weights outside a step: a resumed trainer's checkpoint, at setup."""
+        self.calls["publish"] += 1
         async with self._cond:
-            if self._update is not None and update.version <= self._update.version:
-                raise ValueError(
-                    f"publish: version {update.version} is not newer than {self._update.version}"
-                )
-            self._update, self._payload = update, payload
-            self._published_at[update.version] = time.time()
-            if len(self._published_at) > PUBLISH_TIMES_KEPT:  # versions go in ascending: drop the oldest
-                del self._published_at[next(iter(self._published_at))]
+            self._publish(update, payload)
             self._cond.notify_all()
 
-    async def set_trainer_version(self, version: int) -> None:
-        async with self._cond:
-            self._trainer_version = version
-            self._cond.notify_all()
+    def _publish(self, update: WeightUpdate, payload: list[Any]) -> None:
+        if self._update is not None and update.version <= self._update.version:
+            raise ValueError(f"publish: version {update.version} is not newer than {self._update.version}")
+        self._update, self._payload = update, payload
+        self._published_at[update.version] = time.time()
+        if len(self._published_at) > PUBLISH_TIMES_KEPT:  # versions go in ascending: drop the oldest
+            del self._published_at[next(iter(self._published_at))]
 
-    def trainer_version(self) -> int:
-        return self._trainer_version
-
-    async def wait_for_update(self, newer_than: int, timeout_s: float | None) -> tuple[WeightUpdate | None, list[Any]]:
+    async def wait_for_update(self, newer_than: int, timeout_s: float | None,
+                              confirmed: WeightConfirmation | None = None) -> tuple[WeightUpdate | None, list[Any]]:
         """Wait for a published version newer than ``newer_than`` (None on timeout).
+        ``confirmed``: the update the worker applied since its last call.
 
         A stop does not end the wait: after an interrupt, what is in flight drains, and
         micro-batches of later steps still need the versions the trainer publishes.
         """
+        self.calls["wait_for_update"] += 1
+        if confirmed is not None:
+            self._confirm(confirmed)
         async with self._cond:
             try:
                 await asyncio.wait_for(
@@ -133,48 +156,79 @@ class ControllerActor:
             return self._update, self._payload
 
     def latest_update(self) -> tuple[WeightUpdate | None, list[Any]]:
+        self.calls["latest_update"] += 1
         return self._update, self._payload
 
-    def confirm(self, worker: str, version: int, fingerprint: tuple[float, float], verified: bool,
-                seconds: float) -> None:
-        """A rollout worker now serves ``version`` (read back from its engine if ``verified``)."""
-        lag = time.time() - self._published_at.get(version, time.time())
-        self._served[worker] = {"version": version, "fingerprint": list(fingerprint), "verified": verified}
-        self._sync_log.append(
-            {"worker": worker, "version": version, "verified": verified, "apply_s": seconds, "publish_to_serve_s": lag,
-             "time": time.time()}
-        )
+    def confirm(self, confirmed: WeightConfirmation) -> None:
+        """A rollout worker now serves ``confirmed.version`` (outside the watch loop:
+        the final update at shutdown)."""
+        self.calls["confirm"] += 1
+        self._confirm(confirmed)
 
-    def served_versions(self) -> dict[str, dict[str, Any]]:
-        return dict(self._served)
+    def _confirm(self, c: WeightConfirmation) -> None:
+        lag = time.time() - self._published_at.get(c.version, time.time())
+        self._served[c.worker] = {"version": c.version, "fingerprint": list(c.fingerprint), "verified": c.verified}
+        self._sync_log.append({"worker": c.worker, "version": c.version, "verified": c.verified,
+                               "apply_s": c.apply_s, "publish_to_serve_s": lag, "time": time.time()})
 
     # ---------------------------------------------------------------- metrics, status
-    def report_step(self, metrics: dict[str, Any]) -> None:
-        self._steps.append(metrics)
-
     def drain(self) -> dict[str, Any]:
         """Everything new since the last drain, plus the current counters."""
         steps, self._steps = self._steps, []
         syncs, self._sync_log = self._sync_log, []
-        return {
-            "steps": steps,
-            "syncs": syncs,
-            "ledger": self.ledger.summary(),
-            "samples": dict(self._samples),
-            "trainer_version": self._trainer_version,
-            "served": dict(self._served),
-            "status": dict(self._status),
-            "stop_reason": self._stop_reason,
-        }
-
-    def set_status(self, stage: str, status: dict[str, Any]) -> None:
-        self._status[stage] = status
+        return {"steps": steps, "syncs": syncs, **self.summary()}
 
     def summary(self) -> dict[str, Any]:
         return {
             "ledger": self.ledger.summary(),
-            "samples": dict(self._samples),
             "trainer_version": self._trainer_version,
             "served": dict(self._served),
             "stop_reason": self._stop_reason,
+            "calls": dict(self.calls),
         }
+
+
+class ControllerClient:
+    """How a stage (and the driver) talks to the controller: one typed method per
+    remote call. Picklable (it holds the actor handle only), so stages receive it."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def admit_prompts(self, want: int) -> tuple[int, int]:
+        return await self.actor.admit_prompts.remote(want)
+
+    async def trainer_version(self) -> int:
+        return await self.actor.trainer_version.remote()
+
+    async def finish_step(self, prompts: int, version: int, metrics: dict[str, Any],
+                          update: WeightUpdate | None = None, payload: ray.ObjectRef | None = None) -> None:
+        await self.actor.finish_step.remote(prompts, version, metrics, update, [payload] if payload is not None else [])
+
+    async def record_dropped(self, prompts: int, reason: str) -> None:
+        await self.actor.record_dropped.remote(prompts, reason)
+
+    async def publish(self, update: WeightUpdate, payload: ray.ObjectRef) -> None:
+        await self.actor.publish.remote(update, [payload])
+
+    async def wait_for_update(self, newer_than: int, timeout_s: float | None = None,
+                              confirmed: WeightConfirmation | None = None) -> tuple[WeightUpdate | None, ray.ObjectRef | None]:
+        """(update, reference to its payload), or (None, None) on timeout."""
+        update, payload = await self.actor.wait_for_update.remote(newer_than, timeout_s, confirmed)
+        return update, payload[0] if payload else None
+
+    async def latest_update(self) -> tuple[WeightUpdate | None, ray.ObjectRef | None]:
+        update, payload = await self.actor.latest_update.remote()
+        return update, payload[0] if payload else None
+
+    async def confirm(self, confirmed: WeightConfirmation) -> None:
+        await self.actor.confirm.remote(confirmed)
+
+    async def stop(self, reason: str) -> None:
+        await self.actor.stop.remote(reason)
+
+    async def drain(self) -> dict[str, Any]:
+        return await self.actor.drain.remote()
+
+    async def summary(self) -> dict[str, Any]:
+        return await self.actor.summary.remote()

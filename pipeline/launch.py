@@ -22,7 +22,7 @@ the resume command when a checkpoint exists; with ``run.auto_resume`` the run re
 from its newest checkpoint by itself, at most ``AUTO_RESUME_ATTEMPTS`` times.
 
 Each step's metrics carry every stage's latest ``memory/``, ``admission/`` and ``oom/``
-metrics (posted to the controller with ``set_status``; counters since the start;
+metrics (their ``status()``, pulled on the driver's tick; counters since the start;
 replicas add up), and ``summary.json`` has their final values per stage under
 ``admission``.
 """
@@ -169,12 +169,12 @@ class Reporter:
     async def __call__(self, graph: Graph) -> None:
         self.processes = {f"{n}:{r}": list(hp) for (n, r), hp in graph.processes.items()}
         self.restarts = dict(graph.restarts)
-        drain = await graph.controller.drain.remote()
+        drain = await graph.controller.drain()
         self.last_drain = drain
         self.syncs.extend(drain["syncs"])
         # Only spans that can still overlap a future step window are kept here (the graph
         # keeps a bounded history for the trace), so a tick costs O(new spans).
-        self._recent.extend(await graph.collect_spans())
+        self._recent.extend(await graph.collect_telemetry())
         queues = await graph.queue_stats() if drain["steps"] else {}
         if self._last_step_end is None and self._recent:
             self._last_step_end = min(s.start for s in self._recent)
@@ -195,7 +195,7 @@ class Reporter:
                 metrics[f"queue/{name}/depth"] = q["depth"]
                 metrics[f"queue/{name}/mean_depth"] = q["mean_depth"]
             metrics["samples/in_flight"] = drain["ledger"]["in_flight"] * self.cfg.rollout.n
-            metrics.update(merge_guard_metrics(drain["status"]))
+            metrics.update(merge_guard_metrics(graph.stage_status))
             self._last_step_end = end
             self._recent = [sp for sp in self._recent if sp.end > end]
             self.writer.log(int(step["step"]), {k: v for k, v in metrics.items()
@@ -205,7 +205,7 @@ class Reporter:
             self.last_step = metrics
             if self._progress:
                 self._progress.update(metrics)
-        self._write_status(drain, queues)
+        self._write_status({**drain, "status": graph.stage_status}, queues)
 
     def _write_status(self, drain: dict[str, Any], queues: dict[str, Any], state: str = "running") -> None:
         self._last_status = (drain, queues)
@@ -441,6 +441,8 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "reward/first_error": reward.get("first_error"),
         "trainer": trainer,
         "served": result.controller["served"],
+        # The stages' controller calls by method (its budget: pipeline/controller.py).
+        "controller_calls": result.controller["calls"],
         "queues": result.queues,
         "stages": {name: {"busy_s": t.seconds.get("busy", 0.0), "busy_ratio": t.busy_ratio} for name, t in agg.items()},
         "reward_first": reporter.first_step.get("reward/mean") if reporter.first_step else None,

@@ -49,7 +49,7 @@ from typing import Any
 
 import ray
 
-from pipeline.controller import ControllerActor
+from pipeline.controller import ControllerActor, ControllerClient
 from pipeline.dataflow import DataFlow
 from pipeline.delivery import DEDUP_WINDOW, dedup_window
 from pipeline.log import get_logger
@@ -93,7 +93,7 @@ class Graph:
     """The live actors of a run, handed to tick callbacks."""
 
     dataflow: DataFlow
-    controller: Any
+    controller: ControllerClient
     actors: dict[str, list[Any]]
     queues: dict[str, QueueHandle]
     placement_group: Any = None
@@ -106,12 +106,23 @@ class Graph:
     # The trace keeps the latest spans only, so a long run's driver memory stays bounded.
     spans: collections.deque[Span] = field(default_factory=lambda: collections.deque(maxlen=MAX_TRACE_SPANS))
     totals: SpanTotals = field(default_factory=SpanTotals)  # the whole run's time per stage and kind
+    # The latest status of each stage replica, under the name its spans carry
+    # ("rollout" for replica 0, "rollout:1" ...), as the last telemetry pull found it.
+    stage_status: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    async def collect_spans(self) -> list[Span]:
-        calls = [a.drain_spans.remote() for reps in self.actors.values() for a in reps]
+    async def collect_telemetry(self) -> list[Span]:
+        """One ``telemetry`` call per stage replica: keeps their statuses, returns (and
+        keeps) the new spans."""
+        keys = [(name, r) for name, reps in self.actors.items() for r in range(len(reps))]
         # A replica that died has lost its spans; its restart is the runner's business.
-        got = await asyncio.gather(*calls, return_exceptions=True)
-        new = [s for batch in got if not isinstance(batch, BaseException) for s in batch]
+        got = await asyncio.gather(*(self.actors[n][r].telemetry.remote() for n, r in keys), return_exceptions=True)
+        new: list[Span] = []
+        for (name, r), tel in zip(keys, got, strict=True):
+            if isinstance(tel, BaseException):
+                continue
+            new.extend(tel["spans"])
+            if tel["status"] is not None:
+                self.stage_status[name if r == 0 else f"{name}:{r}"] = tel["status"]
         self.spans.extend(new)
         self.totals.add(new)
         return new
@@ -173,7 +184,7 @@ def run_dataflow(
         return asyncio.run(coro)
 
 
-async def _start(df: DataFlow, config: Any, controller: Any, taps: dict[str, str]) -> Graph:
+async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: dict[str, str]) -> Graph:
     queues: dict[str, QueueHandle] = {}
     for producer, consumer in df.edges:
         q = create_queue(producer, consumer, df.queue_bound(producer, consumer), df.nodes[producer].replicas)
@@ -314,7 +325,7 @@ async def _teardown(graph: Graph) -> None:
     reap_processes(spawned)
     for q in graph.queues.values():
         ray.kill(q.actor, no_restart=True)
-    ray.kill(graph.controller, no_restart=True)
+    ray.kill(graph.controller.actor, no_restart=True)
     if graph.placement_group is not None:
         ray.util.remove_placement_group(graph.placement_group)
 
@@ -324,13 +335,14 @@ async def _run(
     prompts_per_step: int, target_steps: int, taps: dict[str, str],
     on_tick: Callable[[Graph], Any] | None, tick_s: float,
 ) -> RunResult:
-    controller = ControllerActor.remote(target_prompts, prompts_per_step, target_steps, _resumed_counts(config))
+    controller = ControllerClient(ControllerActor.remote(target_prompts, prompts_per_step, target_steps,
+                                                         _resumed_counts(config), barrier=not async_mode))
     interrupts = _Interrupts(controller)
     try:
         try:
             graph = await _start(df, config, controller, taps)  # tears down what it made if it fails
         except BaseException as exc:
-            ray.kill(controller, no_restart=True)
+            ray.kill(controller.actor, no_restart=True)
             if interrupts.forced:
                 raise RunInterrupted(interrupts.received or "signal") from exc
             raise
@@ -342,7 +354,7 @@ async def _run(
                 reports = await _run_lockstep(graph, mb_per_step, on_tick)
         except BaseException as exc:
             try:
-                await controller.stop.remote("interrupted" if interrupts.forced else "stage failed")
+                await controller.stop("interrupted" if interrupts.forced else "stage failed")
             finally:
                 await _teardown(graph)
             if interrupts.forced:
@@ -353,7 +365,7 @@ async def _run(
     wall = time.time() - t0
     if on_tick is not None:
         await _maybe_await(on_tick(graph))
-    await graph.collect_spans()
+    await graph.collect_telemetry()
     queues = await graph.queue_stats()
     await _shutdown_cores(graph)  # rollout workers take the final weights here
     result = RunResult(
@@ -361,7 +373,7 @@ async def _run(
         wall_s=wall,
         reports=reports,
         queues=queues,
-        controller=await controller.summary.remote(),
+        controller=await graph.controller.summary(),
         spans=list(graph.spans),
         stage_times=graph.totals.aggregates(),
         interrupted=interrupts.received,
@@ -395,7 +407,7 @@ class _Interrupts:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, controller: Any) -> None:
+    def __init__(self, controller: ControllerClient) -> None:
         self.controller = controller
         self.received: str | None = None
         self.forced = False
@@ -417,7 +429,7 @@ class _Interrupts:
             self._task.cancel()
 
     async def _stop(self) -> None:
-        await self.controller.stop.remote(f"interrupted by {self.received}")
+        await self.controller.stop(f"interrupted by {self.received}")
 
     def remove(self) -> None:
         for sig in self.SIGNALS:

@@ -18,8 +18,12 @@ Guarantees:
 - every input item is processed exactly once; an exception in a core ends ``run`` with
   that exception (the runner stops the whole graph and reports the stage);
 - the event loop never runs heavy compute: cores hand it to a thread
-  (``asyncio.to_thread``), so control calls (status, spans, shutdown) are answered while
+  (``asyncio.to_thread``), so control calls (telemetry, shutdown) are answered while
   a core works;
+- telemetry stays here until the driver pulls it: spans and the core's ``status()``
+  leave in one ``telemetry`` call per driver tick, never one call per micro-batch; a
+  core reaches the controller only through ``ctx.controller``, a typed
+  ``ControllerClient``;
 - output queues are closed exactly once, at end-of-stream, so consumers drain and stop
   (once per producer id: an actor restarted after a crash closes them again harmlessly);
 - inputs are leased (``pipeline/queue.py``): this shell tells its input queue which
@@ -43,6 +47,7 @@ from typing import Any
 
 import ray
 
+from pipeline.controller import ControllerClient
 from pipeline.delivery import DEDUP_WINDOW, SeenGroups
 from pipeline.log import configure_logging, get_logger, redirect_process_output
 from pipeline.profiler import SpanRecorder
@@ -68,7 +73,7 @@ class StageError(RuntimeError):
 class StageContext:
     """What a core may use: its identity, the config, the controller, spans and a logger."""
 
-    def __init__(self, name: str, replica: int, config: Any, controller: Any, spans: SpanRecorder) -> None:
+    def __init__(self, name: str, replica: int, config: Any, controller: ControllerClient, spans: SpanRecorder) -> None:
         self.name = name
         self.replica = replica
         self.worker_id = f"{name}:{replica}"
@@ -136,7 +141,7 @@ class StageActor:
         self._lost_inputs = 0  # inputs whose producer died before they were read
 
     # ---------------------------------------------------------------- lifecycle
-    async def setup(self, controller: Any) -> str:
+    async def setup(self, controller: ControllerClient) -> str:
         """Set the stage up (again after a restart), with the controller's handle.
 
         The handle comes here, not with the constructor's arguments: Ray runs a
@@ -369,8 +374,10 @@ class StageActor:
 
         return socket.gethostname(), os.getpid()
 
-    def drain_spans(self) -> list[Any]:
-        return self.spans.drain()
+    def telemetry(self) -> dict[str, Any]:
+        """What the driver's tick takes from this stage, in one call: the spans since the
+        last call and the core's status (None without ``status()``)."""
+        return {"spans": self.spans.drain(), "status": self.core.status() if hasattr(self.core, "status") else None}
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -147,6 +147,17 @@ class WeightUpdate(msgspec.Struct, **_wire):
     num_bytes: int
 
 
+class WeightConfirmation(msgspec.Struct, **_wire):
+    """A rollout worker's word that it now serves ``version``: ``fingerprint`` read back
+    from its engine when ``verified``; ``apply_s`` the seconds the update took."""
+
+    worker: str
+    version: int
+    fingerprint: tuple[float, float]
+    verified: bool
+    apply_s: float
+
+
 class Span(msgspec.Struct, **_wire):
     """A period one stage spent in one state: busy, wait_input, wait_output, transfer
     (moving an item through the object store), sync (weights) or oom (recovering)."""

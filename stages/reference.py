@@ -31,7 +31,7 @@ import torch
 
 from pipeline.dtypes import resolve_dtype
 from pipeline.memory.admission import ModelShape, count_seq_lens, estimate_batch_bytes
-from pipeline.memory.guard import MemoryGuard, publish_status
+from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 from pipeline.types import RolloutBatch
@@ -111,7 +111,6 @@ class ReferenceStage:
             merge=merge_rollout_batches, size=count_groups, key=batch.batch_id,
         )
         self.batches += 1
-        await publish_status(self.ctx, self.status())
         return out
 
     def _estimate(self, piece: RolloutBatch) -> int:

@@ -493,7 +493,7 @@ class RewardStage:
         emitted, dropped = self.filter.add(out)
         if dropped:
             # Reported now, so the source replaces them while the kept groups wait.
-            await self.ctx.controller.record_dropped.remote(dropped, ZERO_VARIANCE)
+            await self.ctx.controller.record_dropped(dropped, ZERO_VARIANCE)
             self.ctx.log.debug("groups_dropped", reason=ZERO_VARIANCE, groups=dropped, batch_id=batch.batch_id,
                                policy_version=batch.policy_version)
         return emitted

@@ -140,7 +140,7 @@ class PromptSource:
         batch_id = 0
         while True:
             want = self.per_batch
-            granted, step = await self.ctx.controller.admit_prompts.remote(want)
+            granted, step = await self.ctx.controller.admit_prompts(want)
             if granted == 0:
                 return
             if getattr(self, "_current_step_only", False):
@@ -149,7 +149,7 @@ class PromptSource:
                 # tagged k + 1, k + 2: a rollout holding those for versions that only step k's
                 # replacements can produce would wait forever. Tag the step being trained:
                 # generation never waits; the trainer's staleness gate still bounds it.
-                step = min(step, await self.ctx.controller.trainer_version.remote())
+                step = min(step, await self.ctx.controller.trainer_version())
             prompts = [self._next_prompt() for _ in range(granted)]
             self.emitted_prompts += len(prompts)
             self.issued.add(p.index for p in prompts)

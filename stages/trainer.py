@@ -47,7 +47,7 @@ import numpy as np
 import ray
 
 from pipeline.memory.admission import count_seq_lens, estimate_batch_bytes
-from pipeline.memory.guard import MemoryGuard, publish_status
+from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import OomRecovery, free_cached_memory, is_oom_error
 from pipeline.memory.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
 from pipeline.transport import TRANSPORT_ENV, select_transport
@@ -245,7 +245,8 @@ class TrainerStage:
             version = await asyncio.to_thread(self.checkpoints.restore, cfg.run.resume_from)
             self.kl_ctrl.load_state(self.engine.extra_state)  # the coefficient the run had reached
             self._step_rng = self.engine.get_rng_state()
-            await self._publish(version)  # the rollout starts from the checkpoint's model, not the base one
+            # The rollout starts from the checkpoint's model, not the base one.
+            await self.ctx.controller.publish(*(await self._export(version))[:2])
             ctx.log.info("resumed", path=cfg.run.resume_from, policy_version=version)
         if ctx.recorder is not None:
             await asyncio.to_thread(self._save_state_for_replay)
@@ -278,8 +279,6 @@ class TrainerStage:
         self._step_batches.append(batch)
         self._step_metrics.append(metrics)
         self._step_staleness += [compute_staleness(version, batch.policy_version)] * batch.num_samples
-        # Posted before the step's metrics, so that they include this micro-batch's admission.
-        await publish_status(self.ctx, self.status())
         if sum(b.num_samples for b in self._step_batches) >= self.step_samples:
             await self._optimizer_step()
         return None
@@ -369,7 +368,7 @@ class TrainerStage:
         self.checkpoints.record_drop(batch, reason)
         self.ctx.log.info("batch_dropped", reason=reason, batch_id=batch.batch_id,
                           policy_version=batch.policy_version, trainer_version=self.engine.version)
-        await self.ctx.controller.record_dropped.remote(len(batch.prompts), reason)
+        await self.ctx.controller.record_dropped(len(batch.prompts), reason)
 
     async def _optimizer_step(self) -> None:
         batches, pieces = self._step_batches, self._step_metrics
@@ -385,11 +384,9 @@ class TrainerStage:
         kl_metrics = self._update_kl_controller(samples)
         self.trained_samples += samples
         self.steps_done += 1
-        controller = self.ctx.controller
-        await controller.finish_step.remote(sum(len(b.prompts) for b in batches), version)
-        sync_s = 0.0
+        update, payload, sync_s = None, None, 0.0
         if version % self.cfg.train.sync_interval == 0:
-            sync_s = await self._publish(version)
+            update, payload, sync_s = await self._export(version)
         now = time.time()
         step_s = now - self._step_started
         tokens = sum(b.num_tokens for b in batches)
@@ -420,7 +417,8 @@ class TrainerStage:
                for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},
             **{f"actor/{k}": float(v) for k, v in step_out.items()},
         }
-        await controller.report_step.remote(metrics)
+        # One call: the ledger, the step's metrics and, on a sync step, its weights.
+        await self.ctx.controller.finish_step(sum(len(b.prompts) for b in batches), version, metrics, update, payload)
         self.checkpoints.record_step(batches, metrics)
         if self.ctx.recorder is not None:
             await asyncio.to_thread(self._record_step, step, version, batches, pieces, step_out, layouts,
@@ -448,7 +446,9 @@ class TrainerStage:
         path = await asyncio.to_thread(self.checkpoints.write)
         self.ctx.log.info("checkpoint_written", path=str(path), policy_version=self.engine.version)
 
-    async def _publish(self, version: int) -> float:
+    async def _export(self, version: int) -> tuple[WeightUpdate, Any, float]:
+        """The weights of ``version``, their ``WeightUpdate`` and a reference to them in the
+        object store (``finish_step`` publishes them), and the seconds that took."""
         t0 = time.time()
         with self.ctx.spans.span("sync"):
             if self.transport == "cuda_ipc":

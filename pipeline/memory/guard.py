@@ -69,12 +69,6 @@ def merge_guard_metrics(statuses: dict[str, dict[str, Any]]) -> dict[str, float]
     return {k: v / counts[k] if k.endswith("/calibration") else v for k, v in sums.items()}
 
 
-async def publish_status(ctx: Any, status: dict[str, Any]) -> None:
-    """Post a stage's status to the controller under the name its spans carry (``rollout``
-    for replica 0, ``rollout:1`` ...): the driver merges the metrics into each step's."""
-    await ctx.controller.set_status.remote(ctx.name if ctx.replica == 0 else ctx.worker_id, status)
-
-
 class MemoryGuard:
     """One stage's admission, on its event loop (see the module invariants).
 
@@ -221,7 +215,7 @@ class MemoryGuard:
         return out
 
     def status(self) -> dict[str, Any]:
-        """Fields for ``controller.set_status`` (``conveyor status`` reads the two
+        """Fields for a stage's ``status()`` (``conveyor status`` reads the two
         ``memory_*`` ones) plus every metric."""
         metrics = self.metrics()
         return {

@@ -40,10 +40,10 @@ import msgspec
 import numpy as np
 
 from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes, expand_rollout_seq_lens
-from pipeline.memory.guard import MemoryGuard, build_pool_reading, publish_status
+from pipeline.memory.guard import MemoryGuard, build_pool_reading
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, split_prompt_batch
-from pipeline.types import PromptBatch, RolloutBatch
+from pipeline.types import PromptBatch, RolloutBatch, WeightConfirmation
 from pipeline.versions import required_serving_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
 from stages.rollout.base import GenerationResult
@@ -137,22 +137,23 @@ class RolloutStage:
     # ------------------------------------------------------------------ weights
     async def _watch_weights(self) -> None:
         try:
+            confirmed = None  # the confirmation of an update rides on the next wait
             while True:
-                update, payload = await self.ctx.controller.wait_for_update.remote(self.backend.version, None)
+                update, payload = await self.ctx.controller.wait_for_update(self.backend.version, None, confirmed)
                 if update is None:
                     return  # the run is stopping
-                await self._apply(update, payload[0])
+                confirmed = await self._apply(update, payload)
         except BaseException as exc:  # surfaced by the next process() call
             self._watch_error = exc
             async with self._version_changed:
                 self._version_changed.notify_all()
             raise
 
-    async def _apply(self, update: Any, payload_ref: Any) -> None:
+    async def _apply(self, update: Any, payload_ref: Any) -> WeightConfirmation:
         async with self._applying:
-            await self._apply_locked(update, payload_ref)
+            return await self._apply_locked(update, payload_ref)
 
-    async def _apply_locked(self, update: Any, payload_ref: Any) -> None:
+    async def _apply_locked(self, update: Any, payload_ref: Any) -> WeightConfirmation:
         t0 = time.time()
         with self.ctx.spans.span("sync"):
             data = await payload_ref
@@ -170,7 +171,6 @@ class RolloutStage:
             fingerprint = await (self.backend.update_weights(data, update.version) if verify
                                  else self.backend.update_weights(data, update.version, verify=False))
         seconds = time.time() - t0
-        await self.ctx.controller.confirm.remote(self.ctx.worker_id, update.version, fingerprint, verify, seconds)
         self.applied_count += 1
         self.apply_s_total += seconds
         self.last_applied = {"version": update.version, "apply_s": seconds, "verified": verify,
@@ -178,6 +178,8 @@ class RolloutStage:
         self.ctx.log.debug("weights_applied", policy_version=update.version, seconds=round(seconds, 3), verified=verify)
         async with self._version_changed:
             self._version_changed.notify_all()
+        return WeightConfirmation(worker=self.ctx.worker_id, version=update.version, fingerprint=tuple(fingerprint),
+                                  verified=verify, apply_s=seconds)
 
     async def _wait_for_version(self, need: int, batch_id: int) -> None:
         if self.backend.version >= need and self._watch_error is None:
@@ -231,8 +233,6 @@ class RolloutStage:
         batch = build_rollout_batch(pb, results, self.sampling.n, self.pad_id)
         self.generated_samples += batch.num_samples
         self.generated_tokens += batch.completion_tokens
-        self.ctx.controller.record_generated.remote(batch.num_samples)  # a counter: no need to wait
-        await publish_status(self.ctx, self.status())
         return batch
 
     def status(self) -> dict[str, Any]:
@@ -249,9 +249,9 @@ class RolloutStage:
         if self._watch_error is None:
             # End of run: serve the final policy (the last publish lands after the last
             # generation), so every worker ends on the trainer's version, verified.
-            update, payload = await self.ctx.controller.latest_update.remote()
+            update, payload = await self.ctx.controller.latest_update()
             if update is not None and update.version > self.backend.version:
-                await self._apply_locked(update, payload[0])
+                await self.ctx.controller.confirm(await self._apply_locked(update, payload))
             if update is not None and not self.cfg.train.weight_sync_monitor:
                 await self._verify_final(update)
         await self.backend.shutdown()
@@ -266,4 +266,5 @@ class RolloutStage:
                 f"are not the final version v{update.version} it loaded (payload {expected}); updates were "
                 f"not read back during the run (train.weight_sync_monitor: false)"
             )
-        await self.ctx.controller.confirm.remote(self.ctx.worker_id, update.version, live, True, 0.0)
+        await self.ctx.controller.confirm(WeightConfirmation(worker=self.ctx.worker_id, version=update.version,
+                                                            fingerprint=tuple(live), verified=True, apply_s=0.0))

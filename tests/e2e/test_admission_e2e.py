@@ -119,7 +119,7 @@ def test_trainer_oom_mid_step_trains_every_sample_once(tmp_path, monkeypatch, ca
     metrics = trainer.guard.metrics()
     assert (metrics["oom/trainer/events"], metrics["oom/trainer/recovered"]) == (1.0, 1.0)
     assert [s.kind for s in ctx.spans.drain()] == ["oom"]  # the time lost, on the timeline
-    (step,) = [args[0] for name, args in ctx.controller.calls if name == "report_step"]
+    (step,) = [args[2] for name, args in ctx.controller.calls if name == "finish_step"]
     recovered_sha = engine.weights_sha256()
     ctx.recorder.close()
     (record,) = RecordingReader(tmp_path / "rec").steps()

@@ -52,6 +52,19 @@ def test_accounting_reconciles(streaming_run):
     assert [r["step"] for r in rows] == list(range(STEPS))
 
 
+def test_at_most_one_controller_call_per_micro_batch(streaming_run):
+    """The real stages keep the controller's budget: per micro-batch only the source's
+    admission (and the final "no more"); per step one ``finish_step``; per published
+    version one wait of the one rollout worker (and the one pending at the end)."""
+    _, summary, _ = streaming_run
+    calls = dict(summary["controller_calls"])
+    micro_batches = STEPS * 8 // 4  # prompts_per_step / prompts_per_micro_batch per step, no drops
+    assert calls.pop("finish_step") == STEPS
+    assert calls.pop("wait_for_update") <= STEPS + 1
+    assert calls.pop("latest_update", 0) <= 1 and calls.pop("confirm", 0) <= 1  # at shutdown
+    assert calls == {"admit_prompts": micro_batches + 1}
+
+
 def test_every_trained_batch_is_within_the_staleness_limit(streaming_run):
     _, _, rows = streaming_run
     assert max(r["staleness/max"] for r in rows) <= 1

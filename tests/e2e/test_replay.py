@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -26,33 +25,16 @@ from pipeline.config import ConveyorConfig, load_config, to_dict
 from pipeline.log import get_logger
 from pipeline.recorder import RecordingReader, RecordingWriter, rewrite_item
 from pipeline.types import Prompt, RolloutBatch
+from tests.ray_local.fakes import FakeControllerClient
 
 EDGE = "reference->trainer"
 STEPS, PER_STEP, GROUP = 4, 2, 4
 
 
-class _Remote:
-    """``controller.<method>.remote(...)`` awaitable, recording the calls."""
-
-    def __init__(self, calls: list[tuple[str, tuple[Any, ...]]], name: str) -> None:
-        self.calls, self.name = calls, name
-
-    async def remote(self, *args: Any) -> None:
-        self.calls.append((self.name, args))
-
-
-class FakeController:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-
-    def __getattr__(self, name: str) -> _Remote:
-        return _Remote(self.calls, name)
-
-
 class FakeContext:
     def __init__(self, cfg: ConveyorConfig, recorder: RecordingWriter) -> None:
         self.name, self.replica, self.config = "trainer", 0, cfg
-        self.controller = FakeController()
+        self.controller = FakeControllerClient()
         self.log = get_logger(stage="trainer")
         self.spans = None  # only weight publishing uses spans; sync_interval keeps it off
         self.recorder = recorder

@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from pipeline.config import MemoryConfig
-from pipeline.memory.guard import MemoryGuard, publish_status
+from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 from pipeline.types import Prompt, RolloutBatch
@@ -136,7 +136,6 @@ class FakeOomStage:
             batch, self._recovering, estimate=lambda b: self.bytes_per_group * count_groups(b),
             split=split_rollout_batch, merge=merge_rollout_batches, size=count_groups, key=batch.batch_id,
         )
-        await publish_status(self.ctx, self.status())
         return out
 
     async def _recovering(self, piece: RolloutBatch) -> RolloutBatch:
@@ -192,22 +191,18 @@ class FakeOomAfterCall:
         return out
 
 
-class _FakeRemote:
-    def __init__(self, calls: list[tuple[str, tuple[Any, ...]]], name: str) -> None:
-        self.calls, self.name = calls, name
-
-    async def remote(self, *args: Any) -> None:
-        self.calls.append((self.name, args))
-
-
-class FakeControllerHandle:
-    """``ctx.controller.<method>.remote(...)`` without Ray: records the calls."""
+class FakeControllerClient:
+    """``ctx.controller.<method>(...)`` (a ``ControllerClient``) without Ray: each awaited
+    call is recorded as (method, args) and returns None."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
 
-    def __getattr__(self, name: str) -> _FakeRemote:
-        return _FakeRemote(self.calls, name)
+    def __getattr__(self, name: str) -> Any:
+        async def call(*args: Any) -> None:
+            self.calls.append((name, args))
+
+        return call
 
 
 class FakeStageContext:
@@ -218,7 +213,7 @@ class FakeStageContext:
         from pipeline.profiler import SpanRecorder
 
         self.name, self.replica, self.worker_id, self.config = name, 0, f"{name}:0", config
-        self.controller = FakeControllerHandle()
+        self.controller = FakeControllerClient()
         self.spans = SpanRecorder(stage=name)
         self.log = get_logger(stage=name)
         self.recorder: Any = None

@@ -11,7 +11,7 @@ import numpy as np
 import ray
 
 from pipeline.config import decode_config
-from pipeline.controller import ControllerActor
+from pipeline.controller import ControllerActor, ControllerClient
 from pipeline.types import Prompt, RolloutBatch
 from stages.reward import RewardStage
 from stages.reward_shaping import ZERO_VARIANCE
@@ -44,7 +44,7 @@ def test_reward_stage_drops_constant_groups_and_penalises_overlong(ray_cluster, 
 
     async def go():
         await controller.admit_prompts.remote(2)
-        await stage.setup(SimpleNamespace(config=cfg, log=log, controller=controller))
+        await stage.setup(SimpleNamespace(config=cfg, log=log, controller=ControllerClient(controller)))
         # group 0: "1", "1" in 1 token -> rewards 1, 1: constant, dropped.
         # group 1: "1" in 1 token -> 1; "2" in 2 tokens -> 0 - (2 - (2 - 1)) / 1 = -1: kept.
         out = await stage.process(_batch(["1", "1", "1", "2"], [1, 1, 1, 2]))

@@ -1,19 +1,22 @@
-"""Simulated stage cores for the overlap benchmark: the real control plane, no models.
+"""Fake stage cores: the real control plane, no models (``bench/overlap.py`` and the
+Ray tier's control-plane test run them).
 
-These are simulations for benchmarking, not fakes that stand in for real stages in a
-user's flow. They run inside the real ``StageActor`` shells, on real bounded queues,
-and use the controller exactly as the real stages do:
+Fakes, named so: each core sleeps where a real one computes. Everything else is the
+real thing: they run inside the real ``StageActor`` shells, on real bounded queues, and
+reach the real controller through the ``ControllerClient`` the real stages use, with
+the same calls at the same points, and the real pure rules of ``pipeline.versions``:
 
-- ``SimulatedSource`` obtains room from the ledger (``admit_prompts``) and stops when it
-  answers (0, -1);
-- ``SimulatedRollout`` applies every published ``WeightUpdate`` as soon as it appears
-  (a watcher task, as ``stages.rollout.stage.RolloutStage`` does), confirms it, and
-  holds generation for step k until it serves ``required_serving_version`` (the
-  staleness economy); it tags each micro-batch with the version it served when it began;
-- ``SimulatedScorer`` (reward, reference) only takes time;
-- ``SimulatedTrainer`` applies the staleness gate (``is_too_stale``), reports trained and
-  dropped prompts and its version to the controller, and publishes a ``WeightUpdate``
-  with a small payload ``ObjectRef`` every ``sync_interval`` steps.
+- ``FakeSourceCore`` obtains room from the ledger (``admit_prompts``, one call per
+  micro-batch) and stops when it answers (0, -1);
+- ``FakeRolloutCore`` applies every published ``WeightUpdate`` as soon as it appears (a
+  watcher whose confirmation rides on its next ``wait_for_update``, as
+  ``stages.rollout.stage.RolloutStage`` does) and holds generation for step k until it
+  serves ``required_serving_version``; it tags each micro-batch with the version it
+  served when it began;
+- ``FakeScorerCore`` (reward, reference) only takes time;
+- ``FakeTrainerCore`` applies the staleness gate (``is_too_stale``), reports dropped
+  prompts, and ends each optimizer step with one ``finish_step`` that carries a small
+  weight payload every ``sync_interval`` steps, as ``stages.trainer.TrainerStage`` does.
 
 Compute is a wait in a thread (``asyncio.to_thread(time.sleep, d)``), as real compute
 runs off the event loop. Durations follow ``GenerationLengths``: per-sample completion
@@ -41,7 +44,7 @@ import msgspec
 import numpy as np
 import ray
 
-from pipeline.types import WeightUpdate
+from pipeline.types import WeightConfirmation, WeightUpdate
 from pipeline.versions import compute_staleness, is_too_stale, required_serving_version
 
 
@@ -68,8 +71,8 @@ class GenerationLengths(msgspec.Struct, frozen=True, kw_only=True):
         return float(np.mean([b.max() for b in batches])), float(np.mean([b.sum() for b in batches]))
 
 
-class SimBatch(msgspec.Struct, frozen=True, kw_only=True):
-    """A simulated micro-batch: ``prompts`` prompts destined for optimizer ``step``;
+class FakeBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """A fake micro-batch: ``prompts`` prompts destined for optimizer ``step``;
     after the rollout, the per-sample ``lengths``, the ``policy_version`` it was generated
     with and a ``payload`` standing for its token arrays."""
 
@@ -82,7 +85,7 @@ class SimBatch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Timed:
-    """Compute-time bookkeeping shared by the simulated cores."""
+    """Compute-time bookkeeping shared by the fake cores."""
 
     def __init__(self, mean_s: float, exclusive: bool) -> None:
         if mean_s < 0:
@@ -113,7 +116,7 @@ class _Timed:
                 "done_at": list(self.done_at)}
 
 
-class SimulatedSource:
+class FakeSourceCore:
     """Emits ``prompts_per_micro_batch`` prompts per micro-batch while the ledger grants room."""
 
     def __init__(self, prompts_per_micro_batch: int = 4) -> None:
@@ -123,21 +126,21 @@ class SimulatedSource:
     async def setup(self, ctx: Any) -> None:
         self.ctx = ctx
 
-    async def generate(self) -> AsyncIterator[SimBatch]:
+    async def generate(self) -> AsyncIterator[FakeBatch]:
         batch_id = 0
         while True:
-            granted, step = await self.ctx.controller.admit_prompts.remote(self.per_batch)
+            granted, step = await self.ctx.controller.admit_prompts(self.per_batch)
             if granted == 0:
                 return
             self.emitted += 1
-            yield SimBatch(batch_id=batch_id, step=step, prompts=granted)
+            yield FakeBatch(batch_id=batch_id, step=step, prompts=granted)
             batch_id += 1
 
     def result(self) -> dict[str, Any]:
         return {"micro_batches": self.emitted}
 
 
-class SimulatedRollout:
+class FakeRolloutCore:
     """Generates for ``mean_s`` on average (longest sample of lognormal lengths)."""
 
     def __init__(
@@ -165,20 +168,21 @@ class SimulatedRollout:
 
     async def _watch_weights(self) -> None:
         try:
+            confirmed = None
             while True:
-                update, payload = await self.ctx.controller.wait_for_update.remote(self.version, None)
+                update, payload = await self.ctx.controller.wait_for_update(self.version, None, confirmed)
                 if update is None:
                     return  # the run is stopping
                 t0 = time.time()
                 with self.ctx.spans.span("sync"):
-                    data = await payload[0]  # fetch it, as a real worker must
+                    data = await payload  # fetch it, as a real worker must
                     if hashlib.sha256(data).hexdigest() != update.sha256:
                         raise RuntimeError(f"weights v{update.version}: sha256 mismatch")
                     if self.apply_s > 0:
                         await asyncio.to_thread(time.sleep, self.apply_s)
                 seconds = time.time() - t0
-                await self.ctx.controller.confirm.remote(
-                    self.ctx.worker_id, update.version, update.fingerprint, True, seconds)
+                confirmed = WeightConfirmation(worker=self.ctx.worker_id, version=update.version,
+                                               fingerprint=update.fingerprint, verified=False, apply_s=seconds)
                 self.applied.append(seconds)
                 async with self._changed:
                     self.version = update.version
@@ -189,7 +193,7 @@ class SimulatedRollout:
                 self._changed.notify_all()
             raise
 
-    async def process(self, b: SimBatch) -> SimBatch:
+    async def process(self, b: FakeBatch) -> FakeBatch:
         async with self.timed.section():
             need = required_serving_version(b.step, self.max_staleness, self.sync_interval)
             if self.version < need:
@@ -213,14 +217,14 @@ class SimulatedRollout:
         self._watcher.cancel()
 
 
-class SimulatedScorer:
+class FakeScorerCore:
     """Reward or reference: takes ``mean_s`` on average, in proportion to the batch's tokens."""
 
     def __init__(self, mean_s: float, lengths: GenerationLengths, exclusive: bool = False) -> None:
         self.timed = _Timed(mean_s, exclusive)
         self.mean_total = lengths.expected()[1]
 
-    async def process(self, b: SimBatch) -> SimBatch:
+    async def process(self, b: FakeBatch) -> FakeBatch:
         tokens = float(b.lengths.sum()) if b.lengths is not None else self.mean_total
         async with self.timed.section():
             await self.timed.compute(self.timed.mean_s * tokens / self.mean_total)
@@ -230,7 +234,7 @@ class SimulatedScorer:
         return self.timed.timing()
 
 
-class SimulatedTrainer:
+class FakeTrainerCore:
     """Trains for ``mean_s`` on average per micro-batch; one optimizer step (one policy
     version) per ``prompts_per_step`` prompts; publishes ``weight_bytes`` of weights."""
 
@@ -254,15 +258,15 @@ class SimulatedTrainer:
     async def setup(self, ctx: Any) -> None:
         self.ctx = ctx
 
-    async def process(self, b: SimBatch) -> None:
+    async def process(self, b: FakeBatch) -> None:
         async with self.timed.section():
             await self._train(b)
 
-    async def _train(self, b: SimBatch) -> None:
+    async def _train(self, b: FakeBatch) -> None:
         controller = self.ctx.controller
         if is_too_stale(self.version, b.policy_version, self.max_staleness):
             self.dropped_batches += 1
-            await controller.record_dropped.remote(b.prompts, "stale")
+            await controller.record_dropped(b.prompts, "stale")
             return None
         k = compute_staleness(self.version, b.policy_version)
         self.staleness[k] = self.staleness.get(k, 0) + 1
@@ -272,18 +276,16 @@ class SimulatedTrainer:
         if self.step_prompts >= self.prompts_per_step:
             trained, self.step_prompts = self.step_prompts, 0
             self.version += 1
-            await controller.finish_step.remote(trained, self.version)
+            update, payload = None, None
             if self.version % self.sync_interval == 0:
-                await self._publish()
+                t0 = time.time()
+                with self.ctx.spans.span("sync"):
+                    update = WeightUpdate(version=self.version, sha256=self._sha,
+                                          fingerprint=(float(self.version), 0.0), num_bytes=len(self._weights))
+                    payload = ray.put(self._weights)
+                self.publish_s += time.time() - t0
+            await controller.finish_step(trained, self.version, {"step": self.version - 1}, update, payload)
         return None
-
-    async def _publish(self) -> None:
-        t0 = time.time()
-        with self.ctx.spans.span("sync"):
-            update = WeightUpdate(version=self.version, sha256=self._sha, fingerprint=(0.0, 0.0),
-                                  num_bytes=len(self._weights))
-            await self.ctx.controller.publish.remote(update, [ray.put(self._weights)])
-        self.publish_s += time.time() - t0
 
     def result(self) -> dict[str, Any]:
         return {**self.timed.timing(), "steps": self.version, "dropped_batches": self.dropped_batches,
