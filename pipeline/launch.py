@@ -136,6 +136,16 @@ def record_taps(cfg: ConveyorConfig, df: DataFlow) -> dict[str, str]:
     for edge in cfg.record.edges:
         if edge not in df.edge_names:
             raise ConfigError(f"record.edges: {edge!r} is not an edge of the graph (edges: {df.edge_names})")
+        consumer = edge.split("->")[1]
+        if df.nodes[consumer].max_restarts > 0:
+            # The consumer writes the tap. Restarted, its new writer would number the
+            # edge's items from 0 again over the dead one's files and record the
+            # redelivered items a second time: a recording replay cannot trust.
+            raise ConfigError(
+                f"record.edges: {edge!r} is recorded by {consumer!r}, which run.max_restarts="
+                f"{cfg.run.max_restarts} restarts after a death, and a restarted stage cannot continue a "
+                f"recording; record an edge into the trainer (e.g. reference->trainer) or set run.max_restarts=0"
+            )
     return {edge: str(root / edge.split("->")[1]) for edge in cfg.record.edges}
 
 

@@ -31,3 +31,22 @@ def test_no_restarts_in_lockstep_or_for_a_regrouping_reward():
 def test_a_source_cannot_be_restarted():
     with pytest.raises(GraphError, match="node 'src': a source cannot be restarted"):
         DataFlow().add_node("src", "x:y", None, max_restarts=1)
+
+
+def test_a_tap_recorded_by_a_restartable_stage_is_refused_with_exit_2(capsys):
+    from pipeline.cli import main
+    from pipeline.config import ConfigError
+    from pipeline.launch import record_taps
+
+    def taps(*overrides: str) -> dict[str, str]:
+        cfg = load_config("configs/quickstart.yaml", list(overrides))
+        return record_taps(cfg, build_dataflow(cfg))
+
+    # The trainer is never restarted: its input can be recorded; so can any edge without restarts.
+    assert list(taps("record.edges=[reference->trainer]")) == ["reference->trainer"]
+    assert list(taps("record.edges=[rollout->reward]", "run.max_restarts=0")) == ["rollout->reward"]
+    with pytest.raises(ConfigError, match=r"record\.edges: 'rollout->reward' is recorded by 'reward'.*run\.max_restarts"):
+        taps("record.edges=[rollout->reward]")
+    code = main(["status", "--config", "configs/quickstart.yaml", "record.edges=[reward->reference]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "record.edges" in err and "run.max_restarts" in err
