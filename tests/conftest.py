@@ -1,14 +1,32 @@
-"""Shared fixtures: one local Ray cluster for the whole session (it takes seconds to start)."""
+"""Shared fixtures: one local Ray cluster for the whole session (it takes seconds to start).
+
+Every test is marked with its tier, from the folder it lives in (``tests/unit`` ->
+``unit``, ``tests/ray_local`` -> ``ray_local``, ``tests/e2e`` -> ``e2e``, ``tests/gpu`` ->
+``gpu``), so ``pytest -m unit`` or ``pytest -m "not e2e"`` selects tiers; the markers are
+registered in ``pyproject.toml`` and ``--strict-markers`` refuses any other.
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+TIERS = ("unit", "ray_local", "e2e", "gpu")
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(str(item.path)).resolve().relative_to(_TESTS).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{{{','.join(TIERS)}}}/, got tests/{tier}")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")

@@ -58,26 +58,3 @@ def test_stage_that_raises_in_lockstep_mode_is_named(ray_cluster):
     with pytest.raises(StageError) as info:
         df.run(async_execution=False, micro_batches_per_step=2)
     assert info.value.stage == "bad"
-
-
-def _timed_chain(async_execution: bool, m: int, t: float) -> float:
-    df = DataFlow()
-    df.add_node("source", FakeSource, None, count=m, delay_s=t)
-    df.add_node("s2", FakeStage, "source", delay_s=t)
-    df.add_node("s3", FakeStage, "s2", delay_s=t)
-    df.add_node("sink", FakeSink, "s3", delay_s=t)
-    result = df.run(async_execution=async_execution, micro_batches_per_step=1)
-    assert len(result.result("sink")) == m
-    return result.wall_s  # measured by the runner from the first item, after actor start-up
-
-
-def test_streaming_overlaps_four_stages(ray_cluster):
-    # Four stages of t each: streaming needs about (M + 3)·t, lock-step 4·M·t, so the
-    # ratio tends to 4M / (M + 3) = 3.2 for M = 12. Actor-call and start-up costs shrink
-    # it; we only ask for a clear overlap (> 1.8), a ratio and not a wall time.
-    m, t = 12, 0.1
-    sync_s = _timed_chain(False, m, t)
-    async_s = _timed_chain(True, m, t)
-    ratio = sync_s / async_s
-    print(f"overlap: sync {sync_s:.2f}s async {async_s:.2f}s ratio {ratio:.2f} (ideal {4 * m / (m + 3):.2f})")
-    assert ratio > 1.8
