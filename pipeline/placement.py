@@ -102,16 +102,30 @@ def _entries(cfg: ConveyorConfig) -> dict[str, Any]:
             "trainer": p.trainer}
 
 
+def estimate_trainer_bytes_per_param(dtype: str) -> int:
+    """Bytes per parameter a DeepSpeed trainer holds at its peak (the optimizer step).
+
+    float32: weights 4 + gradients 4 + Adam's two moments 8 = 16. Mixed precision
+    (bfloat16, float16): weights 2 + the backward's 16-bit gradients 2 + fp32 master
+    weights 4 + fp32 gradients 4 + Adam 8 = 20, with either ``train.grad_accum_dtype``:
+    fp32 (the default; DeepSpeed's BF16 optimizer) keeps fp32 accumulators across the
+    step's micro-batches and frees the 16-bit gradients only once a backward's are added
+    in; bf16 accumulates in the 16-bit gradients and makes the fp32 copy at the step.
+    """
+    low = DTYPE_BYTES[dtype]
+    if dtype == "float32":
+        return low + 4 + 8
+    return low + low + 4 + 4 + 8
+
+
 def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, with_reference: bool) -> float:
     """vLLM's share of one GPU that it shares with the trainer (and the reference):
     ``1 - (trainer + reference) / total - RESERVE_FRACTION``, at most ``OWN_GPU_FRACTION``.
 
-    Example: 0.5B params in bf16 on 80 GiB: trainer 0.5e9 x 18 B = 8.4 GiB, reference
-    0.5e9 x 2 B = 0.93 GiB: 1 - 9.3 / 80 - 0.1 = 0.78.
+    Example: 0.5B params in bf16 on 80 GiB: trainer 0.5e9 x 20 B = 9.3 GiB, reference
+    0.5e9 x 2 B = 0.93 GiB: 1 - 10.2 / 80 - 0.1 = 0.77.
     """
-    # The trainer holds per parameter: weights in the train dtype, fp32 master weights
-    # (mixed precision only), fp32 gradients and two fp32 Adam moments.
-    resident = num_params * (DTYPE_BYTES[dtype] + (0 if dtype == "float32" else 4) + 4 + 8)
+    resident = num_params * estimate_trainer_bytes_per_param(dtype)
     if with_reference:
         resident += num_params * DTYPE_BYTES[dtype]
     return min(OWN_GPU_FRACTION, 1.0 - resident / gpu_bytes - RESERVE_FRACTION)

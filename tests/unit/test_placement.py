@@ -12,6 +12,7 @@ from pipeline.placement import (
     PlacementError,
     check_plan,
     estimate_colocated_fraction,
+    estimate_trainer_bytes_per_param,
     plan_placement,
 )
 
@@ -40,11 +41,21 @@ def test_one_gpu_is_shared_and_vllm_gets_what_trainer_and_reference_leave():
     for name in ("rollout", "reference", "trainer"):
         assert p.stages[name].gpus == (0,) and p.stages[name].share == (pytest.approx(1 / 3),)
     assert p.stages["reward"].gpus == () and p.stages["source"].gpus == ()
-    # trainer 0.5e9 x 18 B = 9e9, reference 0.5e9 x 2 B = 1e9: 1 - 10e9 / (80 x 2^30) - 0.1 = 0.78358
-    assert p.rollout_memory_fraction == 0.784
+    # trainer 0.5e9 x 20 B = 10e9, reference 0.5e9 x 2 B = 1e9: 1 - 11e9 / (80 x 2^30) - 0.1 = 0.77194
+    assert p.rollout_memory_fraction == 0.772
     assert estimate_colocated_fraction(500_000_000, "bfloat16", 80 * GIB, with_reference=False) == pytest.approx(
-        1 - 9e9 / (80 * GIB) - 0.1)
-    assert any("~9.3 GiB resident of 80 GiB" in n for n in p.notes), p.notes
+        1 - 10e9 / (80 * GIB) - 0.1)
+    # 11e9 B / 2^30 = 10.24 GiB
+    assert any("~10.2 GiB resident of 80 GiB" in n for n in p.notes), p.notes
+
+
+def test_trainer_bytes_per_param_count_fp32_accumulation():
+    # bf16 / fp16: weights 2 + 16-bit gradients 2 + fp32 master 4 + fp32 gradients
+    # (accumulators with train.grad_accum_dtype: fp32) 4 + Adam m and v 4 + 4 = 20.
+    assert estimate_trainer_bytes_per_param("bfloat16") == 20
+    assert estimate_trainer_bytes_per_param("float16") == 20
+    # float32: weights 4 + gradients 4 + Adam 8 = 16 (no master copy).
+    assert estimate_trainer_bytes_per_param("float32") == 16
 
 
 def test_two_gpus_split_rollout_from_trainer_and_reference():
@@ -71,7 +82,7 @@ def test_explicit_gpu_lists_share_by_actor_count():
     assert p.stages["rollout"].share == (1.0, pytest.approx(1 / 3))
     assert p.stages["trainer"].share == (pytest.approx(1 / 3),)
     # rollout shares GPU 1 with both: vLLM's share is planned as on one GPU.
-    assert p.rollout_memory_fraction == 0.784
+    assert p.rollout_memory_fraction == 0.772
 
 
 def test_a_stage_not_named_in_an_explicit_plan_gets_no_gpu():
@@ -97,7 +108,7 @@ def test_impossible_plans_are_refused_naming_stage_and_gpu(sections, gpus, messa
 
 
 def test_a_model_too_large_for_one_shared_gpu_is_refused():
-    # 7e9 x 20 B = 140e9 > 80 GiB: vLLM would get less than nothing.
+    # 7e9 x (20 + 2) B = 154e9 > 80 GiB: vLLM would get less than nothing.
     with pytest.raises(PlacementError, match="does not fit trainer, reference and vLLM on one GPU of 80 GiB"):
         plan(config(), 1, params=7_000_000_000)
 
@@ -123,7 +134,7 @@ def test_rollout_replicas_sharing_a_gpu_split_vllms_share():
     # 2 GPUs, 4 replicas: min(4, 2 - 1) = 1 rollout GPU holds all four engines: 0.9 / 4.
     p = plan(config(rollout={"num_workers": 4}), 2)
     assert p.stages["rollout"].gpus == (0, 0, 0, 0) and p.rollout_memory_fraction == 0.225
-    # One GPU, two engines beside trainer and reference: 0.78358 / 2 = 0.392.
-    assert plan(config(rollout={"num_workers": 2}), 1).rollout_memory_fraction == 0.392
+    # One GPU, two engines beside trainer and reference: 0.77194 / 2 = 0.386.
+    assert plan(config(rollout={"num_workers": 2}), 1).rollout_memory_fraction == 0.386
     with pytest.raises(PlacementError, match=r"2 vLLM engines on one GPU .* would ask for 1.20"):
         plan(config(rollout={"num_workers": 2, "gpu_memory_utilization": 0.6}), 2)
