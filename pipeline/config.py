@@ -187,6 +187,25 @@ class ReferenceConfig(msgspec.Struct, **_section()):
     memory: MemoryConfig = MemoryConfig()
 
 
+class CriticConfig(msgspec.Struct, **_section()):
+    """The value model (``stages/critic.py``), a stage of its own that runs when the
+    algorithm needs values (``algorithm.name: ppo``). ``path``: a local
+    ``AutoModelForTokenClassification`` checkpoint with one label; None: the policy
+    (``model.path``) with a fresh scalar head. It trains with DeepSpeed (``train``'s ZeRO
+    stage and dtype) at its own ``lr`` on each micro-batch as it passes: ``epochs``
+    passes of the clipped value loss (``value_clip``, None: unclipped) over the
+    micro-batch's returns, one optimizer step each. ``chunk_size``: samples per forward."""
+
+    path: str | None = None
+    lr: PosFloat = 1e-5
+    weight_decay: NonNegFloat = 0.0
+    grad_clip: NonNegFloat = 1.0
+    value_clip: PosFloat | None = 0.5
+    epochs: PosInt = 1
+    chunk_size: PosInt = 16
+    threads: NonNegInt = 0  # torch threads in the critic; 0 = leave default
+
+
 class TrainConfig(msgspec.Struct, **_section()):
     lr: PosFloat = 3e-4
     weight_decay: NonNegFloat = 0.0
@@ -276,6 +295,8 @@ class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
 
     # Advantages compare the samples of one prompt: needs rollout.n >= 2.
     group_baseline: ClassVar[bool] = True
+    # Advantages read a critic's per-token values: the graph gets a critic stage.
+    needs_critic: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -316,6 +337,7 @@ class PpoConfig(_AlgorithmFields, tag="ppo"):
     lam: Annotated[float, Meta(ge=0, le=1)] = 0.95
     adv_whiten: Literal["whiten", "scale", "none"] = "whiten"
     group_baseline: ClassVar[bool] = False
+    needs_critic: ClassVar[bool] = True
 
 
 # One entry per ``stages/algorithms/registry.py`` entry (a unit test keeps them equal).
@@ -357,6 +379,7 @@ class PlacementConfig(msgspec.Struct, **_section()):
     rollout: PlacementEntry = PlacementEntry()
     reward: PlacementEntry = PlacementEntry()
     reference: PlacementEntry = PlacementEntry()
+    critic: PlacementEntry = PlacementEntry()
     trainer: PlacementEntry = PlacementEntry()
 
 
@@ -397,6 +420,7 @@ class ConveyorConfig(msgspec.Struct, **_section()):
     reward: RewardConfig = RewardConfig()
     reference: ReferenceConfig = ReferenceConfig()
     train: TrainConfig = TrainConfig()
+    critic: CriticConfig = CriticConfig()
     algorithm: AlgorithmConfig = GrpoConfig()
     dataflow: DataflowConfig = DataflowConfig()
     placement: PlacementConfig = PlacementConfig()
@@ -412,6 +436,10 @@ class ConveyorConfig(msgspec.Struct, **_section()):
         if self.reference.enabled == "auto":
             return self.algorithm.kl_coef > 0 or self.algorithm.use_kl_in_reward
         return self.reference.enabled == "on"
+
+    @property
+    def critic_enabled(self) -> bool:
+        return self.algorithm.needs_critic
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -667,6 +695,12 @@ def check_algorithm(cfg: ConveyorConfig) -> None:
         raise ConfigError(
             f"algorithm.drop_zero_variance_groups: needs rollout.n >= 2 (a group of one sample always has "
             f"zero variance), got rollout.n {ro.n}")
+    if algo.needs_critic and algo.use_kl_in_reward and algo.kl_ctrl.type == "adaptive":
+        # The critic assigns advantages and returns upstream of the trainer, whose KL
+        # controller moves an adaptive coefficient; the critic sees only the fixed one.
+        raise ConfigError(
+            f"algorithm.kl_ctrl.type: expected 'fixed' with algorithm.name {algo.name!r} (the critic computes "
+            f"returns with kl_ctrl.kl_coef), got 'adaptive'")
     if algo.overlong_buffer_len >= ro.max_tokens:
         raise ConfigError(
             f"algorithm.overlong_buffer_len: expected < rollout.max_tokens ({ro.max_tokens}), "

@@ -1,6 +1,7 @@
 """``conveyor launch``: build the RL DataFlow from a config and drive it to the end.
 
-The built-in graph is a chain ``source -> rollout -> reward [-> reference] -> trainer``;
+The built-in graph is a chain ``source -> rollout -> reward [-> reference] [-> critic] -> trainer``
+(the critic when the algorithm needs values, ``algorithm.name: ppo``);
 ``dataflow.nodes`` replaces it with a custom graph. Stage classes are named by import
 path, so this module imports no model code.
 
@@ -78,7 +79,8 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
                         num_cpus=place.num_cpus if place else 0.0,
                         num_gpus=place.num_gpus if place else 0.0, **spec.kwargs)
     else:
-        chain = ["source", "rollout", "reward"] + (["reference"] if cfg.reference_enabled else []) + ["trainer"]
+        chain = (["source", "rollout", "reward"] + (["reference"] if cfg.reference_enabled else [])
+                 + (["critic"] if cfg.critic_enabled else []) + ["trainer"])
         prev = None
         for name in chain:
             place = getattr(cfg.placement, name)
@@ -125,6 +127,13 @@ def count_model_params(cfg: ConveyorConfig) -> int:
 
     config = json.loads((load_builtin("resolve_model_path")(cfg.model) / "config.json").read_text())
     return ModelShape.from_hf_config(config).num_params
+
+
+def collect_stage_metrics(statuses: dict[str, dict[str, Any]], prefixes: tuple[str, ...]) -> dict[str, float]:
+    """The numbers under ``prefixes`` (``critic/``) in the stages' latest ``status()``,
+    for the step's metrics."""
+    return {k: float(v) for status in statuses.values() for k, v in status.items()
+            if k.startswith(prefixes) and _is_number(v)}
 
 
 def record_taps(cfg: ConveyorConfig, df: DataFlow) -> dict[str, str]:
@@ -206,6 +215,7 @@ class Reporter:
                 metrics[f"queue/{name}/mean_depth"] = q["mean_depth"]
             metrics["samples/in_flight"] = drain["ledger"]["in_flight"] * self.cfg.rollout.n
             metrics.update(merge_guard_metrics(graph.stage_status))
+            metrics.update(collect_stage_metrics(graph.stage_status, ("critic/",)))
             self._last_step_end = end
             self._recent = [sp for sp in self._recent if sp.end > end]
             self.writer.log(int(step["step"]), {k: v for k, v in metrics.items()

@@ -23,6 +23,7 @@ STAGE_CLASSES: dict[str, str] = {
     "rollout": "stages.rollout.stage:RolloutStage",
     "reward": "stages.reward:RewardStage",
     "reference": "stages.reference:ReferenceStage",
+    "critic": "stages.critic:CriticStage",
     "trainer": "stages.trainer:TrainerStage",
 }
 

@@ -179,6 +179,58 @@ def load_state_file(path: str, map_location: Any = None) -> Any:
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
+def build_deepspeed_engine(model: Any, train: TrainConfig, dtype: str, total_steps: int = 0) -> Any:
+    """``model`` (float32, train mode) wrapped in a single-process DeepSpeed engine with
+    ``build_deepspeed_config(train, ...)`` and ``train``'s lr schedule over
+    ``total_steps`` optimizer steps. The trainer and the critic both build theirs here."""
+    import deepspeed  # heavy import; only the training processes pay for it
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ensure_single_process_env()
+    ds_config = build_deepspeed_config(train, dtype, torch.cuda.is_available())
+    params = [p for p in model.parameters() if p.requires_grad]
+    scheduler = build_lr_scheduler(train.lr_scheduler, train.warmup_steps, total_steps, train.min_lr_ratio)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
+                                           lr_scheduler=scheduler)
+    return engine
+
+
+def optimizer_reports_grad_norm(optimizer: Any) -> bool:
+    """Whether DeepSpeed's ``optimizer`` computes the gradient norm itself during
+    ``step()`` (ZeRO, the bf16/fp16 wrappers); torch AdamW under ZeRO 0 does not."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    # The BF16 optimizer sets its norm (of its fp32 accumulators) only inside step().
+    return isinstance(optimizer, BF16_Optimizer) or hasattr(optimizer, "_global_grad_norm")
+
+
+def compute_grad_norm(module: Any) -> float:
+    """Global L2 norm of ``module``'s accumulated gradients (float64 sum of squares)."""
+    total = 0.0
+    for param in module.parameters():
+        if param.grad is not None:
+            total += float(param.grad.detach().double().square().sum())
+    return math.sqrt(total)
+
+
+def save_engine_state(engine: Any, path: Path, client_state: dict[str, Any]) -> None:
+    """Model, optimizer and lr schedule of a DeepSpeed ``engine`` under directory ``path``,
+    with ``client_state`` (plain numbers and bytes) beside them."""
+    engine.save_checkpoint(str(path), tag=_STATE_TAG, client_state=client_state, save_latest=False)
+
+
+def load_engine_state(engine: Any, path: Path) -> dict[str, Any]:
+    """Inverse of ``save_engine_state``; returns the ``client_state``. Files are read with
+    the weights-only unpickler (``load_state_file``): a tampered file is refused."""
+    engine.checkpoint_engine.load = load_state_file
+    load_path, client_state = engine.load_checkpoint(
+        str(path), tag=_STATE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if load_path is None:
+        raise FileNotFoundError(f"no engine state under {path}")
+    return dict(client_state)
+
+
 class TrainerEngine:
     """DeepSpeed-backed GRPO learner on one process (see the module guarantees).
 
@@ -225,19 +277,12 @@ class TrainerEngine:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-        import deepspeed  # heavy import; only the trainer process pays for it
         from transformers import AutoModelForCausalLM
 
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        ensure_single_process_env()
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         model.train()
-        ds_config = build_deepspeed_config(train, dtype, torch.cuda.is_available())
-        params = [p for p in model.parameters() if p.requires_grad]
         # total_steps: the run's optimizer steps, where a decaying lr schedule ends.
-        scheduler = build_lr_scheduler(train.lr_scheduler, train.warmup_steps, total_steps, train.min_lr_ratio)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
-                                                    lr_scheduler=scheduler)
+        self.engine = build_deepspeed_engine(model, train, dtype, total_steps)
         self.module = self.engine.module
         self._keep = accepts_logits_to_keep(self.module)
         self._ipc: CudaIpcExporter | None = None  # made on the first cuda_ipc export
@@ -328,15 +373,12 @@ class TrainerEngine:
             raise RuntimeError("optimizer_step: no micro-batch was trained since the last step")
         # torch AdamW under ZeRO 0 does not record the norm; ZeRO and the bf16/fp16
         # optimizers compute it themselves during step().
-        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
         zero_scaled = grad_scale != 1.0 and isinstance(self.engine.optimizer, DeepSpeedZeroOptimizer)
         if grad_scale != 1.0 and not zero_scaled:
             self._scale_gradients(grad_scale)
-        # The BF16 optimizer sets its norm (of its fp32 accumulators) only inside step().
-        reports_norm = isinstance(self.engine.optimizer, BF16_Optimizer) or hasattr(self.engine.optimizer, "_global_grad_norm")
-        own_norm = None if reports_norm else self._compute_grad_norm()
+        own_norm = None if optimizer_reports_grad_norm(self.engine.optimizer) else compute_grad_norm(self.module)
         lr = float(self.engine.get_lr()[0])
         skipped_before = self.engine.skipped_steps
         if zero_scaled:
@@ -392,14 +434,6 @@ class TrainerEngine:
         params = [p for p in self.module.parameters() if p.requires_grad]
         safe_update_full_grad_vectorized(params, lambda grad, _param: grad.mul_(factor))
 
-    def _compute_grad_norm(self) -> float:
-        """Global L2 norm of the accumulated gradients (float64 sum of squares)."""
-        total = 0.0
-        for param in self.module.parameters():
-            if param.grad is not None:
-                total += float(param.grad.detach().double().square().sum())
-        return math.sqrt(total)
-
     # ------------------------------------------------------------------ weights out
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
@@ -450,7 +484,7 @@ class TrainerEngine:
         """Write model, optimizer state, version and RNG states under directory ``path``."""
         client_state = {"conveyor_version": self.version, "conveyor_rng": self.get_rng_state(),
                         "conveyor_extra": {k: float(v) for k, v in self.extra_state.items()}}
-        self.engine.save_checkpoint(str(path), tag=_STATE_TAG, client_state=client_state, save_latest=False)
+        save_engine_state(self.engine, path, client_state)
 
     def load_state(self, path: Path) -> None:
         """Restore what ``save_state`` wrote; pending (unstepped) gradients are dropped.
@@ -458,12 +492,7 @@ class TrainerEngine:
         DeepSpeed's state files are pickles; they are read with torch's weights-only
         unpickler (``load_state_file``), so a tampered file is refused, never executed.
         """
-        self.engine.checkpoint_engine.load = load_state_file
-        load_path, client_state = self.engine.load_checkpoint(
-            str(path), tag=_STATE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if load_path is None:
-            raise FileNotFoundError(f"no trainer state under {path}")
+        client_state = load_engine_state(self.engine, path)
         self._discard_gradients()
         self.version = int(client_state["conveyor_version"])
         self.extra_state = {k: float(v) for k, v in client_state.get("conveyor_extra", {}).items()}

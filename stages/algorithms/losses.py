@@ -1,4 +1,5 @@
-"""Losses as pure torch functions: KL estimators, aggregation, the clipped policy loss.
+"""Losses as pure torch functions: KL estimators, aggregation, the clipped policy loss,
+the critic's clipped value loss.
 
 Guarantees:
 - No state, no I/O, no device placement: every function maps tensors to tensors (and
@@ -230,6 +231,39 @@ def compute_policy_loss(
             fresh = m * _as_float_mask(fresh_mask, m)
             metrics["logp_mismatch"] = _masked_mean((logp.detach() - behaviour).abs(), fresh)
     return loss, metrics
+
+
+def compute_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float | None = 0.5,
+) -> tuple[Tensor, dict[str, float]]:
+    """The critic's loss (PPO's clipped value loss, as verl and OpenRLHF):
+    ``0.5 * max((V - R)^2, (V_clip - R)^2)`` with ``V_clip = V_old + clip(V - V_old, ±clip_eps)``,
+    the token mean over ``mask``; ``clip_eps`` None: ``0.5 * (V - R)^2``.
+
+    ``values`` (with grad), ``old_values`` (what the critic predicted when the batch
+    arrived), ``returns``, ``mask`` [S, C]. Metrics: ``vf_loss``, ``vf_clip_frac``
+    (tokens whose clipped error was the larger), ``value_mean``, ``return_mean``,
+    ``value_error`` (mean |V - R|)."""
+    m = _as_float_mask(mask, values)
+    valid = m > 0
+    v = _zero_where_invalid(values, valid)
+    old = _zero_where_invalid(old_values.to(values.dtype), valid)
+    ret = _zero_where_invalid(returns.to(values.dtype), valid)
+    err = (v - ret).square()
+    if clip_eps is None:
+        per_token, clipped = err, torch.zeros_like(err)
+    else:
+        v_clip = old + (v - old).clamp(-clip_eps, clip_eps)
+        err_clip = (v_clip - ret).square()
+        per_token, clipped = torch.maximum(err, err_clip), (err_clip > err).float()
+    loss = 0.5 * aggregate_loss(per_token, m, "token-mean")
+    return loss, {
+        "vf_loss": float(loss.detach()),
+        "vf_clip_frac": _masked_mean(clipped, m),
+        "value_mean": _masked_mean(v.detach(), m),
+        "return_mean": _masked_mean(ret, m),
+        "value_error": _masked_mean((v.detach() - ret).abs(), m),
+    }
 
 
 def compute_token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
