@@ -139,6 +139,12 @@ def build_sampling_params(sampling: SamplingSettings, seed: int | None, *, final
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    extra: dict[str, Any] = {}
+    if "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()):
+        # Log-probs kept as flat lists, not a dict and a Logprob object per token: the
+        # per-token objects cost the engine's frontend about a third of a GPU step's
+        # time (measured on an H200: 0.58 s a step without log-probs, 0.87 s with).
+        extra["flat_logprobs"] = True
     return SamplingParams(
         n=1,
         temperature=sampling.temperature,
@@ -149,7 +155,25 @@ def build_sampling_params(sampling: SamplingSettings, seed: int | None, *, final
         logprobs=0,  # the sampled token's log-prob only
         output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
         detokenize=not final_only,
+        **extra,
     )
+
+
+def read_sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """The sampled token's log-prob at each of ``token_ids`` from a completion's
+    ``logprobs`` (requested with ``logprobs=0``: one entry per position, the sampled
+    token). vLLM's flat form (lists over all positions) is read as is; the classic
+    form (a dict per position) by token id. Strict: a position without its token's
+    log-prob fails the request loudly."""
+    flat = getattr(logprobs, "logprobs", None)
+    if isinstance(flat, list):
+        if logprobs.token_ids != token_ids or len(flat) != len(token_ids):
+            raise ValueError(
+                f"vLLM returned log-probs for {len(flat)} positions / tokens {logprobs.token_ids[:8]}..., "
+                f"expected one per sampled token ({len(token_ids)}: {token_ids[:8]}...)"
+            )
+        return flat
+    return [float(lp[tok].logprob) for tok, lp in zip(token_ids, logprobs or (), strict=True)]
 
 
 def expand_splits(splits: list[tuple[int, int]], num_tokens: int) -> list[int]:
@@ -335,9 +359,7 @@ class VLLMBackend:
             versions = expand_version_spans(getattr(comp, "weight_versions", None), len(token_ids))
         return Completion(
             token_ids=token_ids,
-            # Each position's dict holds the sampled token (logprobs=0); strict: one
-            # log-prob per token or the request fails loudly.
-            logprobs=[float(lp[tok].logprob) for tok, lp in zip(token_ids, comp.logprobs or (), strict=True)],
+            logprobs=read_sampled_logprobs(comp.logprobs, token_ids),
             token_versions=versions or expand_splits(splits, len(token_ids)),
             finish_reason=comp.finish_reason or "abort",
             text=self._tokenizer.decode(token_ids, skip_special_tokens=True),
@@ -397,7 +419,7 @@ class VLLMBackend:
                 new = list(comp.token_ids)
                 token_ids.extend(new)
                 self._finished_tokens += len(new)
-                logprobs.extend(float(lp[tok].logprob) for tok, lp in zip(new, comp.logprobs or (), strict=True))
+                logprobs.extend(read_sampled_logprobs(comp.logprobs, new))
                 arrival_versions.extend([self._version] * len(new))
                 text.append(comp.text)
                 if comp.finish_reason is not None:

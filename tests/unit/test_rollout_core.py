@@ -213,3 +213,26 @@ def test_split_points_expand_to_one_version_per_token() -> None:
     # Two updates while in flight, the second before any new token came.
     assert expand_splits([(0, 1), (3, 2), (6, 3)], 7) == [1, 1, 1, 2, 2, 2, 3]
     assert expand_splits([(0, 1)], 0) == []
+
+
+def test_sampled_logprobs_are_read_from_the_flat_and_the_classic_form() -> None:
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from stages.rollout.vllm_backend import build_sampling_params, read_sampled_logprobs
+
+    positions = [{7: Logprob(-0.5, rank=1)}, {3: Logprob(-1.25, rank=2)}]
+    flat = FlatLogprobs()
+    for position in positions:
+        flat.append(position)
+    assert read_sampled_logprobs(flat, [7, 3]) == [-0.5, -1.25]
+    assert read_sampled_logprobs(positions, [7, 3]) == [-0.5, -1.25]
+    # The sampled token must be the one the log-prob belongs to, in either form.
+    with pytest.raises(ValueError, match="one per sampled token"):
+        read_sampled_logprobs(flat, [7, 4])
+    with pytest.raises(KeyError):
+        read_sampled_logprobs(positions, [7, 4])
+    # One log-prob missing: the request fails instead of shifting the rest.
+    with pytest.raises(ValueError):
+        read_sampled_logprobs(positions[:1], [7, 3])
+    params = build_sampling_params(SamplingSettings(n=1, temperature=1.0, max_tokens=4), None, final_only=True)
+    assert params.flat_logprobs and params.logprobs == 0
