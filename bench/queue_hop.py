@@ -3,12 +3,13 @@
 Measures one hop of ``pipeline.queue`` (``create_queue`` + ``QueueHandle.put``/``get``):
 a producer puts a numpy array of 1 KB .. 64 MB while the consumer already waits in
 ``get``; latency runs from the producer's ``put`` call to the consumer holding the value
-(both clocks are ``time.time()`` of one machine). Two producers: another actor (the case
-of every stage edge) and the driver; and, up to 64 KB, the value carried inline in the
-queue actor's ``put`` call instead of by reference (an alternative the queue could adopt
-for small items; the queue actor stores whatever list it is given). Split of a hop: ``ray.put`` (the copy into
-the object store), the ``put`` call to the queue actor, and delivery (the queue wakes the
-waiting ``get``, which returns the reference, and the consumer maps the object).
+(both clocks are ``time.time()`` of one machine). Producers: another actor, as a stage
+shell emits (``pipeline.queue.fits_inline`` values ride inline in the queue calls,
+larger ones go by reference), the driver, and, up to 64 KB, an actor that always goes
+by reference (what every hop cost before small items went inline). Split of a hop:
+``ray.put`` (the copy into the object store; none inline), the ``put`` call to the queue
+actor, and delivery (the queue wakes the waiting ``get``, which returns the entry, and
+the consumer maps the object or takes the value).
 
 Baselines measured in the same run:
 - ``np.copyto`` of the same number of bytes between two pre-touched buffers: one copy;
@@ -33,12 +34,11 @@ import numpy as np
 import ray
 
 from bench.common import measure_memcpy_bandwidth, new_figure, publish_result, save_figure, summarize
-from pipeline.queue import QueueHandle, create_queue
+from pipeline.queue import INLINE_MAX_BYTES, QueueHandle, create_queue, fits_inline
 from pipeline.runner import init_ray
 
 KB = 1 << 10
 MB = 1 << 20
-INLINE_MAX = 64 * KB  # below Ray's 100 KiB limit for arguments carried inside the call
 
 
 @ray.remote(num_cpus=0)
@@ -54,23 +54,18 @@ class HopEndpoint:
     def ping(self) -> float:
         return time.time()
 
-    async def send(self, q: QueueHandle, size: int) -> tuple[float, float, float]:
-        """(start, after ray.put, after the put call): ``QueueHandle.put`` in two halves."""
+    async def send(self, q: QueueHandle, size: int, by_reference: bool = False) -> tuple[float, float, float]:
+        """(start, after ray.put, after the put call): ``QueueHandle.put`` in two halves,
+        as a stage shell emits (or always by reference)."""
         t0 = time.time()
-        ref = ray.put(self.payloads[size])
+        value = self.payloads[size]
+        entry = value if fits_inline(value) and not by_reference else ray.put(value)
         t1 = time.time()
-        await q.put_ref(ref)
+        await q.put_entry(entry)
         return t0, t1, time.time()
 
-    async def send_inline(self, q: QueueHandle, size: int) -> tuple[float, float, float]:
-        """The alternative for small items: the value itself rides in the queue actor's
-        ``put`` call (Ray inlines small arguments), with no ``ray.put`` and no reference."""
-        t0 = time.time()
-        await q.actor.put.remote([self.payloads[size]])
-        return t0, t0, time.time()
-
-    async def recv(self, q: QueueHandle, inline: bool = False) -> tuple[float, bool, int]:
-        value = (await q.actor.get.remote())[0] if inline else await q.get()
+    async def recv(self, q: QueueHandle) -> tuple[float, bool, int]:
+        value = await q.get()
         t = time.time()
         zero_copy = isinstance(value, np.ndarray) and not value.flags.writeable
         n = int(value.nbytes)
@@ -80,7 +75,7 @@ class HopEndpoint:
 
 async def measure_hops(size: int, repeats: int, mode: str) -> dict[str, Any]:
     """``mode``: "actor" (actor -> actor, the stage edge), "driver" (driver -> actor) or
-    "inline" (actor -> actor with the value inside the put call, no object-store ref)."""
+    "by_reference" (actor -> actor through the object store whatever the size)."""
     prod, cons = HopEndpoint.remote(), HopEndpoint.remote()
     await prod.prepare.remote(size)
     q = create_queue("hop_producer", "hop_consumer", bound=4)
@@ -88,21 +83,19 @@ async def measure_hops(size: int, repeats: int, mode: str) -> dict[str, Any]:
     lat, put_copy, put_call, delivery, zero_copy = [], [], [], [], True
     try:
         for i in range(repeats + 1):  # the first hop warms up connections and is discarded
-            pending = cons.recv.remote(q, inline=mode == "inline")
+            pending = cons.recv.remote(q)
             # Let the consumer's get reach the queue actor first, so a hop never
             # includes the consumer's own call start-up.
             await asyncio.sleep(0.005)
             if mode == "driver":
                 t0 = time.time()
-                ref = ray.put(payload)
+                entry = payload if fits_inline(payload) else ray.put(payload)
                 t1 = time.time()
-                await q.put_ref(ref)
+                await q.put_entry(entry)
                 t2 = time.time()
-                del ref
-            elif mode == "inline":
-                t0, t1, t2 = await prod.send_inline.remote(q, size)
+                del entry
             else:
-                t0, t1, t2 = await prod.send.remote(q, size)
+                t0, t1, t2 = await prod.send.remote(q, size, by_reference=mode == "by_reference")
             t3, zc, n = await pending
             if n != size:
                 raise RuntimeError(f"hop of {size} bytes delivered {n}")
@@ -148,13 +141,14 @@ async def _run_async(sizes: list[int], quick: bool) -> dict[str, Any]:
         actor = await measure_hops(size, reps, "actor")
         driver = await measure_hops(size, reps, "driver")
         row = {"bytes": size, "actor": actor, "driver": driver}
-        if size <= INLINE_MAX:
-            row["inline"] = await measure_hops(size, reps, "inline")
+        if size <= INLINE_MAX_BYTES:
+            row["by_reference"] = await measure_hops(size, reps, "by_reference")
         row["memcpy"] = measure_memcpy_bandwidth(size, repeats=max(5, reps))
         rows.append(row)
-        inline = f"  inline hop {1e3 * row['inline']['latency_s']['median']:8.2f} ms" if "inline" in row else ""
+        by_ref = (f"  by reference {1e3 * row['by_reference']['latency_s']['median']:8.2f} ms"
+                  if "by_reference" in row else "")
         print(f"{size:>10} B  actor hop {1e3 * actor['latency_s']['median']:8.2f} ms  driver hop "
-              f"{1e3 * driver['latency_s']['median']:8.2f} ms{inline}  memcpy {1e3 * row['memcpy']['median_s']:8.3f} ms"
+              f"{1e3 * driver['latency_s']['median']:8.2f} ms{by_ref}  memcpy {1e3 * row['memcpy']['median_s']:8.3f} ms"
               f"  zero-copy {actor['zero_copy']}", flush=True)
     return {"call_rtt_s": rtt, "rows": rows}
 
@@ -167,7 +161,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     rows = measured["rows"]
     small = rows[0]["actor"]["latency_s"]["median"]
     for r in rows:
-        for side in ("actor", "driver", "inline"):
+        for side in ("actor", "driver", "by_reference"):
             if side not in r:
                 continue
             hop = r[side]["latency_s"]["median"]
@@ -179,18 +173,20 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "small_hop_driver_median_ms": 1e3 * rows[0]["driver"]["latency_s"]["median"],
         "actor_call_rtt_median_ms": 1e3 * measured["call_rtt_s"]["median"],
         "small_hop_over_call_rtt": small / measured["call_rtt_s"]["median"],
-        "small_hop_inline_median_ms": 1e3 * rows[0]["inline"]["latency_s"]["median"],
+        "small_hop_by_reference_median_ms": 1e3 * rows[0]["by_reference"]["latency_s"]["median"],
         "largest_bytes": big["bytes"],
         "largest_hop_bandwidth_gb_s": big["actor"]["bandwidth_bytes_per_s"] / 1e9,
         "memcpy_bandwidth_gb_s": big["memcpy"]["bytes_per_s"] / 1e9,
         "largest_hop_over_memcpy_time": big["actor"]["latency_s"]["median"] / big["memcpy"]["median_s"],
         "largest_hop_copies": big["actor"]["copies"],
-        "consumer_zero_copy": all(r["actor"]["zero_copy"] and r["driver"]["zero_copy"] for r in rows),
+        # Only values that went through the object store can be mapped (inline ones are copies).
+        "consumer_zero_copy": all(r["actor"]["zero_copy"] and r["driver"]["zero_copy"] for r in rows
+                                  if r["bytes"] > INLINE_MAX_BYTES),
     }
     payload = {
         "quick": quick,
         "units": "seconds and bytes per second unless a key says otherwise",
-        "params": {"sizes": sizes, "queue_bound": 4},
+        "params": {"sizes": sizes, "queue_bound": 4, "inline_max_bytes": INLINE_MAX_BYTES},
         "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "call_rtt_s": measured["call_rtt_s"],
         "rows": rows,
@@ -206,9 +202,9 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax = axes[0][0]
     for side, style in (("actor", "o-"), ("driver", "s--")):
         ax.plot(xs, [1e3 * r[side]["latency_s"]["median"] for r in rows], style, label=f"hop from {side} (median)")
-    inl = [r for r in rows if "inline" in r]
-    ax.plot([r["bytes"] for r in inl], [1e3 * r["inline"]["latency_s"]["median"] for r in inl], "x-",
-            label="value inline in the put call")
+    ref = [r for r in rows if "by_reference" in r]
+    ax.plot([r["bytes"] for r in ref], [1e3 * r["by_reference"]["latency_s"]["median"] for r in ref], "x-",
+            label="always by reference")
     ax.plot(xs, [1e3 * r["memcpy"]["median_s"] for r in rows], "^:", label="np.copyto (one copy)")
     ax.axhline(1e3 * payload["call_rtt_s"]["median"], color="grey", linestyle=":", label="empty actor call RTT")
     ax.axhline(2.0, color="red", linestyle="-.", linewidth=0.8, label="target 2 ms (small)")

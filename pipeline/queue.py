@@ -3,6 +3,11 @@
 Guarantees:
 - An item on a queue is an ``ObjectRef`` to a micro-batch; the queue actor holds the
   reference only (wrapped in a list so Ray does not resolve it), never the tensors.
+  A small item (``fits_inline``: at most ``INLINE_MAX_BYTES`` of buffers and strings)
+  travels inline instead, as the value itself inside the queue calls: a reference
+  costs a store write, the owner's bookkeeping for two borrowers and a fetch, several
+  times the two calls that carry the value (``bench/queue_hop.py``). Consumers take
+  either (``resolve_entry``).
 - ``put`` suspends the producer while the queue holds ``bound`` items: backpressure,
   never a silent drop. The depth never exceeds the bound.
 - Items leave in the order they entered, so each producer's items keep their order.
@@ -35,7 +40,46 @@ import collections
 import time
 from typing import Any, NamedTuple
 
+import msgspec
+import numpy as np
 import ray
+
+# Ray carries call arguments up to 100 KiB inside the call; a value estimated below this
+# stays well under it (the estimate leaves out per-object overhead).
+INLINE_MAX_BYTES = 64 << 10
+
+
+def fits_inline(value: Any, limit: int = INLINE_MAX_BYTES) -> bool:
+    """Whether ``value`` is small enough to travel inside the queue calls: its numpy
+    buffers, bytes and strings (through Structs, lists, tuples and dicts) add up to at
+    most ``limit`` bytes, other leaves counted at 16 bytes. Stops at the first overflow."""
+    left = limit
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, np.ndarray):
+            left -= v.nbytes
+        elif isinstance(v, str | bytes | bytearray):
+            left -= len(v)
+        elif isinstance(v, msgspec.Struct):
+            stack.extend(getattr(v, f) for f in v.__struct_fields__)
+        elif isinstance(v, list | tuple):
+            left -= 8 * len(v)
+            stack.extend(v)
+        elif isinstance(v, dict):
+            left -= 8 * len(v)
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        else:
+            left -= 16
+        if left < 0:
+            return False
+    return True
+
+
+async def resolve_entry(entry: Any) -> Any:
+    """The value of a queue entry: fetched when it is an ``ObjectRef``, else the value."""
+    return await entry if isinstance(entry, ray.ObjectRef) else entry
 
 
 class _End:
@@ -52,6 +96,12 @@ class _End:
 
 
 END = _End()
+
+
+def is_end(x: Any) -> bool:
+    """Whether ``x`` is the end-of-stream marker (never ``==``: an inline numpy value
+    would compare elementwise)."""
+    return isinstance(x, _End)
 
 
 class QueueClosed(RuntimeError):
@@ -242,7 +292,8 @@ class QueueHandle:
     """Client side of an edge; picklable, so it can be passed to stage actors.
 
     ``put`` stores the value in the object store once (``ray.put``) and moves only the
-    reference; ``get`` returns the reference's value (zero-copy for numpy buffers).
+    reference, or moves a small value inline; ``get`` returns the value (zero-copy for
+    numpy buffers read from the store).
     """
 
     def __init__(self, name: str, actor: Any, bound: int, producer: str, consumer: str) -> None:
@@ -252,26 +303,27 @@ class QueueHandle:
         self.producer = producer
         self.consumer = consumer
 
-    async def put_ref(self, ref: ray.ObjectRef, origin: Origin | None = None) -> float:
-        return await self.actor.put.remote([ref], origin)
+    async def put_entry(self, entry: Any, origin: Origin | None = None) -> float:
+        """Enqueue ``entry``: an ``ObjectRef``, or a value that ``fits_inline``."""
+        return await self.actor.put.remote([entry], origin)
 
     async def put(self, value: Any) -> float:
-        return await self.put_ref(ray.put(value))
+        return await self.put_entry(value if fits_inline(value) else ray.put(value))
 
-    async def get_ref(self) -> Any:
-        """The next ``ObjectRef``, or ``END``."""
+    async def get_entry(self) -> Any:
+        """The next entry (an ``ObjectRef`` or an inline value), or ``END``."""
         item = await self.actor.get.remote()
-        return END if item == END else item[0]
+        return END if is_end(item) else item[0]
 
     async def get(self) -> Any:
         """The next value, or ``END``."""
-        ref = await self.get_ref()
-        return END if ref is END or ref == END else await ref
+        entry = await self.get_entry()
+        return END if is_end(entry) else await resolve_entry(entry)
 
     async def lease(self, consumer: str, released: list[int], lost: list[int]) -> tuple[Any, int]:
-        """(next ``ObjectRef``, its lease seq), or (``END``, -1); see ``QueueActor.lease``."""
+        """(next entry, its lease seq), or (``END``, -1); see ``QueueActor.lease``."""
         item = await self.actor.lease.remote(consumer, released, lost)
-        return (END, -1) if item == END else (item[0], item[1])
+        return (END, -1) if is_end(item) else (item[0], item[1])
 
     async def requeue(self, consumer: str) -> int:
         return await self.actor.requeue.remote(consumer)

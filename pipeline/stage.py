@@ -51,7 +51,7 @@ from pipeline.controller import ControllerClient
 from pipeline.delivery import DEDUP_WINDOW, SeenGroups
 from pipeline.log import configure_logging, get_logger, redirect_process_output
 from pipeline.profiler import SpanRecorder
-from pipeline.queue import END, Origin, QueueHandle
+from pipeline.queue import END, Origin, QueueHandle, fits_inline, is_end, resolve_entry
 
 
 class StageError(RuntimeError):
@@ -213,12 +213,12 @@ class StageActor:
             released, self._released = self._released, []
             lost, self._lost = self._lost, []
             ref, seq = await inp.lease(self.lease_id, released, lost)
-            if ref is END or ref == END:
+            if is_end(ref):
                 self.spans.add("wait_input", t0, time.time())
                 return END, -1
             t1 = time.time()
             try:
-                item = await ref
+                item = await resolve_entry(ref)
             except ray.exceptions.ObjectLostError:
                 # Its producer died before this read it; the producer's own input is
                 # still leased upstream and is delivered again to its restarted self.
@@ -255,7 +255,7 @@ class StageActor:
         try:
             while True:
                 item, seq = await fetch
-                if item is END or item == END:
+                if is_end(item):
                     break
                 fetch = asyncio.create_task(self._fetch(inp))
                 with self.spans.span("busy", batch_id=getattr(item, "batch_id", -1)):
@@ -299,7 +299,7 @@ class StageActor:
             if errors:
                 raise errors[0]
             item, seq = await self._fetch(inp)
-            if item is END or item == END:
+            if is_end(item):
                 slots.release()
                 break
             task = asyncio.create_task(self._handle(item, outs, inp, seq))
@@ -316,14 +316,15 @@ class StageActor:
         self._processed += 1
         await self._emit_all(_as_list(out), outs, inp, seq)
 
-    async def _emit(self, item: Any, outs: list[QueueHandle], origin: Origin | None = None) -> list[ray.ObjectRef]:
-        with self.spans.span("transfer", batch_id=getattr(item, "batch_id", -1)):
-            ref = ray.put(item)
+    async def _emit(self, item: Any, outs: list[QueueHandle], origin: Origin | None = None) -> None:
+        batch_id = getattr(item, "batch_id", -1)
+        with self.spans.span("transfer", batch_id=batch_id):
+            # Once into the object store for every output queue, unless small enough to ride inline.
+            entry = item if fits_inline(item) else ray.put(item)
         self._emitted += 1
         for out in outs:
-            with self.spans.span("wait_output", batch_id=getattr(item, "batch_id", -1)):
-                await out.put_ref(ref, origin)
-        return [ref]
+            with self.spans.span("wait_output", batch_id=batch_id):
+                await out.put_entry(entry, origin)
 
     # ---------------------------------------------------------------- lock-step mode
     async def produce(self, count: int) -> list[ray.ObjectRef]:
