@@ -161,6 +161,22 @@ class RolloutConfig(msgspec.Struct, **_section()):
     max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio
 
 
+class RewardSourceConfig(msgspec.Struct, **_section()):
+    """One entry of ``reward.sources`` (``stages/reward_model.py``). ``kind: function``:
+    the reward stage's score (``reward.function``); ``kind: model``: a local
+    ``AutoModelForSequenceClassification`` checkpoint with one logit at ``path``, scored
+    by the ``reward_model`` stage (``chunk_size`` samples per forward, admitted under
+    ``memory``). The reward is ``sum(weight * normalize(score))``; ``normalize``: ``none``,
+    ``batch`` (z-score over the micro-batch) or ``running`` (over every score so far)."""
+
+    kind: Literal["function", "model"] = "function"
+    weight: float = 1.0
+    normalize: Literal["none", "batch", "running"] = "none"
+    path: str | None = None
+    chunk_size: PosInt = 16
+    memory: MemoryConfig = MemoryConfig()
+
+
 class RewardConfig(msgspec.Struct, **_section()):
     """``function``: ``task`` (the data task's own), ``module:attr``, or
     ``path/to/file.py:name`` (a file, loaded by path); verl's spelling, ``path`` (a
@@ -176,6 +192,9 @@ class RewardConfig(msgspec.Struct, **_section()):
     timeout_s: PosFloat | None = None
     path: str | None = None
     name: Annotated[str, Meta(min_length=1)] = "compute_score"
+    # Empty: the reward is reward.function's score. Otherwise name -> source: one
+    # ``model`` source (the reward_model stage) and at most one ``function`` source.
+    sources: dict[str, RewardSourceConfig] = {}
 
 
 class ReferenceConfig(msgspec.Struct, **_section()):
@@ -379,6 +398,7 @@ class PlacementConfig(msgspec.Struct, **_section()):
     rollout: PlacementEntry = PlacementEntry()
     reward: PlacementEntry = PlacementEntry()
     reference: PlacementEntry = PlacementEntry()
+    reward_model: PlacementEntry = PlacementEntry()
     critic: PlacementEntry = PlacementEntry()
     trainer: PlacementEntry = PlacementEntry()
 
@@ -436,6 +456,10 @@ class ConveyorConfig(msgspec.Struct, **_section()):
         if self.reference.enabled == "auto":
             return self.algorithm.kl_coef > 0 or self.algorithm.use_kl_in_reward
         return self.reference.enabled == "on"
+
+    @property
+    def reward_model_enabled(self) -> bool:
+        return bool(self.reward.sources)
 
     @property
     def critic_enabled(self) -> bool:
@@ -672,11 +696,32 @@ def check_config(cfg: ConveyorConfig) -> None:
     for edge in cfg.record.edges:
         if "->" not in edge:
             raise ConfigError(f"record.edges: expected 'producer->consumer', got {edge!r}")
+    check_reward_sources(cfg)
     if cfg.reward.path is not None and cfg.reward.function != "task":
         raise ConfigError(
             f"reward.path: set either reward.function ({cfg.reward.function!r}) or reward.path with "
             f"reward.name (verl's spelling), not both"
         )
+
+
+def check_reward_sources(cfg: ConveyorConfig) -> None:
+    """``reward.sources``: one model source with a path, at most one function source."""
+    sources = cfg.reward.sources
+    if not sources:
+        return
+    kinds = {name: src.kind for name, src in sources.items()}
+    if list(kinds.values()).count("model") != 1 or list(kinds.values()).count("function") > 1:
+        raise ConfigError(f"reward.sources: expected one source of kind 'model' and at most one of kind "
+                          f"'function', got {kinds}")
+    for name, src in sources.items():
+        if src.kind == "model" and not src.path:
+            raise ConfigError(f"reward.sources.{name}.path: expected a local reward model checkpoint directory "
+                              f"(AutoModelForSequenceClassification, one logit), got none")
+        if src.kind == "function" and src.path:
+            raise ConfigError(f"reward.sources.{name}.path: a 'function' source is reward.function's score; "
+                              f"path is for kind 'model'")
+        if name in ("mean", "std", "max", "min", "errors"):
+            raise ConfigError(f"reward.sources.{name}: the name is a reward metric of its own; choose another")
 
 
 def check_algorithm(cfg: ConveyorConfig) -> None:

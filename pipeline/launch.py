@@ -1,7 +1,8 @@
 """``conveyor launch``: build the RL DataFlow from a config and drive it to the end.
 
-The built-in graph is a chain ``source -> rollout -> reward [-> reference] [-> critic] -> trainer``
-(the critic when the algorithm needs values, ``algorithm.name: ppo``);
+The built-in graph is a chain ``source -> rollout -> reward [-> reward_model] [-> reference]
+[-> critic] -> trainer`` (the reward model with ``reward.sources``, the critic when the
+algorithm needs values, ``algorithm.name: ppo``);
 ``dataflow.nodes`` replaces it with a custom graph. Stage classes are named by import
 path, so this module imports no model code.
 
@@ -62,7 +63,7 @@ from pipeline.runner import Graph, RunInterrupted, RunResult, run_dataflow
 from pipeline.stage import StageError
 
 log = get_logger(stage="driver")
-RESTARTABLE_STAGES = ("rollout", "reward", "reference")
+RESTARTABLE_STAGES = ("rollout", "reward", "reward_model", "reference")
 MAX_SYNC_MARKERS = 10_000
 AUTO_RESUME_ATTEMPTS = 3  # resumes of one launch after deaths it could not restart
 
@@ -79,7 +80,8 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
                         num_cpus=place.num_cpus if place else 0.0,
                         num_gpus=place.num_gpus if place else 0.0, **spec.kwargs)
     else:
-        chain = (["source", "rollout", "reward"] + (["reference"] if cfg.reference_enabled else [])
+        chain = (["source", "rollout", "reward"] + (["reward_model"] if cfg.reward_model_enabled else [])
+                 + (["reference"] if cfg.reference_enabled else [])
                  + (["critic"] if cfg.critic_enabled else []) + ["trainer"])
         prev = None
         for name in chain:
@@ -89,7 +91,9 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
                 extra = {"replicas": cfg.rollout.num_workers, "concurrency": cfg.rollout.max_inflight}
             if name in RESTARTABLE_STAGES and cfg.dataflow.async_execution and not (
                     # Regrouping, the reward holds groups across micro-batches: a restart would lose them.
-                    name == "reward" and getattr(cfg.algorithm, "drop_zero_variance_groups", False)):
+                    name == "reward" and getattr(cfg.algorithm, "drop_zero_variance_groups", False)) and not (
+                    # Running normalisation: the statistics live in the actor.
+                    name == "reward_model" and any(s.normalize == "running" for s in cfg.reward.sources.values())):
                 extra["max_restarts"] = cfg.run.max_restarts
             df.add_node(name, STAGE_CLASSES[name], prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus, **extra)
             prev = name

@@ -40,7 +40,7 @@ from typing import Any
 from pipeline.config import ConfigError, ConveyorConfig
 from pipeline.dtypes import DTYPE_BYTES
 
-GPU_STAGES = ("rollout", "reference", "critic", "trainer")
+GPU_STAGES = ("rollout", "reward_model", "reference", "critic", "trainer")
 _GIB = 1 << 30
 # Share of a GPU kept free beside the resident estimates: activations and logits of a
 # training chunk, CUDA contexts, allocator slack.
@@ -99,7 +99,7 @@ def is_manual(cfg: ConveyorConfig) -> bool:
 def _entries(cfg: ConveyorConfig) -> dict[str, Any]:
     p = cfg.placement
     return {"source": p.source, "rollout": p.rollout, "reward": p.reward, "reference": p.reference,
-            "critic": p.critic, "trainer": p.trainer}
+            "reward_model": p.reward_model, "critic": p.critic, "trainer": p.trainer}
 
 
 def estimate_trainer_bytes_per_param(dtype: str) -> int:

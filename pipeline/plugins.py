@@ -22,6 +22,7 @@ STAGE_CLASSES: dict[str, str] = {
     "source": "stages.source:PromptSource",
     "rollout": "stages.rollout.stage:RolloutStage",
     "reward": "stages.reward:RewardStage",
+    "reward_model": "stages.reward_model:RewardModelStage",
     "reference": "stages.reference:ReferenceStage",
     "critic": "stages.critic:CriticStage",
     "trainer": "stages.trainer:TrainerStage",
