@@ -412,6 +412,9 @@ class RunConfig(msgspec.Struct, **_section()):
     tensorboard: bool = True
     address: str | None = None  # Ray address; default RAY_ADDRESS or a local cluster
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Print the first micro-batch on every edge (wire type, field shapes and dtypes) and
+    # check it against what its consumer declares; a mismatch stops the run.
+    debug: bool = False
     # A checkpoint directory to continue from (``conveyor launch --resume RUN_DIR`` sets
     # it to the run's newest complete one).
     resume_from: str | None = None

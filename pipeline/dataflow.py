@@ -4,7 +4,10 @@ Guarantees, checked by ``validate`` before any actor starts:
 - names are unique and non-empty; every ``input_from`` names a node of the graph;
 - the graph has no cycle and at least one source (a node with ``input_from=None``);
 - exactly one node is terminal (nobody consumes it): any other unconsumed node would
-  fill its output queue and stall the run, so it is an error that names the node.
+  fill its output queue and stall the run, so it is an error that names the node;
+- along every edge, what the producer declares it gives fits what the consumer declares
+  it takes (``pipeline/contracts.py``: class attributes ``takes``, ``gives``,
+  ``takes_fields``, ``gives_fields``); a mismatch is an error that names the edge.
 
 A node fans out to all its consumers (each gets every item). ``replicas`` copies of a
 node share its input queue and output queues (e.g. several rollout workers).
@@ -19,6 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipeline.contracts import check_edge_contracts, read_contract
+from pipeline.plugins import import_object
 
 
 class GraphError(ValueError):
@@ -50,6 +56,8 @@ class DataFlow:
         self.nodes: dict[str, Node] = {}
         self.queue_sizes: dict[str, int] = {}
         self.default_queue_size = 4
+        # Print and check the first micro-batch on every edge (``run(debug=True)``, ``run.debug``).
+        self.debug = False
 
     def add_node(
         self,
@@ -143,6 +151,23 @@ class DataFlow:
             producer, _, consumer = edge.partition("->")
             if (producer, consumer) not in self.edges:
                 raise GraphError(f"queue size for {edge!r}: no such edge (edges: {self.edge_names})")
+        self.check_contracts()
+
+    def check_contracts(self) -> None:
+        """What each node declares it takes and gives fits along every edge
+        (``pipeline/contracts.py``); a ``module:attr`` node class is imported to read it."""
+        contracts = {}
+        for node in self.nodes.values():
+            node_class = node.node_class
+            try:
+                if isinstance(node_class, str):
+                    node_class = import_object(node_class, f"node {node.name!r} node_class")
+                contracts[node.name] = read_contract(node_class, node.name)
+            except (ImportError, ValueError) as exc:
+                raise GraphError(str(exc)) from None
+        problems = check_edge_contracts(contracts, {n.name: n.input_from for n in self.nodes.values()})
+        if problems:
+            raise GraphError("dataflow: edges that do not fit: " + "; ".join(problems))
 
     @property
     def edge_names(self) -> list[str]:
@@ -181,8 +206,11 @@ class DataFlow:
             ],
         }
 
-    def run(self, config: Any = None, **runner_kwargs: Any) -> Any:
-        """Validate, start every node as a Ray actor, stream to the end; see ``pipeline.runner``."""
+    def run(self, config: Any = None, *, debug: bool = False, **runner_kwargs: Any) -> Any:
+        """Validate, start every node as a Ray actor, stream to the end; see ``pipeline.runner``.
+        ``debug``: print the first micro-batch on every edge and check it against what its
+        consumer declares (``pipeline/contracts.py``); a mismatch stops the run."""
         from pipeline.runner import run_dataflow
 
+        self.debug = debug or self.debug
         return run_dataflow(self, config, **runner_kwargs)

@@ -73,6 +73,7 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
     ``plan``, nodes carry its GPU indices (``plan_run_placement``)."""
     df = DataFlow()
     df.default_queue_size = cfg.dataflow.queue_size
+    df.debug = cfg.run.debug
     if cfg.dataflow.nodes:
         for spec in cfg.dataflow.nodes:
             place = getattr(cfg.placement, spec.name, None)

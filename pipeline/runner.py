@@ -206,7 +206,7 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
                 max_task_retries=0,
                 **_gpu_options(node, r, pg),
             ).remote(name, r, node.node_class, node.kwargs, config, node.concurrency, tap, level,
-                     df.downstream_of_restartable(name), window)
+                     df.downstream_of_restartable(name), window, df.debug)
             for r in range(node.replicas)
         ]
     graph = Graph(df, controller, actors, queues, pg)

@@ -47,6 +47,7 @@ from typing import Any
 
 import ray
 
+from pipeline.contracts import inspect_first_micro_batch, read_contract
 from pipeline.controller import ControllerClient
 from pipeline.delivery import DEDUP_WINDOW, SeenGroups
 from pipeline.log import configure_logging, get_logger, redirect_process_output
@@ -110,6 +111,7 @@ class StageActor:
         log_level: str = "info",
         dedup: bool = False,
         dedup_window: int = DEDUP_WINDOW,
+        debug: bool = False,
     ) -> None:
         run_dir = getattr(config, "run_dir", None)
         console = None
@@ -139,6 +141,10 @@ class StageActor:
         self._lost: list[int] = []  # leases whose object died with its producer
         self._seen = SeenGroups(dedup_window) if dedup else None
         self._lost_inputs = 0  # inputs whose producer died before they were read
+        # Debug runs: the first micro-batch of the input edge is printed and checked
+        # against what the core declares it takes (pipeline/contracts.py).
+        self._debug_pending = debug
+        self._console = 2 if console is None else console
 
     # ---------------------------------------------------------------- lifecycle
     async def setup(self, controller: ControllerClient) -> str:
@@ -237,6 +243,12 @@ class StageActor:
             self.spans.add("wait_input", t0, t1, batch_id)
             self.spans.add("transfer", t1, time.time(), batch_id)
             self._record_input(item)
+            if self._debug_pending:
+                self._debug_pending = False
+                text = inspect_first_micro_batch(inp.name, item, read_contract(type(self.core), self.name), self.name)
+                # On the console (the user asked for it) and in this stage's log.
+                for fd in {self._console, 2}:
+                    os.write(fd, (text + "\n").encode())
             return item, seq
 
     async def _consume(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:

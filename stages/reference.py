@@ -90,6 +90,9 @@ class ReferenceModel:
 class ReferenceStage:
     """Actor shell: ``reference.path`` (default ``model.path``) scored at the rollout temperature."""
 
+    takes = gives = RolloutBatch  # pipeline/contracts.py
+    gives_fields = ("ref_logprobs",)
+
     async def setup(self, ctx: Any) -> None:
         from stages.tiny import resolve_model_path
 

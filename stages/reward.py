@@ -52,7 +52,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipeline.types import Prompt
+from pipeline.types import Prompt, RolloutBatch
 from stages.tasks import import_attr
 
 Signature = Literal["auto", "score", "batched"]
@@ -436,6 +436,9 @@ def _short_repr(value: Any) -> str:
 
 class RewardStage:
     """Actor shell around ``RewardFn`` (``reward.*``); see the module for what it reports."""
+
+    takes = gives = RolloutBatch  # pipeline/contracts.py
+    gives_fields = ("rewards",)
 
     async def setup(self, ctx: Any) -> None:
         from stages.tasks import load_task

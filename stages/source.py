@@ -52,6 +52,8 @@ def iter_list_rows(rows: list[Any], name: str) -> Iterator[tuple[int, str, Any]]
 class PromptSource:
     """Source core. ``rows`` (a list of dicts) may be passed directly, for custom graphs."""
 
+    gives = PromptBatch  # what it puts on its edges (pipeline/contracts.py)
+
     def __init__(self, rows: list[dict[str, Any]] | None = None) -> None:
         self._rows = rows
         self._done: Callable[[int], bool] | None = None  # prompt indices a resumed run skips

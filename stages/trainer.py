@@ -199,6 +199,9 @@ def _count_cluster_gpus() -> float:
 
 
 class TrainerStage:
+    takes = RolloutBatch  # pipeline/contracts.py; ref_logprobs too when a KL term needs them
+    takes_fields = ("rewards",)
+
     def __init__(self) -> None:
         self.dropped: dict[str, int] = {}
         self.trained_samples = 0

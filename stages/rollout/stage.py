@@ -99,6 +99,8 @@ def _join_results(parts: list[list[GenerationResult]]) -> list[GenerationResult]
 
 
 class RolloutStage:
+    takes, gives = PromptBatch, RolloutBatch  # pipeline/contracts.py
+
     def __init__(self) -> None:
         self.generated_samples = 0
         self.generated_tokens = 0

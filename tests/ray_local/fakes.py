@@ -239,3 +239,11 @@ class FakeDyingStage:
         if self.delay_s:
             await asyncio.to_thread(time.sleep, self.delay_s)
         return batch
+
+
+class FakeScoredSink(FakeSampleSink):
+    """``FakeSampleSink`` that declares what it takes (``pipeline/contracts.py``): rollout
+    batches with reference log-probs set."""
+
+    takes = RolloutBatch
+    takes_fields = ("ref_logprobs",)

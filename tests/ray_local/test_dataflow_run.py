@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.dataflow import DataFlow
 from pipeline.stage import StageError
-from tests.ray_local.fakes import FakeSink, FakeSource, FakeStage
+from tests.ray_local.fakes import FakeGroupSource, FakeOomStage, FakeScoredSink, FakeSink, FakeSource, FakeStage
 
 
 def test_every_item_arrives_once_in_per_producer_order(ray_cluster):
@@ -58,3 +58,30 @@ def test_stage_that_raises_in_lockstep_mode_is_named(ray_cluster):
     with pytest.raises(StageError) as info:
         df.run(async_execution=False, micro_batches_per_step=2)
     assert info.value.stage == "bad"
+
+
+def test_debug_run_checks_the_first_micro_batch_against_the_consumers_declaration(ray_cluster):
+    # The source is undeclared, so the graph passes validation; what it sends lacks the
+    # ref_logprobs the sink declares it needs. Without debug nothing looks; with it, the
+    # first micro-batch on the edge stops the run, the edge and the field named.
+    def graph() -> DataFlow:
+        df = DataFlow()
+        df.add_node("source", FakeGroupSource, None, count=3, groups=2)
+        df.add_node("sink", FakeScoredSink, "source")
+        return df
+
+    assert len(graph().run(async_execution=True).result("sink")) == 3
+    with pytest.raises(StageError) as info:
+        graph().run(async_execution=True, debug=True)
+    assert info.value.stage == "sink"
+    assert "edge 'source->sink': sink needs ref_logprobs set, got None" in str(info.value)
+    assert "WireMismatch" in str(info.value)
+
+
+def test_debug_run_passes_micro_batches_that_fit(ray_cluster):
+    df = DataFlow()
+    df.add_node("source", FakeGroupSource, None, count=3, groups=2)
+    df.add_node("score", FakeOomStage, "source", max_groups=8)  # sets ref_logprobs
+    df.add_node("sink", FakeScoredSink, "score")
+    arrived = df.run(async_execution=True, debug=True).result("sink")
+    assert [(bid, scored) for bid, _, scored in arrived] == [(0, True), (1, True), (2, True)]
