@@ -252,6 +252,12 @@ class TrainConfig(msgspec.Struct, **_section()):
     # fp32 master weights (DeepSpeed's BF16 optimizer); bf16 accumulates in the model
     # dtype (less memory, rounding grows with the pieces of a step).
     grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
+    # PPO's updates over a step's data (stages/ppo_trainer.py): the step is cut into
+    # ppo_mini_batches mini-batches of whole micro-batches, each one optimizer update
+    # (the first epoch's as soon as its micro-batches are in), and passed over
+    # ppo_epochs times; the policy version still moves once per step.
+    ppo_epochs: PosInt = 1
+    ppo_mini_batches: PosInt = 1
     memory: MemoryConfig = MemoryConfig()
 
 
@@ -658,6 +664,15 @@ def check_config(cfg: ConveyorConfig) -> None:
             f"({df.prompts_per_micro_batch}) so GRPO groups never straddle a step, "
             f"got {tr.prompts_per_step}"
         )
+    if tr.prompts_per_step % (tr.ppo_mini_batches * df.prompts_per_micro_batch):
+        raise ConfigError(
+            f"train.ppo_mini_batches: expected train.prompts_per_step ({tr.prompts_per_step}) to split into "
+            f"{tr.ppo_mini_batches} mini-batches of whole micro-batches (dataflow.prompts_per_micro_batch "
+            f"{df.prompts_per_micro_batch}), got {tr.ppo_mini_batches}")
+    if (tr.ppo_epochs > 1 or tr.ppo_mini_batches > 1) and any(e.endswith("->trainer") for e in cfg.record.edges):
+        raise ConfigError(
+            "record.edges: a recorded trainer input replays one optimizer update per step; with "
+            "train.ppo_epochs or train.ppo_mini_batches > 1 a step makes several, so it cannot be recorded")
     if df.max_staleness < tr.sync_interval - 1:
         # Step k trains at version k; with weights published every s steps the newest
         # version a step can generate on may be s - 1 steps old (sync mode included).

@@ -96,7 +96,9 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
                     # Running normalisation: the statistics live in the actor.
                     name == "reward_model" and any(s.normalize == "running" for s in cfg.reward.sources.values())):
                 extra["max_restarts"] = cfg.run.max_restarts
-            df.add_node(name, STAGE_CLASSES[name], prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus, **extra)
+            several_updates = cfg.train.ppo_epochs > 1 or cfg.train.ppo_mini_batches > 1
+            cls = STAGE_CLASSES["ppo_trainer" if name == "trainer" and several_updates else name]
+            df.add_node(name, cls, prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus, **extra)
             prev = name
     df.queue_sizes.update(cfg.dataflow.queue_sizes)
     df.validate()

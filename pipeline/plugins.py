@@ -26,6 +26,7 @@ STAGE_CLASSES: dict[str, str] = {
     "reference": "stages.reference:ReferenceStage",
     "critic": "stages.critic:CriticStage",
     "trainer": "stages.trainer:TrainerStage",
+    "ppo_trainer": "stages.ppo_trainer:PPOTrainerStage",  # the trainer with train.ppo_epochs/mini-batches
 }
 
 # What the plumbing asks of model-aware code (pre-flight, plan, replay, CLI).

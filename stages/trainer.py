@@ -190,7 +190,9 @@ def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
     from stages.trainer_engine import TrainerEngine
 
     return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature,
-                         dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads, total_steps=cfg.run.steps)
+                         dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads,
+                         # The lr schedule counts optimizer updates: several per step with PPO epochs.
+                         total_steps=cfg.run.steps * cfg.train.ppo_epochs * cfg.train.ppo_mini_batches)
 
 
 def _count_cluster_gpus() -> float:
@@ -379,8 +381,7 @@ class TrainerStage:
         layouts, self._step_layouts = self._step_layouts, {}
         self._step_pieces = []
         staleness, self._step_staleness = self._step_staleness, []
-        grad_scale = compute_step_grad_scale(batches, self.step_samples, self.cfg.algorithm.loss_agg)
-        step_out = await asyncio.to_thread(self.engine.optimizer_step, grad_scale)
+        step_out = await asyncio.to_thread(self._apply_step_update, batches)
         version = self.engine.version
         step = version - 1
         samples = sum(b.num_samples for b in batches)
@@ -428,6 +429,12 @@ class TrainerStage:
                                     kl_metrics.get("reward/kl_penalty_coef"))
         if self.checkpoints.due():
             await self._write_checkpoint()
+
+    def _apply_step_update(self, batches: list[RolloutBatch]) -> dict[str, float]:
+        """The step's optimizer update on the gradients its micro-batches accumulated
+        (``PPOTrainerStage`` runs its further mini-batches and epochs here)."""
+        return self.engine.optimizer_step(compute_step_grad_scale(batches, self.step_samples,
+                                                                  self.cfg.algorithm.loss_agg))
 
     def _take_zero_variance(self) -> int:
         n, self._step_zero_variance = self._step_zero_variance, 0

@@ -3,7 +3,8 @@ variable number of micro-batch pieces and takes one optimizer step when told to.
 
 Guarantees:
 - ``train_micro_batch`` only accumulates gradients; ``optimizer_step`` is the single
-  place weights change, and ``version`` (the policy version) counts its calls from 0.
+  place weights change, and ``version`` (the policy version) counts its calls from 0
+  (those with ``bump_version``: PPO's updates inside a step do not count).
   DeepSpeed runs with ``managed_gradient_accumulation: false``: its own micro-step
   counter never decides a boundary, so any number of pieces may make one step (the
   admission controller may split a micro-batch), and a step happens exactly once per
@@ -360,10 +361,11 @@ class TrainerEngine:
             "scale": float(scale),
         }
 
-    def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+    def optimizer_step(self, grad_scale: float = 1.0, bump_version: bool = True) -> dict[str, float]:
         """Multiply the accumulated gradients by ``grad_scale``, clip, step, zero them;
-        bump ``version``. Returns the pre-clip ``grad_norm`` (of the scaled gradients),
-        the ``lr`` used and the number of pieces accumulated."""
+        bump ``version`` (``bump_version=False``: an update inside a policy step, PPO's
+        mini-batches and epochs). Returns the pre-clip ``grad_norm`` (of the scaled
+        gradients), the ``lr`` used and the number of pieces accumulated."""
         if self.gradients_tainted:
             raise RuntimeError(
                 "optimizer_step: the gradients hold part of a piece whose training failed; "
@@ -399,7 +401,7 @@ class TrainerEngine:
             self.engine.step()
         grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
         pieces, self._pieces = self._pieces, 0
-        self.version += 1
+        self.version += int(bump_version)
         return {
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "lr": lr,

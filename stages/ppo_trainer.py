@@ -1,0 +1,86 @@
+"""The PPO trainer: the trainer stage with ``train.ppo_epochs`` passes and
+``train.ppo_mini_batches`` optimizer updates over each step's data.
+
+Guarantees:
+- A step's micro-batches are cut, in arrival order, into ``ppo_mini_batches``
+  mini-batches of whole micro-batches (``step samples / ppo_mini_batches`` samples each;
+  the config refuses a step that does not split so). In the first epoch a mini-batch is
+  applied as soon as its micro-batches are in, so the first epoch streams like the plain
+  trainer; the further epochs run when the step's last micro-batch is in, over the same
+  mini-batches in the same order.
+- Each update is the exact aggregated loss of its mini-batch (``compute_update_grad_scale``:
+  token-mean over its loss tokens, or the seq-mean modes over its samples), with the
+  registry's policy loss; the old policy of every epoch is the sampler
+  (``behaviour_logprobs``), so the ratio and its clip measure the drift from the
+  weights that generated the data, across all the updates of a step.
+- The policy version moves once per step (the last update), so staleness, weight
+  publication and checkpoints count steps exactly as without epochs; the updates inside a
+  step do not publish weights. Advantages are assigned once per micro-batch, before the
+  first epoch.
+- Later epochs train each micro-batch whole (no admission split); a micro-batch that
+  needed splitting in the first epoch can run out of memory there, which stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pipeline.types import RolloutBatch
+from stages.trainer import TrainerStage, compute_micro_batch_scale
+
+
+def compute_update_grad_scale(batches: list[RolloutBatch], step_samples: int, loss_agg: str) -> float:
+    """``grad_scale`` of one update over ``batches`` whose micro-batches were trained with
+    the step's scales (``compute_micro_batch_scale(b, step_samples, ...)``): token-mean:
+    step samples / their loss tokens; other modes: step samples / their samples. Over a
+    whole step it equals ``compute_step_grad_scale``."""
+    if loss_agg == "token-mean":
+        tokens = sum(b.loss_tokens for b in batches)
+        return step_samples / tokens if tokens else 0.0
+    samples = sum(b.num_samples for b in batches)
+    return step_samples / samples if samples else 0.0
+
+
+class PPOTrainerStage(TrainerStage):
+    async def setup(self, ctx: Any) -> None:
+        await super().setup(ctx)
+        self.epochs = self.cfg.train.ppo_epochs
+        self.mini_samples = self.step_samples // self.cfg.train.ppo_mini_batches
+        self._applied = 0  # micro-batches of this step already in an update
+        self._groups: list[tuple[int, int]] = []  # the step's applied mini-batches (index ranges)
+        self.updates = 0
+
+    async def process(self, batch: RolloutBatch) -> None:
+        await super().process(batch)
+        pending = self._step_batches[self._applied:]
+        if pending and sum(b.num_samples for b in pending) >= self.mini_samples:
+            # A first-epoch mini-batch complete inside the step: apply it now.
+            await asyncio.to_thread(self._update, pending, False)
+            self._groups.append((self._applied, len(self._step_batches)))
+            self._applied = len(self._step_batches)
+            # Only the pieces since this update remain to re-accumulate after an OOM.
+            self._step_pieces = []
+            self._step_rng = self.engine.get_rng_state()
+        return None
+
+    def _update(self, batches: list[RolloutBatch], bump_version: bool) -> dict[str, float]:
+        self.updates += 1
+        scale = compute_update_grad_scale(batches, self.step_samples, self.cfg.algorithm.loss_agg)
+        return self.engine.optimizer_step(scale, bump_version=bump_version)
+
+    def _apply_step_update(self, batches: list[RolloutBatch]) -> dict[str, float]:
+        groups = [*self._groups, (self._applied, len(batches))]
+        self._groups, self._applied = [], 0
+        agg = self.cfg.algorithm.loss_agg
+        out = self._update(batches[groups[-1][0]:], bump_version=self.epochs == 1)
+        for epoch in range(1, self.epochs):
+            for k, (a, b) in enumerate(groups):
+                for mb in batches[a:b]:
+                    self.engine.train_micro_batch(mb, compute_micro_batch_scale(mb, self.step_samples, agg))
+                last = epoch == self.epochs - 1 and k == len(groups) - 1
+                out = self._update(batches[a:b], bump_version=last)
+        return {**out, "updates": float(self.epochs * len(groups))}
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "updates": self.updates}
