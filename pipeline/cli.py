@@ -68,6 +68,8 @@ def _load_resume(args: argparse.Namespace) -> ConveyorConfig:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    if args.script:
+        args.overrides = [*args.overrides, f"run.script={Path(args.script).expanduser().resolve()}"]
     if args.resume:
         cfg = _load_resume(args)
     elif args.config:
@@ -168,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run a training job")
     launch.add_argument("--config")
     launch.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest complete checkpoint")
+    launch.add_argument("--script", metavar="FILE", help="a Python file whose build_dataflow(cfg) gives the graph "
+                                                         "(run.script)")
     launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
     launch.set_defaults(fn=cmd_launch)
 

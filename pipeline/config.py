@@ -431,6 +431,9 @@ class RunConfig(msgspec.Struct, **_section()):
     # A dead trainer: resume from the newest checkpoint by itself (at most
     # pipeline.launch.AUTO_RESUME_ATTEMPTS times) instead of stopping with the resume command.
     auto_resume: bool = False
+    # A Python file defining build_dataflow(cfg) -> DataFlow: the run's graph instead of
+    # the built-in one (``conveyor launch --config C --script FILE`` sets it).
+    script: str | None = None
 
 
 class RecordConfig(msgspec.Struct, **_section()):
@@ -708,6 +711,8 @@ def check_config(cfg: ConveyorConfig) -> None:
     for edge in df.queue_sizes:
         if "->" not in edge:
             raise ConfigError(f"dataflow.queue_sizes.{edge}: expected an edge 'producer->consumer'")
+    if cfg.run.script and df.nodes:
+        raise ConfigError("run.script: set either a DataFlow script or dataflow.nodes, not both")
     for i, node in enumerate(df.nodes):
         if ":" not in node.node_class:
             raise ConfigError(f"dataflow.nodes[{i}].node_class: expected 'module:attr', got {node.node_class!r}")

@@ -2,7 +2,8 @@
 
 The built-in graph is a chain ``source -> rollout -> reward [-> reward_model] [-> reference]
 [-> critic] -> trainer`` (the reward model with ``reward.sources``, the critic when the
-algorithm needs values, ``algorithm.name: ppo``);
+algorithm needs values, ``algorithm.name: ppo``); ``run.script`` (``launch --script``)
+takes the graph from a Python file's ``build_dataflow(cfg)``;
 ``dataflow.nodes`` replaces it with a custom graph. Stage classes are named by import
 path, so this module imports no model code.
 
@@ -71,8 +72,11 @@ AUTO_RESUME_ATTEMPTS = 3  # resumes of one launch after deaths it could not rest
 def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> DataFlow:
     """The run's graph, validated (raises ``GraphError`` naming the node); with a
     ``plan``, nodes carry its GPU indices (``plan_run_placement``)."""
-    df = DataFlow()
-    df.default_queue_size = cfg.dataflow.queue_size
+    if cfg.run.script:
+        df = load_script_dataflow(cfg)
+    else:
+        df = DataFlow()
+        df.default_queue_size = cfg.dataflow.queue_size
     df.debug = cfg.run.debug
     if cfg.dataflow.nodes:
         for spec in cfg.dataflow.nodes:
@@ -80,7 +84,7 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
             df.add_node(spec.name, spec.node_class, spec.input_from,
                         num_cpus=place.num_cpus if place else 0.0,
                         num_gpus=place.num_gpus if place else 0.0, **spec.kwargs)
-    else:
+    elif not cfg.run.script:  # the built-in chain (a script built its own nodes)
         chain = (["source", "rollout", "reward"] + (["reward_model"] if cfg.reward_model_enabled else [])
                  + (["reference"] if cfg.reference_enabled else [])
                  + (["critic"] if cfg.critic_enabled else []) + ["trainer"])
@@ -108,6 +112,32 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
             if placed is not None:
                 node.num_gpus = placed.num_gpus
                 node.gpu_bundles, node.gpu_shares = placed.gpus, placed.share
+    return df
+
+
+def load_script_dataflow(cfg: ConveyorConfig) -> DataFlow:
+    """The graph of ``run.script``: its ``build_dataflow(cfg)`` called with the resolved
+    config. Classes the script defines travel to the actors by value (the workers cannot
+    import the script by name); nodes left at 0 CPUs and GPUs take ``placement.<name>``."""
+    import sys
+
+    import ray.cloudpickle
+
+    from pipeline.plugins import load_file_object
+
+    try:
+        build = load_file_object(cfg.run.script, "build_dataflow", "run.script", prefix="conveyor_flow")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    ray.cloudpickle.register_pickle_by_value(sys.modules[build.__module__])
+    df = build(cfg)
+    if not isinstance(df, DataFlow):
+        raise ConfigError(f"run.script: build_dataflow in {cfg.run.script!r} returned {type(df).__name__}, "
+                          f"expected a pipeline.dataflow.DataFlow")
+    for name, node in df.nodes.items():
+        place = getattr(cfg.placement, name, None)
+        if place is not None and node.num_cpus == 0 and node.num_gpus == 0:
+            node.num_cpus, node.num_gpus = place.num_cpus, place.num_gpus
     return df
 
 

@@ -6,6 +6,8 @@ Guarantees:
   every module): it reaches them only through the paths below, imported when first
   called. Importing ``pipeline.launch`` or ``pipeline.cli`` therefore loads no model
   code, and the plumbing can be tested, and replaced piece by piece, without it.
+- ``load_file_object`` is the only place a ``.py`` file becomes a module (reward files,
+  DataFlow scripts).
 - ``import_object`` is the only place a ``module:attr`` string becomes an object
   (built-in stages, custom nodes, rollout backends, tasks, the trainer engine a replay
   builds, benchmarks). Its errors are ``ImportError``s whose message begins with the
@@ -59,6 +61,39 @@ def import_object(path: str, what: str = "object") -> Any:
             raise ImportError(f"{what}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def load_file_object(file: str, name: str, what: str, prefix: str = "conveyor_file") -> Any:
+    """``name`` from the Python file ``file``, executed as a module of its own (once per
+    process: the module is keyed by the file's absolute path). Errors are ``ValueError``s
+    whose message begins with ``what`` (the config field or option that named the file)."""
+    import hashlib
+    import importlib.util
+    import inspect
+    import sys
+    from pathlib import Path
+
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{what}: {file!r} does not exist (expected a .py file defining {name})")
+    resolved = path.resolve()
+    module_name = f"{prefix}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, resolved)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"{what}: {file!r} cannot be loaded as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # before running it: dataclasses and pickling look it up
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as exc:
+            del sys.modules[module_name]
+            raise ValueError(f"{what}: loading {file!r} raised {type(exc).__name__}: {exc}") from None
+    if not hasattr(module, name):
+        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
+        raise ValueError(f"{what}: {file!r} defines no {name!r} (its functions: {', '.join(defined) or 'none'})")
+    return getattr(module, name)
 
 
 def load_builtin(name: str) -> Any:

@@ -200,6 +200,10 @@ def build_critic_engine(cfg: Any) -> CriticEngine:
 class CriticStage:
     """Actor shell: values, advantages and returns for each micro-batch, then learning."""
 
+    takes = gives = RolloutBatch  # pipeline/contracts.py
+    takes_fields = ("rewards",)
+    gives_fields = ("values", "advantages", "loss_mask", "returns")
+
     async def setup(self, ctx: Any) -> None:
         self.ctx = ctx
         self.cfg = ctx.config

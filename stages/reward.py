@@ -38,16 +38,12 @@ function and its first error.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -291,27 +287,9 @@ def split_file_spec(spec: str) -> tuple[str, str] | None:
 def load_reward_file(file: str, name: str) -> Any:
     """``name`` from the Python file ``file``, executed as a module of its own (once per
     process: the module is keyed by the file's absolute path)."""
-    path = Path(file).expanduser()
-    if not path.is_file():
-        raise ValueError(f"reward.function: {file!r} does not exist (expected a .py file defining {name})")
-    resolved = path.resolve()
-    module_name = f"conveyor_reward_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, resolved)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"reward.function: {file!r} cannot be loaded as a Python module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # before running it: dataclasses and pickling look it up
-        try:
-            spec.loader.exec_module(module)
-        except BaseException as exc:
-            del sys.modules[module_name]
-            raise ValueError(f"reward.function: loading {file!r} raised {type(exc).__name__}: {exc}") from None
-    if not hasattr(module, name):
-        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
-        raise ValueError(f"reward.function: {file!r} defines no {name!r} (its functions: {', '.join(defined) or 'none'})")
-    return getattr(module, name)
+    from pipeline.plugins import load_file_object
+
+    return load_file_object(file, name, "reward.function", prefix="conveyor_reward")
 
 
 def call_with_timeout(call: Callable[[], Any], timeout_s: float | None) -> Any:

@@ -182,7 +182,11 @@ def split_sources(sources: Mapping[str, Any]) -> tuple[str | None, str]:
 
 
 class RewardModelStage:
-    """Actor shell: scores each micro-batch with ``reward.sources``' model and combines."""
+    """Actor shell: scores each micro-batch with ``reward.sources``' model and combines.
+    Without a ``function`` source it may read the rollout's output directly."""
+
+    takes = gives = RolloutBatch  # pipeline/contracts.py
+    gives_fields = ("rewards",)
 
     async def setup(self, ctx: Any) -> None:
         from pipeline.memory.admission import count_seq_lens, estimate_batch_bytes
@@ -208,8 +212,9 @@ class RewardModelStage:
 
         if batch.num_samples == 0:  # it only carries prompts dropped upstream to the trainer
             return batch
-        if batch.rewards is None:
-            raise ValueError(f"batch {batch.batch_id}: reaches the reward model without the reward stage's scores")
+        if batch.rewards is None and self.function_name is not None:
+            raise ValueError(f"batch {batch.batch_id}: reward.sources.{self.function_name} (kind function) needs the "
+                             f"reward stage's scores; is a reward stage wired before the reward model?")
         scored = await self.guard.run(
             batch, self._score_recovering, estimate=self._estimate_bytes, split=split_rollout_batch,
             merge=merge_rollout_batches, size=count_groups, key=batch.batch_id,
