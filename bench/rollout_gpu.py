@@ -8,6 +8,8 @@ engine per ``enforce_eager`` setting, measured in this process:
   output per request, no detokenization): the engine's own ceiling for this shape;
 - ``final``: ``VLLMBackend.generate`` as the rollout stage calls it (one output per
   request, versions from labels or split points, text decoded once);
+- ``final/in_process`` (CUDA graphs only): ``final`` with ``rollout.engine_core:
+  in_process`` (the engine core in this process, stepped by a thread);
 - ``stream`` (CUDA graphs only): ``VLLMBackend(output_mode="stream")``: every token
   through the event loop with vLLM's incremental detokenization (the path before
   final-only outputs).
@@ -93,24 +95,26 @@ async def measure(quick: bool) -> dict[str, Any]:
     rng = random.Random(0)
     prompts = [[1] + [rng.randrange(4, 90) for _ in range(rng.randrange(12, 24))] for _ in range(prompts_per_step)]
     rows: dict[str, Any] = {}
-    for eager in (True, False):
+    variants = [(True, None, "subprocess"), (False, None, "subprocess"), (False, "stream", "subprocess"),
+                (False, None, "in_process")]
+    for eager, mode, core in variants:
         label = "eager" if eager else "graphs"
-        rcfg = msgspec.structs.replace(cfg.rollout, enforce_eager=eager, gpu_memory_utilization=0.5)
-        for mode in (None, "stream") if not eager else (None,):
-            backend = VLLMBackend(model_path, rcfg, cfg.model.dtype, output_mode=mode)
-            t0 = time.perf_counter()
-            await backend.start()
-            startup = time.perf_counter() - t0
-            try:
-                name = f"{label}/{'final' if mode is None else 'stream'}"
-                rows[name] = await _timed(lambda s, b=backend: _backend_step(b, prompts, n, max_tokens, per_micro),
-                                          ROUNDS)
-                rows[name].update(startup_s=startup, output_mode=backend._output_mode)
-                if mode is None:
-                    rows[f"{label}/bare"] = await _timed(
-                        lambda s, e=backend._engine: _bare_step(e, prompts, n, max_tokens, s), ROUNDS)
-            finally:
-                await backend.shutdown()
+        rcfg = msgspec.structs.replace(cfg.rollout, enforce_eager=eager, gpu_memory_utilization=0.5,
+                                       engine_core=core)
+        backend = VLLMBackend(model_path, rcfg, cfg.model.dtype, output_mode=mode)
+        t0 = time.perf_counter()
+        await backend.start()
+        startup = time.perf_counter() - t0
+        try:
+            name = f"{label}/{'final' if mode is None else 'stream'}" + ("/in_process" if core == "in_process" else "")
+            rows[name] = await _timed(lambda s, b=backend: _backend_step(b, prompts, n, max_tokens, per_micro),
+                                      ROUNDS)
+            rows[name].update(startup_s=startup, output_mode=backend._output_mode)
+            if mode is None and core == "subprocess":
+                rows[f"{label}/bare"] = await _timed(
+                    lambda s, e=backend._engine: _bare_step(e, prompts, n, max_tokens, s), ROUNDS)
+        finally:
+            await backend.shutdown()
     return {"rows": rows, "params": {"prompts_per_step": prompts_per_step, "n": n, "max_tokens": max_tokens,
                                      "prompts_per_micro_batch": per_micro, "rounds": ROUNDS,
                                      "model": str(model_path), "dtype": cfg.model.dtype}}
@@ -137,6 +141,8 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "graphs_over_eager_final": rate["graphs/final"] / rate["eager/final"],
         "final_over_stream_graphs": rate["graphs/final"] / rate["graphs/stream"],
         "graphs_final_step_s": rows["graphs/final"]["best_step_s"],
+        "in_process_over_subprocess": rate["graphs/final/in_process"] / rate["graphs/final"],
+        "graphs_in_process_step_s": rows["graphs/final/in_process"]["best_step_s"],
     }
     payload = {"quick": quick, "units": "completion tokens/s; seconds", **result, "ratios": ratios}
     return publish_result(out_dir, "rollout_gpu", payload, plot)

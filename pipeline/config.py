@@ -156,6 +156,10 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # kernel launches; graphs are captured once at start-up and survive weight updates,
     # which load in place).
     enforce_eager: bool | None = None
+    # vLLM backend: "subprocess" runs vLLM's engine core in a process of its own
+    # (AsyncLLM); "in_process" runs it in the rollout actor's process, stepped by a thread
+    # (stages/rollout/vllm_inproc.py), without serialising every step's outputs.
+    engine_core: Literal["subprocess", "in_process"] = "subprocess"
     seed: NonNegInt = 0
     memory: MemoryConfig = MemoryConfig()
     max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio

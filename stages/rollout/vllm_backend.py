@@ -11,6 +11,10 @@ Guarantees (beyond ``stages.rollout.base``):
   vLLM; the text is decoded once): nothing per token crosses this event loop. A vLLM
   without the frontend state this reads (``output_processor.request_states``,
   ``add_request``) falls back to token-by-token outputs (``output_mode="stream"``).
+- ``rollout.engine_core``: ``subprocess`` (``AsyncLLM``, its engine core in a process of
+  its own) or ``in_process`` (``stages/rollout/vllm_inproc.py``: the engine core in this
+  process, stepped by one thread, without serialising every step's outputs); the same
+  guarantees hold for both, with versions from split points in-process.
 - On a GPU the engine captures CUDA graphs unless ``rollout.enforce_eager`` says
   otherwise (on the H200, 2.4x the eager decode rate: ``bench rollout_gpu``).
 - Weight updates land between engine steps, in place, with generation paused
@@ -208,6 +212,8 @@ class VLLMBackend:
         forces token-by-token outputs (``bench rollout_gpu`` compares the two)."""
         if output_mode not in (None, "stream"):
             raise ValueError(f"output_mode: expected None or 'stream', got {output_mode!r}")
+        if output_mode == "stream" and rollout_cfg.engine_core == "in_process":
+            raise ValueError("output_mode 'stream' needs rollout.engine_core: subprocess (AsyncLLM's generate)")
         self.model_path = Path(model_path)
         self._forced_mode = output_mode
         self.cfg = rollout_cfg
@@ -271,7 +277,12 @@ class VLLMBackend:
             # Older vLLM: only the env (whole GiB) sizes the CPU KV cache; unset, vLLM
             # asks for most of the machine's memory and fails.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(self.cfg.kv_cache_gib))))
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        if self.cfg.engine_core == "in_process":
+            from stages.rollout.vllm_inproc import InProcessEngine
+
+            self._engine = InProcessEngine(AsyncEngineArgs(**kwargs))
+        else:
+            self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._keep_pause = "mode" in inspect.signature(self._engine.pause_generation).parameters
         self._labels = hasattr(self._engine, "update_weight_version")
         processor = getattr(self._engine, "output_processor", None)
@@ -383,7 +394,10 @@ class VLLMBackend:
         ``version``; one added but no longer tracked has finished under the old one."""
         if not self._splits:
             return
-        states = {getattr(st, "external_req_id", rid): st for rid, st in engine.output_processor.request_states.items()}
+        # list(): one atomic copy (an in-process engine's stepper may add requests
+        # while this runs; it never steps while paused, so no count moves).
+        items = list(engine.output_processor.request_states.items())
+        states = {getattr(st, "external_req_id", rid): st for rid, st in items}
         for request_id, splits in self._splits.items():
             state = states.get(request_id)
             if state is not None:
@@ -403,7 +417,7 @@ class VLLMBackend:
         ones in flight."""
         if self._output_mode == "stream" or self._engine is None:
             return self._finished_tokens
-        states = self._engine.output_processor.request_states.values()
+        states = list(self._engine.output_processor.request_states.values())  # one atomic copy
         return self._finished_tokens + sum(st.detokenizer.num_output_tokens() for st in states)
 
     async def _generate_streamed(self, engine: Any, prompt: list[int], params: Any, request_id: str) -> Completion:

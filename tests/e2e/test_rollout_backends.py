@@ -42,10 +42,12 @@ def checkpoint(tmp_path_factory):
     return ensure_tiny_checkpoint(TinyModelConfig(), tmp_path_factory.mktemp("rollout-models"))
 
 
-@pytest.fixture(scope="module", params=["vllm", "hf"])
+@pytest.fixture(scope="module", params=["vllm", "vllm-in-process", "hf"])
 def backend(request, loop, checkpoint):
-    cfg = RolloutConfig(backend=request.param, kv_cache_gib=0.25, seed=0)
-    backend = build_backend(request.param, checkpoint, cfg, "float32")
+    name, _, in_process = request.param.partition("-")
+    cfg = RolloutConfig(backend=name, kv_cache_gib=0.25, seed=0,
+                        engine_core="in_process" if in_process else "subprocess")
+    backend = build_backend(name, checkpoint, cfg, "float32")
     loop.run_until_complete(backend.start())
     yield backend
     loop.run_until_complete(backend.shutdown())
