@@ -171,6 +171,19 @@ class RewardModel:
         return self.score_ids(self.encode(batch))
 
 
+def resolve_reward_model_path(path: str, cfg: Any) -> Path:
+    """A model source's ``path``: ``tiny`` -> the tiny reward model of ``data.task``, built
+    locally when missing (``stages/tiny_reward_model.py``); otherwise the directory."""
+    if path == "tiny":
+        from stages.tiny_reward_model import ensure_tiny_reward_model
+
+        if cfg.data.path:
+            raise ValueError("reward.sources: path 'tiny' is the tiny reward model of a built-in data.task; "
+                             "a data file needs a reward model checkpoint of its own")
+        return ensure_tiny_reward_model(cfg.data.task, cfg.model.cache_dir)
+    return Path(path).expanduser()
+
+
 def split_sources(sources: Mapping[str, Any]) -> tuple[str | None, str]:
     """(name of the ``function`` source or None, name of the ``model`` source)."""
     function = [n for n, s in sources.items() if s.kind == "function"]
@@ -198,8 +211,8 @@ class RewardModelStage:
         self.sources = dict(cfg.reward.sources)
         self.function_name, self.model_name = split_sources(self.sources)
         src = self.sources[self.model_name]
-        self.model = await asyncio.to_thread(RewardModel, Path(src.path).expanduser(), cfg.model.dtype,
-                                             src.chunk_size)
+        path = await asyncio.to_thread(resolve_reward_model_path, src.path, cfg)
+        self.model = await asyncio.to_thread(RewardModel, path, cfg.model.dtype, src.chunk_size)
         self.shape = build_model_shape(self.model.model, cfg.model.dtype)
         self.guard = MemoryGuard(ctx.name, src.memory, spans=ctx.spans)
         self._estimate_bytes = lambda piece: estimate_batch_bytes(
