@@ -14,6 +14,8 @@ Guarantees:
 - ``close()`` is called once by each producer; when all producers have closed and the
   queue is empty, every ``get`` returns ``END`` (end-of-stream) to every consumer.
 - Depth, put-wait and get-wait are measured inside the queue actor (``stats``).
+- ``wait_drained`` returns once nothing is queued or leased here: every item put so far
+  was taken and what became of it was released downstream (lock-step's step barrier).
 
 Delivery that survives dead stage actors (``lease`` instead of ``get``): an item a
 consumer leased stays held here, under the consumer's id, until it is released; when
@@ -146,6 +148,8 @@ class QueueActor:
         self._seq = 0
         self._redelivered = 0
         self._dead: set[str] = set()  # consumer ids of processes that died
+        self._drained = asyncio.Event()  # set while nothing is queued or leased
+        self._drained.set()
         self._puts = 0
         self._gets = 0
         self._put_wait_s = 0.0
@@ -154,6 +158,16 @@ class QueueActor:
         self._depth_area = 0.0  # integral of depth over time, for the mean depth
         self._last_change = time.monotonic()
         self._created = self._last_change
+
+    def _note_drained(self) -> None:
+        if not self._items and not any(self._leases.values()):
+            self._drained.set()
+        else:
+            self._drained.clear()
+
+    async def wait_drained(self) -> None:
+        """Until nothing is queued or leased here (see the module guarantees)."""
+        await self._drained.wait()
 
     def _touch(self) -> None:
         now = time.monotonic()
@@ -169,6 +183,7 @@ class QueueActor:
             await self._cond.wait_for(lambda: len(self._items) < self.bound)
             self._touch()
             self._items.append((wrapped, origin))
+            self._drained.clear()
             self._puts += 1
             self._max_depth = max(self._max_depth, len(self._items))
             self._cond.notify_all()
@@ -197,6 +212,7 @@ class QueueActor:
             return END
         if entry[1] is not None:
             self._forward(entry[1])
+        self._note_drained()
         return entry[0]
 
     async def lease(self, consumer: str, released: list[int] = (), lost: list[int] = ()) -> Any:
@@ -221,6 +237,7 @@ class QueueActor:
             return END
         self._seq += 1
         self._leases[consumer][self._seq] = _Lease(*entry)
+        self._note_drained()
         return [entry[0][0], self._seq]
 
     def release_part(self, consumer: str, seq: int, parts: int) -> None:
@@ -233,10 +250,16 @@ class QueueActor:
         if lease.released_parts >= parts:
             self._release(consumer, seq)
 
+    def release(self, consumer: str, seq: int) -> None:
+        """``consumer`` is done with lease ``seq`` and emitted nothing for it (sent at
+        once in lock-step; streaming consumers piggyback it on their next ``lease``)."""
+        self._release(consumer, seq)
+
     def _release(self, consumer: str, seq: int) -> None:
         lease = self._leases.get(consumer, {}).pop(seq, None)
         if lease is not None and lease.origin is not None:
             self._forward(lease.origin)
+        self._note_drained()
 
     @staticmethod
     def _forward(origin: Origin) -> None:
@@ -254,6 +277,7 @@ class QueueActor:
                 self._items.appendleft((held[seq].wrapped, held[seq].origin))
             self._redelivered += len(held)
             self._max_depth = max(self._max_depth, len(self._items))
+            self._note_drained()
             self._cond.notify_all()
         return len(held)
 
@@ -324,6 +348,13 @@ class QueueHandle:
         """(next entry, its lease seq), or (``END``, -1); see ``QueueActor.lease``."""
         item = await self.actor.lease.remote(consumer, released, lost)
         return (END, -1) if is_end(item) else (item[0], item[1])
+
+    def release(self, consumer: str, seq: int) -> None:
+        """Fire and forget: ``QueueActor.release``."""
+        self.actor.release.remote(consumer, seq)
+
+    async def wait_drained(self) -> None:
+        await self.actor.wait_drained.remote()
 
     async def requeue(self, consumer: str) -> int:
         return await self.actor.requeue.remote(consumer)

@@ -1,11 +1,16 @@
 """The runner: turns a validated DataFlow into Ray actors and drives it to the end.
 
-Two modes over the same actors and cores:
+Two modes over the same actors, cores and queues; the runner only supervises, never
+carries data:
 - streaming (``async_execution: true``): every stage loops on its input queue; bounded
-  queues give backpressure; the runner only supervises;
-- lock-step (``async_execution: false``): the runner moves one step's micro-batches
-  through each stage in turn (generate all, score all, ..., train), the synchronous
-  baseline every benchmark compares against.
+  queues give backpressure;
+- lock-step (``async_execution: false``): the same data path with a barrier per step,
+  the synchronous baseline every benchmark compares against. The source emits one
+  step's micro-batches, then waits until they have drained through the graph
+  (``StageActor.run``'s ``step_items``), and the controller admits step k's prompts
+  only once the trainer has finished step k - 1 (``ControllerActor``'s ``barrier``),
+  so generation never overlaps training; a step's micro-batches still pipeline
+  through the stages.
 
 Guarantees:
 - ``ray.init`` starts a local cluster, or joins the one named by ``RAY_ADDRESS`` /
@@ -172,8 +177,11 @@ def run_dataflow(
         init_ray(config.run.address)
     else:
         init_ray()
+    async_mode = True if async_execution is None else bool(async_execution)
+    if not async_mode and len(df.sources) != 1:
+        raise ValueError(f"lock-step mode needs one source node (its steps are the barrier), not {sorted(df.sources)}")
     coro = _run(
-        df, config, bool(True if async_execution is None else async_execution), micro_batches_per_step or 1,
+        df, config, async_mode, micro_batches_per_step or 1,
         target_prompts, prompts_per_step, target_steps, taps or {}, on_tick, tick_s,
     )
     try:
@@ -348,10 +356,7 @@ async def _run(
             raise
         t0 = time.time()
         try:
-            if async_mode:
-                reports = await _run_streaming(graph, on_tick, tick_s)
-            else:
-                reports = await _run_lockstep(graph, mb_per_step, on_tick)
+            reports = await _run_streaming(graph, on_tick, tick_s, 0 if async_mode else mb_per_step)
         except BaseException as exc:
             try:
                 await controller.stop("interrupted" if interrupts.forced else "stage failed")
@@ -440,7 +445,9 @@ async def _maybe_await(value: Any) -> Any:
     return await value if asyncio.iscoroutine(value) else value
 
 
-async def _run_streaming(graph: Graph, on_tick: Callable[[Graph], Any] | None, tick_s: float) -> dict[str, list[dict[str, Any]]]:
+async def _run_streaming(graph: Graph, on_tick: Callable[[Graph], Any] | None, tick_s: float,
+                         step_items: int = 0) -> dict[str, list[dict[str, Any]]]:
+    """Every replica runs to end-of-stream (``step_items`` > 0: lock-step)."""
     df = graph.dataflow
     running: dict[asyncio.Task[Any], tuple[str, int]] = {}
     for name, reps in graph.actors.items():
@@ -448,7 +455,7 @@ async def _run_streaming(graph: Graph, on_tick: Callable[[Graph], Any] | None, t
         inp = graph.queues[f"{node.input_from}->{name}"] if node.input_from else None
         outs = [graph.queues[f"{name}->{c}"] for c in df.consumers(name)]
         for r in range(len(reps)):
-            task = asyncio.create_task(_supervise(graph, name, r, inp, outs))
+            task = asyncio.create_task(_supervise(graph, name, r, inp, outs, step_items))
             # Killed actors fail their tasks after a stop; mark them read, not "never retrieved".
             task.add_done_callback(lambda f: f.cancelled() or f.exception())
             running[task] = (name, r)
@@ -474,7 +481,7 @@ async def _run_streaming(graph: Graph, on_tick: Callable[[Graph], Any] | None, t
 
 
 async def _supervise(graph: Graph, name: str, r: int, inp: QueueHandle | None,
-                     outs: list[QueueHandle]) -> dict[str, Any]:
+                     outs: list[QueueHandle], step_items: int = 0) -> dict[str, Any]:
     """Run replica ``r`` of ``name`` to the end, restarting it after a death while its
     node's ``max_restarts`` allow (see the module guarantees)."""
     actor = graph.actors[name][r]
@@ -482,7 +489,7 @@ async def _supervise(graph: Graph, name: str, r: int, inp: QueueHandle | None,
     attempts = 0
     while True:
         try:
-            return await actor.run.remote(inp, outs)
+            return await actor.run.remote(inp, outs, step_items)
         except ray.exceptions.RayActorError as exc:
             if attempts >= limit:
                 raise
@@ -531,42 +538,3 @@ async def _restart(graph: Graph, name: str, r: int, inp: QueueHandle | None, exc
     graph.restarts[worker] += 1  # counted once it serves again
     log.warning("stage_restarted", stage=worker, pid=new[1], requeued=requeued, setup_s=round(time.time() - t0, 1))
 
-
-async def _run_lockstep(
-    graph: Graph, mb_per_step: int, on_tick: Callable[[Graph], Any] | None
-) -> dict[str, list[dict[str, Any]]]:
-    df = graph.dataflow
-    order = df.topological_order()
-    if len(df.sources) != 1 or any(len(df.consumers(n)) > 1 for n in order):
-        raise ValueError("lock-step mode needs a chain: one source and no fan-out")
-    source, rest = order[0], order[1:]
-
-    async def through(refs: list[Any], final: bool) -> None:
-        for name in rest:
-            reps = graph.actors[name]
-            chunks = [refs[i :: len(reps)] for i in range(len(reps))]
-            try:
-                outs = await asyncio.gather(
-                    *(rep.process_refs.remote(chunk, final) for rep, chunk in zip(reps, chunks, strict=True))
-                )
-            except Exception as exc:
-                raise _stage_error(name, exc) from None
-            refs = [r for out in outs for r in out]
-
-    while True:
-        try:
-            refs = await graph.actors[source][0].produce.remote(mb_per_step)
-        except Exception as exc:
-            raise _stage_error(source, exc) from None
-        if not refs:
-            break
-        await through(refs, final=False)
-        if on_tick is not None:
-            await _maybe_await(on_tick(graph))
-    await through([], final=True)
-    for reps in graph.actors.values():
-        await asyncio.gather(*(a.close_taps.remote() for a in reps))
-    reports: dict[str, list[dict[str, Any]]] = {}
-    for name, reps in graph.actors.items():
-        reports[name] = list(await asyncio.gather(*(a.report.remote() for a in reps)))
-    return reports

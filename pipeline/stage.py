@@ -12,6 +12,11 @@ the output queues, recording spans, taps and status. A core implements
     def result(self) -> Any                                    # optional, returned by run()
 
 Guarantees:
+- lock-step (``run(..., step_items=n)``) is the same data path with a step barrier: a
+  source emits ``n`` items (one step), then waits until they have drained through the
+  graph (``QueueHandle.wait_drained`` on its outputs) before it makes the next step's;
+  every stage releases an input it emitted nothing for at once, so the drain is seen
+  as soon as the last stage is done;
 - with ``concurrency == 1`` outputs leave in input order, and the next input is fetched
   and the previous outputs are put while the core works (queue hops hide behind
   compute); with more, up to ``concurrency`` items run at once, outputs in completion order;
@@ -141,6 +146,7 @@ class StageActor:
         self._lost: list[int] = []  # leases whose object died with its producer
         self._seen = SeenGroups(dedup_window) if dedup else None
         self._lost_inputs = 0  # inputs whose producer died before they were read
+        self._release_at_once = False  # lock-step: releases are not piggybacked
         # Debug runs: the first micro-batch of the input edge is printed and checked
         # against what the core declares it takes (pipeline/contracts.py).
         self._debug_pending = debug
@@ -183,13 +189,20 @@ class StageActor:
         if self._recorder is not None:
             self._recorder.write_item(self._tap[0], item)
 
-    async def run(self, inp: QueueHandle | None, outs: list[QueueHandle]) -> dict[str, Any]:
-        """Stream until end-of-stream; returns counters and the core's result."""
+    async def run(self, inp: QueueHandle | None, outs: list[QueueHandle], step_items: int = 0) -> dict[str, Any]:
+        """Stream until end-of-stream; returns counters and the core's result.
+        ``step_items`` > 0: lock-step, that many source items per step (see the guarantees)."""
         self._state = "running"
+        self._release_at_once = step_items > 0
         try:
             if inp is None:
+                emitted = 0
                 async for item in self._source_items():
                     await self._emit(item, outs)
+                    emitted += 1
+                    if step_items and emitted % step_items == 0:
+                        with self.spans.span("wait_output"):  # blocked until the step has drained
+                            await asyncio.gather(*(out.wait_drained() for out in outs))
             else:
                 await self._consume(inp, outs)
             if hasattr(self.core, "finish"):
@@ -288,7 +301,10 @@ class StageActor:
         (released at once when there are none: nothing downstream will release it)."""
         parts = len(items) * len(outs)
         if not parts:
-            self._released.append(seq)
+            if self._release_at_once:
+                inp.release(self.lease_id, seq)
+            else:
+                self._released.append(seq)
             return
         origin = Origin(inp.actor, self.lease_id, seq, parts)
         for o in items:
@@ -337,43 +353,6 @@ class StageActor:
         for out in outs:
             with self.spans.span("wait_output", batch_id=batch_id):
                 await out.put_entry(entry, origin)
-
-    # ---------------------------------------------------------------- lock-step mode
-    async def produce(self, count: int) -> list[ray.ObjectRef]:
-        """Sync mode, sources: the next ``count`` items as references (fewer at the end)."""
-        refs: list[ray.ObjectRef] = []
-        gen = self._source_items()
-        while len(refs) < count:
-            try:
-                item = await gen.__anext__()
-            except StopAsyncIteration:
-                break
-            refs.append(ray.put(item))
-            self._emitted += 1
-        return refs
-
-    async def process_refs(self, refs: list[ray.ObjectRef], final: bool = False) -> list[ray.ObjectRef]:
-        """Sync mode: process a whole step's items (``concurrency`` at a time), return outputs."""
-        slots = asyncio.Semaphore(self.concurrency)
-        results: list[list[Any]] = [[] for _ in refs]
-
-        async def one(i: int, ref: ray.ObjectRef) -> None:
-            async with slots:
-                item = await ref
-                self._record_input(item)
-                with self.spans.span("busy", batch_id=getattr(item, "batch_id", -1)):
-                    results[i] = _as_list(await self.core.process(item))
-                self._processed += 1
-
-        try:
-            await asyncio.gather(*(one(i, r) for i, r in enumerate(refs)))
-            flat = [o for r in results for o in r]
-            if final and hasattr(self.core, "finish"):
-                flat += _as_list(await self.core.finish())
-        except BaseException as exc:
-            raise StageError(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
-        self._emitted += len(flat)
-        return [ray.put(o) for o in flat]
 
     def close_taps(self) -> None:
         if self._recorder is not None:

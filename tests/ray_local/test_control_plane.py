@@ -43,3 +43,24 @@ def test_at_most_one_controller_call_per_micro_batch(ray_cluster):
     assert (sum(calls.values()) - 1) / micro_batches <= 1.0
     # The confirmations rode on the waits: the board knows the final version served.
     assert result.controller["served"]["rollout:0"]["version"] == STEPS
+
+
+def test_lockstep_is_a_step_barrier_over_the_same_queues(ray_cluster):
+    """Lock-step moves the micro-batches through the same queues as streaming (the
+    driver carries none), and no micro-batch of step k is generated before the trainer
+    has finished step k - 1: exactly on-policy, with the same controller budget."""
+    result = run_fake_chain(async_execution=False, max_staleness=0, stage_s=0.002)
+    micro_batches = STEPS * MICRO_BATCHES_PER_STEP
+    trainer = result.result("trainer")
+    assert trainer["items"] == micro_batches and trainer["staleness_hist"] == {0: micro_batches}
+    assert all(q["puts"] == micro_batches for q in result.queues.values())
+    busy = [s for s in result.spans if s.kind == "busy"]
+    for k in range(1, STEPS):
+        step = range(k * MICRO_BATCHES_PER_STEP, (k + 1) * MICRO_BATCHES_PER_STEP)
+        previous = range((k - 1) * MICRO_BATCHES_PER_STEP, k * MICRO_BATCHES_PER_STEP)
+        generated_from = min(s.start for s in busy if s.stage == "rollout" and s.batch_id in step)
+        trained_until = max(s.end for s in busy if s.stage == "trainer" and s.batch_id in previous)
+        assert generated_from >= trained_until, k
+    calls = dict(result.controller["calls"])
+    assert calls.pop("finish_step") == STEPS and calls.pop("wait_for_update") == STEPS + 1
+    assert calls == {"admit_prompts": micro_batches + 1}
