@@ -77,7 +77,9 @@ class ResumeState(msgspec.Struct, kw_only=True):
     ``version``: the policy version (= optimizer steps taken); ``trained_prompts`` and
     ``dropped`` (reason -> prompts) are the ledger's counters; ``consumed`` the prompt
     indices they cover; ``recent_metrics`` the trainer's metrics of the steps since the
-    previous checkpoint (the driver may not have logged them before a crash).
+    previous checkpoint (the driver may not have logged them before a crash);
+    ``curriculum`` the curriculum's state (``stages/curriculum.py``) with a
+    ``data.curriculum``: the source resumes at its level, the trainer with its window.
     """
 
     schema: int = SCHEMA_VERSION
@@ -86,6 +88,7 @@ class ResumeState(msgspec.Struct, kw_only=True):
     dropped: dict[str, int] = {}
     consumed: ConsumedPrompts = msgspec.field(default_factory=ConsumedPrompts)
     recent_metrics: list[dict[str, Any]] = []
+    curriculum: dict[str, Any] | None = None
 
 
 def checkpoint_name(version: int) -> str:

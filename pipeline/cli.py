@@ -5,6 +5,7 @@
     conveyor status --config PATH | --run-dir DIR [--watch]
     conveyor replay RECORDING --config PATH [--from-step K --steps N] [--verify] | --inspect
     conveyor bench NAME [--quick]
+    conveyor init --template NAME DIR [--force] | --list
     conveyor --version
 
 A bad config (unknown key, wrong type, out of range, invalid graph) stops the command
@@ -162,6 +163,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        *(["--out", str(args.out)] if args.out else [])])
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from pipeline.templates import describe_templates, write_template
+
+    if args.list:
+        for name, line in describe_templates().items():
+            print(f"{name:<12} {line}")
+        return 0
+    if not args.template or not args.dir:
+        raise ConfigError("init: expected --template NAME DIR, or --list")
+    written = write_template(args.template, Path(args.dir), force=args.force)
+    for path in written:
+        print(f"wrote {path}")
+    print(f"run it with: cd {args.dir} && conveyor launch --config config.yaml")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="conveyor", description="Asynchronous streaming RL post-training.")
     p.add_argument("--version", action="version", version=f"conveyor {__version__}")
@@ -201,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="result directory (default: bench/results in a source checkout, "
                                      "./bench-results elsewhere, ./bench-results/quick with --quick)")
     bench.set_defaults(fn=cmd_bench)
+
+    init = sub.add_parser("init", help="write a job template (config, data, reward/tool module) into DIR")
+    init.add_argument("dir", nargs="?", metavar="DIR")
+    init.add_argument("--template", metavar="NAME", help="see --list")
+    init.add_argument("--list", action="store_true", help="the templates, one line each")
+    init.add_argument("--force", action="store_true", help="write into a DIR that is not empty")
+    init.set_defaults(fn=cmd_init)
     return p
 
 

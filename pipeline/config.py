@@ -71,6 +71,24 @@ class ModelConfig(msgspec.Struct, **_section()):
     cache_dir: str = "~/.cache/conveyor"
 
 
+class CurriculumConfig(msgspec.Struct, **_section()):
+    """A curriculum over ``data.path`` rows (``stages/curriculum.py`` holds the rules).
+
+    Each row carries an integer level under ``key`` (top-level column); ``levels`` is the
+    order they are taught in, starting at ``start`` (default: the first). Prompts are
+    drawn from the current level only. Once ``window`` rewards of samples at the current
+    level are in, their mean promotes to the next level at ``promote_at`` or above, and
+    demotes to the one before below ``demote_below`` (null: never demote); either move
+    starts a fresh window."""
+
+    key: Annotated[str, Meta(min_length=1)] = "difficulty"
+    levels: Annotated[list[int], Meta(min_length=1)]
+    start: int | None = None
+    promote_at: float = 0.8
+    demote_below: float | None = None
+    window: PosInt = 64
+
+
 class DataConfig(msgspec.Struct, **_section()):
     """Prompts: a built-in task (or ``module:attr`` task), or ``path``: a local JSONL or
     Parquet file or a ``datasets`` ``save_to_disk`` directory (``stages/prompt_rows.py``).
@@ -92,6 +110,7 @@ class DataConfig(msgspec.Struct, **_section()):
     num_prompts: NonNegInt = 0  # 0 = as many as the run needs
     shuffle: bool = True
     task_kwargs: dict[str, Any] = {}
+    curriculum: CurriculumConfig | None = None  # needs data.path
 
 
 class MemoryConfig(msgspec.Struct, **_section()):
@@ -724,11 +743,29 @@ def check_config(cfg: ConveyorConfig) -> None:
         if "->" not in edge:
             raise ConfigError(f"record.edges: expected 'producer->consumer', got {edge!r}")
     check_reward_sources(cfg)
+    check_curriculum(cfg.data)
     if cfg.reward.path is not None and cfg.reward.function != "task":
         raise ConfigError(
             f"reward.path: set either reward.function ({cfg.reward.function!r}) or reward.path with "
             f"reward.name (verl's spelling), not both"
         )
+
+
+def check_curriculum(data: DataConfig) -> None:
+    """``data.curriculum``: over a data file, strictly increasing levels, a start among them,
+    a demotion threshold below the promotion one."""
+    cur = data.curriculum
+    if cur is None:
+        return
+    if not data.path:
+        raise ConfigError("data.curriculum: expected data.path (rows with a level column), got a task")
+    if any(b <= a for a, b in zip(cur.levels, cur.levels[1:], strict=False)):
+        raise ConfigError(f"data.curriculum.levels: expected strictly increasing levels, got {cur.levels}")
+    if cur.start is not None and cur.start not in cur.levels:
+        raise ConfigError(f"data.curriculum.start: expected one of {cur.levels}, got {cur.start}")
+    if cur.demote_below is not None and cur.demote_below >= cur.promote_at:
+        raise ConfigError(f"data.curriculum.demote_below: expected < promote_at ({cur.promote_at}), "
+                          f"got {cur.demote_below}")
 
 
 def check_reward_sources(cfg: ConveyorConfig) -> None:

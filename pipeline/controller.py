@@ -9,7 +9,9 @@ It owns no compute and no tensors. It holds
 - per-step metrics the trainer reports, which the driver drains for metrics.jsonl,
   TensorBoard and ``conveyor status``;
 - in lock-step runs (``barrier``), the step barrier: prompts of step k are admitted
-  only once the trainer has finished step k - 1.
+  only once the trainer has finished step k - 1;
+- with ``data.curriculum``, the level the trainer last reported (``CURRICULUM_LEVEL``
+  in its step metrics), handed to the source with its admission (``with_level``).
 
 Stages reach it only through ``ControllerClient`` (typed, one remote call per method),
 and only where the data needs it: at most one call per micro-batch (the source's
@@ -37,6 +39,9 @@ import ray
 from pipeline.types import WeightConfirmation, WeightUpdate
 from pipeline.versions import Ledger
 
+# The step metric carrying the curriculum's level (stages/curriculum.py sets it).
+CURRICULUM_LEVEL = "curriculum/level"
+
 # Publish times of the newest versions, for the publish-to-serve lag: a worker confirms
 # the newest update it found, so one older than these has long been superseded.
 PUBLISH_TIMES_KEPT = 64
@@ -61,6 +66,7 @@ class ControllerActor:
         self._trainer_version = 0
         self._steps: list[dict[str, Any]] = []
         self._stop_reason: str | None = None
+        self._curriculum_level: int | None = None  # none reported yet: the source keeps its own
         self.calls: collections.Counter[str] = collections.Counter()
         if resumed:
             self.ledger.trained = int(resumed["trained_prompts"])
@@ -69,15 +75,15 @@ class ControllerActor:
             self._trainer_version = int(resumed["version"])
 
     # ---------------------------------------------------------------- prompt ledger
-    async def admit_prompts(self, want: int) -> tuple[int, int]:
+    async def admit_prompts(self, want: int, with_level: bool = False) -> tuple[int, ...]:
         """Wait until there is room (and, in lock-step, until the step the prompts are
-        destined for is the trainer's next); (granted, step). (0, -1): no more needed."""
+        destined for is the trainer's next); (granted, step). (0, -1): no more needed.
+        ``with_level``: (granted, step, curriculum level or None)."""
         self.calls["admit_prompts"] += 1
         async with self._cond:
             await self._cond.wait_for(lambda: (self.ledger.room > 0 and self._step_open()) or self._done())
-            if self._done():
-                return 0, -1
-            return self.ledger.admit(want)
+            granted, step = (0, -1) if self._done() else self.ledger.admit(want)
+            return (granted, step, self._curriculum_level) if with_level else (granted, step)
 
     def _step_open(self) -> bool:
         # Lock-step's barrier: step k = live // prompts_per_step opens at trainer version k.
@@ -99,6 +105,8 @@ class ControllerActor:
             self.ledger.record_trained(prompts)
             self._trainer_version = version
             self._steps.append(metrics)
+            if CURRICULUM_LEVEL in metrics:
+                self._curriculum_level = int(metrics[CURRICULUM_LEVEL])
             self._cond.notify_all()
 
     async def record_dropped(self, prompts: int, reason: str) -> None:
@@ -197,6 +205,10 @@ class ControllerClient:
 
     async def admit_prompts(self, want: int) -> tuple[int, int]:
         return await self.actor.admit_prompts.remote(want)
+
+    async def admit_prompts_at_level(self, want: int) -> tuple[int, int, int | None]:
+        """``admit_prompts`` plus the curriculum level the trainer last reported (None: none yet)."""
+        return await self.actor.admit_prompts.remote(want, True)
 
     async def trainer_version(self) -> int:
         return await self.actor.trainer_version.remote()

@@ -60,6 +60,10 @@ def render_live(status: dict[str, Any]) -> Group:
         f"{last.get('throughput/tokens_per_s', 0):.0f}",
         str(status["ledger"]["in_flight"]),
     )
+    if "curriculum/level" in last:  # data.curriculum: the level prompts are drawn from
+        head.caption = (f"curriculum level {last['curriculum/level']} (window reward mean "
+                        f"{last.get('curriculum/window_reward_mean', 0.0):.3f}, promotions "
+                        f"{last.get('curriculum/promotions', 0)}, demotions {last.get('curriculum/demotions', 0)})")
     stages = Table(title="stages")
     for col in ("stage", "state", "busy ratio", "memory used / budget (MiB)"):
         stages.add_column(col)

@@ -18,6 +18,12 @@ Guarantees:
 File data is cycled (reshuffled each epoch when ``data.shuffle``, seeded by
 ``run.seed``) until the run has what it needs; prompt ids stay unique across epochs.
 Task datasets are endless.
+
+With ``data.curriculum`` each level's rows are cycled on their own (a row's index is its
+row number plus that level's epoch times the file's rows, still unique), and a micro-batch
+is drawn from the level the controller hands out with its admission (the trainer decides
+it: ``stages/curriculum.py``); until the trainer has reported one, the start level or the
+checkpoint's. Each prompt carries its level in ``extra_info[data.curriculum.key]``.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class PromptSource:
         self._issued_before = 0
         self.skipped: Counter[str] = Counter()
         self.emitted_prompts = 0
+        self.level: int | None = None  # the curriculum level drawn from (data.curriculum)
 
     async def setup(self, ctx: Any) -> None:
         from stages.tiny import resolve_model_path
@@ -79,6 +86,8 @@ class PromptSource:
             self._done = state.consumed.as_set_checker()
             # The accounting covers the whole run: what the first part issued and finished counts.
             self.issued, self._issued_before = state.consumed, state.trained_prompts + sum(state.dropped.values())
+            if state.curriculum is not None:
+                self.level = int(state.curriculum["level"])
         self.open(cfg.data, load_tokenizer(model_path), model_path, cfg.run.seed, cfg.dataflow.prompts_per_micro_batch)
 
     def open(self, data: Any, tokenizer: Any, model_path: Any, seed: int, per_batch: int) -> None:
@@ -87,11 +96,40 @@ class PromptSource:
         self.data = data
         self.per_batch = per_batch
         renderer = PromptRenderer(tokenizer, data.chat_template, model_path, data.max_prompt_len)
-        items, cmap = self._build_rows(seed)
+        cur = getattr(data, "curriculum", None)
+        if cur is not None and self._rows is None:
+            self.level = cur.start if self.level is None and cur.start is not None else self.level
+            self.level = cur.levels[0] if self.level is None else self.level
+            self._by_level = {}
+            self._open_level = lambda level: self._skip_done_and_render(
+                *self._build_level_rows(seed, cur.key, level), renderer)
+            return
+        self._rendered = self._skip_done_and_render(*self._build_rows(seed), renderer)
+
+    def _skip_done_and_render(self, items: Iterator[tuple[int, str, Any]], cmap: ColumnMap, renderer: Any) -> Any:
         if self._done is not None:
             done = self._done
             items = (item for item in items if not done(item[0]))
-        self._rendered = render_rows(items, cmap, renderer, batch=per_batch)
+        return render_rows(items, cmap, renderer, batch=self.per_batch)
+
+    def _build_level_rows(self, seed: int, key: str, level: int) -> tuple[Iterator[tuple[int, str, Any]], ColumnMap]:
+        """Endless (prompt index, where, raw row) over the data file's rows at ``level``."""
+        data = open_data(self.data.path)
+        cmap = resolve_columns(data.columns, self.data.prompt_key, self.data.answer_key, data.name)
+        num_rows = data.index()
+
+        def cycle() -> Iterator[tuple[int, str, Any]]:
+            for epoch in itertools.count():
+                found = False
+                for number, row in data.iter_epoch(epoch, seed, self.data.shuffle, [*cmap.columns, key]):
+                    if isinstance(row, dict) and row.get(key) == level:
+                        found = True
+                        yield number - 1 + epoch * num_rows, f"{data.name} row {number}", row
+                if not found:
+                    raise RowError("exhausted", f"data.curriculum.levels: {data.name} has no row with "
+                                                f"{key!r} = {level}")
+
+        return cycle(), cmap
 
     def _build_rows(self, seed: int) -> tuple[Iterator[tuple[int, str, Any]], ColumnMap]:
         """Endless (prompt index, where, raw row) and the column mapping of the rows."""
@@ -125,7 +163,8 @@ class PromptSource:
         """The next usable row as a ``Prompt``."""
         log = self.ctx.log.debug if self.data.path and self._rows is None else self.ctx.log.warning
         run_of_skips = 0
-        for index, _, row in self._rendered:
+        rendered, extra = self._rendered_now()
+        for index, _, row in rendered:
             if isinstance(row, RowError):
                 self.skipped[row.reason] += 1
                 log("row_skipped", reason=row.reason, detail=str(row))
@@ -135,14 +174,26 @@ class PromptSource:
                 continue
             return Prompt(prompt_id=f"p{index}", index=index, text=row["text"], token_ids=row["token_ids"],
                           ground_truth=row["ground_truth"], data_source=row["data_source"],
-                          extra_info=row["extra_info"])
+                          extra_info={**row["extra_info"], **extra})
         raise RowError("exhausted", f"data: no usable rows left (skipped so far: {dict(self.skipped)})")
+
+    def _rendered_now(self) -> tuple[Iterator[tuple[int, str, Any]], dict[str, Any]]:
+        """The rendered rows to draw from now, and what each prompt's ``extra_info`` gains."""
+        if self.level is None or self._rows is not None:
+            return self._rendered, {}
+        if self.level not in self._by_level:
+            self._by_level[self.level] = self._open_level(self.level)
+        return self._by_level[self.level], {self.data.curriculum.key: self.level}
 
     async def generate(self) -> AsyncIterator[PromptBatch]:
         batch_id = 0
         while True:
             want = self.per_batch
-            granted, step = await self.ctx.controller.admit_prompts(want)
+            if self.level is not None:
+                granted, step, level = await self.ctx.controller.admit_prompts_at_level(want)
+                self.level = self.level if level is None else level
+            else:
+                granted, step = await self.ctx.controller.admit_prompts(want)
             if granted == 0:
                 return
             if getattr(self, "_current_step_only", False):
@@ -159,7 +210,8 @@ class PromptSource:
             batch_id += 1
 
     def status(self) -> dict[str, Any]:
-        return {"prompts": self.emitted_prompts, "skipped": dict(self.skipped)}
+        level = {} if self.level is None else {"curriculum_level": self.level}
+        return {"prompts": self.emitted_prompts, "skipped": dict(self.skipped), **level}
 
     def result(self) -> dict[str, Any]:
         """Status plus this source's own account of the prompts it issued (indices and

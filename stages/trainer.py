@@ -412,6 +412,7 @@ class TrainerStage:
             **summarise_step_batches(batches, self._take_zero_variance()),
             "samples/dropped_zero_variance": self.dropped.get("zero_variance", 0),
             **kl_metrics,
+            **self.checkpoints.step_curriculum(batches),
             **{f"actor/{k}": float(np.average([p[k] for p in pieces], weights=weight))
                for k in ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_upper", "clip_frac_lower", "clip_frac_dual",
                          "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean", "logp_mismatch",

@@ -9,6 +9,8 @@ Guarantees:
   ``train.keep_checkpoints`` kept.
 - ``restore`` loads the trainer engine's state (model, optimizer, RNG, version) and the
   counters from ``run.resume_from``; the resumed run continues from that version.
+- With ``data.curriculum`` it advances the curriculum once per step from the step's
+  rewards (``step_curriculum``) and checkpoints its state with the prompts consumed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ import msgspec
 
 from pipeline.checkpoint import TRAINER_DIR, ConsumedPrompts, ResumeState, load_resume_state, write_checkpoint
 from pipeline.types import RolloutBatch
+from stages.curriculum import (
+    CurriculumState,
+    advance_curriculum,
+    select_level_rewards,
+    start_curriculum,
+    summarise_curriculum,
+)
 
 
 class TrainerCheckpoints:
@@ -34,6 +43,8 @@ class TrainerCheckpoints:
         self.recent_metrics: list[dict[str, Any]] = []  # steps since the last checkpoint
         self.last_written = -1
         self.dirty = False  # something was recorded since the last write
+        self.curriculum_cfg = cfg.data.curriculum
+        self.curriculum = start_curriculum(self.curriculum_cfg) if self.curriculum_cfg else None
 
     def restore(self, checkpoint: str | Path) -> int:
         """Load ``checkpoint`` into the engine and the counters; returns its version."""
@@ -44,7 +55,18 @@ class TrainerCheckpoints:
                              f"but its state says {state.version}")
         self.trained_prompts, self.dropped, self.consumed = state.trained_prompts, dict(state.dropped), state.consumed
         self.last_written = state.version
+        if self.curriculum is not None and state.curriculum is not None:
+            self.curriculum = msgspec.convert(state.curriculum, CurriculumState)
         return state.version
+
+    def step_curriculum(self, batches: list[RolloutBatch]) -> dict[str, Any]:
+        """Advance the curriculum by this step's rewards at its level; the step's
+        ``curriculum/`` metrics (none without ``data.curriculum``)."""
+        if self.curriculum is None or self.curriculum_cfg is None:
+            return {}
+        rewards = select_level_rewards(batches, self.curriculum_cfg.key, self.curriculum.level)
+        self.curriculum = advance_curriculum(self.curriculum, self.curriculum_cfg, rewards)
+        return summarise_curriculum(self.curriculum)
 
     def record_step(self, batches: list[RolloutBatch], metrics: dict[str, Any]) -> None:
         self.dirty = True
@@ -73,7 +95,8 @@ class TrainerCheckpoints:
     def write(self) -> Path:
         """A checkpoint of the engine's current version (call from a thread)."""
         state = ResumeState(version=self.engine.version, trained_prompts=self.trained_prompts,
-                            dropped=dict(self.dropped), consumed=self.consumed, recent_metrics=self.recent_metrics)
+                            dropped=dict(self.dropped), consumed=self.consumed, recent_metrics=self.recent_metrics,
+                            curriculum=msgspec.to_builtins(self.curriculum) if self.curriculum else None)
         path = write_checkpoint(self.run_dir, state, self.engine.save_state, self.keep)
         self.last_written, self.recent_metrics, self.dirty = self.engine.version, [], False
         return path
