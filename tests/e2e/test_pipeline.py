@@ -58,11 +58,15 @@ def test_at_most_one_controller_call_per_micro_batch(streaming_run):
     version one wait of the one rollout worker (and the one pending at the end)."""
     _, summary, _ = streaming_run
     calls = dict(summary["controller_calls"])
-    micro_batches = STEPS * 8 // 4  # prompts_per_step / prompts_per_micro_batch per step, no drops
     assert calls.pop("finish_step") == STEPS
     assert calls.pop("wait_for_update") <= STEPS + 1
     assert calls.pop("latest_update", 0) <= 1 and calls.pop("confirm", 0) <= 1  # at shutdown
-    assert calls == {"admit_prompts": micro_batches + 1}
+    # One grant per micro-batch of 4 prompts (a replacement for a dropped one may be
+    # smaller); the last call is told "no more". A dropped micro-batch reports itself.
+    admitted = summary["prompts"]["admitted"]
+    grants = calls.pop("admit_prompts") - 1
+    assert -(-admitted // 4) <= grants <= admitted
+    assert set(calls) <= {"record_dropped"}
 
 
 def test_every_trained_batch_is_within_the_staleness_limit(streaming_run):
