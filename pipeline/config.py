@@ -148,12 +148,20 @@ class PlacementEntry(msgspec.Struct, **_section()):
     ``gpus``: GPU indices (replica r on ``gpus[r % len]``); a list in YAML
     (``rollout: [0]``) is shorthand for ``{gpus: [0]}``. ``exclusive``: no other stage
     may use those GPUs. ``num_gpus``: a Ray GPU count per replica instead of indices.
+    ``resources``: custom Ray resources each replica asks for (``{node_b: 0.01}``), which
+    puts the stage on the nodes that offer them (``ray start --resources``).
     """
 
     num_cpus: NonNegFloat = 0.0
     num_gpus: NonNegFloat = 0.0
     gpus: list[NonNegInt] | None = None
     exclusive: bool = False
+    resources: dict[str, PosFloat] = {}
+
+    def __post_init__(self) -> None:
+        reserved = sorted(set(self.resources) & {"CPU", "GPU", "memory", "object_store_memory"})
+        if reserved:
+            raise ValueError(f"resources: {reserved} are not custom resources (use num_cpus / num_gpus)")
 
 
 class RolloutConfig(msgspec.Struct, **_section()):

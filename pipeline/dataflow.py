@@ -41,6 +41,8 @@ class Node:
     num_cpus: float = 0.0
     num_gpus: float = 0.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Custom Ray resources each replica asks for: they pick the nodes it may run on.
+    resources: dict[str, float] = field(default_factory=dict)
     # Replica r runs in bundle gpu_bundles[r] (one GPU) of the run's placement group,
     # asking for gpu_shares[r] of it; empty: num_gpus by count (pipeline/placement.py).
     gpu_bundles: tuple[int, ...] = ()
@@ -69,6 +71,7 @@ class DataFlow:
         concurrency: int = 1,
         num_cpus: float = 0.0,
         num_gpus: float = 0.0,
+        resources: dict[str, float] | None = None,
         queue_size: int | None = None,
         max_restarts: int = 0,
         **kwargs: Any,
@@ -85,7 +88,7 @@ class DataFlow:
             # A restarted source would start its data again: it is not restartable.
             raise GraphError(f"node {name!r}: a source cannot be restarted (max_restarts must be 0)")
         self.nodes[name] = Node(name, node_class, input_from, replicas, concurrency, num_cpus, num_gpus, kwargs,
-                                max_restarts=max_restarts)
+                                dict(resources or {}), max_restarts=max_restarts)
         if queue_size is not None and input_from is not None:
             self.queue_sizes[f"{input_from}->{name}"] = queue_size
         return self

@@ -83,6 +83,7 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
             place = getattr(cfg.placement, spec.name, None)
             df.add_node(spec.name, spec.node_class, spec.input_from,
                         num_cpus=place.num_cpus if place else 0.0,
+                        resources=place.resources if place else None,
                         num_gpus=place.num_gpus if place else 0.0, **spec.kwargs)
     elif not cfg.run.script:  # the built-in chain (a script built its own nodes)
         chain = (["source", "rollout", "reward"] + (["reward_model"] if cfg.reward_model_enabled else [])
@@ -102,7 +103,8 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
                 extra["max_restarts"] = cfg.run.max_restarts
             several_updates = cfg.train.ppo_epochs > 1 or cfg.train.ppo_mini_batches > 1
             cls = STAGE_CLASSES["ppo_trainer" if name == "trainer" and several_updates else name]
-            df.add_node(name, cls, prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus, **extra)
+            df.add_node(name, cls, prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus,
+                        resources=place.resources, **extra)
             prev = name
     df.queue_sizes.update(cfg.dataflow.queue_sizes)
     df.validate()

@@ -209,6 +209,7 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
         actors[name] = [
             StageActor.options(
                 num_cpus=node.num_cpus,
+                resources=node.resources or None,
                 max_concurrency=max(64, 4 * node.concurrency),
                 max_restarts=node.max_restarts,
                 max_task_retries=0,

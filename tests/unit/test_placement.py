@@ -13,6 +13,7 @@ from pipeline.placement import (
     check_plan,
     estimate_colocated_fraction,
     estimate_trainer_bytes_per_param,
+    is_manual,
     plan_placement,
 )
 
@@ -138,3 +139,17 @@ def test_rollout_replicas_sharing_a_gpu_split_vllms_share():
     assert plan(config(rollout={"num_workers": 2}), 1).rollout_memory_fraction == 0.386
     with pytest.raises(PlacementError, match=r"2 vLLM engines on one GPU .* would ask for 1.20"):
         plan(config(rollout={"num_workers": 2, "gpu_memory_utilization": 0.6}), 2)
+
+
+def test_custom_resources_reach_the_graph_nodes_and_reserved_names_are_refused():
+    from pipeline.launch import build_dataflow
+
+    cfg = config(placement={"rollout": {"resources": {"node_b": 0.01}}, "trainer": {"resources": {"node_a": 0.5}}})
+    assert not is_manual(cfg)  # custom resources pick nodes, not GPUs: the planner still decides
+    df = build_dataflow(cfg)
+    assert df.nodes["rollout"].resources == {"node_b": 0.01} and df.nodes["trainer"].resources == {"node_a": 0.5}
+    assert df.nodes["reward"].resources == {}
+    with pytest.raises(ConfigError, match=r"placement.rollout: resources: \['GPU'\] are not custom resources"):
+        config(placement={"rollout": {"resources": {"GPU": 1}}})
+    with pytest.raises(ConfigError, match=r"placement.trainer.resources\[...\]: expected float > 0.0"):
+        config(placement={"trainer": {"resources": {"node_a": 0}}})
