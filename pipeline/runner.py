@@ -153,7 +153,10 @@ def init_ray(address: str | None = None) -> None:
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+        # "local": a cluster of this run's own. Without it Ray would join whatever
+        # `ray start` cluster this machine last started (its /tmp/ray/ray_current_cluster),
+        # another user's or another job's, silently.
+        ray.init(address="local", runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
 
 
 def run_dataflow(
