@@ -1,0 +1,74 @@
+"""conveyor init + a short launch of a template, as a user runs it (from the directory it
+wrote, through the command line): the curriculum template promotes, reports its level in
+the step metrics and resumes at the level it checkpointed. Real Ray, vLLM and DeepSpeed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from pipeline.checkpoint import STATE_FILE, ResumeState, find_latest_checkpoint
+from pipeline.cli import main
+from pipeline.metrics import read_metrics
+
+# rollout.n 4 x prompts_per_step 4 = 16 samples a step = one window: a decision per step;
+# promote_at 0 promotes on every full window, so the rules run in a few steps. Queues of
+# one micro-batch keep the prompts admitted before a move (at the old level) few.
+SHORT = ["run.progress=false", "run.tensorboard=false", "rollout.n=4", "train.prompts_per_step=4",
+         "dataflow.queue_size=1", "data.curriculum.window=16", "data.curriculum.promote_at=0.0",
+         "train.checkpoint_every=2"]
+FIRST, TOTAL = 8, 12
+
+
+def _in(directory: Path, argv: list[str]) -> int:
+    cwd = os.getcwd()
+    os.chdir(directory)  # the config's relative data, reward and run paths, as its header says
+    try:
+        return main(argv)
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def curriculum_run(ray_cluster, tmp_path_factory):
+    job = tmp_path_factory.mktemp("templates") / "curriculum"
+    assert main(["init", "--template", "curriculum", str(job)]) == 0
+    # Ray started here (the session's cluster) runs the stages in this directory: an
+    # absolute run directory keeps the driver's and the stages' files in one place.
+    run_dir = job / "runs" / "curriculum"
+    assert _in(job, ["launch", "--config", "config.yaml", f"run.steps={FIRST}", f"run.dir={run_dir}", *SHORT]) == 0
+    return job, run_dir
+
+
+def test_curriculum_template_promotes_and_reports_its_level(curriculum_run):
+    _, run_dir = curriculum_run
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert len(rows) == FIRST
+    levels = [r["curriculum/level"] for r in rows]
+    # Step 0 trains only level-1 prompts: 16 rewards fill the window, promote_at 0 -> level 2.
+    # (The prompts admitted before that, which fill the stages' queues, finish at level 1.)
+    assert levels[0] == 2 and rows[0]["curriculum/promotions"] == 1
+    assert levels == sorted(levels) and set(levels) <= {2, 3}
+    assert all("curriculum/window_reward_mean" in r and "reward/mean" in r for r in rows)
+
+
+def test_curriculum_resumes_at_its_checkpointed_level(curriculum_run):
+    job, run_dir = curriculum_run
+    found = find_latest_checkpoint(run_dir)
+    assert found is not None
+    checkpoint, _, _ = found
+    state = msgspec.msgpack.decode((checkpoint / STATE_FILE).read_bytes(), type=ResumeState)
+    before = read_metrics(run_dir / "metrics.jsonl")
+    assert state.curriculum is not None and state.curriculum["level"] == before[-1]["curriculum/level"]
+    assert _in(job, ["launch", "--resume", str(run_dir), f"run.steps={TOTAL}", *SHORT]) == 0
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert len(rows) == TOTAL
+    # The level continues: no step after the resume is below the saved level, the
+    # promotions count on from the first part's, and by the end the source has drawn
+    # level-2 prompts whose rewards moved the run to level 3.
+    assert all(r["curriculum/level"] >= state.curriculum["level"] for r in rows[FIRST:])
+    assert rows[-1]["curriculum/promotions"] >= state.curriculum["promotions"]
+    assert rows[-1]["curriculum/level"] == 3 and rows[-1]["curriculum/promotions"] == 2
