@@ -1,5 +1,5 @@
 """The source core: prompts carry their token ids, bad rows are skipped and counted,
-file data cycles with unique prompt ids."""
+file data cycles with unique prompt ids, a curriculum draws from the level it is given."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline.config import DataConfig
+from pipeline.config import CurriculumConfig, DataConfig
 from stages.data_files import RowError
 from stages.source import PromptSource, iter_list_rows
 from stages.tasks import load_task
@@ -95,3 +95,29 @@ def test_rows_passed_in_use_the_column_mapping():
     src = open_source(DataConfig(prompt_key="question", answer_key="answer"), rows=rows)
     prompt = src._next_prompt()
     assert (prompt.text, prompt.ground_truth, prompt.token_ids) == ("5=", "5", [1, 9, 70])  # <bos> "5" "="
+
+
+def test_curriculum_draws_from_the_level_it_is_given_with_unique_indices(tmp_path):
+    path = tmp_path / "c.jsonl"
+    rows = [("1=", 1), ("22=", 2), ("3=", 1), ("44=", 2), ("55=", 9)]
+    path.write_text("".join(json.dumps({"prompt": p, "ground_truth": p[0], "difficulty": d}) + "\n" for p, d in rows))
+    cur = CurriculumConfig(levels=[1, 2, 9], start=2)
+    src = open_source(DataConfig(path=str(path), shuffle=False, curriculum=cur))
+    assert src.level == 2
+    # level 2's rows are file rows 2 and 4 (indices 1, 3), then its second epoch: 1 + 5, 3 + 5
+    got = [src._next_prompt() for _ in range(3)]
+    assert [(p.text, p.index, p.extra_info) for p in got] == [
+        ("22=", 1, {"difficulty": 2}), ("44=", 3, {"difficulty": 2}), ("22=", 6, {"difficulty": 2})]
+    src.level = 1  # what the controller's admission hands out after a demotion
+    assert [(p.text, p.index) for p in (src._next_prompt() for _ in range(2))] == [("1=", 0), ("3=", 2)]
+    src.level = 2  # each level continues where it stopped
+    assert src._next_prompt().index == 8
+
+
+def test_a_curriculum_level_without_rows_names_it(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"prompt": "1=", "ground_truth": "1", "difficulty": 1}) + "\n")
+    src = open_source(DataConfig(path=str(path), curriculum=CurriculumConfig(levels=[1, 2])))
+    src.level = 2
+    with pytest.raises(RowError, match="no row with 'difficulty' = 2"):
+        src._next_prompt()
