@@ -49,7 +49,8 @@ class TokenSink:
 
     async def process(self, batch: Any) -> None:
         self.arrivals.append((time.time(), batch.completion_tokens, batch.num_samples))
-        await self.ctx.controller.record_trained.remote(len(batch.prompts))
+        # Each micro-batch is a "step" of its own for the ledger (no weights: version 0).
+        await self.ctx.controller.finish_step(len(batch.prompts), 0, {})
         return None
 
     def result(self) -> list[tuple[float, int, int]]:
