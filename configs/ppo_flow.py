@@ -12,12 +12,12 @@ def build_dataflow(cfg) -> DataFlow:
     df.add_node("source", PromptSource)
     df.add_node("rollout", ActorRollout, input_from="source", replicas=cfg.rollout.num_workers,
                 concurrency=cfg.rollout.max_inflight)
-    # A reward model when reward.sources names one, the task's rule reward otherwise.
-    if cfg.reward.sources:
-        df.add_node("reward", RewardModelScorer, input_from="rollout")
-    else:
-        df.add_node("reward", RuleReward, input_from="rollout")
-    df.add_node("reference", Reference, input_from="reward")
+    df.add_node("reward", RuleReward, input_from="rollout")
+    scored = "reward"
+    if cfg.reward.sources:  # the reward model combines its score with the rule's
+        df.add_node("reward_model", RewardModelScorer, input_from="reward")
+        scored = "reward_model"
+    df.add_node("reference", Reference, input_from=scored)
     df.add_node("critic", Critic, input_from="reference")
     df.add_node("trainer", PPOTrainer, input_from="critic")
     return df

@@ -22,7 +22,8 @@ def test_the_python_flow_builds_the_yaml_graph():
     yaml_df = build_dataflow(load_config("configs/ppo.yaml"))
     script_df = build_dataflow(load_config("configs/ppo.yaml", [f"run.script={FLOW}"]))
     assert _shape(script_df) == _shape(yaml_df)
-    assert [n for n, *_ in _shape(script_df)] == ["source", "rollout", "reward", "reference", "critic", "trainer"]
+    assert [n for n, *_ in _shape(script_df)] == ["source", "rollout", "reward", "reward_model", "reference",
+                                                  "critic", "trainer"]
     classes = {s["name"]: s["class"] for s in script_df.describe()["stages"]}
     assert classes["critic"] == "stages.critic:CriticStage"
     assert classes["trainer"] == "stages.ppo_trainer:PPOTrainerStage"
