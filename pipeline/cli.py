@@ -1,6 +1,6 @@
 """The ``conveyor`` command.
 
-    conveyor launch --config PATH [key.path=value ...]
+    conveyor launch --config PATH [--script FLOW.py] [key.path=value ...]
     conveyor launch --resume RUN_DIR [key.path=value ...]
     conveyor status --config PATH | --run-dir DIR [--watch]
     conveyor replay RECORDING --config PATH [--from-step K --steps N] [--verify] | --inspect
