@@ -470,11 +470,11 @@ class TrainerStage:
                 data, sha, fingerprint = await asyncio.to_thread(self.engine.export_weights)
                 self._published_sha = (version, sha)  # the step record reuses it: no second serialisation
             update = WeightUpdate(version=version, sha256=sha, fingerprint=fingerprint, num_bytes=len(data))
-            await self.ctx.controller.publish.remote(update, [ray.put(data)])
+            payload = ray.put(data)
         seconds = time.time() - t0
         self.publishes += 1
         self.publish_s_total += seconds
-        return seconds
+        return update, payload, seconds
 
     # ------------------------------------------------------------------ replay support
     def _record_step(self, step: int, version: int, batches: list[RolloutBatch],
