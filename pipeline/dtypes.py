@@ -16,16 +16,22 @@ from typing import Any
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1,
 }
+# What a model's weights and activations may be in (model.dtype, rollout.dtype, ...).
+MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
-def resolve_dtype(dtype: Any, field: str = "dtype") -> Any:
-    """``"bfloat16"`` or ``torch.bfloat16`` -> ``torch.bfloat16``."""
+def resolve_dtype(dtype: Any, field: str = "dtype", allowed: tuple[str, ...] | None = None) -> Any:
+    """``"bfloat16"`` or ``torch.bfloat16`` -> ``torch.bfloat16``; ``allowed``: the names
+    accepted here (default: every listed one), e.g. ``MODEL_DTYPES`` for a model."""
     import torch
 
+    names = tuple(DTYPE_BYTES) if allowed is None else allowed
     if isinstance(dtype, torch.dtype):
+        if allowed is not None and str(dtype).removeprefix("torch.") not in names:
+            raise ValueError(f"{field}: expected one of {sorted(names)}, got {dtype!r}")
         return dtype
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"{field}: expected one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if dtype not in names:
+        raise ValueError(f"{field}: expected one of {sorted(names)}, got {dtype!r}")
     return getattr(torch, dtype)
 
 

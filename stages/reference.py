@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 import torch
 
-from pipeline.dtypes import resolve_dtype
+from pipeline.dtypes import MODEL_DTYPES, resolve_dtype
 from pipeline.memory.admission import ModelShape, count_seq_lens, estimate_batch_bytes
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
@@ -73,7 +73,7 @@ class ReferenceModel:
         self.chunk_size = chunk_size
         self.temperature = float(temperature)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=resolve_dtype(dtype))
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=resolve_dtype(dtype, "model.dtype", MODEL_DTYPES))
         model.requires_grad_(False)
         self.model = model.eval().to(self.device)
 

@@ -117,7 +117,7 @@ class RewardModel:
                  max_length: int | None = None) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-        from stages.reference import resolve_dtype
+        from pipeline.dtypes import MODEL_DTYPES, resolve_dtype
 
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
@@ -133,7 +133,9 @@ class RewardModel:
         self.max_length = max_length
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=resolve_dtype(dtype))
+        model = AutoModelForSequenceClassification.from_pretrained(
+            self.path, dtype=resolve_dtype(dtype, "model.dtype", MODEL_DTYPES)
+        )
         model.requires_grad_(False)
         self.model = model.eval().to(self.device)
 
