@@ -36,8 +36,10 @@ EXIT_BAD_CONFIG = 2
 
 def _load(args: argparse.Namespace) -> tuple[ConveyorConfig, Any]:
     from pipeline.launch import build_dataflow, record_taps
+    from pipeline.preflight import check_imports
 
     cfg = load_config(args.config, args.overrides)
+    check_imports(cfg)  # a node class that does not import is named by its config field
     try:
         df = build_dataflow(cfg)
     except (GraphError, ImportError) as exc:
