@@ -9,7 +9,7 @@ ZMQ and decoded again in the rollout's process. On an H200 with ``gpu_small``'s 
 
 ``InProcessEngine`` gives ``VLLMBackend`` the part of ``AsyncLLM``'s surface it uses
 (``add_request`` returning a collector, ``abort``, ``pause_generation(mode="keep")``,
-``resume_generation``, ``reset_prefix_cache``, ``collective_rpc``, ``output_processor``,
+``resume_generation``, ``collective_rpc``, ``output_processor``,
 ``model_config``, ``shutdown``) over vLLM's ``LLMEngine`` with ``multiprocess_mode``
 off. Selected by ``rollout.engine_core: in_process``.
 
@@ -52,9 +52,8 @@ class _Collector:
     """One request's outputs, on the event loop that added it (``AsyncLLM``'s
     collector surface: ``get_nowait`` returns None when empty, ``get`` waits)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.external_id = request_id
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
 
     def put(self, item: Any) -> None:
@@ -177,7 +176,7 @@ class InProcessEngine:
         return future
 
     async def add_request(self, request_id: str, prompt: Any, params: Any) -> _Collector:
-        collector = _Collector(asyncio.get_running_loop(), request_id)
+        collector = _Collector(asyncio.get_running_loop())
 
         def add(engine: Any) -> None:
             self._collectors[request_id] = collector
@@ -213,9 +212,6 @@ class InProcessEngine:
             self._paused = False
 
         await self.call(resume)
-
-    async def reset_prefix_cache(self) -> bool:
-        return await self.call(lambda engine: engine.reset_prefix_cache())
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
