@@ -2,7 +2,8 @@
 
 Measures on the machine's GPU(s), one run each, in this process:
 
-- Conveyor async (the config as it is), and sync (``dataflow.async_execution=false``,
+- Conveyor async (the config as it is), async with ``rollout.engine_core: in_process``
+  (``async_in_process``), and sync (``dataflow.async_execution=false``,
   ``dataflow.max_staleness=0``), launched by ``pipeline.launch.launch_run``;
 - TRL's ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"`` on one GPU, bf16,
   with the same locally built model, prompts, group size, completion length,
@@ -53,6 +54,8 @@ def run_conveyor(mode: str, steps: int, root: Path) -> dict[str, Any]:
                  "train.save_checkpoint=false", "run.tensorboard=false"]
     if mode == "sync":
         overrides += ["dataflow.async_execution=false", "dataflow.max_staleness=0"]
+    if mode == "async_in_process":
+        overrides += ["rollout.engine_core=in_process"]
     cfg = load_config(CONFIG, overrides)
     per_step = cfg.train.prompts_per_step * cfg.rollout.n
     t0 = time.time()
@@ -144,7 +147,8 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     from pipeline.config import load_config
 
     steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
-    rows = run_three_systems(run_conveyor, run_trl, steps, "conveyor-bench-gpu-e2e-")
+    rows = run_three_systems(run_conveyor, run_trl, steps, "conveyor-bench-gpu-e2e-",
+                             modes=("async", "async_in_process", "sync"))
 
     def per_gpu(key: str) -> float | None:
         row = rows[key]
@@ -153,11 +157,13 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
 
-    a, s, t = per_gpu("async"), per_gpu("sync"), per_gpu("trl")
+    a, s, t, ip = per_gpu("async"), per_gpu("sync"), per_gpu("trl"), per_gpu("async_in_process")
     ratios = {
         "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
         "async_samples_per_s_per_gpu": a, "sync_samples_per_s_per_gpu": s, "trl_samples_per_s_per_gpu": t,
+        "async_in_process_samples_per_s_per_gpu": ip,
         "async_over_sync": ratio(a, s), "async_over_trl": ratio(a, t),
+        "in_process_over_subprocess": ratio(ip, a), "async_in_process_over_trl": ratio(ip, t),
         "async_over_one_gpu_bound": ratio(a, ONE_GPU_BOUND), "trl_over_one_gpu_bound": ratio(t, ONE_GPU_BOUND),
         "async_rollout_busy": (rows["async"].get("busy_ratio") or {}).get("rollout"),
         "async_weight_sync_share": rows["async"].get("weight_sync_share"),
