@@ -89,6 +89,16 @@ class CurriculumConfig(msgspec.Struct, **_section()):
     window: PosInt = 64
 
 
+class PairsConfig(msgspec.Struct, **_section()):
+    """Preference pairs for DPO (``stages/pairs.py``): each row holds the prompt
+    (``data.prompt_key``) and two responses under ``chosen_key`` and ``rejected_key``:
+    strings for a plain prompt, lists of chat messages (the assistant turn) for a chat
+    prompt."""
+
+    chosen_key: Annotated[str, Meta(min_length=1)] = "chosen"
+    rejected_key: Annotated[str, Meta(min_length=1)] = "rejected"
+
+
 class DataConfig(msgspec.Struct, **_section()):
     """Prompts: a built-in task (or ``module:attr`` task), or ``path``: a local JSONL or
     Parquet file or a ``datasets`` ``save_to_disk`` directory (``stages/prompt_rows.py``).
@@ -111,6 +121,7 @@ class DataConfig(msgspec.Struct, **_section()):
     shuffle: bool = True
     task_kwargs: dict[str, Any] = {}
     curriculum: CurriculumConfig | None = None  # needs data.path
+    pairs: PairsConfig | None = None  # preference pairs (algorithm.name: dpo); needs data.path
 
 
 class MemoryConfig(msgspec.Struct, **_section()):
@@ -353,6 +364,9 @@ class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
     group_baseline: ClassVar[bool] = True
     # Advantages read a critic's per-token values: the graph gets a critic stage.
     needs_critic: ClassVar[bool] = False
+    # Trains on data rows with their responses (no rollout, no reward): the graph is
+    # source -> reference -> trainer, and the reference always runs.
+    offline: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -396,8 +410,25 @@ class PpoConfig(_AlgorithmFields, tag="ppo"):
     needs_critic: ClassVar[bool] = True
 
 
+class DpoConfig(_AlgorithmFields, tag="dpo"):
+    """DPO (Rafailov et al. 2023) on preference pairs from ``data.pairs``, offline: the
+    loss is ``-(1 - label_smoothing) * logsigmoid(beta * m) - label_smoothing *
+    logsigmoid(-beta * m)`` per pair, with ``m`` the chosen-minus-rejected log-ratio of
+    the policy to the reference (``stages/algorithms/losses.py``); the mean over pairs
+    (``loss_agg: seq-mean-token-mean``). A pair is two samples (``rollout.n: 2``)."""
+
+    beta: PosFloat = 0.1
+    label_smoothing: Annotated[float, Meta(ge=0, lt=0.5)] = 0.0
+    kl_coef: NonNegFloat = 0.0
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    group_baseline: ClassVar[bool] = False
+    offline: ClassVar[bool] = True
+
+
 # One entry per ``stages/algorithms/registry.py`` entry (a unit test keeps them equal).
-AlgorithmConfig = GrpoConfig | RlooConfig | ReinforcePlusPlusConfig | ReinforcePlusPlusBaselineConfig | PpoConfig
+AlgorithmConfig = (GrpoConfig | RlooConfig | ReinforcePlusPlusConfig | ReinforcePlusPlusBaselineConfig | PpoConfig
+                   | DpoConfig)
 ALGORITHM_NAMES = tuple(t.__struct_config__.tag for t in typing.get_args(AlgorithmConfig))
 
 
@@ -497,7 +528,7 @@ class ConveyorConfig(msgspec.Struct, **_section()):
     @property
     def reference_enabled(self) -> bool:
         if self.reference.enabled == "auto":
-            return self.algorithm.kl_coef > 0 or self.algorithm.use_kl_in_reward
+            return self.algorithm.kl_coef > 0 or self.algorithm.use_kl_in_reward or self.algorithm.offline
         return self.reference.enabled == "on"
 
     @property
@@ -752,6 +783,7 @@ def check_config(cfg: ConveyorConfig) -> None:
             raise ConfigError(f"record.edges: expected 'producer->consumer', got {edge!r}")
     check_reward_sources(cfg)
     check_curriculum(cfg.data)
+    check_pairs(cfg)
     if cfg.reward.path is not None and cfg.reward.function != "task":
         raise ConfigError(
             f"reward.path: set either reward.function ({cfg.reward.function!r}) or reward.path with "
@@ -774,6 +806,30 @@ def check_curriculum(data: DataConfig) -> None:
     if cur.demote_below is not None and cur.demote_below >= cur.promote_at:
         raise ConfigError(f"data.curriculum.demote_below: expected < promote_at ({cur.promote_at}), "
                           f"got {cur.demote_below}")
+
+
+def check_pairs(cfg: ConveyorConfig) -> None:
+    """DPO and ``data.pairs`` go together: pairs over a data file, two samples a pair, the
+    reference on, the pair mean as the loss."""
+    algo, data = cfg.algorithm, cfg.data
+    if algo.offline != (data.pairs is not None):
+        raise ConfigError(f"data.pairs: expected a pairs section exactly with algorithm.name dpo "
+                          f"(algorithm.name is {algo.name!r}, data.pairs is {'set' if data.pairs else 'unset'})")
+    if not algo.offline:
+        return
+    if not data.path:
+        raise ConfigError("data.pairs: expected data.path (rows with prompt, chosen and rejected), got a task")
+    if data.curriculum is not None:
+        raise ConfigError("data.curriculum: not available with data.pairs (a curriculum follows rewards)")
+    if cfg.rollout.n != 2:
+        raise ConfigError(f"rollout.n: expected 2 with algorithm.name dpo (a pair is two samples), got {cfg.rollout.n}")
+    if cfg.reference.enabled == "off":
+        raise ConfigError("reference.enabled: dpo needs the reference log-probs, got 'off'")
+    if algo.loss_agg != "seq-mean-token-mean":
+        raise ConfigError(f"algorithm.loss_agg: dpo's loss is a mean over pairs; expected 'seq-mean-token-mean', "
+                          f"got {algo.loss_agg!r}")
+    if cfg.reward.sources:
+        raise ConfigError("reward.sources: dpo trains on preference pairs, not on rewards; remove reward.sources")
 
 
 def check_reward_sources(cfg: ConveyorConfig) -> None:

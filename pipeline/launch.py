@@ -89,6 +89,8 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
         chain = (["source", "rollout", "reward"] + (["reward_model"] if cfg.reward_model_enabled else [])
                  + (["reference"] if cfg.reference_enabled else [])
                  + (["critic"] if cfg.critic_enabled else []) + ["trainer"])
+        if cfg.algorithm.offline:  # responses come with the data: nothing to generate or score
+            chain = ["source", "reference", "trainer"]
         prev = None
         for name in chain:
             place = getattr(cfg.placement, name)
@@ -102,7 +104,8 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
                     name == "reward_model" and any(s.normalize == "running" for s in cfg.reward.sources.values())):
                 extra["max_restarts"] = cfg.run.max_restarts
             several_updates = cfg.train.ppo_epochs > 1 or cfg.train.ppo_mini_batches > 1
-            cls = STAGE_CLASSES["ppo_trainer" if name == "trainer" and several_updates else name]
+            cls = STAGE_CLASSES["ppo_trainer" if name == "trainer" and several_updates
+                                else "pairs" if name == "source" and cfg.algorithm.offline else name]
             df.add_node(name, cls, prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus,
                         resources=place.resources, **extra)
             prev = name

@@ -22,6 +22,7 @@ from typing import Any
 # The built-in stages, by the name they have in a launched graph.
 STAGE_CLASSES: dict[str, str] = {
     "source": "stages.source:PromptSource",
+    "pairs": "stages.pairs:PairSource",  # the source of an offline algorithm (dpo)
     "rollout": "stages.rollout.stage:RolloutStage",
     "reward": "stages.reward:RewardStage",
     "reward_model": "stages.reward_model:RewardModelStage",

@@ -54,15 +54,18 @@ class ColumnMap:
 
     prompt: str = "prompt"
     answer: tuple[str, ...] = ("ground_truth",)
+    pair: tuple[str, ...] = ()  # (chosen, rejected) columns of preference pairs (data.pairs)
 
     @property
     def columns(self) -> list[str]:
         """The columns to read (Parquet and Arrow readers decode only these)."""
-        return [self.prompt, *self.answer[:1], DATA_SOURCE, EXTRA_INFO]
+        return [self.prompt, *self.answer[:1], *self.pair, DATA_SOURCE, EXTRA_INFO]
 
 
-def resolve_columns(available: Sequence[str], prompt_key: str, answer_key: str, name: str) -> ColumnMap:
-    """The ``ColumnMap`` for data with ``available`` columns; see the module rules."""
+def resolve_columns(available: Sequence[str], prompt_key: str, answer_key: str, name: str,
+                    pairs: Any = None) -> ColumnMap:
+    """The ``ColumnMap`` for data with ``available`` columns; see the module rules.
+    ``pairs`` (``data.pairs``): rows also hold a chosen and a rejected response."""
     listed = ", ".join(available) if available else "none found"
     if prompt_key in available:
         prompt = prompt_key
@@ -83,7 +86,11 @@ def resolve_columns(available: Sequence[str], prompt_key: str, answer_key: str, 
             f"data.answer_key: {name} has no column {path[0]!r} (its columns: {listed}); set "
             f"data.answer_key to the column holding the answer the reward compares with"
         )
-    return ColumnMap(prompt, answer)
+    pair = () if pairs is None else (pairs.chosen_key, pairs.rejected_key)
+    for key, field_name in zip(pair, ("chosen_key", "rejected_key"), strict=False):
+        if key not in available:
+            raise ConfigError(f"data.pairs.{field_name}: {name} has no column {key!r} (its columns: {listed})")
+    return ColumnMap(prompt, answer, pair)
 
 
 def extract_row(row: Any, cmap: ColumnMap, where: str) -> dict[str, Any]:
@@ -113,7 +120,29 @@ def extract_row(row: Any, cmap: ColumnMap, where: str) -> dict[str, Any]:
     answer: Any = row if cmap.answer else None
     for key in cmap.answer:
         answer = answer.get(key) if isinstance(answer, dict) else None
-    return {"prompt": prompt, "ground_truth": answer, "data_source": source, "extra_info": extra}
+    out = {"prompt": prompt, "ground_truth": answer, "data_source": source, "extra_info": extra}
+    for key in cmap.pair:
+        out[key] = check_response(row, key, isinstance(prompt, str), where)
+    return out
+
+
+def check_response(row: dict[str, Any], key: str, plain: bool, where: str) -> str | list[Any]:
+    """A preference pair's response ``row[key]``: a non-empty string after a plain prompt,
+    a list of chat messages after a chat prompt; ``RowError`` naming the row and field."""
+    if key not in row or row[key] is None:
+        raise RowError("malformed", f"{where}: no field {key!r} (a preference pair needs it)")
+    value = row[key]
+    if plain and not isinstance(value, str):
+        raise RowError("malformed", f"{where}: field {key!r} must be a string (the prompt is plain text), "
+                                    f"got {type(value).__name__}")
+    if not plain and not isinstance(value, list):
+        raise RowError("malformed", f"{where}: field {key!r} must be a list of chat messages (the prompt is "
+                                    f"chat), got {type(value).__name__}")
+    if isinstance(value, str) and not value:
+        raise RowError("empty", f"{where}: field {key!r} is empty")
+    if isinstance(value, list):
+        check_messages(value, key, where)
+    return value
 
 
 def check_messages(messages: list[Any], column: str, where: str) -> None:
@@ -285,7 +314,7 @@ def check_data_file(data_cfg: DataConfig, tokenizer: Any, model_path: str | Path
         data = open_data(data_cfg.path)
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc) if str(exc).startswith("data.path") else f"data.path: {exc}") from None
-    cmap = resolve_columns(data.columns, data_cfg.prompt_key, data_cfg.answer_key, data.name)
+    cmap = resolve_columns(data.columns, data_cfg.prompt_key, data_cfg.answer_key, data.name, data_cfg.pairs)
     renderer = PromptRenderer(tokenizer, data_cfg.chat_template, model_path, data_cfg.max_prompt_len)
     report = scan_data(data, cmap, renderer)
     if report.rows_usable == 0:

@@ -139,7 +139,8 @@ class PromptSource:
             return iter_list_rows(rows, "rows"), resolve_columns(keys, self.data.prompt_key, self.data.answer_key, "rows")
         if self.data.path:
             data = open_data(self.data.path)
-            cmap = resolve_columns(data.columns, self.data.prompt_key, self.data.answer_key, data.name)
+            cmap = resolve_columns(data.columns, self.data.prompt_key, self.data.answer_key, data.name,
+                                   self.data.pairs)
             num_rows = data.index()
 
             def cycle() -> Iterator[tuple[int, str, Any]]:
@@ -161,21 +162,27 @@ class PromptSource:
 
     def _next_prompt(self) -> Prompt:
         """The next usable row as a ``Prompt``."""
-        log = self.ctx.log.debug if self.data.path and self._rows is None else self.ctx.log.warning
         run_of_skips = 0
         rendered, extra = self._rendered_now()
-        for index, _, row in rendered:
-            if isinstance(row, RowError):
-                self.skipped[row.reason] += 1
-                log("row_skipped", reason=row.reason, detail=str(row))
-                run_of_skips += 1
-                if run_of_skips > _MAX_SKIPS_IN_A_ROW:
-                    break
-                continue
-            return Prompt(prompt_id=f"p{index}", index=index, text=row["text"], token_ids=row["token_ids"],
-                          ground_truth=row["ground_truth"], data_source=row["data_source"],
-                          extra_info={**row["extra_info"], **extra})
+        for index, where, row in rendered:
+            if not isinstance(row, RowError):
+                try:
+                    return self._to_prompt(index, where, row, extra)
+                except RowError as err:
+                    row = err
+            self.skipped[row.reason] += 1
+            log = self.ctx.log.debug if self.data.path and self._rows is None else self.ctx.log.warning
+            log("row_skipped", reason=row.reason, detail=str(row))
+            run_of_skips += 1
+            if run_of_skips > _MAX_SKIPS_IN_A_ROW:
+                break
         raise RowError("exhausted", f"data: no usable rows left (skipped so far: {dict(self.skipped)})")
+
+    def _to_prompt(self, index: int, where: str, row: dict[str, Any], extra: dict[str, Any]) -> Prompt:
+        """A rendered row as a ``Prompt`` (``RowError``: the row is skipped with its reason)."""
+        return Prompt(prompt_id=f"p{index}", index=index, text=row["text"], token_ids=row["token_ids"],
+                      ground_truth=row["ground_truth"], data_source=row["data_source"],
+                      extra_info={**row["extra_info"], **extra})
 
     def _rendered_now(self) -> tuple[Iterator[tuple[int, str, Any]], dict[str, Any]]:
         """The rendered rows to draw from now, and what each prompt's ``extra_info`` gains."""

@@ -266,6 +266,51 @@ def compute_value_loss(
     }
 
 
+def compute_dpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logprobs: Tensor | None = None,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    **_: object,
+) -> tuple[Tensor, dict[str, float]]:
+    """DPO's loss over preference pairs (Rafailov et al. 2023; conservative DPO with
+    ``label_smoothing``), the mean over pairs.
+
+    Rows come in pairs: row ``2i`` is pair i's chosen response, row ``2i + 1`` its
+    rejected one. ``logprobs`` (carries the gradient), ``ref_logprobs``, ``mask`` [S, C];
+    ``old_logprobs`` and ``advantages`` are unused (no sampler, no advantage). With the
+    summed log-prob of each response, policy ``l`` and reference ``r``, the implicit
+    rewards are ``beta * (l - r)`` and per pair ``m = beta * ((l_c - r_c) - (l_r - r_r))``:
+    ``loss = -(1 - ls) * logsigmoid(m) - ls * logsigmoid(-m)``.
+    Metrics: ``preference_accuracy`` (pairs whose chosen reward is strictly above the
+    rejected one; 0 while the policy equals the reference), ``reward_margin``,
+    ``chosen_reward``, ``rejected_reward`` (means over pairs).
+    """
+    if ref_logprobs is None:
+        raise ValueError("dpo: needs reference log-probs (is the reference stage wired?)")
+    if logprobs.shape[0] % 2:
+        raise ValueError(f"dpo: expected rows in (chosen, rejected) pairs, got {logprobs.shape[0]} rows")
+    valid = mask > 0
+    seq = _zero_where_invalid(logprobs, valid).sum(dim=1)
+    ref_seq = _zero_where_invalid(ref_logprobs.to(seq.dtype), valid).sum(dim=1)
+    rewards = beta * (seq - ref_seq)
+    chosen, rejected = rewards[0::2], rewards[1::2]
+    margin = chosen - rejected
+    loss = (-(1.0 - label_smoothing) * torch.nn.functional.logsigmoid(margin)
+            - label_smoothing * torch.nn.functional.logsigmoid(-margin)).mean()
+    m = margin.detach()
+    return loss, {
+        "preference_accuracy": float((m > 0).float().mean()),
+        "reward_margin": float(m.mean()),
+        "chosen_reward": float(chosen.detach().mean()),
+        "rejected_reward": float(rejected.detach().mean()),
+    }
+
+
 def compute_token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """Log-prob of each next token: ``logits`` [S, L, V], ``input_ids`` [S, L] -> [S, L-1].
 

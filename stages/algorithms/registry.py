@@ -38,7 +38,7 @@ from stages.algorithms.advantages import (
     compute_token_rewards,
     whiten_masked,
 )
-from stages.algorithms.losses import compute_kl, compute_policy_loss
+from stages.algorithms.losses import compute_dpo_loss, compute_kl, compute_policy_loss
 
 # (rewards [S], loss mask [S, C] bool, group_size, algorithm config, per-token reward
 # penalty [S, C] or None) -> advantages [S, C]
@@ -52,7 +52,7 @@ ValueEstimator = Callable[[Tensor, Tensor, Tensor, Any, Tensor | None], tuple[Te
 class Algorithm:
     """One registry entry. ``needs_group``: advantages compare the samples of a prompt
     (``rollout.n >= 2``); ``needs_reference``: reference log-probs beyond the KL term
-    (every entry today uses them only for ``kl_coef > 0``). An entry estimates either
+    (``dpo``'s loss reads them; the others only for ``kl_coef > 0``). An entry estimates either
     from rewards alone (``estimate``) or from rewards and a critic's per-token values
     (``estimate_with_values``, which also gives the critic's returns); ``needs_values``
     says which."""
@@ -63,6 +63,9 @@ class Algorithm:
     needs_reference: bool = False
     estimate_with_values: ValueEstimator | None = None
     loss: Callable[..., tuple[Tensor, dict[str, float]]] = compute_policy_loss
+    # The config fields bound into ``loss`` (``build_policy_loss``).
+    loss_options: tuple[str, ...] = ("clip_eps_low", "clip_eps_high", "clip_ratio_c", "loss_agg", "loss_norm_tokens",
+                                     "kl_estimator", "off_policy", "behav_imp_weight_cap", "ratio_level")
 
     @property
     def needs_values(self) -> bool:
@@ -109,12 +112,19 @@ def _gae(rewards: Tensor, values: Tensor, mask: Tensor, cfg: Any, penalty: Tenso
     return adv, returns
 
 
+def _no_advantage(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, penalty: Tensor | None) -> Tensor:
+    return torch.zeros(mask.shape)
+
+
 ALGORITHMS: dict[str, Algorithm] = {
     "grpo": Algorithm("grpo", _grpo, needs_group=True),
     "rloo": Algorithm("rloo", _rloo, needs_group=True),
     "reinforce_plus_plus": Algorithm("reinforce_plus_plus", _reinforce_pp, needs_group=False),
     "reinforce_plus_plus_baseline": Algorithm("reinforce_plus_plus_baseline", _reinforce_pp_baseline, needs_group=True),
     "ppo": Algorithm("ppo", None, needs_group=False, estimate_with_values=_gae),
+    # Offline preference pairs: no advantage, the loss compares each pair's log-ratios.
+    "dpo": Algorithm("dpo", _no_advantage, needs_group=False, needs_reference=True, loss=compute_dpo_loss,
+                     loss_options=("beta", "label_smoothing")),
 }
 
 
@@ -212,11 +222,7 @@ def _mask_overlong(batch: RolloutBatch, mask: np.ndarray, cfg: Any) -> np.ndarra
 
 
 def build_policy_loss(cfg: Any) -> Callable[..., tuple[Tensor, dict[str, float]]]:
-    """The entry's loss with every option of ``cfg`` bound; called as
-    ``loss(logprobs, old_logprobs, advantages, mask, ref_logprobs=..., kl_coef=...)``."""
-    return functools.partial(
-        get_algorithm(cfg.name).loss,
-        clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, clip_ratio_c=cfg.clip_ratio_c,
-        loss_agg=cfg.loss_agg, loss_norm_tokens=cfg.loss_norm_tokens, kl_estimator=cfg.kl_estimator,
-        off_policy=cfg.off_policy, behav_imp_weight_cap=cfg.behav_imp_weight_cap, ratio_level=cfg.ratio_level,
-    )
+    """The entry's loss with its options (``Algorithm.loss_options``) bound from ``cfg``;
+    called as ``loss(logprobs, old_logprobs, advantages, mask, ref_logprobs=..., kl_coef=...)``."""
+    algo = get_algorithm(cfg.name)
+    return functools.partial(algo.loss, **{name: getattr(cfg, name) for name in algo.loss_options})

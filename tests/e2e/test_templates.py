@@ -72,3 +72,24 @@ def test_curriculum_resumes_at_its_checkpointed_level(curriculum_run):
     assert all(r["curriculum/level"] >= state.curriculum["level"] for r in rows[FIRST:])
     assert rows[-1]["curriculum/promotions"] >= state.curriculum["promotions"]
     assert rows[-1]["curriculum/level"] == 3 and rows[-1]["curriculum/promotions"] == 2
+
+
+def test_dpo_template_trains_offline_pairs_and_reports_preferences(ray_cluster, tmp_path):
+    job = tmp_path / "dpo"
+    assert main(["init", "--template", "dpo", str(job)]) == 0
+    run_dir = job / "runs" / "dpo"
+    steps = 12
+    assert _in(job, ["launch", "--config", "config.yaml", f"run.steps={steps}", f"run.dir={run_dir}",
+                     "run.progress=false", "run.tensorboard=false"]) == 0
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert len(rows) == steps
+    keys = ("actor/preference_accuracy", "actor/reward_margin", "actor/chosen_reward", "actor/rejected_reward")
+    assert all(k in r for r in rows for k in keys)
+    # Step 0 trains the reference's own weights: every implicit reward is 0, no pair is
+    # preferred. A few updates later the chosen answers are ahead on pairs not seen yet.
+    assert rows[0]["actor/preference_accuracy"] == 0.0 and rows[0]["actor/reward_margin"] == 0.0
+    last = rows[-4:]
+    assert sum(r["actor/reward_margin"] for r in last) / 4 > 0
+    assert sum(r["actor/preference_accuracy"] for r in last) / 4 > 0.5
+    summary = msgspec.json.decode((run_dir / "summary.json").read_bytes())
+    assert summary["status"] == "completed"
