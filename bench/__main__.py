@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "weight_sync": "bench.weight_sync:run",
     "rollout_overhead": "bench.rollout_overhead:run",
     "e2e": "bench.e2e:run",
+    "ppo_vs_grpo": "bench.ppo_vs_grpo:run",  # task correctness vs trained samples, same steps each
     "admission": "bench.admission:run",
     "soak": "bench.soak:run",  # --minutes N (default 60): memory growth, then kills and a resume
     "staleness": "bench.staleness:run",

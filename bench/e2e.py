@@ -144,8 +144,14 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _attempt(name: str, fn: Any, *args: Any) -> dict[str, Any]:
-    """Run one system; a failure becomes a row that says why, so the others still report."""
+def _describe_run(row: dict[str, Any]) -> str:
+    return (f"{row['samples_per_s']:.1f} samples/s, final reward {row['reward_final']}, "
+            f"time to thresholds {row['time_to_threshold_s']}")
+
+
+def _attempt(name: str, fn: Any, *args: Any, describe: Any = _describe_run) -> dict[str, Any]:
+    """Run one system; a failure becomes a row that says why, so the others still report.
+    ``describe(row)`` is the console line of a run that succeeded."""
     load_before = os.getloadavg()[0]
     try:
         row = fn(*args)
@@ -156,9 +162,7 @@ def _attempt(name: str, fn: Any, *args: Any) -> dict[str, Any]:
     except Exception as exc:
         row = {"system": name, "status": "error", "error": f"{type(exc).__name__}: {exc}",
                "traceback": traceback.format_exc()[-4000:]}
-    line = (f"{row['samples_per_s']:.1f} samples/s, final reward {row['reward_final']}, "
-            f"time to thresholds {row['time_to_threshold_s']}") if row["status"] == "ok" else row["error"]
-    print(f"{name}: {line}", flush=True)
+    print(f"{name}: {describe(row) if row['status'] == 'ok' else row['error']}", flush=True)
     return row
 
 
