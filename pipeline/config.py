@@ -272,6 +272,9 @@ class TrainConfig(msgspec.Struct, **_section()):
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 0
+    # Data-parallel DeepSpeed ranks of the one trainer stage (stages/trainer_ranks.py):
+    # each on its own GPU where there are GPUs; a step's groups are split across them.
+    num_ranks: PosInt = 1
     prompts_per_step: PosInt = 8  # GRPO groups per optimizer step
     sync_interval: PosInt = 1
     # Read the engine's weights back after every update (a mismatch stops the run);
@@ -746,6 +749,13 @@ def check_config(cfg: ConveyorConfig) -> None:
             f"({tr.sync_interval - 1}), or some steps' samples could never be trained, "
             f"got {df.max_staleness}"
         )
+    if tr.num_ranks > 1 and tr.zero_stage > 2:
+        raise ConfigError(f"train.zero_stage: expected 0, 1 or 2 with train.num_ranks {tr.num_ranks} "
+                          f"(stage 3 partitions parameters, which weight export does not gather yet), "
+                          f"got {tr.zero_stage}")
+    if tr.num_ranks > 1 and any(e.endswith("->trainer") for e in cfg.record.edges):
+        raise ConfigError(f"record.edges: replay retrains a recorded step on one rank; record with "
+                          f"train.num_ranks 1, got {tr.num_ranks}")
     if tr.lr_scheduler != "constant" and tr.warmup_steps >= cfg.run.steps:
         raise ConfigError(
             f"train.warmup_steps: expected < run.steps ({cfg.run.steps}) for a decaying "

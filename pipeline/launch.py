@@ -117,6 +117,9 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
             if placed is not None:
                 node.num_gpus = placed.num_gpus
                 node.gpu_bundles, node.gpu_shares = placed.gpus, placed.share
+                if name == "trainer" and cfg.train.num_ranks > 1 and placed.gpus:
+                    # The stage actor is rank 0 (bundle 0); it starts ranks 1.. in the others.
+                    node.kwargs["rank_gpus"] = list(zip(placed.gpus[1:], placed.share[1:], strict=True))
     return df
 
 

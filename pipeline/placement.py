@@ -12,10 +12,13 @@ Guarantees:
 - ``placement: auto`` (the default): no GPU: every stage on CPU. One GPU: rollout,
   reference and trainer share GPU 0 and vLLM's ``gpu_memory_utilization`` is what the
   trainer and reference leave (``estimate_colocated_fraction``), split evenly between
-  the vLLM engines on that GPU when rollout replicas share it. Two or more: the
-  rollout replicas get their own GPUs (round robin over ``min(num_workers, n - 1)``
-  GPUs), trainer and reference share the next one; GPUs left over are reported idle.
-  Reward (functions) stays on CPU.
+  the vLLM engines on that GPU when rollout replicas share it. Two or more: each of the
+  ``train.num_ranks`` trainer ranks gets a GPU of its own (the reference sits with rank
+  0); the rollout replicas get GPUs besides those (round robin over
+  ``min(num_workers, n - ranks)`` GPUs) when at least one is left, else they share the
+  ranks' GPUs; GPUs left over are reported idle. A tensor-parallel rollout replica
+  (``rollout.tensor_parallel_size`` k > 1) gets k GPUs of its own by Ray count (vLLM's
+  workers are processes of that actor), never shared. Reward (functions) stays on CPU.
 - Explicit plans name GPU indices per stage (``placement: {rollout: [0], trainer: [1],
   reference: [1]}``, or ``{gpus: [0], exclusive: true}``); a stage not named gets no
   GPU. Per-stage Ray GPU counts (``num_gpus``) without indices are passed to Ray as
@@ -23,9 +26,10 @@ Guarantees:
 - ``check_plan`` refuses, with ``PlacementError`` naming the stage and GPU, every plan
   that would hang or break at start: an index beyond the cluster's GPUs (Ray would wait
   for it forever), a GPU claimed ``exclusive`` that another stage uses, GPU counts that
-  add up to more GPUs than exist, an actor that would need several GPUs (tensor
-  parallel rollout, a multi-GPU trainer: not placed by this planner yet), and a shared
-  GPU whose memory cannot hold the trainer, the reference and vLLM's share.
+  add up to more GPUs than exist, more trainer ranks than GPUs or two ranks on one GPU
+  (NCCL cannot run them), a tensor-parallel rollout given GPU indices (an index is one
+  GPU) or GPUs it would have to share, and a shared GPU whose memory cannot hold the
+  trainer, the reference and vLLM's share.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ class PlacementError(ConfigError):
 
 @dataclass(frozen=True)
 class StagePlacement:
-    """Where one stage's replicas run: replica r on ``gpus[r]`` with ``share`` of it
-    (``gpus`` empty: no GPU index; ``num_gpus`` Ray GPUs per replica, as configured)."""
+    """Where one stage's actors run: actor r (rollout replica r, trainer rank r) on
+    ``gpus[r]`` with ``share`` of it (``gpus`` empty: no GPU index; ``num_gpus`` Ray GPUs
+    per replica, as configured or as a tensor-parallel rollout needs)."""
 
     gpus: tuple[int, ...] = ()
     share: tuple[float, ...] = ()
@@ -141,8 +146,9 @@ def plan_placement(
     """
     entries = _entries(cfg)
     cpus = {name: (entries[name].num_cpus if name in entries else 0.0) for name in stages}
-    replicas = {name: (cfg.rollout.num_workers if name == "rollout" else 1) for name in stages}
+    replicas = {name: count_actors(cfg, name) for name in stages}
     gpus: dict[str, list[int]] = {}
+    by_count: dict[str, float] = {}  # stage -> Ray GPUs per replica, without indices
     notes: list[str] = []
     if is_manual(cfg):
         for name in stages:
@@ -150,16 +156,7 @@ def plan_placement(
             if entry is not None and entry.gpus is not None:
                 gpus[name] = list(entry.gpus)
     elif available_gpus >= 1:
-        on_gpu = [s for s in GPU_STAGES if s in stages]
-        if available_gpus == 1 or "rollout" not in on_gpu:
-            gpus = {s: [0] for s in on_gpu}
-        else:
-            rollout = list(range(max(1, min(cfg.rollout.num_workers, available_gpus - 1))))
-            train_gpu = len(rollout)
-            gpus = {s: ([*rollout] if s == "rollout" else [train_gpu]) for s in on_gpu}
-            idle = available_gpus - train_gpu - 1
-            if idle:
-                notes.append(f"{idle} GPU(s) idle: raise rollout.num_workers to use them for generation")
+        gpus, by_count = _plan_auto(cfg, [s for s in GPU_STAGES if s in stages], available_gpus, notes)
     # Replica r of a stage sits on gpus[r % len(gpus)]: one index per actor.
     actor_gpu = {name: tuple(g[r % len(g)] for r in range(replicas[name])) for name, g in gpus.items() if g}
     load: dict[int, int] = defaultdict(int)
@@ -173,14 +170,60 @@ def plan_placement(
                                           num_cpus=cpus[name])
         else:
             entry = entries.get(name)
-            placed[name] = StagePlacement(num_gpus=entry.num_gpus if entry is not None else 0.0, num_cpus=cpus[name])
+            count = by_count.get(name, entry.num_gpus if entry is not None else 0.0)
+            placed[name] = StagePlacement(num_gpus=count, num_cpus=cpus[name])
     fraction = _rollout_fraction(cfg, placed, num_params, gpu_bytes, notes)
     return PlacementPlan(available_gpus=available_gpus, stages=placed, rollout_memory_fraction=fraction, notes=notes)
+
+
+def count_actors(cfg: ConveyorConfig, stage: str) -> int:
+    """Actors of ``stage`` that take a GPU each: rollout replicas, trainer ranks, else 1."""
+    return {"rollout": cfg.rollout.num_workers, "trainer": cfg.train.num_ranks}.get(stage, 1)
+
+
+def _plan_auto(cfg: ConveyorConfig, on_gpu: list[str], available: int,
+               notes: list[str]) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """``placement: auto`` on ``available`` GPUs: (GPU indices per stage, Ray GPU counts
+    per replica of the stages placed by count). Trainer rank r gets a GPU of its own;
+    reference, critic and reward model sit with rank 0. Disaggregated when the rollout
+    can have GPUs besides the ranks', else rollout replicas share the ranks' GPUs. A
+    tensor-parallel rollout replica gets ``tensor_parallel_size`` GPUs of its own by
+    count (vLLM's workers run in its process tree), never shared."""
+    ranks = cfg.train.num_ranks if "trainer" in on_gpu else 1
+    if ranks > available:
+        raise PlacementError(
+            f"train.num_ranks: {ranks} ranks need {ranks} GPUs (one each: NCCL cannot put two ranks on one "
+            f"GPU), the cluster has {available}")
+    workers, tp = cfg.rollout.num_workers, cfg.rollout.tensor_parallel_size
+    if "rollout" in on_gpu and tp > 1:
+        if workers * tp + ranks > available:
+            raise PlacementError(
+                f"rollout.tensor_parallel_size: {workers} replica(s) x {tp} GPUs for the rollout plus {ranks} for "
+                f"the trainer (train.num_ranks) make {workers * tp + ranks}, the cluster has {available}; "
+                f"a tensor-parallel replica does not share its GPUs")
+        rest = {s: [0] for s in on_gpu if s != "rollout"} | ({"trainer": list(range(ranks))} if ranks > 1 else {})
+        return rest, {"rollout": float(tp)}
+    if available == 1 or "rollout" not in on_gpu:
+        return {s: (list(range(ranks)) if s == "trainer" else [0]) for s in on_gpu}, {}
+    if ranks + 1 <= available:  # disaggregated: rollout GPUs first, then one per rank
+        rollout = list(range(max(1, min(workers, available - ranks))))
+        first = len(rollout)
+        idle = available - first - ranks
+        if idle:
+            notes.append(f"{idle} GPU(s) idle: raise rollout.num_workers to use them for generation")
+        return {s: (rollout if s == "rollout" else list(range(first, first + ranks)) if s == "trainer"
+                    else [first]) for s in on_gpu}, {}
+    notes.append(f"train.num_ranks {ranks} takes every GPU: rollout replicas share the trainer ranks' GPUs")
+    return {s: (list(range(min(workers, available))) if s == "rollout" else list(range(ranks)) if s == "trainer"
+                else [0]) for s in on_gpu}, {}
 
 
 def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], num_params: int, gpu_bytes: int,
                       notes: list[str]) -> float | None:
     rollout = placed.get("rollout")
+    if rollout is not None and not rollout.gpus and rollout.num_gpus > 1:
+        # Tensor parallel, GPUs of its own.
+        return OWN_GPU_FRACTION if cfg.rollout.gpu_memory_utilization is None else cfg.rollout.gpu_memory_utilization
     if rollout is None or not rollout.gpus:
         return cfg.rollout.gpu_memory_utilization
     mates = [n for n in ("trainer", "reference") if n in placed and set(placed[n].gpus) & set(rollout.gpus)]
@@ -242,19 +285,21 @@ def check_plan(cfg: ConveyorConfig, plan: PlacementPlan) -> None:
                     raise PlacementError(
                         f"placement.{name}: GPU {g} is exclusive to {name} but {', '.join(others)} also use(s) it"
                     )
-    if plan.stages.get("rollout") and plan.stages["rollout"].gpus and cfg.rollout.tensor_parallel_size > 1:
+    tp = cfg.rollout.tensor_parallel_size
+    rollout = plan.stages.get("rollout")
+    if rollout is not None and tp > 1 and (rollout.gpus or rollout.num_gpus != tp):
         raise PlacementError(
-            f"placement.rollout: rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} needs several "
-            f"GPUs per rollout actor, which placement by GPU index does not give yet; use tensor_parallel_size 1"
-        )
-    trainer = entries["trainer"]
-    if trainer.gpus is not None and len(trainer.gpus) > 1:
+            f"placement.rollout: rollout.tensor_parallel_size {tp} needs {tp} GPUs in each rollout actor: leave "
+            f"placement auto or set placement.rollout.num_gpus: {tp} without GPU indices (an index gives one GPU)")
+    ranks, named = cfg.train.num_ranks, entries["trainer"].gpus
+    if named and len(named) != ranks:
         raise PlacementError(
-            f"placement.trainer: {len(trainer.gpus)} GPUs {list(trainer.gpus)}: the trainer runs one rank on "
-            f"one GPU for now; name one"
-        )
-    counted = sum(s.num_gpus * (cfg.rollout.num_workers if n == "rollout" else 1)
-                  for n, s in plan.stages.items() if not s.gpus)
+            f"placement.trainer: {len(named)} GPU(s) {list(named)} for train.num_ranks {ranks}: name one GPU per rank")
+    if named and len(set(named)) < len(named):
+        raise PlacementError(
+            f"placement.trainer: GPUs {list(named)} put two trainer ranks on one GPU, which NCCL cannot "
+            f"run; name {ranks} different GPUs")
+    counted = sum(s.num_gpus * count_actors(cfg, n) for n, s in plan.stages.items() if not s.gpus)
     if counted and plan.bundles + math.ceil(counted - 1e-9) > plan.available_gpus:
         raise PlacementError(
             f"placement: stages ask Ray for {counted:g} GPU(s) by count besides {plan.bundles} by index, "

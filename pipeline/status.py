@@ -40,11 +40,35 @@ def render_plan(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan | None = 
         shares = ", ".join(f"{x:.2g}" for x in node.gpu_shares) or "-"
         place.add_row(s["name"], f"{s['num_cpus']:g}", where, shares)
     parts: list[Any] = [stages, queues, place]
+    per_gpu = list_gpu_actors(cfg, df)
+    if per_gpu:
+        gpus_table = Table(title="actors per GPU (trainer ranks, rollout replicas)")
+        for col in ("GPU", "actors (share)"):
+            gpus_table.add_column(col)
+        for gpu, actors in per_gpu:
+            gpus_table.add_row(gpu, ", ".join(actors))
+        parts.append(gpus_table)
     if plan is not None:
         if cfg.rollout.gpu_memory_utilization is not None and any(n.gpu_bundles for n in df.nodes.values()):
             parts.append(f"vLLM gpu_memory_utilization: {cfg.rollout.gpu_memory_utilization:g}")
         parts.extend(plan.notes)
     return Group(*parts)
+
+
+def list_gpu_actors(cfg: ConveyorConfig, df: DataFlow) -> list[tuple[str, list[str]]]:
+    """(GPU, its actors with their shares) for the plan's GPU indices, then one row per
+    stage placed by Ray GPU count (a tensor-parallel rollout replica's GPUs)."""
+    rows: dict[int, list[str]] = {}
+    counted: list[tuple[str, list[str]]] = []
+    for name, node in df.nodes.items():
+        for r, (gpu, share) in enumerate(zip(node.gpu_bundles, node.gpu_shares, strict=True)):
+            label = (f"trainer rank {r}" if name == "trainer" and cfg.train.num_ranks > 1
+                     else f"{name}:{r}" if node.replicas > 1 else name)
+            rows.setdefault(gpu, []).append(f"{label} ({share:.2g})")
+        if not node.gpu_bundles and node.num_gpus:
+            tp = f", tensor parallel {cfg.rollout.tensor_parallel_size}" if name == "rollout" else ""
+            counted.append((f"{node.num_gpus:g} by count", [f"{name} x {node.replicas}{tp}"]))
+    return [(str(g), rows[g]) for g in sorted(rows)] + counted
 
 
 def render_live(status: dict[str, Any]) -> Group:

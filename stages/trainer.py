@@ -13,6 +13,9 @@ Guarantees:
   the optimizer step rescales by step samples / the step's loss tokens before clipping
   (``compute_step_grad_scale``); under the seq-mean modes the step's sample count is
   known up front and each micro-batch weighs its sample share;
+- with ``train.num_ranks`` > 1 the engine is ``stages.trainer_ranks.DataParallelEngine``:
+  each micro-batch is split by whole groups over the ranks, which step together; the
+  update equals the one-rank update up to float rounding;
 - under ``train.memory`` a micro-batch is admitted whole or trained as pieces of whole
   GRPO groups (admission split, or halving after an out-of-memory error), all before
   the step's optimizer step; piece scales add up to the micro-batch's scale and its loss
@@ -204,7 +207,9 @@ class TrainerStage:
     takes = RolloutBatch  # pipeline/contracts.py; ref_logprobs too when a KL term needs them
     takes_fields = ("rewards",)
 
-    def __init__(self) -> None:
+    def __init__(self, rank_gpus: list[tuple[int, float]] | None = None) -> None:
+        # (placement-group bundle, GPU share) of data-parallel ranks 1.. (``train.num_ranks``).
+        self.rank_gpus = list(rank_gpus or [])
         self.dropped: dict[str, int] = {}
         self.trained_samples = 0
         self.steps_done = 0
@@ -233,7 +238,13 @@ class TrainerStage:
         self.cfg = cfg
         self.max_staleness = cfg.dataflow.max_staleness
         self.step_samples = cfg.train.prompts_per_step * cfg.rollout.n
-        self.engine = await asyncio.to_thread(build_trainer_engine, cfg)
+        if cfg.train.num_ranks > 1:
+            from stages.trainer_ranks import build_data_parallel_engine
+
+            self.engine = await asyncio.to_thread(build_data_parallel_engine, cfg, self.rank_gpus)
+            ctx.log.info("trainer_ranks", ranks=cfg.train.num_ranks)
+        else:
+            self.engine = await asyncio.to_thread(build_trainer_engine, cfg)
         module = self.engine.module
         self.shape = build_model_shape(module, str(next(module.parameters()).dtype).removeprefix("torch."))
         self.guard = MemoryGuard(ctx.name, cfg.train.memory, spans=ctx.spans)

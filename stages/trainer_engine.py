@@ -66,9 +66,10 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", 
 
 
 def find_free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (for the single-process rendezvous)."""
+    """A TCP port free right now on every interface of this host (the rendezvous of the
+    trainer's ranks, one or several)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return int(sock.getsockname()[1])
 
 
@@ -95,7 +96,9 @@ def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dic
     weights and adds every piece's gradients into fp32 accumulators. DeepSpeed reaches
     that optimizer through ZeRO 1 only (ZeRO 0 with fp32 accumulation is not
     implemented), so stage 0 becomes 1, which partitions nothing in a single process;
-    ZeRO 2 accumulates its partitions in fp32 itself.
+    ZeRO 2 accumulates its partitions in fp32 itself. With ``train.num_ranks`` > 1 stage
+    0 becomes 1 too: ZeRO's optimizer reports the norm of the ranks' averaged gradients
+    (torch AdamW's would be read before DeepSpeed averages them, inside ``step()``).
     """
     if train.zero_stage > 2:
         raise ValueError(
@@ -104,7 +107,8 @@ def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dic
         )
     bf16 = has_gpu and dtype == "bfloat16"
     fp32_accum = bf16 and train.grad_accum_dtype == "fp32"
-    stage = max(int(train.zero_stage), 1) if fp32_accum else int(train.zero_stage)
+    several_ranks = train.num_ranks > 1
+    stage = max(int(train.zero_stage), 1) if fp32_accum or several_ranks else int(train.zero_stage)
     return {
         # One sample per "micro-batch" and no managed accumulation: DeepSpeed's counters
         # are bypassed, the boundary is each optimizer_step call.
@@ -360,6 +364,19 @@ class TrainerEngine:
             "adv_abs_mean": float((advantages.abs() * completion_mask).sum() / completion_mask.sum().clamp(min=1.0)),
             "scale": float(scale),
         }
+
+    def pad_backwards(self, batch: RolloutBatch, count: int) -> None:
+        """``count`` forward/backward passes of ``batch``'s first sample with weight 0:
+        they add nothing to the gradients, and give this data-parallel rank as many
+        backward passes as the others (ZeRO 2 reduces inside every backward)."""
+        if count <= 0:
+            return
+        input_ids, attention_mask, completion_mask, positions = build_model_inputs(batch)
+        for _ in range(count):
+            logprobs = forward_completion_logprobs(
+                self.engine, input_ids[:1], attention_mask[:1], completion_mask[:1], positions[:1],
+                temperature=self.temperature, use_logits_to_keep=self._keep)
+            self.engine.backward(logprobs.sum() * 0.0, scale_wrt_gas=False)
 
     def optimizer_step(self, grad_scale: float = 1.0, bump_version: bool = True) -> dict[str, float]:
         """Multiply the accumulated gradients by ``grad_scale``, clip, step, zero them;

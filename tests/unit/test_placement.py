@@ -97,8 +97,18 @@ def test_a_stage_not_named_in_an_explicit_plan_gets_no_gpu():
         ({"placement": {"rollout": [2]}}, 2, "placement.rollout: GPU 2 does not exist: the cluster has 2"),
         ({"placement": {"rollout": {"gpus": [0], "exclusive": True}, "trainer": [0]}}, 1,
          "placement.rollout: GPU 0 is exclusive to rollout but trainer also use"),
-        ({"rollout": {"tensor_parallel_size": 2}}, 2, "tensor_parallel_size 2 needs several GPUs"),
-        ({"placement": {"trainer": [0, 1]}}, 2, "placement.trainer: 2 GPUs [0, 1]"),
+        # TP 2 rollout (2 GPUs of its own) + 1 trainer rank = 3 GPUs
+        ({"rollout": {"tensor_parallel_size": 2}}, 2, "rollout.tensor_parallel_size: 1 replica(s) x 2 GPUs"),
+        ({"rollout": {"tensor_parallel_size": 2}, "placement": {"rollout": [0]}}, 2,
+         "placement.rollout: rollout.tensor_parallel_size 2 needs 2 GPUs in each rollout actor"),
+        ({"placement": {"trainer": [0, 1]}}, 2, "placement.trainer: 2 GPU(s) [0, 1] for train.num_ranks 1"),
+        ({"train": {"num_ranks": 2}, "placement": {"trainer": [1, 1]}}, 2,
+         "placement.trainer: GPUs [1, 1] put two trainer ranks on one GPU"),
+        ({"train": {"num_ranks": 2}}, 1, "train.num_ranks: 2 ranks need 2 GPUs"),
+        ({"train": {"num_ranks": 3}}, 2, "train.num_ranks: 3 ranks need 3 GPUs"),
+        # 2 rollout replicas x TP 2 + 2 ranks = 6 GPUs > 4
+        ({"train": {"num_ranks": 2}, "rollout": {"num_workers": 2, "tensor_parallel_size": 2}}, 4,
+         "make 6, the cluster has 4"),
         ({"placement": {"rollout": {"num_gpus": 1}, "trainer": {"num_gpus": 1}}}, 1, "ask Ray for 2 GPU(s) by count"),
         ({"rollout": {"gpu_memory_utilization": 0.9}}, 1, "0.9 does not fit beside trainer and reference on GPU [0]"),
     ],
@@ -141,6 +151,35 @@ def test_rollout_replicas_sharing_a_gpu_split_vllms_share():
         plan(config(rollout={"num_workers": 2, "gpu_memory_utilization": 0.6}), 2)
 
 
+def test_trainer_ranks_get_a_gpu_each_beside_the_rollout_when_gpus_allow():
+    # 3 GPUs, 2 ranks: rollout on GPU 0 alone, rank 0 (with the reference) on 1, rank 1 on 2.
+    p = plan(config(train={"num_ranks": 2}), 3)
+    assert p.stages["rollout"].gpus == (0,) and p.stages["rollout"].share == (1.0,)
+    assert p.stages["trainer"].gpus == (1, 2) and p.stages["trainer"].share == (0.5, 1.0)
+    assert p.stages["reference"].gpus == (1,)
+    assert p.rollout_memory_fraction == OWN_GPU_FRACTION and p.bundles == 3 and not p.notes
+
+
+def test_ranks_taking_every_gpu_share_them_with_the_rollout():
+    # 2 GPUs, 2 ranks, 2 replicas: GPU 0 holds rollout 0, rank 0 and the reference (1/3 each),
+    # GPU 1 rollout 1 and rank 1 (1/2 each); vLLM's share as on one GPU beside both.
+    p = plan(config(train={"num_ranks": 2}, rollout={"num_workers": 2}), 2)
+    assert p.stages["rollout"].gpus == (0, 1) and p.stages["trainer"].gpus == (0, 1)
+    assert p.stages["trainer"].share == (pytest.approx(1 / 3), 0.5)
+    assert p.rollout_memory_fraction == 0.772
+    assert "train.num_ranks 2 takes every GPU: rollout replicas share the trainer ranks' GPUs" in p.notes
+
+
+def test_tensor_parallel_rollout_takes_gpus_of_its_own_by_count():
+    # 3 GPUs: the TP 2 replica asks Ray for 2 GPUs; trainer and reference use bundle 0.
+    p = plan(config(rollout={"tensor_parallel_size": 2}), 3)
+    assert p.stages["rollout"].gpus == () and p.stages["rollout"].num_gpus == 2
+    assert p.stages["trainer"].gpus == (0,) and p.bundles == 1
+    assert p.rollout_memory_fraction == OWN_GPU_FRACTION
+    manual = plan(config(rollout={"tensor_parallel_size": 2}, placement={"rollout": {"num_gpus": 2}, "trainer": [0]}), 3)
+    assert manual.stages["rollout"].num_gpus == 2
+
+
 def test_custom_resources_reach_the_graph_nodes_and_reserved_names_are_refused():
     from pipeline.launch import build_dataflow
 
@@ -153,3 +192,22 @@ def test_custom_resources_reach_the_graph_nodes_and_reserved_names_are_refused()
         config(placement={"rollout": {"resources": {"GPU": 1}}})
     with pytest.raises(ConfigError, match=r"placement.trainer.resources\[...\]: expected float > 0.0"):
         config(placement={"trainer": {"resources": {"node_a": 0}}})
+
+
+def test_status_lists_trainer_ranks_and_replicas_per_gpu_and_the_stage_gets_its_ranks_gpus():
+    from pipeline.launch import build_dataflow
+    from pipeline.status import list_gpu_actors
+
+    cfg = config(train={"num_ranks": 2}, rollout={"num_workers": 2})
+    p = plan(cfg, 2)
+    df = build_dataflow(cfg, p)
+    # Rank 0 runs in the stage actor (bundle 0); rank 1 is started by it in bundle 1.
+    assert df.nodes["trainer"].gpu_bundles == (0, 1) and df.nodes["trainer"].replicas == 1
+    assert df.nodes["trainer"].kwargs["rank_gpus"] == [(1, 0.5)]
+    assert list_gpu_actors(cfg, df) == [
+        ("0", ["rollout:0 (0.33)", "reference (0.33)", "trainer rank 0 (0.33)"]),
+        ("1", ["rollout:1 (0.5)", "trainer rank 1 (0.5)"]),
+    ]
+    tp = config(rollout={"tensor_parallel_size": 2})
+    rows = list_gpu_actors(tp, build_dataflow(tp, plan(tp, 3)))
+    assert rows[-1] == ("2 by count", ["rollout x 1, tensor parallel 2"])

@@ -1,0 +1,211 @@
+"""Data-parallel trainer: ``train.num_ranks`` DeepSpeed ranks behind one trainer stage.
+
+The stage shell stays one actor that consumes the micro-batches; with ``num_ranks`` N > 1
+its engine is a ``DataParallelEngine``: rank 0 is the stage's own ``TrainerEngine`` (in
+its process), ranks 1..N-1 are ``TrainerRankActor``s. With N = 1 nothing here is used
+and the stage trains its engine directly, as before.
+
+Guarantees:
+- The ranks form one torch.distributed world (gloo on CPU, nccl on GPU) that meets at
+  rank 0's host, on a port rank 0 picked and passed to the others.
+- Every micro-batch is split into N parts of whole GRPO groups, contiguous and balanced
+  (``plan_rank_groups``: part sizes differ by at most one group); a group never spans
+  ranks. Rank r trains its part with scale ``N * scale * w_r``, ``w_r`` the part's share
+  of the micro-batch's loss (``compute_piece_weight``: tokens under ``token-mean``,
+  samples otherwise). DeepSpeed averages the ranks' gradients (divides by N), so the
+  step's gradient is the one-rank gradient of the whole micro-batch up to float
+  rounding, whatever the split.
+- A rank left without a group (fewer groups than ranks) trains the micro-batch's first
+  group with scale 0, and every rank pads its forward/backward passes with zero-weight
+  ones to the largest count (``count_rank_passes``): all ranks run the same number of
+  backward passes, which ZeRO 2's reductions inside every backward need.
+- ZeRO 0 becomes ZeRO 1 across ranks (``build_deepspeed_config``): its optimizer reports
+  the norm of the averaged gradients, which clipping and the step metrics use.
+- Optimizer steps, gradient discards and state saves and loads run on every rank at
+  once (they are collectives); rank 0 alone exports and publishes weights and writes
+  the Hugging Face checkpoint: under ZeRO 0-2 every rank holds the whole model.
+- Checkpoints use DeepSpeed's layout: rank 0 writes the model states, each rank its own
+  optimizer partition (``zero_pp_rank_<r>_*``), all into the same directory (one host,
+  or a file system every rank's host shares). A resume needs the same ``num_ranks``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from pipeline.memory.splitting import split_rollout_batch_at
+from pipeline.types import RolloutBatch
+
+RENDEZVOUS_TIMEOUT_S = 600.0
+
+
+def plan_rank_groups(num_groups: int, ranks: int) -> list[int]:
+    """Groups each rank trains of a micro-batch of ``num_groups`` groups: contiguous,
+    the first ``num_groups % ranks`` ranks one more; ranks beyond the groups get 0."""
+    if ranks < 1:
+        raise ValueError(f"ranks: expected >= 1, got {ranks}")
+    base, extra = divmod(num_groups, ranks)
+    return [base + (r < extra) for r in range(ranks)]
+
+
+def count_rank_passes(samples: list[int], chunk_size: int) -> list[int]:
+    """Zero-weight passes each rank adds so that all make as many forward/backward
+    passes as the busiest (a rank makes ``ceil(samples / chunk_size)``)."""
+    passes = [math.ceil(n / chunk_size) for n in samples]
+    return [max(passes) - p for p in passes]
+
+
+def split_for_ranks(batch: RolloutBatch, ranks: int) -> list[tuple[RolloutBatch, bool]]:
+    """(part, real) per rank: ``real`` False marks a rank without a group of its own,
+    which gets the first group as a zero-weight filler."""
+    counts = plan_rank_groups(len(batch.prompts), ranks)
+    parts = split_rollout_batch_at(batch, [c for c in counts if c])
+    return [(p, True) for p in parts] + [(parts[0], False)] * (ranks - len(parts))
+
+
+def init_rank_process_group(rank: int, world: int, address: str, port: int, backend: str) -> None:
+    """Join the trainer's torch.distributed world as ``rank``. Each rank sees one GPU (its
+    own, as Ray sets ``CUDA_VISIBLE_DEVICES``), so its local rank is 0; DeepSpeed reuses
+    the group."""
+    import torch.distributed as dist
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                       "MASTER_ADDR": address, "MASTER_PORT": str(port)})
+    dist.init_process_group(backend=backend, init_method=f"tcp://{address}:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+
+
+@ray.remote(num_cpus=0)
+class TrainerRankActor:
+    """Trainer rank ``rank`` > 0: a ``TrainerEngine`` that mirrors rank 0's calls."""
+
+    def __init__(self, cfg: Any, rank: int, world: int, address: str, port: int, backend: str) -> None:
+        from pipeline.log import configure_logging, redirect_process_output
+
+        console = None
+        if getattr(cfg, "run_dir", None) is not None and cfg.run.log_level != "debug":
+            console = redirect_process_output(Path(cfg.run_dir) / "logs" / f"trainer-rank{rank}.log")
+        configure_logging(cfg.run.log_level, console_fd=console)
+        self.cfg, self.rank, self.world, self.rendezvous = cfg, rank, world, (address, port, backend)
+        self.engine: Any = None
+
+    def setup(self) -> int:
+        from stages.trainer import build_trainer_engine
+
+        address, port, backend = self.rendezvous
+        init_rank_process_group(self.rank, self.world, address, port, backend)
+        self.engine = build_trainer_engine(self.cfg)
+        return os.getpid()
+
+    def train(self, part: RolloutBatch, scale: float, pad: int) -> dict[str, float]:
+        metrics = self.engine.train_micro_batch(part, scale)
+        self.engine.pad_backwards(part, pad)
+        return metrics
+
+    def optimizer_step(self, grad_scale: float, bump_version: bool) -> dict[str, float]:
+        return self.engine.optimizer_step(grad_scale, bump_version)
+
+    def discard_gradients(self) -> None:
+        self.engine.discard_gradients()
+
+    def save_state(self, path: str) -> None:
+        self.engine.save_state(Path(path))
+
+    def load_state(self, path: str) -> None:
+        self.engine.load_state(Path(path))
+
+
+def build_data_parallel_engine(cfg: Any, rank_gpus: list[tuple[int, float]]) -> DataParallelEngine:
+    """Rank 0 here and ``cfg.train.num_ranks - 1`` rank actors, in one world (blocking:
+    call from a thread). ``rank_gpus``: (placement-group bundle, GPU share) of ranks
+    1..N-1 from the placement plan; empty: no GPU indices (CPU, or Ray GPU counts)."""
+    import torch
+
+    from stages.trainer import build_trainer_engine
+    from stages.trainer_engine import find_free_port
+
+    world = cfg.train.num_ranks
+    address, port = ray.util.get_node_ip_address(), find_free_port()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    group = ray.util.get_current_placement_group()
+    place = cfg.placement.trainer
+    actors = []
+    for rank in range(1, world):
+        options: dict[str, Any] = {"num_cpus": place.num_cpus, "resources": place.resources or None,
+                                   "num_gpus": place.num_gpus}
+        if rank_gpus:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundle, share = rank_gpus[rank - 1]
+            options.update(num_gpus=share, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=bundle))
+        actors.append(TrainerRankActor.options(**options).remote(cfg, rank, world, address, port, backend))
+    ready = [a.setup.remote() for a in actors]  # they wait in the rendezvous for rank 0
+    init_rank_process_group(0, world, address, port, backend)
+    local = build_trainer_engine(cfg)
+    ray.get(ready)
+    return DataParallelEngine(local, actors)
+
+
+class DataParallelEngine:
+    """The trainer stage's engine over N ranks (see the module guarantees): the
+    ``TrainerEngine`` calls the stage makes, each run on every rank."""
+
+    def __init__(self, local: Any, actors: list[Any]) -> None:
+        self.local = local
+        self.actors = actors
+        self.ranks = 1 + len(actors)
+
+    # Rank 0's state and weights stand for the stage's engine.
+    def __getattr__(self, name: str) -> Any:
+        if name in ("version", "module", "chunk_size", "algo", "extra_state", "gradients_tainted",
+                    "weights_on_gpu", "sync_dtype", "get_rng_state", "set_rng_state", "export_weights",
+                    "export_weights_ipc", "weights_sha256", "state_dict_for_sync", "save_pretrained"):
+            return getattr(self.local, name)
+        raise AttributeError(name)
+
+    def train_micro_batch(self, batch: RolloutBatch, scale: float) -> dict[str, float]:
+        """Train ``batch`` split over the ranks; its metrics as one ``train_micro_batch``'s."""
+        from stages.trainer import compute_piece_weight, merge_piece_metrics
+
+        parts = split_for_ranks(batch, self.ranks)
+        loss_agg = self.local.algo.loss_agg
+        weights = [compute_piece_weight(p, batch, loss_agg) if real else 0.0 for p, real in parts]
+        pads = count_rank_passes([p.num_samples for p, _ in parts], self.local.chunk_size)
+        scales = [self.ranks * scale * w for w in weights]
+        refs = [a.train.remote(p, s, n) for a, (p, _), s, n in zip(self.actors, parts[1:], scales[1:], pads[1:],
+                                                                     strict=True)]
+        first = self.local.train_micro_batch(parts[0][0], scales[0])
+        self.local.pad_backwards(parts[0][0], pads[0])
+        metrics = [first, *ray.get(refs)]
+        real = [(m, w) for m, w, (_, is_real) in zip(metrics, weights, parts, strict=True) if is_real]
+        merged = merge_piece_metrics([m for m, _ in real], [w for _, w in real])
+        merged["scale"] = float(scale)
+        return merged
+
+    def optimizer_step(self, grad_scale: float = 1.0, bump_version: bool = True) -> dict[str, float]:
+        refs = [a.optimizer_step.remote(grad_scale, bump_version) for a in self.actors]
+        out = self.local.optimizer_step(grad_scale, bump_version)
+        ray.get(refs)
+        return out
+
+    def discard_gradients(self) -> None:
+        refs = [a.discard_gradients.remote() for a in self.actors]
+        self.local.discard_gradients()
+        ray.get(refs)
+
+    def save_state(self, path: Path) -> None:
+        refs = [a.save_state.remote(str(path)) for a in self.actors]
+        self.local.save_state(path)
+        ray.get(refs)
+
+    def load_state(self, path: Path) -> None:
+        refs = [a.load_state.remote(str(path)) for a in self.actors]
+        self.local.load_state(path)
+        ray.get(refs)
