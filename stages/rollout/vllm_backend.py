@@ -126,6 +126,11 @@ def build_engine_kwargs(
     else:
         # None: not planned (no placement plan shared the GPU): the old default, 0.5.
         kwargs["gpu_memory_utilization"] = 0.5 if cfg.gpu_memory_utilization is None else cfg.gpu_memory_utilization
+        if cfg.tensor_parallel_size > 1:
+            # The rollout actor sees its tensor_parallel_size GPUs (placement gives it that
+            # many by count); vLLM's workers are its child processes, one per GPU. Inside a
+            # Ray actor vLLM would otherwise pick its Ray executor and place workers itself.
+            kwargs["distributed_executor_backend"] = "mp"
     if supported is not None:
         if "logprobs_mode" not in supported:
             raise RuntimeError(

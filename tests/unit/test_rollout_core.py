@@ -96,6 +96,10 @@ def test_engine_kwargs_on_cpu_and_gpu() -> None:
     gpu = build_engine_kwargs(Path("/ckpt"), cfg, "auto", on_cpu=False)
     assert gpu["gpu_memory_utilization"] == 0.4 and "kv_cache_memory_bytes" not in gpu
     assert gpu["enforce_eager"] is False  # unset: CUDA graphs on a GPU
+    # Tensor parallel on GPUs: vLLM's workers are the rollout actor's child processes.
+    assert gpu["distributed_executor_backend"] == "mp" and "distributed_executor_backend" not in cpu
+    one = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, tensor_parallel_size=1), "auto", on_cpu=False)
+    assert "distributed_executor_backend" not in one
     forced = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, enforce_eager=True), "auto", on_cpu=False)
     assert forced["enforce_eager"] is True
     # An older vLLM without kv_cache_memory_bytes: the field is dropped (the env takes
