@@ -43,7 +43,11 @@ def compute_steady_rate(times: list[float], samples_per_step: int, warmup: int) 
     return (len(times) - warmup) * samples_per_step / span if span > 0 else None
 
 
-def run_conveyor(mode: str, steps: int, root: Path) -> dict[str, Any]:
+def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
+                 gpus: int | None = None) -> dict[str, Any]:
+    """One Conveyor run of the config with ``mode``'s overrides (``sync``,
+    ``async_in_process``; any other name: the config as it is) and ``extra`` ones;
+    ``gpus``: the GPUs it may use (default: every one this process sees)."""
     import torch
 
     from pipeline.config import load_config
@@ -56,6 +60,7 @@ def run_conveyor(mode: str, steps: int, root: Path) -> dict[str, Any]:
         overrides += ["dataflow.async_execution=false", "dataflow.max_staleness=0"]
     if mode == "async_in_process":
         overrides += ["rollout.engine_core=in_process"]
+    overrides += list(extra)
     cfg = load_config(CONFIG, overrides)
     per_step = cfg.train.prompts_per_step * cfg.rollout.n
     t0 = time.time()
@@ -63,7 +68,7 @@ def run_conveyor(mode: str, steps: int, root: Path) -> dict[str, Any]:
     total = time.time() - t0
     rows = read_metrics(cfg.run_dir)
     times = [r["time"] for r in rows]
-    gpus = max(1, torch.cuda.device_count())
+    gpus = gpus or max(1, torch.cuda.device_count())
     rate = compute_steady_rate(times, per_step, WARMUP_STEPS) or 0.0
     tokens = [r.get("throughput/tokens_per_s") for r in rows[WARMUP_STEPS:]]
     return {

@@ -1,0 +1,127 @@
+"""GPU scaling: the same job (``configs/gpu_small.yaml``) on one GPU and on two.
+
+Runs, one after the other, each on a fresh local Ray cluster that sees only the GPUs it
+may use (``CUDA_VISIBLE_DEVICES``), the same steps, prompts and samples per step:
+
+- ``colocated_1gpu``: one GPU, every stage on it, weights over CUDA IPC;
+- ``disaggregated_2gpu``: two GPUs, the rollout on GPU 0 and the trainer on GPU 1
+  (``placement: auto``), weights over shared memory;
+- ``replicas_ranks_2gpu``: two GPUs, two rollout replicas and two trainer ranks
+  (``rollout.num_workers=2``, ``train.num_ranks=2``): each GPU holds a replica and a
+  rank (the ranks take every GPU, so the replicas share them).
+
+Reports steady-state samples/s (after ``gpu_e2e.WARMUP_STEPS``) per configuration, per
+GPU, and the ratios of each two-GPU configuration to the one-GPU one (target 1.8, the
+GPU-scaling issue's). A configuration needing more GPUs than the machine has is a row
+marked skipped. Writes ``gpu_scale.json`` and ``gpu_scale.png``; the machine's GPUs are
+named in the ratios. Needs a CUDA GPU (status "skipped" without one).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.common import new_figure, publish_result, save_figure
+from bench.e2e import _attempt
+from bench.gpu_e2e import CONFIG, WARMUP_STEPS, run_conveyor
+
+# name -> (GPUs it uses, overrides beside the config's)
+CONFIGS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "colocated_1gpu": (1, ()),
+    "disaggregated_2gpu": (2, ()),
+    "replicas_ranks_2gpu": (2, ("rollout.num_workers=2", "train.num_ranks=2")),
+}
+TARGET_TWO_OVER_ONE = 1.8
+
+
+def list_gpus() -> list[tuple[str, str]]:
+    """(CUDA_VISIBLE_DEVICES entry, name) of each GPU this process may use, from
+    nvidia-smi (no CUDA context here: the runs' actors own the GPUs)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = [tuple(x.strip() for x in line.split(",", 1)) for line in out.splitlines() if "," in line]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        keep = [v.strip() for v in visible.split(",") if v.strip()]
+        gpus = [g for g in gpus if g[0] in keep]
+    return gpus
+
+
+def run_on_gpus(name: str, devices: list[str], extra: tuple[str, ...], steps: int, root: Path) -> dict[str, Any]:
+    """``run_conveyor`` on a Ray cluster started for ``devices`` alone."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    try:
+        row = run_conveyor(name, steps, root, extra, gpus=len(devices))
+    finally:
+        ray.shutdown()
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+    return {**row, "devices": devices}
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    gpus = list_gpus()
+    if not gpus:
+        return publish_result(out_dir, "gpu_scale", {"status": "skipped", "error": "no CUDA GPU", "ratios": {}}, plot)
+    from pipeline.config import load_config
+
+    steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
+    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-gpu-scale-"))
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        for name, (count, extra) in CONFIGS.items():
+            if count > len(gpus):
+                rows[name] = {"system": name, "status": "skipped",
+                              "error": f"needs {count} GPUs, {len(gpus)} visible"}
+                continue
+            rows[name] = _attempt(name, run_on_gpus, name, [g[0] for g in gpus[:count]], extra, steps, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    def rate(name: str) -> float | None:
+        row = rows[name]
+        return row.get("samples_per_s") if row.get("status") == "ok" else None
+
+    one = rate("colocated_1gpu")
+    over_one = {f"{name}_over_colocated_1gpu": (rate(name) / one if rate(name) and one else None)
+                for name, (count, _) in CONFIGS.items() if count == 2}
+    best = max((v for v in over_one.values() if v is not None), default=None)
+    ratios = {
+        "devices": [g[1] for g in gpus], "gpus": len(gpus),
+        **{f"{name}_samples_per_s": rate(name) for name in CONFIGS},
+        **over_one, "best_two_gpu_over_one_gpu": best,
+        "targets": {"best_two_gpu_over_one_gpu": TARGET_TWO_OVER_ONE},
+    }
+    status = "ok" if rows["colocated_1gpu"].get("status") == "ok" else "error"
+    payload = {"status": status, "quick": quick, "units": "samples = completions; seconds",
+               "params": {"config": str(CONFIG), "steps": steps, "warmup_steps": WARMUP_STEPS,
+                          "configs": {k: {"gpus": c, "overrides": list(e)} for k, (c, e) in CONFIGS.items()}},
+               "runs": rows, "ratios": ratios}
+    return publish_result(out_dir, "gpu_scale", payload, plot)
+
+
+def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+    fig, axes = new_figure(1, 1, size=(8, 4.5))
+    ax = axes[0][0]
+    runs = payload.get("runs", {})
+    ax.bar(list(runs), [r.get("samples_per_s") or 0.0 for r in runs.values()])
+    ax.set_ylabel("samples / s (steady state)")
+    devices = payload.get("ratios", {}).get("devices") or ["?"]
+    ax.set_title(f"gpu_scale on {len(devices)} x {devices[0]}")
+    ax.tick_params(axis="x", labelsize=8)
+    return save_figure(fig, out_dir, "gpu_scale")
