@@ -175,6 +175,23 @@ class PlacementEntry(msgspec.Struct, **_section()):
             raise ValueError(f"resources: {reserved} are not custom resources (use num_cpus / num_gpus)")
 
 
+class ToolsConfig(msgspec.Struct, **_section()):
+    """Multi-turn rollouts with tools (``stages/rollout/multi_turn.py``, ``stages/tools.py``).
+
+    ``functions``: ``builtin`` (``calc``, ``python``), ``path/to/file.py:NAME`` or
+    ``module:NAME``, a dict of tool name -> callable(str) -> str. The model calls a tool
+    by writing ``[name: arguments]``; the result follows as `` -> result`` on its own
+    line (at most ``max_result_tokens`` tokens of it; masked out of the loss) and the model
+    goes on, for at most ``max_turns`` generation turns; ``rollout.max_tokens`` bounds the
+    whole completion, tool output included. A call may take ``timeout_s``; a tool that
+    raises or times out gives the model an ``error: ...`` result."""
+
+    functions: Annotated[str, Meta(min_length=1)] = "builtin"
+    max_turns: Annotated[int, Meta(ge=2)] = 2
+    timeout_s: PosFloat = 5.0
+    max_result_tokens: PosInt = 32
+
+
 class RolloutConfig(msgspec.Struct, **_section()):
     backend: str = "vllm"  # "vllm", "hf", or "module:attr"
     num_workers: PosInt = 1
@@ -201,6 +218,7 @@ class RolloutConfig(msgspec.Struct, **_section()):
     seed: NonNegInt = 0
     memory: MemoryConfig = MemoryConfig()
     max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio
+    tools: ToolsConfig | None = None  # multi-turn rollouts with tool calls
 
 
 class RewardSourceConfig(msgspec.Struct, **_section()):

@@ -42,6 +42,7 @@ BUILTINS: dict[str, str] = {
     "split_file_spec": "stages.reward:split_file_spec",
     "build_reward_fn": "stages.reward:build_reward_fn",
     "build_trainer_engine": "stages.trainer:build_trainer_engine",
+    "load_tools": "stages.tools:load_tools",
     "train_recorded_step": "stages.trainer:train_recorded_step",  # replay: the trainer's own rules
     "bench": "bench.__main__:main",  # conveyor bench NAME
 }

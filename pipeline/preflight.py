@@ -8,11 +8,12 @@ Guarantees of ``run_preflight``:
   the CLI turns into exit status 2.
 - Checked, in order: the model directory (or ``tiny``, built locally) and its tokenizer;
   the reference checkpoint when a reference runs; the rollout backend and custom node
-  classes named by ``module:attr`` (imported, not started); the data (``data.path``
+  classes named by ``module:attr`` (imported, not started) and the rollout's tools
+  (``rollout.tools.functions``, loaded); the data (``data.path``
   read once, streaming, and validated whole: rows in total and skipped by reason, a
   file without one usable row is refused; or ``data.task`` loaded); the reward function
   (imported or loaded from its file, its signature recognised).
-- The returned config has ``data.path`` and a reward file's path made absolute, so
+- The returned config has ``data.path``, a reward file's and a tools file's path made absolute, so
   actors started in another working directory read the same files.
 
 The model-aware checks live in ``stages/`` and are reached by import path
@@ -90,6 +91,11 @@ def check_imports(cfg: ConveyorConfig) -> None:
         _import(cfg.rollout.backend, "rollout.backend")
     for i, node in enumerate(cfg.dataflow.nodes):
         _import(node.node_class, f"dataflow.nodes[{i}].node_class")
+    if cfg.rollout.tools is not None:
+        try:
+            load_builtin("load_tools")(cfg.rollout.tools.functions)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _import(spec: str, field_name: str) -> Any:
@@ -102,7 +108,8 @@ def _import(spec: str, field_name: str) -> Any:
 
 
 def absolutise_paths(cfg: ConveyorConfig) -> ConveyorConfig:
-    """``data.path`` and a reward ``file.py:name`` made absolute (``~`` expanded)."""
+    """``data.path``, a reward ``file.py:name`` and a tools ``file.py:NAME`` made absolute
+    (``~`` expanded)."""
     data, reward = cfg.data, cfg.reward
     if data.path:
         data = msgspec.structs.replace(data, path=str(Path(data.path).expanduser().absolute()))
@@ -111,7 +118,12 @@ def absolutise_paths(cfg: ConveyorConfig) -> ConveyorConfig:
     if file_spec is not None:
         file, name = file_spec
         reward = msgspec.structs.replace(reward, function=f"{Path(file).expanduser().absolute()}:{name}", path=None)
-    return msgspec.structs.replace(cfg, data=data, reward=reward)
+    rollout = cfg.rollout
+    if rollout.tools is not None and ".py:" in rollout.tools.functions:
+        file, _, name = rollout.tools.functions.rpartition(":")
+        tools = msgspec.structs.replace(rollout.tools, functions=f"{Path(file).expanduser().absolute()}:{name}")
+        rollout = msgspec.structs.replace(rollout, tools=tools)
+    return msgspec.structs.replace(cfg, data=data, reward=reward, rollout=rollout)
 
 
 def check_data(cfg: ConveyorConfig, tokenizer: Any, model_path: Path) -> Any:

@@ -90,6 +90,9 @@ class RolloutBatch(msgspec.Struct, **_wire):
     rewards: np.ndarray | None = None
     reward_errors: list[str] = []  # one entry per failed sample: "sample_id: error"
     reward_extras: dict[str, list[float]] = {}
+    # Per-sample numbers from the rollout (tool calls, turns: stages/rollout/multi_turn.py),
+    # key -> one value per sample (NaN: none for that sample); step metrics under their keys.
+    rollout_extras: dict[str, list[float]] = {}
     ref_logprobs: np.ndarray | None = None
     advantages: np.ndarray | None = None
     loss_mask: np.ndarray | None = None

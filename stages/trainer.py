@@ -58,7 +58,7 @@ from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness
 from stages.reward import summarise_reward_extras
 from stages.trainer_checkpoint import TrainerCheckpoints
-from stages.trainer_metrics import summarise_batch_rewards, summarise_step_batches
+from stages.trainer_metrics import summarise_batch_rewards, summarise_rollout_extras, summarise_step_batches
 
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
 
@@ -414,6 +414,7 @@ class TrainerStage:
             "policy_version": version,
             **summarise_batch_rewards(batches),
             **summarise_reward_extras(batches),
+            **summarise_rollout_extras(batches),
             "staleness/mean": float(np.mean(staleness)),
             "staleness/max": int(np.max(staleness)),
             **{f"staleness/hist/{k}": int(v) for k, v in zip(*np.unique(staleness, return_counts=True), strict=True)},

@@ -35,3 +35,19 @@ def summarise_batch_rewards(batches: list[RolloutBatch]) -> dict[str, float]:
         return {}
     return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
             "reward/max": float(rewards.max()), "reward/min": float(rewards.min())}
+
+
+def summarise_rollout_extras(batches: list[RolloutBatch]) -> dict[str, float]:
+    """Each ``rollout_extras`` key's mean over the step's samples that have a value (not
+    NaN), under the key itself (``tool/used``, ``turn/2/tokens``...)."""
+    values: dict[str, list[float]] = {}
+    for batch in batches:
+        for key, per_sample in batch.rollout_extras.items():
+            values.setdefault(key, []).extend(per_sample)
+    out = {}
+    for key, vals in sorted(values.items()):
+        arr = np.asarray(vals, dtype=np.float64)
+        arr = arr[np.isfinite(arr)]
+        if arr.size:
+            out[key] = float(arr.mean())
+    return out

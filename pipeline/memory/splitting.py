@@ -78,6 +78,7 @@ def check_rollout_batch(batch: RolloutBatch) -> None:
         "completions": batch.completions,
         **{f: getattr(batch, f) for f in _ROW_ARRAYS + _PROMPT_COLS + _COMPLETION_COLS},
         **{f"reward_extras[{k!r}]": v for k, v in batch.reward_extras.items()},
+        **{f"rollout_extras[{k!r}]": v for k, v in batch.rollout_extras.items()},
     }
     if batch.finish_reasons:
         rows["finish_reasons"] = batch.finish_reasons
@@ -146,6 +147,7 @@ def _cut(batch: RolloutBatch, bounds: list[tuple[int, int]]) -> list[RolloutBatc
             "completions": batch.completions[rows],
             "finish_reasons": batch.finish_reasons[rows],
             "reward_extras": {k: v[rows] for k, v in batch.reward_extras.items()},
+            "rollout_extras": {k: v[rows] for k, v in batch.rollout_extras.items()},
             # An error naming no sample of the batch stays with the first piece: kept once.
             "reward_errors": [
                 e for e, who in owners.items() if who in id_set or (who is None and index == 0)
@@ -200,9 +202,10 @@ def merge_rollout_batches(pieces: Sequence[RolloutBatch]) -> RolloutBatch:
     if len(set(ids)) != len(ids):
         twice = sorted({s for s in ids if ids.count(s) > 1})
         raise ValueError(f"merge: batch {first.batch_id}: samples present twice: {twice[:5]}")
-    keys = set(first.reward_extras)
-    if any(set(p.reward_extras) != keys for p in pieces):
-        raise ValueError(f"merge: batch {first.batch_id}: pieces disagree on reward_extras keys")
+    for extras in ("reward_extras", "rollout_extras"):
+        keys = set(getattr(first, extras))
+        if any(set(getattr(p, extras)) != keys for p in pieces):
+            raise ValueError(f"merge: batch {first.batch_id}: pieces disagree on {extras} keys")
     finish = [r for p in pieces for r in p.finish_reasons]
     if finish and len(finish) != len(ids):
         raise ValueError(f"merge: batch {first.batch_id}: some pieces lack finish_reasons")
@@ -213,6 +216,7 @@ def merge_rollout_batches(pieces: Sequence[RolloutBatch]) -> RolloutBatch:
         "finish_reasons": finish,
         "reward_errors": [e for p in pieces for e in p.reward_errors],
         "reward_extras": {k: [x for p in pieces for x in p.reward_extras[k]] for k in first.reward_extras},
+        "rollout_extras": {k: [x for p in pieces for x in p.rollout_extras[k]] for k in first.rollout_extras},
         "policy_version": min(p.policy_version for p in pieces),
         "dropped_prompts": _merge_drops(pieces),
     }

@@ -96,6 +96,10 @@ class Completion(msgspec.Struct, **_frozen):
     token_versions: list[int]
     finish_reason: str
     text: str = ""
+    # Multi-turn rollouts (stages/rollout/multi_turn.py): False on tokens the loss must
+    # not see (tool output; their logprobs are 0); empty: every token is the model's.
+    loss_mask: list[bool] = []
+    extras: dict[str, float] = {}  # per-sample numbers (tool calls, turns)
 
     @property
     def oldest_version(self) -> int:

@@ -27,6 +27,10 @@ Guarantees:
   out-of-memory error from the backend (HF ``generate``) halves the prompts and retries.
   The KV budget is ``rollout.kv_cache_gib``, what the CPU engine preallocates (on a GPU
   set ``rollout.memory.budget_bytes`` to the engine's KV cache).
+- with ``rollout.tools`` each sample is a multi-turn trajectory with tool calls
+  (``stages/rollout/multi_turn.py``): tool output is masked out of the loss
+  (``RolloutBatch.loss_mask``) and the per-sample tool and turn counts ride in
+  ``rollout_extras``.
 """
 
 from __future__ import annotations
@@ -76,6 +80,11 @@ def build_rollout_batch(pb: PromptBatch, results: list[GenerationResult], n: int
             texts.append(c.text)
             reasons.append(c.finish_reason)
     versions = [v for row in ver_rows for v in row]
+    completions = [c for res in results for c in res.completions]
+    masked = any(c.loss_mask for c in completions)
+    loss_mask = pad_rows([c.loss_mask or [True] * len(c.token_ids) for c in completions], bool, False) if masked else None
+    keys = sorted({k for c in completions for k in c.extras})
+    extras = {k: [float(c.extras.get(k, float("nan"))) for c in completions] for k in keys}
     return RolloutBatch(
         batch_id=pb.batch_id,
         step=pb.step,
@@ -91,6 +100,8 @@ def build_rollout_batch(pb: PromptBatch, results: list[GenerationResult], n: int
         token_versions=pad_rows(ver_rows, np.int32, -1),
         policy_version=min(versions) if versions else 0,
         finish_reasons=reasons,
+        loss_mask=loss_mask,
+        rollout_extras=extras,
     )
 
 
@@ -125,6 +136,10 @@ class RolloutStage:
         self.backend = build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
         await self.backend.start()
         self.sampling = build_sampling_settings(cfg.rollout, None)
+        if cfg.rollout.tools is not None:
+            from stages.tools import load_tools
+
+            self.tools = load_tools(cfg.rollout.tools.functions)
         # Warm the engine up (its first call compiles and allocates) before timing starts.
         warm = [self.tokenizer(p, add_special_tokens=True)["input_ids"] for p in ("0", "1")]
         await self.backend.generate(warm, msgspec.structs.replace(self.sampling, max_tokens=1))
@@ -221,7 +236,14 @@ class RolloutStage:
 
         async def generate(piece: PromptBatch) -> list[GenerationResult]:
             self.guard.mark_attempt()
-            return await self.backend.generate([ids[p.prompt_id] for p in piece.prompts], self.sampling)
+            prompt_ids = [ids[p.prompt_id] for p in piece.prompts]
+            if self.cfg.rollout.tools is not None:
+                from stages.rollout.multi_turn import generate_with_tools
+
+                return await generate_with_tools(self.backend, self.tokenizer, prompt_ids,
+                                                 [p.text for p in piece.prompts], self.sampling, self.tools,
+                                                 self.cfg.rollout.tools)
+            return await self.backend.generate(prompt_ids, self.sampling)
 
         async def generate_recovering(piece: PromptBatch) -> list[GenerationResult]:
             if not self.guard.protected:

@@ -74,15 +74,22 @@ def test_curriculum_resumes_at_its_checkpointed_level(curriculum_run):
     assert rows[-1]["curriculum/level"] == 3 and rows[-1]["curriculum/promotions"] == 2
 
 
-def test_dpo_template_trains_offline_pairs_and_reports_preferences(ray_cluster, tmp_path):
-    job = tmp_path / "dpo"
-    assert main(["init", "--template", "dpo", str(job)]) == 0
-    run_dir = job / "runs" / "dpo"
-    steps = 12
+def _init_and_launch(name: str, tmp_path: Path, steps: int) -> list[dict]:
+    """``conveyor init`` template ``name``, launch it for ``steps`` from its directory; its
+    step metrics, after checking it completed them all."""
+    job = tmp_path / name
+    assert main(["init", "--template", name, str(job)]) == 0
+    run_dir = job / "runs" / name
     assert _in(job, ["launch", "--config", "config.yaml", f"run.steps={steps}", f"run.dir={run_dir}",
                      "run.progress=false", "run.tensorboard=false"]) == 0
+    assert msgspec.json.decode((run_dir / "summary.json").read_bytes())["status"] == "completed"
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert len(rows) == steps
+    return rows
+
+
+def test_dpo_template_trains_offline_pairs_and_reports_preferences(ray_cluster, tmp_path):
+    rows = _init_and_launch("dpo", tmp_path, steps=12)
     keys = ("actor/preference_accuracy", "actor/reward_margin", "actor/chosen_reward", "actor/rejected_reward")
     assert all(k in r for r in rows for k in keys)
     # Step 0 trains the reference's own weights: every implicit reward is 0, no pair is
@@ -91,5 +98,14 @@ def test_dpo_template_trains_offline_pairs_and_reports_preferences(ray_cluster, 
     last = rows[-4:]
     assert sum(r["actor/reward_margin"] for r in last) / 4 > 0
     assert sum(r["actor/preference_accuracy"] for r in last) / 4 > 0.5
-    summary = msgspec.json.decode((run_dir / "summary.json").read_bytes())
-    assert summary["status"] == "completed"
+
+
+def test_tool_rl_template_calls_tools_and_reports_them(ray_cluster, tmp_path):
+    rows = _init_and_launch("tool_rl", tmp_path, steps=6)
+    keys = ("tool/used", "tool/calls", "tool/errors", "tool/turns", "tool/calc/calls", "tool/python/calls",
+            "turn/1/tokens", "reward/answer_correct", "reward/mean")
+    assert all(k in r for r in rows for k in keys)
+    # The prompts open a call: some samples close it (the random model writes "]" now and
+    # then), so tools ran and a second turn followed.
+    assert sum(r["tool/calls"] for r in rows) > 0 and any("turn/2/tokens" in r for r in rows)
+    assert all(1.0 <= r["tool/turns"] <= 2.0 for r in rows)

@@ -247,3 +247,33 @@ class FakeScoredSink(FakeSampleSink):
 
     takes = RolloutBatch
     takes_fields = ("ref_logprobs",)
+
+
+class FakeScriptedBackend:
+    """A rollout backend that writes scripted text instead of sampling: ``script(context,
+    j)`` gives completion j's text for a prompt whose token ids decode to ``context``.
+    Tokens carry ``version``, which grows by ``bump`` after every ``generate`` call (as if
+    weights landed between turns); log-probs are -0.5."""
+
+    def __init__(self, tok: Any, script: Any, bump: int = 0) -> None:
+        self.tok, self.script, self.bump = tok, script, bump
+        self.version = 0
+        self.calls: list[list[str]] = []
+
+    async def generate(self, prompt_token_ids: list[list[int]], sampling: Any) -> list[Any]:
+        from stages.rollout.base import Completion, GenerationResult
+
+        results, contexts = [], []
+        for ids in prompt_token_ids:
+            context = self.tok.decode(ids, skip_special_tokens=True)
+            contexts.append(context)
+            comps = []
+            for j in range(sampling.n):
+                out = self.tok(self.script(context, j), add_special_tokens=False)["input_ids"][: sampling.max_tokens]
+                comps.append(Completion(token_ids=out, logprobs=[-0.5] * len(out), token_versions=[self.version] * len(out),
+                                        finish_reason="length" if len(out) == sampling.max_tokens else "stop",
+                                        text=self.tok.decode(out)))
+            results.append(GenerationResult(prompt_token_ids=ids, completions=comps))
+        self.calls.append(contexts)
+        self.version += self.bump
+        return results

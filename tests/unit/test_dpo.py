@@ -126,3 +126,23 @@ def test_responses_are_tokenized_after_their_prompt():
     ids = encode_response(qwen, prompt, text, [{"role": "assistant", "content": "1"}], "r", "chosen")
     full = qwen.apply_chat_template([*prompt, {"role": "assistant", "content": "1"}], tokenize=False)
     assert qwen.decode(ids) == full[len(text):] and qwen.decode(ids).startswith("1")
+
+
+def test_preflight_report_counts_bad_pair_rows_and_refuses_a_file_without_a_good_one(tmp_path):
+    import json
+
+    from pipeline.config import DataConfig
+    from stages.prompt_rows import check_data_file
+
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": "12=", "chosen": "1", "rejected": "2"}, {"prompt": "34=", "chosen": "3"},
+            {"prompt": "56=", "chosen": 5, "rejected": "6"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(path=str(path), pairs=PairsConfig())
+    report = check_data_file(data, build_char_tokenizer("llama"), "m")
+    assert report.rows_usable == 1 and report.skipped == {"malformed": 2} and report.first_rows["malformed"] == [2, 3]
+    assert report.first_errors["malformed"] == "pairs.jsonl row 2: no field 'rejected' (a preference pair needs it)"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (rows[2], rows[1])))  # columns: the first row's
+    with pytest.raises(ConfigError, match=r"^data\.path: no usable row in (.|\n)*rows 1, 2\); first: pairs\.jsonl row 1: "
+                                          r"field 'chosen' must be a string"):
+        check_data_file(data, build_char_tokenizer("llama"), "m")

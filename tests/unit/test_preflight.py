@@ -75,6 +75,11 @@ def launch(config: Path, *overrides: str, command: str = "launch") -> int:
                                      "(its columns: messages, ground_truth)"),
         ("data.answer_key=solution", "data.answer_key: chat.jsonl has no column 'solution'"),
         ("data.chat_template=none", "data.chat_template: 'none' cannot render chat messages"),
+        ("rollout.tools.functions={tmp}/missing.py:TOOLS", "rollout.tools.functions: '{tmp}/missing.py' does not exist"),
+        ("rollout.tools.functions=no_such_module_xyz:TOOLS",
+         "rollout.tools.functions: cannot import module 'no_such_module_xyz'"),
+        ("rollout.tools.max_turns=1", "rollout.tools.max_turns: expected int >= 2, got 1"),
+        ("data.pairs.chosen_key=good", "data.pairs: expected a pairs section exactly with algorithm.name dpo"),
     ],
 )
 def test_bad_inputs_exit_2_naming_the_field_before_ray_starts(setup, capsys, ray_starts, override, expected):

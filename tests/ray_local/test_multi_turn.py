@@ -1,0 +1,115 @@
+"""Multi-turn rollouts with tools (stages/rollout/multi_turn.py) over a scripted fake
+backend and the real char tokenizer: the trajectory, its loss mask, its version labels
+across turns, the tool errors the model reads, the budget, and the batch they make."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import numpy as np
+import pytest
+
+from pipeline.config import GrpoConfig, ToolsConfig
+from pipeline.types import Prompt, PromptBatch
+from stages.algorithms import assign_advantages
+from stages.rollout.base import GenerationResult, SamplingSettings
+from stages.rollout.multi_turn import generate_with_tools
+from stages.rollout.stage import build_rollout_batch
+from stages.tiny import build_char_tokenizer
+from stages.tools import BUILTIN_TOOLS
+from tests.ray_local.fakes import FakeScriptedBackend
+
+TOK = build_char_tokenizer("llama")
+PROMPT = "3+4 [calc: "
+
+
+def _run(script, n=2, max_tokens=20, max_turns=2, bump=1, tools=None, prompt=PROMPT, max_result_tokens=12):
+    backend = FakeScriptedBackend(TOK, script, bump=bump)
+    ids = TOK(prompt, add_special_tokens=True)["input_ids"]
+    cfg = ToolsConfig(max_turns=max_turns, timeout_s=5.0, max_result_tokens=max_result_tokens)
+    sampling = SamplingSettings(n=n, temperature=1.0, max_tokens=max_tokens)
+    results = asyncio.run(generate_with_tools(backend, TOK, [ids], [prompt], sampling, tools or BUILTIN_TOOLS, cfg))
+    return backend, ids, results[0].completions
+
+
+def _answer(context, j):
+    # Turn 1: sample 0 closes the call the prompt opened (and would go on), sample 1 never
+    # calls; turn 2 (after a tool result line): the final answer.
+    if context.endswith("\n"):
+        return "7"
+    return "3+4]xyz" if j == 0 else "no call"
+
+
+def test_a_call_is_cut_run_appended_masked_and_continued():
+    backend, _, (called, plain) = _run(_answer)
+    assert called.text == "3+4] -> 7\n7"
+    assert backend.calls[1] == [PROMPT + "3+4] -> 7\n"]  # turn 2 reads prompt + everything so far
+    # Mask: the model's 4 + 1 tokens; the tool's " -> 7\n" (6 chars) is not the model's.
+    assert called.loss_mask == [True] * 4 + [False] * 6 + [True]
+    # Versions: turn 1 on v0, turn 2 on v1 (an update landed between the turns); the tool
+    # tokens carry the version of the model token before them.
+    assert called.token_versions == [0] * 10 + [1]
+    assert called.logprobs == [-0.5] * 4 + [0.0] * 6 + [-0.5]
+    assert called.finish_reason == "stop"
+    assert called.extras == {"tool/used": 1.0, "tool/calls": 1.0, "tool/errors": 0.0, "tool/turns": 2.0,
+                             "tool/calc/calls": 1.0, "tool/calc/errors": 0.0, "tool/python/calls": 0.0,
+                             "tool/python/errors": 0.0, "turn/1/tokens": 4.0, "turn/2/tokens": 1.0}
+    assert plain.text == "no call" and plain.loss_mask == [True] * 7 and plain.extras["tool/used"] == 0.0
+    assert "turn/2/tokens" not in plain.extras
+
+
+def test_the_batch_keeps_the_mask_through_advantages_and_the_oldest_version():
+    _, ids, comps = _run(_answer)
+    pb = PromptBatch(batch_id=0, step=0, prompts=[Prompt(prompt_id="p0", text=PROMPT, token_ids=ids)])
+    batch = build_rollout_batch(pb, [GenerationResult(prompt_token_ids=ids, completions=comps)], 2, TOK.pad_token_id)
+    assert batch.loss_mask.shape == batch.completion_ids.shape == (2, 11)
+    assert batch.loss_tokens == 5 + 7 and batch.policy_version == 0
+    assert batch.rollout_extras["tool/used"] == [1.0, 0.0]
+    assert np.isnan(batch.rollout_extras["turn/2/tokens"][1])
+    out = assign_advantages(msgspec.structs.replace(batch, rewards=np.array([1.0, 0.0], dtype=np.float32)),
+                            GrpoConfig())
+    # GRPO: (1 - 0.5) / (0.5 + eps) ~ +1 on the model's tokens only; the tool's tokens get
+    # no advantage and no loss.
+    assert out.advantages[0].tolist() == pytest.approx([1.0] * 4 + [0.0] * 6 + [1.0], abs=1e-5)
+    assert (out.advantages[0][4:10] == 0).all()
+    assert out.loss_mask[0].tolist() == [True] * 4 + [False] * 6 + [True]
+
+
+def test_a_failing_tool_gives_the_model_an_error_and_the_run_goes_on():
+    def boom(arguments):
+        raise RuntimeError("disk on fire")
+
+    _, _, (comp,) = _run(lambda c, j: "ok" if c.endswith("\n") else "1]", n=1, max_tokens=40,
+                         tools={"calc": boom}, prompt="1 [calc: ")
+    # The result is cut to max_result_tokens (12) inside its template: its line still ends.
+    assert comp.text == "1] -> error: Runti\nok"  # "error: Runti": 12 characters
+    assert comp.extras["tool/calc/errors"] == 1.0 and comp.extras["tool/errors"] == 1.0
+
+
+def test_unknown_tools_and_the_python_sandbox_answer_with_errors():
+    _, _, (comp,) = _run(lambda c, j: "x" if c.endswith("\n") else "1/0]", n=1, max_tokens=80, prompt="[python: ",
+                         max_result_tokens=60)
+    assert comp.text == "1/0] -> error: ZeroDivisionError: division by zero\nx"
+    assert comp.extras["tool/python/errors"] == 1.0
+    _, _, (comp,) = _run(lambda c, j: "x" if c.endswith("\n") else "2]", n=1, max_tokens=80, prompt="[sql: ",
+                         max_result_tokens=60)
+    assert comp.text == "2] -> error: unknown tool 'sql' (tools: calc, python)\nx" and comp.extras["tool/errors"] == 1.0
+
+
+def test_budget_and_last_turn():
+    # max_tokens 8: "3+4]" (4) leaves 4 of the tool line's 6 tokens (" -> "); no turn follows.
+    _, _, (comp, _) = _run(_answer, max_tokens=8)
+    assert comp.text == "3+4] -> " and comp.finish_reason == "length" and len(comp.token_ids) == 8
+    assert comp.extras["tool/turns"] == 1.0
+    # A call in the last allowed turn is not run: nothing would read its result.
+    _, _, (comp,) = _run(lambda c, j: "5]" if c.endswith("\n") else "3+4]", n=1, max_turns=2, max_tokens=40)
+    assert comp.text == "3+4] -> 7\n5]" and comp.extras["tool/calls"] == 1.0
+
+
+def test_several_calls_in_one_trajectory():
+    # The second call opens its own bracket: "2*5]" alone after a closed call is no call.
+    script = {"7\n": "[calc: 2*5]", "10\n": "10"}
+    _, _, (comp,) = _run(lambda c, j: script.get(c[-3:].lstrip(" >"), "3+4]"), n=1, max_turns=3, max_tokens=60)
+    assert comp.text == "3+4] -> 7\n[calc: 2*5] -> 10\n10"
+    assert comp.extras["tool/calc/calls"] == 2.0 and comp.extras["tool/turns"] == 3.0
