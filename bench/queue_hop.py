@@ -5,7 +5,8 @@ a producer puts a numpy array of 1 KB .. 64 MB while the consumer already waits 
 ``get``; latency runs from the producer's ``put`` call to the consumer holding the value
 (both clocks are ``time.time()`` of one machine). Producers: another actor, as a stage
 shell emits (``pipeline.queue.fits_inline`` values ride inline in the queue calls,
-larger ones go by reference), the driver, and, up to 64 KB, an actor that always goes
+larger ones go by reference; each put carries the ``Origin`` of the producer's input
+lease, whose release the queue forwards), the driver, and, up to 64 KB, an actor that always goes
 by reference (what every hop cost before small items went inline). Split of a hop:
 ``ray.put`` (the copy into the object store; none inline), the ``put`` call to the queue
 actor, and delivery (the queue wakes the waiting ``get``, which returns the entry, and
@@ -34,7 +35,7 @@ import numpy as np
 import ray
 
 from bench.common import measure_memcpy_bandwidth, new_figure, publish_result, save_figure, summarize
-from pipeline.queue import INLINE_MAX_BYTES, QueueHandle, create_queue, fits_inline
+from pipeline.queue import INLINE_MAX_BYTES, Origin, QueueHandle, create_queue, fits_inline
 from pipeline.runner import init_ray
 
 KB = 1 << 10
@@ -48,20 +49,25 @@ class HopEndpoint:
     def __init__(self) -> None:
         self.payloads: dict[int, np.ndarray] = {}
 
-    def prepare(self, size: int) -> None:
+    def prepare(self, size: int, out: QueueHandle | None = None, inp: QueueHandle | None = None) -> None:
+        """Payloads of ``size`` bytes; a producer also keeps its queues, as a stage
+        shell holds its edges for the whole run."""
         self.payloads = {size: np.ones(size, dtype=np.uint8)}
+        self.out, self.inp = out, inp
 
     def ping(self) -> float:
         return time.time()
 
-    async def send(self, q: QueueHandle, size: int, by_reference: bool = False) -> tuple[float, float, float]:
+    async def send(self, seq: int, size: int, by_reference: bool = False) -> tuple[float, float, float]:
         """(start, after ray.put, after the put call): ``QueueHandle.put`` in two halves,
-        as a stage shell emits (or always by reference)."""
+        as a stage shell emits (or always by reference), tagged with the origin of a
+        lease ``seq`` on the producer's input queue as a stage's output is (the queue
+        forwards its release there when the consumer takes it)."""
         t0 = time.time()
         value = self.payloads[size]
         entry = value if fits_inline(value) and not by_reference else ray.put(value)
         t1 = time.time()
-        await q.put_entry(entry)
+        await self.out.put_entry(entry, Origin(self.inp.name, "hop_producer", seq, 1), self.inp)
         return t0, t1, time.time()
 
     async def recv(self, q: QueueHandle) -> tuple[float, bool, int]:
@@ -77,8 +83,9 @@ async def measure_hops(size: int, repeats: int, mode: str) -> dict[str, Any]:
     """``mode``: "actor" (actor -> actor, the stage edge), "driver" (driver -> actor) or
     "by_reference" (actor -> actor through the object store whatever the size)."""
     prod, cons = HopEndpoint.remote(), HopEndpoint.remote()
-    await prod.prepare.remote(size)
     q = create_queue("hop_producer", "hop_consumer", bound=4)
+    up = create_queue("hop_source", "hop_producer", bound=4)  # the producer's input, for the origins
+    await prod.prepare.remote(size, q, up)
     payload = np.ones(size, dtype=np.uint8)
     lat, put_copy, put_call, delivery, zero_copy = [], [], [], [], True
     try:
@@ -95,7 +102,7 @@ async def measure_hops(size: int, repeats: int, mode: str) -> dict[str, Any]:
                 t2 = time.time()
                 del entry
             else:
-                t0, t1, t2 = await prod.send.remote(q, size, by_reference=mode == "by_reference")
+                t0, t1, t2 = await prod.send.remote(i, size, by_reference=mode == "by_reference")
             t3, zc, n = await pending
             if n != size:
                 raise RuntimeError(f"hop of {size} bytes delivered {n}")
@@ -107,7 +114,7 @@ async def measure_hops(size: int, repeats: int, mode: str) -> dict[str, Any]:
             put_call.append(t2 - t1)
             delivery.append(t3 - t2)
     finally:
-        for a in (prod, cons, q.actor):
+        for a in (prod, cons, q.actor, up.actor):
             ray.kill(a, no_restart=True)
     return {"bytes": size, "mode": mode, "latency_s": summarize(lat),
             "put_copy_s": summarize(put_copy), "put_call_s": summarize(put_call),

@@ -24,7 +24,7 @@ to the front of the queue, for the restarted actor (the depth may then exceed th
 bound by those items). Each output carries its ``Origin`` (the producer's lease on
 its input); a lease is released when its consumer emitted nothing for it (the
 terminal stage, once it has taken the item in) or when every output derived from it
-was released downstream (``release_part``). So an item stays held here until what
+was released downstream (``release_parts``). So an item stays held here until what
 became of it reached the end of the graph. That is the price of Ray 2.60 having no
 ``ray.put(_owner=...)``: the objects a stage emits are owned by its process and die
 with it, and an output that died unread (skipped by its consumer as lost) is made
@@ -49,6 +49,8 @@ import ray
 # Ray carries call arguments up to 100 KiB inside the call; a value estimated below this
 # stays well under it (the estimate leaves out per-object overhead).
 INLINE_MAX_BYTES = 64 << 10
+# At most one call per upstream queue in this interval carries the releases forwarded there.
+FORWARD_INTERVAL_S = 0.02
 
 
 def fits_inline(value: Any, limit: int = INLINE_MAX_BYTES) -> bool:
@@ -111,10 +113,13 @@ class QueueClosed(RuntimeError):
 
 
 class Origin(NamedTuple):
-    """Where an output came from: the producer's lease ``seq`` on ``queue`` (an actor
-    handle) under ``consumer``; ``parts`` outputs (times output queues) derive from it."""
+    """Where an output came from: the producer's lease ``seq`` on the queue named
+    ``queue`` under ``consumer``; ``parts`` outputs (times output queues) derive from it.
+    The queue travels by name: an actor handle in every put cost a hop a third of its
+    time (a handle's serialisation registers a borrower with its owner); the receiving
+    queue learns the handle once per producer process (``QueueHandle.put_entry``)."""
 
-    queue: Any
+    queue: str
     consumer: str
     seq: int
     parts: int
@@ -145,6 +150,13 @@ class QueueActor:
         self._closed_by: set[str] = set()
         self._closed = False
         self._leases: dict[str, dict[int, _Lease]] = collections.defaultdict(dict)
+        self._upstreams: dict[str, Any] = {}  # queue name -> actor handle, for Origin.queue
+        # Releases waiting to be forwarded, per upstream queue name (also those for a
+        # queue whose handle is still on its way: calls of one producer to an async
+        # actor may start out of order), and when each was last forwarded.
+        self._outbox: dict[str, list[tuple[str, int, int]]] = collections.defaultdict(list)
+        self._flush_due: set[str] = set()
+        self._last_flush: dict[str, float] = {}
         self._seq = 0
         self._redelivered = 0
         self._dead: set[str] = set()  # consumer ids of processes that died
@@ -174,8 +186,14 @@ class QueueActor:
         self._depth_area += len(self._items) * (now - self._last_change)
         self._last_change = now
 
-    async def put(self, wrapped: list[Any], origin: Origin | None = None) -> float:
-        """Enqueue ``[ref]``; returns the seconds the producer waited for room."""
+    async def put(self, wrapped: list[Any], origin: Origin | None = None, upstream: Any = None) -> float:
+        """Enqueue ``[ref]``; returns the seconds the producer waited for room.
+        ``upstream``: the handle of ``origin.queue``, sent with a producer's first put
+        from that queue (kept before any wait, so a later put of the same producer
+        cannot be released before its queue is known)."""
+        if upstream is not None:
+            self._upstreams[origin.queue] = upstream
+            self._flush(origin.queue)
         t0 = time.monotonic()
         async with self._cond:
             if self._closed:
@@ -240,17 +258,19 @@ class QueueActor:
         self._note_drained()
         return [entry[0][0], self._seq]
 
-    def release_part(self, consumer: str, seq: int, parts: int) -> None:
-        """One output derived from lease ``seq`` was released downstream; the lease is
-        released when all ``parts`` were (unknown or requeued leases are ignored)."""
-        lease = self._leases.get(consumer, {}).get(seq)
-        if lease is None:
-            return
-        lease.released_parts += 1
-        if lease.released_parts >= parts:
-            self._release(consumer, seq)
+    async def release_parts(self, parts: list[tuple[str, int, int]]) -> None:
+        """For each ``(consumer, seq, parts)``: one output derived from lease ``seq`` was
+        released downstream; the lease is released when all ``parts`` were (unknown or
+        requeued leases are ignored)."""
+        for consumer, seq, n in parts:
+            lease = self._leases.get(consumer, {}).get(seq)
+            if lease is None:
+                continue
+            lease.released_parts += 1
+            if lease.released_parts >= n:
+                self._release(consumer, seq)
 
-    def release(self, consumer: str, seq: int) -> None:
+    async def release(self, consumer: str, seq: int) -> None:
         """``consumer`` is done with lease ``seq`` and emitted nothing for it (sent at
         once in lock-step; streaming consumers piggyback it on their next ``lease``)."""
         self._release(consumer, seq)
@@ -261,10 +281,30 @@ class QueueActor:
             self._forward(lease.origin)
         self._note_drained()
 
-    @staticmethod
-    def _forward(origin: Origin) -> None:
+    def _forward(self, origin: Origin) -> None:
+        """Tell the upstream queue that one output of its lease was released: at once
+        when nothing went there for ``FORWARD_INTERVAL_S`` (an idle edge, lock-step's
+        step barrier), else with the others of that interval in one call (a call per
+        micro-batch and edge was the largest cost of a queue actor)."""
+        name = origin.queue
+        self._outbox[name].append((origin.consumer, origin.seq, origin.parts))
+        if name in self._flush_due:
+            return
+        wait = self._last_flush.get(name, float("-inf")) + FORWARD_INTERVAL_S - time.monotonic()
+        if wait <= 0:
+            self._flush(name)
+        else:
+            self._flush_due.add(name)
+            asyncio.get_running_loop().call_later(wait, self._flush, name)
+
+    def _flush(self, name: str) -> None:
+        self._flush_due.discard(name)
+        upstream = self._upstreams.get(name)
+        if upstream is None or not self._outbox.get(name):
+            return  # nothing to send, or its handle comes with a put still on its way
         # Fire and forget: a lost release only means a duplicate delivery after a death.
-        origin.queue.release_part.remote(origin.consumer, origin.seq, origin.parts)
+        upstream.release_parts.remote(self._outbox.pop(name))
+        self._last_flush[name] = time.monotonic()
 
     async def requeue(self, consumer: str) -> int:
         """``consumer``'s process died: its leased items go back to the front, in order.
@@ -326,10 +366,19 @@ class QueueHandle:
         self.bound = bound
         self.producer = producer
         self.consumer = consumer
+        self._introduced: set[str] = set()  # upstream queues whose handle this process sent
 
-    async def put_entry(self, entry: Any, origin: Origin | None = None) -> float:
-        """Enqueue ``entry``: an ``ObjectRef``, or a value that ``fits_inline``."""
-        return await self.actor.put.remote([entry], origin)
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_introduced": set()}  # a new process introduces them again
+
+    async def put_entry(self, entry: Any, origin: Origin | None = None, upstream: QueueHandle | None = None) -> float:
+        """Enqueue ``entry``: an ``ObjectRef``, or a value that ``fits_inline``.
+        ``origin`` names the lease on ``upstream`` it derives from."""
+        handle = None
+        if upstream is not None and upstream.name not in self._introduced:
+            self._introduced.add(upstream.name)
+            handle = upstream.actor
+        return await self.actor.put.remote([entry], origin, handle)
 
     async def put(self, value: Any) -> float:
         return await self.put_entry(value if fits_inline(value) else ray.put(value))

@@ -306,9 +306,9 @@ class StageActor:
             else:
                 self._released.append(seq)
             return
-        origin = Origin(inp.actor, self.lease_id, seq, parts)
+        origin = Origin(inp.name, self.lease_id, seq, parts)
         for o in items:
-            await self._emit(o, outs, origin)
+            await self._emit(o, outs, origin, inp)
 
     async def _consume_concurrently(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
         """Up to ``concurrency`` items in the core at once; outputs in completion order."""
@@ -344,7 +344,8 @@ class StageActor:
         self._processed += 1
         await self._emit_all(_as_list(out), outs, inp, seq)
 
-    async def _emit(self, item: Any, outs: list[QueueHandle], origin: Origin | None = None) -> None:
+    async def _emit(self, item: Any, outs: list[QueueHandle], origin: Origin | None = None,
+                    inp: QueueHandle | None = None) -> None:
         batch_id = getattr(item, "batch_id", -1)
         with self.spans.span("transfer", batch_id=batch_id):
             # Once into the object store for every output queue, unless small enough to ride inline.
@@ -352,7 +353,7 @@ class StageActor:
         self._emitted += 1
         for out in outs:
             with self.spans.span("wait_output", batch_id=batch_id):
-                await out.put_entry(entry, origin)
+                await out.put_entry(entry, origin, inp)
 
     def close_taps(self) -> None:
         if self._recorder is not None:
