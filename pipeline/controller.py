@@ -49,13 +49,12 @@ PUBLISH_TIMES_KEPT = 64
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class ControllerActor:
-    def __init__(self, target_prompts: int, prompts_per_step: int, target_steps: int,
+    def __init__(self, target_prompts: int, prompts_per_step: int,
                  resumed: dict[str, Any] | None = None, barrier: bool = False) -> None:
         """``resumed``: ``{"version", "trained_prompts", "dropped"}`` of the checkpoint a
         resumed run starts from; its prompts count as trained or dropped, none in flight.
         ``barrier``: lock-step, the admission of step k waits for trainer version k."""
         self.ledger = Ledger(target=target_prompts, prompts_per_step=prompts_per_step)
-        self.target_steps = target_steps
         self.barrier = barrier
         self._cond = asyncio.Condition()
         self._update: WeightUpdate | None = None

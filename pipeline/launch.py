@@ -404,7 +404,6 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
             df, cfg,
             target_prompts=cfg.run.steps * cfg.train.prompts_per_step,
             prompts_per_step=cfg.train.prompts_per_step,
-            target_steps=cfg.run.steps,
             taps=taps,
             on_tick=reporter,
         )

@@ -167,7 +167,6 @@ def run_dataflow(
     micro_batches_per_step: int | None = None,
     target_prompts: int = 10**12,
     prompts_per_step: int = 1,
-    target_steps: int = 0,
     taps: dict[str, str] | None = None,  # edge -> recording dir, written by the consumer
     on_tick: Callable[[Graph], Any] | None = None,
     tick_s: float = 0.5,
@@ -185,7 +184,7 @@ def run_dataflow(
         raise ValueError(f"lock-step mode needs one source node (its steps are the barrier), not {sorted(df.sources)}")
     coro = _run(
         df, config, async_mode, micro_batches_per_step or 1,
-        target_prompts, prompts_per_step, target_steps, taps or {}, on_tick, tick_s,
+        target_prompts, prompts_per_step, taps or {}, on_tick, tick_s,
     )
     try:
         import uvloop
@@ -344,10 +343,10 @@ async def _teardown(graph: Graph) -> None:
 
 async def _run(
     df: DataFlow, config: Any, async_mode: bool, mb_per_step: int, target_prompts: int,
-    prompts_per_step: int, target_steps: int, taps: dict[str, str],
+    prompts_per_step: int, taps: dict[str, str],
     on_tick: Callable[[Graph], Any] | None, tick_s: float,
 ) -> RunResult:
-    controller = ControllerClient(ControllerActor.remote(target_prompts, prompts_per_step, target_steps,
+    controller = ControllerClient(ControllerActor.remote(target_prompts, prompts_per_step,
                                                          _resumed_counts(config), barrier=not async_mode))
     interrupts = _Interrupts(controller)
     try:

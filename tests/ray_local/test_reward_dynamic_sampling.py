@@ -38,7 +38,7 @@ def test_reward_stage_drops_constant_groups_and_penalises_overlong(ray_cluster, 
     cfg = decode_config({"reward": {"function": f"{path}:compute_score"}, "rollout": {"n": 2, "max_tokens": 2},
                          "train": {"prompts_per_step": 2}, "dataflow": {"prompts_per_micro_batch": 2},
                          "algorithm": {"drop_zero_variance_groups": True, "overlong_buffer_len": 1}})
-    controller = ControllerActor.remote(target_prompts=4, prompts_per_step=2, target_steps=2)
+    controller = ControllerActor.remote(target_prompts=4, prompts_per_step=2)
     log = SimpleNamespace(warning=lambda *a, **k: None, debug=lambda *a, **k: None)
     stage = RewardStage()
 
