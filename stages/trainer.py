@@ -242,7 +242,7 @@ class TrainerStage:
             from stages.trainer_ranks import build_data_parallel_engine
 
             self.engine = await asyncio.to_thread(build_data_parallel_engine, cfg, self.rank_gpus)
-            ctx.log.info("trainer_ranks", ranks=cfg.train.num_ranks)
+            ctx.log.info("trainer_ranks", ranks=cfg.train.num_ranks, devices=self.engine.devices)
         else:
             self.engine = await asyncio.to_thread(build_trainer_engine, cfg)
         module = self.engine.module
@@ -548,6 +548,8 @@ class TrainerStage:
             "samples_trained": self.trained_samples,
             "samples_dropped": dict(self.dropped),
             "weight_transport": self.transport,
+            # GPUs each data-parallel rank saw (CUDA_VISIBLE_DEVICES), rank 0 first.
+            "rank_devices": getattr(self.engine, "devices", None),
             "weight_publish_s": {"count": self.publishes,
                                  "mean": self.publish_s_total / self.publishes if self.publishes else 0.0},
             "checkpoint": str(self.run_dir / "checkpoint") if self.cfg.train.save_checkpoint else None,

@@ -95,13 +95,14 @@ class TrainerRankActor:
         self.cfg, self.rank, self.world, self.rendezvous = cfg, rank, world, (address, port, backend)
         self.engine: Any = None
 
-    def setup(self) -> int:
+    def setup(self) -> str:
+        """Join the world and build the engine; returns the GPUs this rank sees."""
         from stages.trainer import build_trainer_engine
 
         address, port, backend = self.rendezvous
         init_rank_process_group(self.rank, self.world, address, port, backend)
         self.engine = build_trainer_engine(self.cfg)
-        return os.getpid()
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
     def train(self, part: RolloutBatch, scale: float, pad: int) -> dict[str, float]:
         metrics = self.engine.train_micro_batch(part, scale)
@@ -149,18 +150,19 @@ def build_data_parallel_engine(cfg: Any, rank_gpus: list[tuple[int, float]]) -> 
     ready = [a.setup.remote() for a in actors]  # they wait in the rendezvous for rank 0
     init_rank_process_group(0, world, address, port, backend)
     local = build_trainer_engine(cfg)
-    ray.get(ready)
-    return DataParallelEngine(local, actors)
+    devices = [os.environ.get("CUDA_VISIBLE_DEVICES", ""), *ray.get(ready)]
+    return DataParallelEngine(local, actors, devices)
 
 
 class DataParallelEngine:
     """The trainer stage's engine over N ranks (see the module guarantees): the
     ``TrainerEngine`` calls the stage makes, each run on every rank."""
 
-    def __init__(self, local: Any, actors: list[Any]) -> None:
+    def __init__(self, local: Any, actors: list[Any], devices: list[str]) -> None:
         self.local = local
         self.actors = actors
         self.ranks = 1 + len(actors)
+        self.devices = devices  # CUDA_VISIBLE_DEVICES of each rank ("" without GPUs)
 
     # Rank 0's state and weights stand for the stage's engine.
     def __getattr__(self, name: str) -> Any:

@@ -144,3 +144,48 @@ def test_quickstart_learns_and_reconciles_with_two_trainer_ranks(ray_cluster, tm
     assert (tmp_path / "logs" / "trainer-rank1.log").exists()
     final = sorted((tmp_path / "checkpoints").glob("step-*"))[-1]
     assert {p.name.split("_mp_")[0] for p in final.rglob("zero_pp_rank_*")} == {"zero_pp_rank_0", "zero_pp_rank_1"}
+
+
+def test_ranks_and_replicas_take_their_planned_gpus_on_a_cluster_that_has_two(tmp_path):
+    """A Ray node started with ``--num-gpus=2`` (this machine has none, so every engine
+    still computes on CPU, but Ray places and assigns GPUs as on a GPU machine) runs the
+    quickstart with 2 trainer ranks and 2 rollout replicas: the plan's placement group
+    puts one rank on each GPU (Ray gives each its own ``CUDA_VISIBLE_DEVICES``), and
+    both replicas serve every version."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.e2e.test_multinode import ROOT, _free_port, _start_node, _stop_nodes
+
+    port, head_tmp = _free_port(), tempfile.mkdtemp(prefix="cvg")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    steps = 8
+    try:
+        _start_node(head_tmp, "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
+                    "--num-gpus=2", "--include-dashboard=false", env=env)
+        run_dir = tmp_path / "run"
+        args = ["--config", "configs/quickstart.yaml", "train.num_ranks=2", "rollout.num_workers=2"]
+        status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", *args], cwd=ROOT, text=True,
+                                env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "COLUMNS": "200"},
+                                capture_output=True, timeout=600)
+        assert status.returncode == 0, status.stderr[-3000:]
+        assert "trainer rank 0 (0.33)" in status.stdout and "trainer rank 1 (0.5)" in status.stdout, status.stdout
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "launch", *args, f"run.dir={run_dir}", f"run.steps={steps}",
+             "run.progress=false", "run.tensorboard=false"],
+            cwd=ROOT, env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["samples"]["reconciles"] and summary["accounting"]["reconciles"]
+        assert sorted(summary["trainer"]["rank_devices"]) == ["0", "1"], summary["trainer"]
+        assert set(summary["served"]) == {"rollout:0", "rollout:1"}
+        for worker, state in summary["served"].items():
+            assert state["version"] == summary["policy_version"] == steps and state["verified"], (worker, state)
+    finally:
+        _stop_nodes([head_tmp, f":{port}"])
+        shutil.rmtree(head_tmp, ignore_errors=True)
