@@ -58,6 +58,8 @@ def test_two_trainer_ranks_train_gpu_small_on_two_gpus(two_gpus, tmp_path):
     summary, rows, _ = _launch_small(tmp_path, "two_ranks", "train.num_ranks=2")
     _assert_complete(summary, rows, workers=1)
     assert all(r["actor/grad_norm"] > 0 for r in rows)
+    assert len(set(summary["trainer"]["rank_devices"])) == 2, summary["trainer"]  # a GPU each
+    assert summary["trainer"]["weight_transport"] == "shm"  # two GPUs: not one shared by all
     run_dir = tmp_path / "two_ranks"
     assert "trainer_ranks" in (run_dir / "logs" / "trainer.log").read_text()
     assert (run_dir / "logs" / "trainer-rank1.log").exists()
