@@ -7,6 +7,7 @@ short lock-step run (η = 0) checks that training is then exactly on-policy.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -136,15 +137,55 @@ def test_lockstep_is_exactly_on_policy(lockstep_run):
     assert summary["samples"]["reconciles"]
 
 
-def test_weights_every_second_step_drop_nothing(ray_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def short_debug_run(ray_cluster, tmp_path_factory):
+    """Six steps, weights every second step, with ``run.debug=true``."""
+    run_dir = tmp_path_factory.mktemp("debug")
+    summary, rows = _launch(run_dir, "run.steps=6", "train.sync_interval=2", "dataflow.max_staleness=1",
+                            "run.debug=true")
+    return run_dir, summary, rows
+
+
+def test_weights_every_second_step_drop_nothing(short_debug_run):
     """sync_interval 2 with eta 1 is valid: each step generates on a version that the
     trainer can still use, so nothing is made only to be dropped as stale."""
-    summary, rows = _launch(tmp_path, "run.steps=6", "train.sync_interval=2", "dataflow.max_staleness=1")
+    _, summary, rows = short_debug_run
     assert summary["samples"]["dropped"] == {}
     assert summary["samples"]["trained"] == 6 * 8 * 8
     assert max(r["staleness/max"] for r in rows) <= 1
     (served,) = summary["served"].values()
     assert served["version"] == 6 and served["verified"]
+
+
+def test_debug_run_prints_the_first_micro_batch_on_every_edge(short_debug_run):
+    """``run.debug=true``: each consumer prints, once, the first micro-batch of its input
+    edge with its wire type and every field's shape and dtype (in its own log, and on the
+    console), after checking it against what the consumer declares it takes; the run
+    then goes on as usual (a mismatch would have stopped it: tests/ray_local)."""
+    run_dir, summary, _ = short_debug_run
+    assert summary["samples"]["reconciles"]
+    samples = 4 * 8  # prompts per micro-batch x group size
+    expected = {
+        "rollout": ("source->rollout", "PromptBatch", {"prompts": r"list\[Prompt\] x4"}),
+        "reward": ("rollout->reward", "RolloutBatch", {
+            "completion_ids": rf"array \[{samples}, [12]\] int\d+",
+            "behaviour_logprobs": rf"array \[{samples}, [12]\] float32",
+            "token_versions": rf"array \[{samples}, [12]\] int\d+",
+            "rewards": "None"}),
+        "reference": ("reward->reference", "RolloutBatch", {"rewards": rf"array \[{samples}\] float\d+",
+                                                            "ref_logprobs": "None"}),
+        "trainer": ("reference->trainer", "RolloutBatch", {
+            "rewards": rf"array \[{samples}\] float\d+",
+            "ref_logprobs": rf"array \[{samples}, [12]\] float32"}),
+    }
+    for stage, (edge, wire_type, fields) in expected.items():
+        log = (run_dir / "logs" / f"{stage}.log").read_text()
+        heads = re.findall(r"\[debug\] first micro-batch on edge '([^']+)': (\w+)", log)
+        assert heads == [(edge, wire_type)], (stage, heads)  # once, for its one input edge
+        block = log.split("[debug] first micro-batch", 1)[1]
+        for name, pattern in fields.items():
+            assert re.search(rf"^  {name} +{pattern}$", block, re.MULTILINE), (stage, name, block[:2000])
+    assert "[debug]" not in (run_dir / "logs" / "source.log").read_text()  # no input edge
 
 
 def reward_rise(rows: list[dict]) -> tuple[float, float]:
