@@ -17,7 +17,7 @@ and validates the data file whole (a ``ConfigError``, exit 2, on the first bad o
 ``summary.json`` then carries ``data/rows_total``, ``data/rows_skipped/<reason>`` and
 the reward's ``reward/errors`` with its first error.
 
-Failed actors (streaming mode): a rollout, reward or reference actor whose process dies
+Failed actors (streaming and lock-step): a rollout, reward or reference actor whose process dies
 is restarted up to ``run.max_restarts`` times and its micro-batches delivered again
 (``pipeline/runner.py``); ``summary.json``'s ``faults`` counts restarts, redeliveries
 and duplicates dropped. Any other death (the trainer, the source) stops the run with
@@ -97,7 +97,7 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
             extra: dict[str, Any] = {}
             if name == "rollout":
                 extra = {"replicas": cfg.rollout.num_workers, "concurrency": cfg.rollout.max_inflight}
-            if name in RESTARTABLE_STAGES and cfg.dataflow.async_execution and not (
+            if name in RESTARTABLE_STAGES and not (
                     # Regrouping, the reward holds groups across micro-batches: a restart would lose them.
                     name == "reward" and getattr(cfg.algorithm, "drop_zero_variance_groups", False)) and not (
                     # Running normalisation: the statistics live in the actor.

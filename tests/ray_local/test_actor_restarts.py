@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import collections
 
+import pytest
+
 from pipeline.dataflow import DataFlow
 from tests.ray_local.fakes import FakeDyingStage, FakeGroupSource, FakeSampleSink
 
 BATCHES, GROUPS, GROUP_SIZE = 24, 2, 2
 
 
-def test_killed_stages_restart_and_nothing_is_lost_or_repeated(ray_cluster, tmp_path):
+@pytest.mark.parametrize("async_execution", [True, False], ids=["streaming", "lock-step"])
+def test_killed_stages_restart_and_nothing_is_lost_or_repeated(ray_cluster, tmp_path, async_execution):
     df = DataFlow()
     df.add_node("source", FakeGroupSource, None, count=BATCHES, groups=GROUPS, group_size=GROUP_SIZE)
     # "slow" dies first, holding leases of "fast"'s outputs (requeued, copied to outlive
@@ -23,7 +26,8 @@ def test_killed_stages_restart_and_nothing_is_lost_or_repeated(ray_cluster, tmp_
     df.add_node("slow", FakeDyingStage, "fast", max_restarts=2, queue_size=3, die_at=5,
                 marker=str(tmp_path / "slow"), delay_s=0.15)
     df.add_node("sink", FakeSampleSink, "slow")
-    result = df.run(async_execution=True)
+    # Lock-step: the step barrier waits for the micro-batches delivered again.
+    result = df.run(async_execution=async_execution, micro_batches_per_step=4)
 
     assert result.restarts == {"fast:0": 1, "slow:0": 1}
     arrived = collections.Counter(s for _, ids, _ in result.result("sink") for s in ids)
