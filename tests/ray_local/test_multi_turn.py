@@ -17,7 +17,7 @@ from stages.rollout.base import GenerationResult, SamplingSettings
 from stages.rollout.multi_turn import generate_with_tools
 from stages.rollout.stage import build_rollout_batch
 from stages.tiny import build_char_tokenizer
-from stages.tools import BUILTIN_TOOLS
+from stages.tools import PythonSandbox, calculator
 from tests.ray_local.fakes import FakeScriptedBackend
 
 TOK = build_char_tokenizer("llama")
@@ -27,9 +27,11 @@ PROMPT = "3+4 [calc: "
 def _run(script, n=2, max_tokens=20, max_turns=2, bump=1, tools=None, prompt=PROMPT, max_result_tokens=12):
     backend = FakeScriptedBackend(TOK, script, bump=bump)
     ids = TOK(prompt, add_special_tokens=True)["input_ids"]
-    cfg = ToolsConfig(max_turns=max_turns, timeout_s=5.0, max_result_tokens=max_result_tokens)
+    # Generous time limits: a child interpreter's start-up on a loaded machine is no timeout.
+    cfg = ToolsConfig(max_turns=max_turns, timeout_s=60.0, max_result_tokens=max_result_tokens)
     sampling = SamplingSettings(n=n, temperature=1.0, max_tokens=max_tokens)
-    results = asyncio.run(generate_with_tools(backend, TOK, [ids], [prompt], sampling, tools or BUILTIN_TOOLS, cfg))
+    tools = tools or {"calc": calculator, "python": PythonSandbox(timeout_s=60.0)}
+    results = asyncio.run(generate_with_tools(backend, TOK, [ids], [prompt], sampling, tools, cfg))
     return backend, ids, results[0].completions
 
 
