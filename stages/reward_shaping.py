@@ -73,7 +73,8 @@ def empty_like(batch: RolloutBatch) -> RolloutBatch:
               "token_versions", "rewards", "ref_logprobs", "advantages", "loss_mask", "values", "returns")
     return msgspec.structs.replace(
         batch, batch_id=-1 - batch.batch_id, prompts=[], sample_ids=[], completions=[], finish_reasons=[], reward_errors=[],
-        reward_extras={k: [] for k in batch.reward_extras}, dropped_prompts={},
+        reward_extras={k: [] for k in batch.reward_extras}, rollout_extras={k: [] for k in batch.rollout_extras},
+        dropped_prompts={},
         **{name: blank(getattr(batch, name)) for name in arrays})
 
 

@@ -115,3 +115,24 @@ def test_several_calls_in_one_trajectory():
     _, _, (comp,) = _run(lambda c, j: script.get(c[-3:].lstrip(" >"), "3+4]"), n=1, max_turns=3, max_tokens=60)
     assert comp.text == "3+4] -> 7\n[calc: 2*5] -> 10\n10"
     assert comp.extras["tool/calc/calls"] == 2.0 and comp.extras["tool/turns"] == 3.0
+
+
+def test_rollout_extras_follow_splits_merges_and_drops():
+    from pipeline.memory.splitting import check_rollout_batch, merge_rollout_batches, split_rollout_batch_at
+    from stages.reward_shaping import empty_like
+
+    backend = FakeScriptedBackend(TOK, _answer)
+    prompts = [Prompt(prompt_id=f"p{i}", text=PROMPT, token_ids=TOK(PROMPT)["input_ids"]) for i in range(2)]
+    results = asyncio.run(generate_with_tools(
+        backend, TOK, [p.token_ids for p in prompts], [PROMPT] * 2, SamplingSettings(n=2, max_tokens=20),
+        {"calc": calculator}, ToolsConfig(timeout_s=60.0)))
+    batch = build_rollout_batch(PromptBatch(batch_id=3, step=0, prompts=prompts), results, 2, TOK.pad_token_id)
+    first, second = split_rollout_batch_at(batch, [1, 1])
+    assert first.rollout_extras["tool/used"] == second.rollout_extras["tool/used"] == [1.0, 0.0]
+    assert first.loss_mask.shape == (2, 11)
+    merged = merge_rollout_batches([first, second])
+    assert merged.rollout_extras["tool/calls"] == batch.rollout_extras["tool/calls"] == [1.0, 0.0, 1.0, 0.0]
+    assert (merged.loss_mask == batch.loss_mask).all()
+    empty = empty_like(batch)
+    check_rollout_batch(empty)
+    assert empty.rollout_extras == {k: [] for k in batch.rollout_extras}
