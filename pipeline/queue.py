@@ -24,8 +24,9 @@ to the front of the queue, for the restarted actor (the depth may then exceed th
 bound by those items). Each output carries its ``Origin`` (the producer's lease on
 its input); a lease is released when its consumer emitted nothing for it (the
 terminal stage, once it has taken the item in) or when every output derived from it
-was released downstream (``release_parts``). So an item stays held here until what
-became of it reached the end of the graph. That is the price of Ray 2.60 having no
+was released downstream (``release_parts``; a queue forwards the releases of one
+``forward_interval_s`` upstream in one call, at once in lock-step). So an item stays
+held here until what became of it reached the end of the graph. That is the price of Ray 2.60 having no
 ``ray.put(_owner=...)``: the objects a stage emits are owned by its process and die
 with it, and an output that died unread (skipped by its consumer as lost) is made
 again from its input, which is then still leased upstream and requeued by the death
@@ -49,7 +50,8 @@ import ray
 # Ray carries call arguments up to 100 KiB inside the call; a value estimated below this
 # stays well under it (the estimate leaves out per-object overhead).
 INLINE_MAX_BYTES = 64 << 10
-# At most one call per upstream queue in this interval carries the releases forwarded there.
+# Streaming: at most one call per upstream queue in this interval carries the releases
+# forwarded there. Lock-step forwards each at once (0): its step barrier waits for them.
 FORWARD_INTERVAL_S = 0.02
 
 
@@ -140,9 +142,10 @@ class _Lease:
 class QueueActor:
     """The state of one edge: a deque of wrapped references guarded by a condition."""
 
-    def __init__(self, name: str, bound: int, producers: int = 1) -> None:
+    def __init__(self, name: str, bound: int, producers: int = 1, forward_interval_s: float = FORWARD_INTERVAL_S) -> None:
         self.name = name
         self.bound = bound
+        self.forward_interval_s = forward_interval_s
         # Each entry: (wrapped reference, its Origin or None).
         self._items: collections.deque[tuple[list[Any], Origin | None]] = collections.deque()
         self._cond = asyncio.Condition()
@@ -283,14 +286,14 @@ class QueueActor:
 
     def _forward(self, origin: Origin) -> None:
         """Tell the upstream queue that one output of its lease was released: at once
-        when nothing went there for ``FORWARD_INTERVAL_S`` (an idle edge, lock-step's
-        step barrier), else with the others of that interval in one call (a call per
+        when nothing went there for ``forward_interval_s`` (an idle edge; always in
+        lock-step), else with the others of that interval in one call (a call per
         micro-batch and edge was the largest cost of a queue actor)."""
         name = origin.queue
         self._outbox[name].append((origin.consumer, origin.seq, origin.parts))
         if name in self._flush_due:
             return
-        wait = self._last_flush.get(name, float("-inf")) + FORWARD_INTERVAL_S - time.monotonic()
+        wait = self._last_flush.get(name, float("-inf")) + self.forward_interval_s - time.monotonic()
         if wait <= 0:
             self._flush(name)
         else:
@@ -415,8 +418,9 @@ class QueueHandle:
         return await self.actor.stats.remote()
 
 
-def create_queue(producer: str, consumer: str, bound: int, producers: int = 1) -> QueueHandle:
+def create_queue(producer: str, consumer: str, bound: int, producers: int = 1,
+                 forward_interval_s: float = FORWARD_INTERVAL_S) -> QueueHandle:
     """Start the actor of edge ``producer->consumer``."""
     name = f"{producer}->{consumer}"
-    actor = QueueActor.options(name=None).remote(name, bound, producers)
+    actor = QueueActor.options(name=None).remote(name, bound, producers, forward_interval_s)
     return QueueHandle(name, actor, bound, producer, consumer)

@@ -59,7 +59,7 @@ from pipeline.dataflow import DataFlow
 from pipeline.delivery import DEDUP_WINDOW, dedup_window
 from pipeline.log import get_logger
 from pipeline.profiler import SpanTotals, StageTimes
-from pipeline.queue import QueueHandle, create_queue
+from pipeline.queue import FORWARD_INTERVAL_S, QueueHandle, create_queue
 from pipeline.stage import StageActor, StageError, lease_id
 from pipeline.types import Span
 
@@ -194,10 +194,12 @@ def run_dataflow(
         return asyncio.run(coro)
 
 
-async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: dict[str, str]) -> Graph:
+async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: dict[str, str],
+                 async_mode: bool) -> Graph:
     queues: dict[str, QueueHandle] = {}
     for producer, consumer in df.edges:
-        q = create_queue(producer, consumer, df.queue_bound(producer, consumer), df.nodes[producer].replicas)
+        q = create_queue(producer, consumer, df.queue_bound(producer, consumer), df.nodes[producer].replicas,
+                         forward_interval_s=FORWARD_INTERVAL_S if async_mode else 0.0)
         queues[q.name] = q
     level = config.run.log_level if config is not None else os.environ.get("CONVEYOR_LOG_LEVEL", "info")
     pg = await _create_placement_group(df)
@@ -351,7 +353,7 @@ async def _run(
     interrupts = _Interrupts(controller)
     try:
         try:
-            graph = await _start(df, config, controller, taps)  # tears down what it made if it fails
+            graph = await _start(df, config, controller, taps, async_mode)  # tears down what it made if it fails
         except BaseException as exc:
             ray.kill(controller.actor, no_restart=True)
             if interrupts.forced:
