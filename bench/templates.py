@@ -141,7 +141,7 @@ def plot(payload: dict[str, Any], out_dir: Path) -> None:
     ax.plot(s["dpo"]["actor/reward_margin"], label="reward margin")
     ax.set_title("dpo")
     ax = axes[0][1]
-    for key in ("reward/mean", "tool/used", "reward/answer_correct"):
+    for key in ("reward/mean", "tool/used", "reward/answer_from_tool", "reward/answer_correct"):
         ax.plot(s["tool_rl"][key], label=key)
     ax.set_title("tool_rl")
     ax = axes[0][2]
