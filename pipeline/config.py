@@ -767,10 +767,6 @@ def check_config(cfg: ConveyorConfig) -> None:
             f"({tr.sync_interval - 1}), or some steps' samples could never be trained, "
             f"got {df.max_staleness}"
         )
-    if tr.num_ranks > 1 and tr.zero_stage > 2:
-        raise ConfigError(f"train.zero_stage: expected 0, 1 or 2 with train.num_ranks {tr.num_ranks} "
-                          f"(stage 3 partitions parameters, which weight export does not gather yet), "
-                          f"got {tr.zero_stage}")
     if tr.num_ranks > 1 and any(e.endswith("->trainer") for e in cfg.record.edges):
         raise ConfigError(f"record.edges: replay retrains a recorded step on one rank; record with "
                           f"train.num_ranks 1, got {tr.num_ranks}")

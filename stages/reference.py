@@ -42,7 +42,9 @@ def build_model_shape(model: Any, dtype: str) -> ModelShape:
     """What memory estimates need of a loaded Hugging Face model that computes in
     ``dtype`` (the activations' dtype, which can differ from the checkpoint's)."""
     return ModelShape.from_hf_config(
-        {**model.config.to_dict(), "torch_dtype": dtype}, num_params=sum(p.numel() for p in model.parameters())
+        {**model.config.to_dict(), "torch_dtype": dtype},
+        # ds_numel: a ZeRO 3 partitioned parameter's whole size (its numel is its partition's).
+        num_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
     )
 
 

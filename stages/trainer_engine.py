@@ -23,7 +23,8 @@ Guarantees:
   caller re-accumulates the step's pieces). A call that raises before any backward
   leaves the gradients as they were.
 - Weights leave the engine under their Hugging Face names (as in the checkpoint), in the
-  rollout dtype, tied parameters once: as safetensors bytes on CPU (``export_weights``;
+  rollout dtype, tied parameters once, whole (under ZeRO 3 gathered from the ranks'
+  partitions for the export): as safetensors bytes on CPU (``export_weights``;
   ``weights_sha256`` is the sha256 of exactly those bytes) or, on a GPU, as a
   ``cuda_ipc`` descriptor of buckets that stay on the GPU (``export_weights_ipc``).
 - On a GPU the engine trains with DeepSpeed mixed precision in the model dtype
@@ -37,6 +38,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -100,11 +102,6 @@ def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dic
     0 becomes 1 too: ZeRO's optimizer reports the norm of the ranks' averaged gradients
     (torch AdamW's would be read before DeepSpeed averages them, inside ``step()``).
     """
-    if train.zero_stage > 2:
-        raise ValueError(
-            f"train.zero_stage: expected 0, 1 or 2 (stage 3 partitions parameters, which "
-            f"weight export does not gather yet), got {train.zero_stage}"
-        )
     bf16 = has_gpu and dtype == "bfloat16"
     fp32_accum = bf16 and train.grad_accum_dtype == "fp32"
     several_ranks = train.num_ranks > 1
@@ -392,9 +389,11 @@ class TrainerEngine:
             raise RuntimeError("optimizer_step: no micro-batch was trained since the last step")
         # torch AdamW under ZeRO 0 does not record the norm; ZeRO and the bf16/fp16
         # optimizers compute it themselves during step().
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-        zero_scaled = grad_scale != 1.0 and isinstance(self.engine.optimizer, DeepSpeedZeroOptimizer)
+        zero_scaled = grad_scale != 1.0 and isinstance(self.engine.optimizer,
+                                                         DeepSpeedZeroOptimizer | DeepSpeedZeroOptimizer_Stage3)
         if grad_scale != 1.0 and not zero_scaled:
             self._scale_gradients(grad_scale)
         own_norm = None if optimizer_reports_grad_norm(self.engine.optimizer) else compute_grad_norm(self.module)
@@ -455,10 +454,26 @@ class TrainerEngine:
 
     # ------------------------------------------------------------------ weights out
 
+    @property
+    def partitioned(self) -> bool:
+        """ZeRO 3: each rank holds a partition of every parameter."""
+        return bool(self.engine.zero_optimization_partition_weights())
+
+    def gathered_parameters(self) -> Any:
+        """A context in which every parameter is whole on this rank: under ZeRO 3 a gather
+        of the partitions (a collective: every rank enters it, with the same parameters in
+        the same order; ``DataParallelEngine`` has the other ranks join), else nothing."""
+        if not self.partitioned:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """HF name -> CPU copy in the rollout dtype; tied parameters once."""
-        live = drop_tied_duplicates(self.module.state_dict())
-        return {name: t.detach().to("cpu", self.sync_dtype, copy=True) for name, t in live.items()}
+        with self.gathered_parameters():
+            live = drop_tied_duplicates(self.module.state_dict())
+            return {name: t.detach().to("cpu", self.sync_dtype, copy=True) for name, t in live.items()}
 
     @property
     def weights_on_gpu(self) -> bool:
@@ -474,7 +489,8 @@ class TrainerEngine:
         descriptor's sha guards the descriptor, the fingerprint guards the weights."""
         if self._ipc is None:
             self._ipc = CudaIpcExporter(self.sync_dtype)
-        data, fingerprint = self._ipc.export(self.module.state_dict(), self.version)
+        with self.gathered_parameters():
+            data, fingerprint = self._ipc.export(self.module.state_dict(), self.version)
         return data, compute_sha256(data), fingerprint
 
     def weights_sha256(self) -> str:

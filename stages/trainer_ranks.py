@@ -23,7 +23,10 @@ Guarantees:
   the norm of the averaged gradients, which clipping and the step metrics use.
 - Optimizer steps, gradient discards and state saves and loads run on every rank at
   once (they are collectives); rank 0 alone exports and publishes weights and writes
-  the Hugging Face checkpoint: under ZeRO 0-2 every rank holds the whole model.
+  the Hugging Face checkpoint. Under ZeRO 0-2 every rank holds the whole model; under
+  ZeRO 3 the other ranks join rank 0's gather of the partitions for each export
+  (``TrainerEngine.gathered_parameters``), and forward passes gather layer by layer,
+  which the equal pass counts keep in step.
 - Checkpoints use DeepSpeed's layout: rank 0 writes the model states, each rank its own
   optimizer partition (``zero_pp_rank_<r>_*``), all into the same directory (one host,
   or a file system every rank's host shares). A resume needs the same ``num_ranks``.
@@ -115,6 +118,11 @@ class TrainerRankActor:
     def discard_gradients(self) -> None:
         self.engine.discard_gradients()
 
+    def join_gather(self) -> None:
+        """Take part in rank 0's gather of the whole weights (ZeRO 3)."""
+        with self.engine.gathered_parameters():
+            pass
+
     def save_state(self, path: str) -> None:
         self.engine.save_state(Path(path))
 
@@ -167,10 +175,32 @@ class DataParallelEngine:
     # Rank 0's state and weights stand for the stage's engine.
     def __getattr__(self, name: str) -> Any:
         if name in ("version", "module", "chunk_size", "algo", "extra_state", "gradients_tainted",
-                    "weights_on_gpu", "sync_dtype", "get_rng_state", "set_rng_state", "export_weights",
-                    "export_weights_ipc", "weights_sha256", "state_dict_for_sync", "save_pretrained"):
+                    "weights_on_gpu", "sync_dtype", "get_rng_state", "set_rng_state"):
             return getattr(self.local, name)
         raise AttributeError(name)
+
+    def _whole(self, method: str, *args: Any) -> Any:
+        """Rank 0's ``method``, which reads the whole weights; under ZeRO 3 the other ranks
+        join its gather of them."""
+        refs = [a.join_gather.remote() for a in self.actors] if self.local.partitioned else []
+        out = getattr(self.local, method)(*args)
+        ray.get(refs)
+        return out
+
+    def export_weights(self) -> tuple[bytes, str, tuple[float, float]]:
+        return self._whole("export_weights")
+
+    def export_weights_ipc(self) -> tuple[bytes, str, tuple[float, float]]:
+        return self._whole("export_weights_ipc")
+
+    def weights_sha256(self) -> str:
+        return self._whole("weights_sha256")
+
+    def state_dict_for_sync(self) -> dict[str, Any]:
+        return self._whole("state_dict_for_sync")
+
+    def save_pretrained(self, out_dir: Path) -> Path:
+        return self._whole("save_pretrained", out_dir)
 
     def train_micro_batch(self, batch: RolloutBatch, scale: float) -> dict[str, float]:
         """Train ``batch`` split over the ranks; its metrics as one ``train_micro_batch``'s."""

@@ -75,11 +75,12 @@ def single(ray_cluster, tmp_path_factory):
     return EngineHost.remote(_config(tmp_path_factory.mktemp("one"), 1, 0))
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_two_ranks_update_the_weights_as_one_rank(ray_cluster, single, tmp_path, zero_stage):
     """A step of three micro-batches of 3, 1 and 4 groups (the 1-group one leaves rank 1
     a zero-weight filler; 3 groups split 2 + 1; token counts differ per group) under
-    token-mean gives the same weights, loss and grad norm on two ranks as on one."""
+    token-mean gives the same weights, loss and grad norm on two ranks as on one, under
+    ZeRO 0 (1 across ranks), 2 and 3 (weights gathered from the partitions to compare)."""
     pair = EngineHost.remote(_config(tmp_path, 2, zero_stage))
     batch = ray.get(single.on_policy.remote(make_batch(seed=11)))
     parts = [msgspec.structs.replace(p, batch_id=i) for i, p in enumerate(split_rollout_batch_at(batch, [3, 1, 4]))]
@@ -96,8 +97,12 @@ def test_two_ranks_update_the_weights_as_one_rank(ray_cluster, single, tmp_path,
     assert ray.get(single.save.remote(str(tmp_path / "one-again"))) == sha_one
     assert one["version"] == two["version"] == 1
     # Same float32 math summed in a different order: equal to rounding (updates are ~1e-3).
-    assert _max_diff(one["weights"], two["weights"]) <= 2e-6
-    assert two["step"]["grad_norm"] == pytest.approx(one["step"]["grad_norm"], rel=1e-4)
+    # The gradients agree to float rounding (grad norms to ~3e-8 relative). Adam's first
+    # step moves a weight by about lr (1e-3) times the sign of its gradient, by less where
+    # the gradient is near Adam's eps (1e-8), and there rounding in the order of the sums
+    # shows: seen at most 2e-6 under ZeRO 0 and 2, 5.7e-6 on 2 of 65,536 weights under ZeRO 3.
+    assert _max_diff(one["weights"], two["weights"]) <= 1e-5
+    assert two["step"]["grad_norm"] == pytest.approx(one["step"]["grad_norm"], rel=1e-6)
     for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
         assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-7)
         assert m2["num_samples"] == m1["num_samples"] and m2["num_tokens"] == m1["num_tokens"]
@@ -105,10 +110,11 @@ def test_two_ranks_update_the_weights_as_one_rank(ray_cluster, single, tmp_path,
     ray.kill(pair)
 
 
-def test_two_ranks_save_and_load_their_state(ray_cluster, single, tmp_path):
-    """A two-rank state (rank 0's model, each rank's optimizer partition) restores the
-    weights and the next step exactly."""
-    pair = EngineHost.remote(_config(tmp_path, 2, 1))
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_two_ranks_save_and_load_their_state(ray_cluster, single, tmp_path, zero_stage):
+    """A two-rank state (rank 0's model, each rank's optimizer partition; under ZeRO 3
+    each rank's parameter partition too) restores the weights and the next step exactly."""
+    pair = EngineHost.remote(_config(tmp_path, 2, zero_stage))
     batch = ray.get(single.on_policy.remote(make_batch(seed=12)))
     work = [(batch, 1.0)]
     ray.get(pair.step.remote(work, 1.0))

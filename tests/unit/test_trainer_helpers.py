@@ -72,8 +72,9 @@ def test_deepspeed_config_leaves_the_step_boundary_to_the_caller():
     assert cfg["optimizer"]["params"] == {"lr": 2e-5, "weight_decay": 0.1, "torch_adam": True}
     assert not cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]  # no GPU: float32 math
     assert build_deepspeed_config(TrainConfig(), "bfloat16", has_gpu=True)["bf16"]["enabled"]
-    with pytest.raises(ValueError, match="zero_stage"):
-        build_deepspeed_config(TrainConfig(zero_stage=3), "float32", has_gpu=False)
+    assert build_deepspeed_config(TrainConfig(zero_stage=3), "float32", False)["zero_optimization"] == {"stage": 3}
+    # Several ranks: ZeRO 0 becomes 1, whose optimizer reports the averaged gradients' norm.
+    assert build_deepspeed_config(TrainConfig(num_ranks=2), "float32", False)["zero_optimization"] == {"stage": 1}
 
 
 def test_bf16_runs_accumulate_gradients_in_fp32_by_default():

@@ -68,7 +68,6 @@ def test_rank_weights_of_a_split_sum_to_the_whole_loss() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["train.num_ranks=2", "train.zero_stage=3"], "train.zero_stage: expected 0, 1 or 2 with train.num_ranks 2"),
     (["train.num_ranks=2", "record.edges=[reference->trainer]"], "record.edges: replay retrains a recorded step"),
     (["train.num_ranks=0"], "train.num_ranks"),
 ])
