@@ -37,6 +37,7 @@ CONFIGS: dict[str, tuple[int, tuple[str, ...]]] = {
     "replicas_ranks_2gpu": (2, ("rollout.num_workers=2", "train.num_ranks=2")),
 }
 TARGET_TWO_OVER_ONE = 1.8
+STEADY_STEPS = 7
 
 
 def list_gpus() -> list[tuple[str, str]]:
@@ -78,9 +79,8 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     gpus = list_gpus()
     if not gpus:
         return publish_result(out_dir, "gpu_scale", {"status": "skipped", "error": "no CUDA GPU", "ratios": {}}, plot)
-    from pipeline.config import load_config
-
-    steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
+    # 7 steady steps after the warm-up: three runs (each starting its engines) fit in 8 minutes.
+    steps = WARMUP_STEPS + (2 if quick else STEADY_STEPS)
     root = Path(tempfile.mkdtemp(prefix="conveyor-bench-gpu-scale-"))
     rows: dict[str, dict[str, Any]] = {}
     try:
