@@ -50,6 +50,7 @@ import numpy as np
 
 from pipeline.types import Prompt, RolloutBatch
 from stages.tasks import import_attr
+from stages.trainer_metrics import mean_per_sample_field
 
 Signature = Literal["auto", "score", "batched"]
 
@@ -368,15 +369,8 @@ def summarise_reward_extras(batches: Sequence[Any]) -> dict[str, float]:
     """Step metrics from the batches' reward side: ``reward/errors`` (failed samples)
     and ``reward/<key>``, the mean of each extra over the samples that returned it."""
     out = {"reward/errors": float(sum(len(b.reward_errors) for b in batches))}
-    values: dict[str, list[float]] = {}
-    for batch in batches:
-        for key, per_sample in batch.reward_extras.items():
-            values.setdefault(key, []).extend(per_sample)
-    for key, vals in sorted(values.items()):
-        arr = np.asarray(vals, dtype=np.float64)
-        arr = arr[np.isfinite(arr)]  # NaN: the sample gave no value for this key
-        if arr.size:
-            out[f"reward/extra/{key}" if key in _RESERVED_METRICS else f"reward/{key}"] = float(arr.mean())
+    for key, mean in mean_per_sample_field(batches, "reward_extras").items():
+        out[f"reward/extra/{key}" if key in _RESERVED_METRICS else f"reward/{key}"] = mean
     return out
 
 

@@ -6,6 +6,8 @@ rewards contributes nothing to the reward figures.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from pipeline.types import RolloutBatch
@@ -37,12 +39,13 @@ def summarise_batch_rewards(batches: list[RolloutBatch]) -> dict[str, float]:
             "reward/max": float(rewards.max()), "reward/min": float(rewards.min())}
 
 
-def summarise_rollout_extras(batches: list[RolloutBatch]) -> dict[str, float]:
-    """Each ``rollout_extras`` key's mean over the step's samples that have a value (not
-    NaN), under the key itself (``tool/used``, ``turn/2/tokens``...)."""
+def mean_per_sample_field(batches: Sequence[RolloutBatch], field: str) -> dict[str, float]:
+    """Each key of the batches' per-sample dict ``field`` (``reward_extras``,
+    ``rollout_extras``): its mean over the samples with a finite value (NaN: the sample
+    gave none); keys without one are left out."""
     values: dict[str, list[float]] = {}
     for batch in batches:
-        for key, per_sample in batch.rollout_extras.items():
+        for key, per_sample in getattr(batch, field).items():
             values.setdefault(key, []).extend(per_sample)
     out = {}
     for key, vals in sorted(values.items()):
@@ -51,3 +54,9 @@ def summarise_rollout_extras(batches: list[RolloutBatch]) -> dict[str, float]:
         if arr.size:
             out[key] = float(arr.mean())
     return out
+
+
+def summarise_rollout_extras(batches: list[RolloutBatch]) -> dict[str, float]:
+    """The rollout's per-sample numbers as step metrics under their own keys
+    (``tool/used``, ``turn/2/tokens``...)."""
+    return mean_per_sample_field(batches, "rollout_extras")
