@@ -671,7 +671,7 @@ def decode_config(raw: dict[str, Any]) -> ConveyorConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
     raw = _expand_placement(raw)
-    raw = _tag_algorithm(raw)
+    raw = _read_switch_words(_tag_algorithm(raw))
     try:
         # strict=False: YAML 1.1 reads ``3e-4`` as a string; numbers in strings convert.
         cfg = msgspec.convert(raw, ConveyorConfig, strict=False)
@@ -692,10 +692,23 @@ def _tag_algorithm(raw: dict[str, Any]) -> dict[str, Any]:
     name = algo.get("name", "grpo")
     if name not in ALGORITHM_NAMES:
         raise ConfigError(f"algorithm.name: expected one of {list(ALGORITHM_NAMES)}, got {name!r}")
-    algo = {**algo, "name": name}
-    if algo.get("off_policy") is False:  # YAML 1.1 reads a bare `off` as false
-        algo["off_policy"] = "off"
-    return {**raw, "algorithm": algo}
+    return {**raw, "algorithm": {**algo, "name": name}}
+
+
+# Fields whose words YAML 1.1 reads as booleans when bare (`off`, `on`): the word back.
+_SWITCH_WORDS: dict[tuple[str, str], dict[bool, str]] = {
+    ("algorithm", "off_policy"): {False: "off"},
+    ("reference", "enabled"): {False: "off", True: "on"},
+}
+
+
+def _read_switch_words(raw: dict[str, Any]) -> dict[str, Any]:
+    out = dict(raw)
+    for (section, key), words in _SWITCH_WORDS.items():
+        block = out.get(section)
+        if isinstance(block, dict) and isinstance(block.get(key), bool) and block[key] in words:
+            out[section] = {**block, key: words[block[key]]}
+    return out
 
 
 def _expand_placement(raw: dict[str, Any]) -> dict[str, Any]:

@@ -129,3 +129,18 @@ def test_cli_unknown_record_edge_exits_2(capsys):
     code = main(["status", "--config", str(CONFIGS[0]), "record.edges=[trainer->nowhere]"])
     assert code == 2
     assert "record.edges" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("override", "field", "word"), [
+    ("reference.enabled=off", "reference.enabled", "off"), ("reference.enabled=on", "reference.enabled", "on"),
+    ("algorithm.off_policy=off", "algorithm.off_policy", "off"),
+])
+def test_bare_on_and_off_words_read_as_words_not_booleans(override, field, word):
+    cfg = load_config(None, [override])  # YAML 1.1 reads a bare off / on as false / true
+    section, key = field.split(".")
+    assert getattr(getattr(cfg, section), key) == word
+
+
+def test_a_boolean_where_no_word_means_it_is_still_refused():
+    with pytest.raises(ConfigError, match="algorithm.off_policy"):
+        load_config(None, ["algorithm.off_policy=true"])
