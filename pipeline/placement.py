@@ -287,7 +287,7 @@ def check_plan(cfg: ConveyorConfig, plan: PlacementPlan) -> None:
                     )
     tp = cfg.rollout.tensor_parallel_size
     rollout = plan.stages.get("rollout")
-    if rollout is not None and tp > 1 and (rollout.gpus or rollout.num_gpus != tp):
+    if plan.available_gpus and rollout is not None and tp > 1 and (rollout.gpus or rollout.num_gpus != tp):
         raise PlacementError(
             f"placement.rollout: rollout.tensor_parallel_size {tp} needs {tp} GPUs in each rollout actor: leave "
             f"placement auto or set placement.rollout.num_gpus: {tp} without GPU indices (an index gives one GPU)")

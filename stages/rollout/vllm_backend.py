@@ -141,6 +141,22 @@ def build_engine_kwargs(
     return kwargs
 
 
+def plan_cpu_binding(cpus: list[int], workers: int) -> str:
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for ``workers`` tensor-parallel CPU workers:
+    the allowed ``cpus`` cut into that many disjoint runs, in order (``"0,1|2,3"``).
+    Raises when there are fewer cores than workers."""
+    if len(cpus) < workers:
+        raise ValueError(f"rollout.tensor_parallel_size: {workers} CPU workers need {workers} cores, "
+                         f"{len(cpus)} allowed")
+    base, extra = divmod(len(cpus), workers)
+    runs, start = [], 0
+    for w in range(workers):
+        size = base + (w < extra)
+        runs.append(",".join(str(c) for c in cpus[start:start + size]))
+        start += size
+    return "|".join(runs)
+
+
 def build_sampling_params(sampling: SamplingSettings, seed: int | None, *, final_only: bool = False) -> Any:
     """One engine request's ``SamplingParams`` (n=1: ``generate`` fans out itself).
     ``final_only``: one output when the request finishes, no detokenization in vLLM;
@@ -282,6 +298,11 @@ class VLLMBackend:
             # Older vLLM: only the env (whole GiB) sizes the CPU KV cache; unset, vLLM
             # asks for most of the machine's memory and fails.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(self.cfg.kv_cache_gib))))
+        if on_cpu and self.cfg.tensor_parallel_size > 1:
+            # vLLM's CPU workers bind their threads to cores by NUMA node and refuse more
+            # workers than nodes; a binding per worker (env wins) lets TP run on one node.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                  plan_cpu_binding(sorted(os.sched_getaffinity(0)), self.cfg.tensor_parallel_size))
         if self.cfg.engine_core == "in_process":
             from stages.rollout.vllm_inproc import InProcessEngine
 

@@ -178,6 +178,8 @@ def test_tensor_parallel_rollout_takes_gpus_of_its_own_by_count():
     assert p.rollout_memory_fraction == OWN_GPU_FRACTION
     manual = plan(config(rollout={"tensor_parallel_size": 2}, placement={"rollout": {"num_gpus": 2}, "trainer": [0]}), 3)
     assert manual.stages["rollout"].num_gpus == 2
+    # Without GPUs the replica's vLLM workers run on CPU cores: nothing to place.
+    assert plan(config(rollout={"tensor_parallel_size": 2}), 0).stages["rollout"].num_gpus == 0
 
 
 def test_custom_resources_reach_the_graph_nodes_and_reserved_names_are_refused():

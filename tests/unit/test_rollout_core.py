@@ -24,7 +24,7 @@ from pipeline.weights import (
 from stages.rollout import BACKENDS, build_backend, resolve_backend
 from stages.rollout.base import SamplingSettings, build_sampling_settings, check_version_order
 from stages.rollout.hf_backend import check_payload_names, cut_at_stop, group_prompts_by_length
-from stages.rollout.vllm_backend import WORKER_EXTENSION, build_engine_kwargs, expand_version_spans
+from stages.rollout.vllm_backend import WORKER_EXTENSION, build_engine_kwargs, expand_version_spans, plan_cpu_binding
 from stages.rollout.vllm_worker_ext import WeightSyncExtension, combine_rank_fingerprints, read_packed_linear_weight
 
 
@@ -240,3 +240,11 @@ def test_sampled_logprobs_are_read_from_the_flat_and_the_classic_form() -> None:
         read_sampled_logprobs(positions[:1], [7, 3])
     params = build_sampling_params(SamplingSettings(n=1, temperature=1.0, max_tokens=4), None, final_only=True)
     assert params.flat_logprobs and params.logprobs == 0
+
+
+def test_tensor_parallel_cpu_workers_get_disjoint_cores() -> None:
+    assert plan_cpu_binding([0, 1], 2) == "0|1"
+    assert plan_cpu_binding([0, 1, 2, 3, 4], 2) == "0,1,2|3,4"  # 5 = 3 + 2, the first run one more
+    assert plan_cpu_binding([2, 5, 7, 8], 2) == "2,5|7,8"  # the cores allowed, not a range
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size: 2 CPU workers need 2 cores, 1 allowed"):
+        plan_cpu_binding([0], 2)
