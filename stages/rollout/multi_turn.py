@@ -5,7 +5,8 @@ Each sample is a trajectory: the model generates; when its text completes a tool
 tool runs, its result is appended as tokens, and the model generates again from the
 prompt plus everything so far, for at most ``max_turns`` turns. Turn 1 samples the
 prompt's ``n`` completions at once; later turns continue each live trajectory with one
-completion, all live trajectories of the micro-batch in one ``generate`` call.
+completion, one ``generate`` call per trajectory (each has its own remaining token
+budget, and a call takes one ``SamplingSettings``), all of a turn's calls awaited at once.
 
 Guarantees:
 - a trajectory's tokens are the model's turns and the tool results in order; the
@@ -66,16 +67,21 @@ class Trajectory:
 def cut_at_call(tok: Any, traj: Trajectory, turn_ids: list[int]) -> tuple[int, ToolCall | None]:
     """(tokens of the turn to keep, the call they complete): the shortest prefix of
     ``turn_ids`` whose text completes the first call that ends inside this turn, or the
-    whole turn and None when it completes none."""
+    whole turn and None when it completes none. The prefix is found by binary search
+    (O(log L) decodes, not O(L)): a longer prefix never decodes to shorter text."""
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
     before = traj.prompt_text + decode(traj.ids)
     call = find_tool_call(traj.prompt_text + decode(traj.ids + turn_ids), len(before))
     if call is None:
         return len(turn_ids), None
-    for k in range(1, len(turn_ids) + 1):
+    lo, hi = 1, len(turn_ids)  # the whole turn reaches call.end; find the first k that does
+    while lo < hi:
+        k = (lo + hi) // 2
         if len(traj.prompt_text + decode(traj.ids + turn_ids[:k])) >= call.end:
-            return k, call
-    return len(turn_ids), call
+            hi = k
+        else:
+            lo = k + 1
+    return lo, call
 
 
 def encode_result(tok: Any, result: str, limit: int) -> list[int]:

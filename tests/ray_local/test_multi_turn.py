@@ -14,10 +14,10 @@ from pipeline.config import GrpoConfig, ToolsConfig
 from pipeline.types import Prompt, PromptBatch
 from stages.algorithms import assign_advantages
 from stages.rollout.base import GenerationResult, SamplingSettings
-from stages.rollout.multi_turn import generate_with_tools
+from stages.rollout.multi_turn import Trajectory, cut_at_call, generate_with_tools
 from stages.rollout.stage import build_rollout_batch
 from stages.tiny import build_char_tokenizer
-from stages.tools import PythonSandbox, calculator
+from stages.tools import PythonSandbox, calculator, find_tool_call
 from tests.ray_local.fakes import FakeScriptedBackend
 
 TOK = build_char_tokenizer("llama")
@@ -59,6 +59,28 @@ def test_a_call_is_cut_run_appended_masked_and_continued():
                              "tool/python/errors": 0.0, "turn/1/tokens": 4.0, "turn/2/tokens": 1.0}
     assert plain.text == "no call" and plain.loss_mask == [True] * 7 and plain.extras["tool/used"] == 0.0
     assert "turn/2/tokens" not in plain.extras
+
+
+class _CountingTokenizer:
+    def __init__(self, tok):
+        self.tok, self.decodes = tok, 0
+
+    def decode(self, ids, **kwargs):
+        self.decodes += 1
+        return self.tok.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("turn", ["]", "3+4]", "3+4] and more text after the call, " * 8, "no call at all " * 8])
+def test_cut_at_call_keeps_the_shortest_prefix_with_few_decodes(turn):
+    tok = _CountingTokenizer(TOK)
+    traj = Trajectory(TOK(PROMPT, add_special_tokens=True)["input_ids"], PROMPT)
+    ids = TOK(turn, add_special_tokens=False)["input_ids"]
+    keep, call = cut_at_call(tok, traj, ids)
+    end = turn.find("]") + 1  # char tokenizer: one token per character
+    assert (keep, call) == ((end, find_tool_call(PROMPT + turn)) if end else (len(ids), None))
+    # 2 decodes to find the call, then a binary search: at most ceil(log2(L)) more, where
+    # a scan over prefixes would take up to L (here up to 264).
+    assert tok.decodes <= 2 + int(np.ceil(np.log2(len(ids))))
 
 
 def test_the_batch_keeps_the_mask_through_advantages_and_the_oldest_version():

@@ -4,11 +4,22 @@ guarded call (errors, timeouts) and the Python sandbox's limits."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
+import psutil
 import pytest
 
-from stages.tools import PythonSandbox, ToolCall, call_tool, evaluate_arithmetic, find_tool_call, load_tools
+from stages.tools import (
+    TOOL_THREADS,
+    PythonSandbox,
+    ToolCall,
+    calculator,
+    call_tool,
+    evaluate_arithmetic,
+    find_tool_call,
+    load_tools,
+)
 
 
 @pytest.mark.parametrize(("text", "start", "call"), [
@@ -32,6 +43,19 @@ def test_calculator_evaluates_arithmetic_only():
             evaluate_arithmetic(bad)
 
 
+def test_calculator_refuses_a_result_too_large_before_computing_it():
+    # 9**64 has 203 bits; its 64th power may reach 203 * 64 = 12992 bits > 4096: refused
+    # before the power is computed (the whole nest would take minutes of big-int work).
+    assert _call({"calc": calculator}, name="calc", arguments="(((9**64)**64)**64)**64") == (
+        "error: ValueError: the result of ** may have up to 12992 bits, beyond 4096", False)
+    # 2**63 has 64 bits; 64 factors make 2**4032 (4033 bits), and one more may make
+    # 4033 + 64 = 4097 bits: refused.
+    big = "*".join(["(2**63)"] * 70)
+    assert _call({"calc": calculator}, name="calc", arguments=big) == (
+        "error: ValueError: the result of * may have up to 4097 bits, beyond 4096", False)
+    assert evaluate_arithmetic("(2**63) * (2**63)") == str(2**126)  # within the bound
+
+
 def _call(tools, name="t", arguments="a", timeout_s=5.0):
     return asyncio.run(call_tool(tools, ToolCall(name, arguments, 0), timeout_s))
 
@@ -50,6 +74,25 @@ def test_call_tool_never_raises():
     assert _call({"t": slow}, timeout_s=0.05) == ("error: t timed out after 0.05 s", False)
     assert _call({"t": str.upper}, name="u") == ("error: unknown tool 'u' (tools: t)", False)
     assert _call({"t": lambda a: "error: bad input"}) == ("error: bad input", False)  # a tool's own error
+
+    def leave(_):
+        raise SystemExit(3)
+
+    assert _call({"t": leave}) == ("error: SystemExit: 3", False)
+
+
+def test_call_tool_times_a_call_from_its_start_not_its_queueing():
+    # 12 waves of calls on TOOL_THREADS threads, 0.25 s each: the last wave starts ~2.75 s
+    # after it was queued, far past the 1 s timeout, yet runs well within it.
+    def nap(a):
+        time.sleep(0.25)
+        return a
+
+    async def many():
+        n = 12 * TOOL_THREADS
+        return await asyncio.gather(*(call_tool({"t": nap}, ToolCall("t", str(i), 0), 1.0) for i in range(n)))
+
+    assert asyncio.run(many()) == [(str(i), True) for i in range(12 * TOOL_THREADS)]
 
 
 # Generous time limits where the code ends by itself: a child interpreter's start-up on a
@@ -70,6 +113,46 @@ def test_sandbox_stops_a_loop_and_a_memory_bomb_with_errors():
     assert box("x = bytearray(8 * 10**9)") == "error: MemoryError"
     assert box("x = [0] * 10**9") == "error: MemoryError"
     assert box("6*7") == "42"  # the sandbox is reusable after either
+
+
+def _dead(pid: int) -> bool:
+    """Whether ``pid`` is dead (a zombie is: an orphan's reaper is not ours), polled for up
+    to 30 s because a SIGKILL lands asynchronously; a process never killed reads False."""
+    for _ in range(3000):
+        try:
+            if psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _live_members(pgid: int) -> list[int]:
+    members = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return members
+
+
+def test_sandbox_kills_its_whole_process_group():
+    # The sandboxed code forks a child that would sleep 10 minutes, prints the child's
+    # pid and its own process group, and exits: the child must not outlive the call.
+    code = "import os, time\nif (pid := os.fork()) == 0:\n    time.sleep(600)\nelse:\n    print(pid, os.getpgrp())"
+    child, group = map(int, PythonSandbox(timeout_s=60.0)(code).split())
+    assert group != os.getpgrp()  # a group of its own, so killing it spares this one
+    assert _dead(child)
+    assert _live_members(group) == []
+
+
+def test_sandbox_cuts_a_flood_of_output_while_reading_it():
+    # 100 kB a line forever: stopped once past its output cap, not read whole.
+    out = PythonSandbox(timeout_s=60.0, max_output_chars=200)('while True: print("x" * 100000)')
+    assert out == "x" * 200
 
 
 def test_load_tools(tmp_path):
