@@ -436,7 +436,9 @@ class DpoConfig(_AlgorithmFields, tag="dpo"):
     loss is ``-(1 - label_smoothing) * logsigmoid(beta * m) - label_smoothing *
     logsigmoid(-beta * m)`` per pair, with ``m`` the chosen-minus-rejected log-ratio of
     the policy to the reference (``stages/algorithms/losses.py``); the mean over pairs
-    (``loss_agg: seq-mean-token-mean``). A pair is two samples (``rollout.n: 2``)."""
+    (``loss_agg: seq-mean-token-mean``). A pair is two samples (``rollout.n: 2``). The
+    loss has no KL term (``beta`` bounds the move from the reference): ``kl_coef`` must
+    stay 0 (``check_pairs`` refuses more)."""
 
     beta: PosFloat = 0.1
     label_smoothing: Annotated[float, Meta(ge=0, lt=0.5)] = 0.0
@@ -865,6 +867,9 @@ def check_pairs(cfg: ConveyorConfig) -> None:
     if algo.loss_agg != "seq-mean-token-mean":
         raise ConfigError(f"algorithm.loss_agg: dpo's loss is a mean over pairs; expected 'seq-mean-token-mean', "
                           f"got {algo.loss_agg!r}")
+    if algo.kl_coef > 0:  # compute_dpo_loss has no KL term: a coefficient would be silently ignored
+        raise ConfigError(f"algorithm.kl_coef: dpo's loss has no KL term (algorithm.beta sets how far the policy "
+                          f"may move from the reference); expected 0, got {algo.kl_coef:g}")
     if cfg.reward.sources:
         raise ConfigError("reward.sources: dpo trains on preference pairs, not on rewards; remove reward.sources")
 

@@ -78,6 +78,7 @@ def test_registry_binds_beta_and_label_smoothing():
     ([*PAIRS, "algorithm.loss_agg=token-mean"], "algorithm.loss_agg: dpo's loss is a mean over pairs"),
     ([*PAIRS, "algorithm.label_smoothing=0.5"], "algorithm.label_smoothing"),
     ([*PAIRS, "algorithm.beta=0"], "algorithm.beta"),
+    ([*PAIRS, "algorithm.kl_coef=0.1"], "algorithm.kl_coef: dpo's loss has no KL term"),
 ])
 def test_dpo_config_rules(overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
