@@ -5,15 +5,18 @@ there through the command line, as its first line says, one after the other in t
 process, for its benchmark steps (``STEPS``; ``--quick``: a few). From each run's step
 metrics:
 - dpo: preference accuracy and reward margin (chosen minus rejected implicit reward),
-  mean of the first and of the last ``EDGE_STEPS`` steps;
+  mean of the first ``EDGE_STEPS`` steps after step 0 (at step 0 the policy is the
+  reference: both are 0 by definition) and of the last ``EDGE_STEPS`` steps;
 - tool_rl: reward, tool-use rate (``tool/used``: samples with a call), calls answered
   without an error, right tool answers, final answers taken from the tool and right final
   answers, first and last steps;
 - curriculum: the levels reached and the step of each promotion.
-``trends`` says whether each rose as the issue asks (DPO accuracy rises; tool_rl reward
-rises with a tool-use rate above zero; curriculum advances at least two levels); nothing
-is timed against a bound, wall times are reported for reading. Writes
-``templates.json`` and ``templates.png``.
+``trends`` says whether each rose as the issue asks (DPO accuracy rises; tool_rl reward,
+the share of calls answered without an error and the share of final answers taken from
+the tool rise: the prompts open every call, so the tool-use rate alone is above zero by
+construction; curriculum advances at least two levels); nothing is timed against a
+bound, wall times are reported for reading. Writes ``templates.json`` and
+``templates.png``; ``summarise_runs`` derives every summary from the stored series.
 """
 
 from __future__ import annotations
@@ -71,9 +74,15 @@ def _edges(values: list[float], edge: int) -> tuple[float, float]:
 
 
 def summarise_dpo(run: dict[str, Any], edge: int) -> dict[str, float]:
-    acc = _edges(run["series"]["actor/preference_accuracy"], edge)
-    margin = _edges(run["series"]["actor/reward_margin"], edge)
+    s = run["series"]
+    acc = _edges(s["actor/preference_accuracy"][1:], edge)  # step 0: the policy is the reference
+    margin = _edges(s["actor/reward_margin"][1:], edge)
     return {"accuracy_first": acc[0], "accuracy_last": acc[1], "margin_first": margin[0], "margin_last": margin[1]}
+
+
+def _ok_frac(calls: np.ndarray, errors: np.ndarray) -> float:
+    """The share of calls answered without an error (0 without calls)."""
+    return float(1.0 - errors.sum() / calls.sum()) if calls.sum() else 0.0
 
 
 def summarise_tool_rl(run: dict[str, Any], edge: int) -> dict[str, float]:
@@ -83,8 +92,8 @@ def summarise_tool_rl(run: dict[str, Any], edge: int) -> dict[str, float]:
                        ("reward/answer_from_tool", "answer_from_tool"), ("reward/answer_correct", "answer_correct")):
         out[f"{label}_first"], out[f"{label}_last"] = _edges(s[key], edge)
     calls, errors = np.asarray(s["tool/calls"]), np.asarray(s["tool/errors"])
-    tail = slice(-edge, None)
-    out["calls_ok_frac_last"] = float(1.0 - errors[tail].sum() / calls[tail].sum()) if calls[tail].sum() else 0.0
+    out["calls_ok_frac_first"] = _ok_frac(calls[:edge], errors[:edge])
+    out["calls_ok_frac_last"] = _ok_frac(calls[-edge:], errors[-edge:])
     out["tool_use_rate_max"] = float(np.nanmax(s["tool/used"]))
     return out
 
@@ -98,6 +107,36 @@ def summarise_curriculum(run: dict[str, Any]) -> dict[str, Any]:
             "promotion_steps": first + moves}
 
 
+def summarise_runs(series: dict[str, dict[str, list[float]]], edge: int) -> dict[str, Any]:
+    """The payload's summaries (``dpo``, ``tool_rl``, ``curriculum``, ``trends``,
+    ``ratios``) from each template's per-step series alone."""
+    dpo, tool, cur = (summarise_dpo({"series": series["dpo"]}, edge),
+                      summarise_tool_rl({"series": series["tool_rl"]}, edge),
+                      summarise_curriculum({"series": series["curriculum"]}))
+    trends = {
+        "dpo_accuracy_rises": dpo["accuracy_last"] > dpo["accuracy_first"],
+        "tool_rl_reward_rises": tool["reward_last"] > tool["reward_first"],
+        "tool_rl_calls_ok_rises": tool["calls_ok_frac_last"] > tool["calls_ok_frac_first"],
+        "tool_rl_answer_from_tool_rises": tool["answer_from_tool_last"] > tool["answer_from_tool_first"],
+        "curriculum_advances_two_levels": cur["promotions"] >= 2,
+    }
+    ratios = {
+        "dpo accuracy first (after step 0) -> last": f"{dpo['accuracy_first']:.3f} -> {dpo['accuracy_last']:.3f}",
+        "dpo margin first (after step 0) -> last": f"{dpo['margin_first']:.3f} -> {dpo['margin_last']:.3f}",
+        "tool_rl reward first -> last": f"{tool['reward_first']:.3f} -> {tool['reward_last']:.3f}",
+        "tool_rl tool use first -> last": f"{tool['tool_use_rate_first']:.3f} -> {tool['tool_use_rate_last']:.3f}",
+        "tool_rl calls without error first -> last":
+            f"{tool['calls_ok_frac_first']:.3f} -> {tool['calls_ok_frac_last']:.3f}",
+        "tool_rl answer = tool's first -> last":
+            f"{tool['answer_from_tool_first']:.3f} -> {tool['answer_from_tool_last']:.3f}",
+        "tool_rl right answers first -> last": f"{tool['answer_correct_first']:.3f} -> {tool['answer_correct_last']:.3f}",
+        "curriculum level first -> last": f"{cur['level_first']:.0f} -> {cur['level_last']:.0f} "
+                                          f"(promotions at steps {cur['promotion_steps']})",
+        **{k: str(v) for k, v in trends.items()},
+    }
+    return {"dpo": dpo, "tool_rl": tool, "curriculum": cur, "trends": trends, "ratios": ratios}
+
+
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     steps = {name: 4 for name in STEPS} if quick else dict(STEPS)
     edge = 2 if quick else EDGE_STEPS
@@ -106,28 +145,8 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         runs = {name: launch_template(name, n, root) for name, n in steps.items()}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    dpo, tool, cur = (summarise_dpo(runs["dpo"], edge), summarise_tool_rl(runs["tool_rl"], edge),
-                      summarise_curriculum(runs["curriculum"]))
-    trends = {
-        "dpo_accuracy_rises": dpo["accuracy_last"] > dpo["accuracy_first"],
-        "tool_rl_reward_rises": tool["reward_last"] > tool["reward_first"],
-        "tool_rl_tool_use_above_zero": tool["tool_use_rate_last"] > 0,
-        "curriculum_advances_two_levels": cur["promotions"] >= 2,
-    }
-    ratios = {
-        "dpo accuracy first -> last": f"{dpo['accuracy_first']:.3f} -> {dpo['accuracy_last']:.3f}",
-        "dpo margin first -> last": f"{dpo['margin_first']:.3f} -> {dpo['margin_last']:.3f}",
-        "tool_rl reward first -> last": f"{tool['reward_first']:.3f} -> {tool['reward_last']:.3f}",
-        "tool_rl tool use first -> last": f"{tool['tool_use_rate_first']:.3f} -> {tool['tool_use_rate_last']:.3f}",
-        "tool_rl answer = tool's first -> last":
-            f"{tool['answer_from_tool_first']:.3f} -> {tool['answer_from_tool_last']:.3f}",
-        "tool_rl right answers first -> last": f"{tool['answer_correct_first']:.3f} -> {tool['answer_correct_last']:.3f}",
-        "curriculum level first -> last": f"{cur['level_first']:.0f} -> {cur['level_last']:.0f} "
-                                          f"(promotions at steps {cur['promotion_steps']})",
-        **{k: str(v) for k, v in trends.items()},
-    }
     payload = {"quick": quick, "steps": steps, "edge_steps": edge,
-               "dpo": dpo, "tool_rl": tool, "curriculum": cur, "trends": trends, "ratios": ratios,
+               **summarise_runs({name: r["series"] for name, r in runs.items()}, edge),
                "wall_s": {name: r["wall_s"] for name, r in runs.items()},
                "series": {name: r["series"] for name, r in runs.items()}}
     return publish_result(out_dir, "templates", payload, plot)
