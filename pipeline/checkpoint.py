@@ -18,7 +18,9 @@ Guarantees:
   above it. A resumed source skips exactly those, so prompts trained before the
   checkpoint are not trained again and prompts that were in flight are issued again.
 - ``check_resume_config`` refuses a resumed run whose config differs from the
-  original's in any key outside ``SAFE_RESUME_KEYS``, naming the keys.
+  original's in any key outside ``SAFE_RESUME_KEYS``, naming the keys
+  (``train.num_ranks`` among them: optimizer state is saved per rank, and the trainer
+  checks it against ``ResumeState.num_ranks`` again when it loads a checkpoint).
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class ResumeState(msgspec.Struct, kw_only=True):
     previous checkpoint (the driver may not have logged them before a crash);
     ``curriculum`` the curriculum's state (``stages/curriculum.py``) with a
     ``data.curriculum``: the source resumes at its level, the trainer with its window.
+    ``num_ranks``: the data-parallel trainer ranks that wrote it (each saved its own
+    optimizer partition, so only as many ranks can load it); None in checkpoints
+    written before it was recorded.
     """
 
     schema: int = SCHEMA_VERSION
@@ -89,6 +94,7 @@ class ResumeState(msgspec.Struct, kw_only=True):
     consumed: ConsumedPrompts = msgspec.field(default_factory=ConsumedPrompts)
     recent_metrics: list[dict[str, Any]] = []
     curriculum: dict[str, Any] | None = None
+    num_ranks: int | None = None
 
 
 def checkpoint_name(version: int) -> str:

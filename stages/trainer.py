@@ -17,7 +17,8 @@ Guarantees:
   known up front and each micro-batch weighs its sample share;
 - with ``train.num_ranks`` > 1 the engine is ``stages.trainer_ranks.DataParallelEngine``:
   each micro-batch is split by whole groups over the ranks, which step together; the
-  update equals the one-rank update up to float rounding;
+  update equals the one-rank update up to float rounding; an error on any rank stops
+  the run at once, naming the rank;
 - under ``train.memory`` a micro-batch is admitted whole or trained as pieces of whole
   GRPO groups (admission split, or halving after an out-of-memory error), all before
   the step's optimizer step; piece scales add up to the micro-batch's scale and its loss
@@ -26,7 +27,9 @@ Guarantees:
   its first backward left no gradient (the RNG is rewound); one that fails later has
   its step's gradients discarded and every piece already trained in that step trained
   again, in order, from the step's RNG state. A single group that still runs out of
-  memory stops the run (``OomUnrecoverable``);
+  memory stops the run (``OomUnrecoverable``). With ``train.num_ranks`` > 1 admission
+  still splits, but an OOM on any rank stops the run (``TrainerRankError``): halving and
+  retrying cannot be coordinated across ranks yet;
 - every ``train.sync_interval`` steps the weights are published once to the object
   store with their sha256 and fingerprint; rollout workers pull and confirm them. The
   transport is ``pipeline.transport.select_transport``'s: on a one-GPU cluster the
@@ -358,7 +361,9 @@ class TrainerStage:
                 metrics = await self.guard.measure(
                     self._estimate(p), functools.partial(asyncio.to_thread, self.engine.train_micro_batch, p, s))
             except Exception as exc:
-                if not is_oom_error(exc):
+                # Several ranks: the retry cannot be coordinated across them yet, so the
+                # engine's error (``TrainerRankError``, OOM or not) stops the run.
+                if not is_oom_error(exc) or self.cfg.train.num_ranks > 1:
                     raise
                 event = rec.failed(exc)  # raises OomUnrecoverable for a single group
             else:

@@ -8,7 +8,8 @@ Guarantees:
   every run (an interrupted one too), each atomically, the newest
   ``train.keep_checkpoints`` kept.
 - ``restore`` loads the trainer engine's state (model, optimizer, RNG, version) and the
-  counters from ``run.resume_from``; the resumed run continues from that version.
+  counters from ``run.resume_from``; the resumed run continues from that version. It
+  refuses a checkpoint written by another ``train.num_ranks`` before loading anything.
 - With ``data.curriculum`` it advances the curriculum once per step from the step's
   rewards (``step_curriculum``) and checkpoints its state with the prompts consumed.
 """
@@ -36,6 +37,7 @@ class TrainerCheckpoints:
         self.run_dir = cfg.run_dir
         self.every = cfg.train.checkpoint_every
         self.keep = cfg.train.keep_checkpoints
+        self.train_cfg = cfg.train  # its num_ranks: recorded, and checked on restore
         self.engine = engine
         self.trained_prompts = 0
         self.dropped: dict[str, int] = {}
@@ -49,6 +51,11 @@ class TrainerCheckpoints:
     def restore(self, checkpoint: str | Path) -> int:
         """Load ``checkpoint`` into the engine and the counters; returns its version."""
         state = load_resume_state(checkpoint)
+        ranks = self.train_cfg.num_ranks
+        if state.num_ranks is not None and state.num_ranks != ranks:
+            raise ValueError(f"train.num_ranks: {checkpoint} was written by {state.num_ranks} trainer ranks, "
+                             f"each with its own optimizer partition; resume it with train.num_ranks="
+                             f"{state.num_ranks}, got {ranks}")
         self.engine.load_state(Path(checkpoint) / TRAINER_DIR)
         if self.engine.version != state.version:
             raise ValueError(f"run.resume_from: {checkpoint} holds trainer version {self.engine.version} "
@@ -96,7 +103,8 @@ class TrainerCheckpoints:
         """A checkpoint of the engine's current version (call from a thread)."""
         state = ResumeState(version=self.engine.version, trained_prompts=self.trained_prompts,
                             dropped=dict(self.dropped), consumed=self.consumed, recent_metrics=self.recent_metrics,
-                            curriculum=msgspec.to_builtins(self.curriculum) if self.curriculum else None)
+                            curriculum=msgspec.to_builtins(self.curriculum) if self.curriculum else None,
+                            num_ranks=self.train_cfg.num_ranks)
         path = write_checkpoint(self.run_dir, state, self.engine.save_state, self.keep)
         self.last_written, self.recent_metrics, self.dirty = self.engine.version, [], False
         return path

@@ -30,12 +30,28 @@ Guarantees:
 - Checkpoints use DeepSpeed's layout: rank 0 writes the model states, each rank its own
   optimizer partition (``zero_pp_rank_<r>_*``), all into the same directory (one host,
   or a file system every rank's host shares). A resume needs the same ``num_ranks``.
+- An error on any rank stops the trainer promptly, never a hang: every call waits on
+  rank 0's own work and the other ranks' results together (``_on_all_ranks``), and the
+  first error, whichever rank raised it, kills the other ranks (they may be waiting in a
+  collective for the failed one), leaves the engine unusable and raises
+  ``TrainerRankError`` naming the rank and its error. Out-of-memory errors included:
+  halving and retrying a piece cannot be coordinated across ranks yet, so with N > 1 an
+  OOM is fatal and its message says how to shrink the work.
+- Two timeouts: ``RENDEZVOUS_TIMEOUT_S`` (600 s) covers the rendezvous and the engines'
+  build, where ranks wait for each other's process start, model load and DeepSpeed
+  setup; ``COLLECTIVE_TIMEOUT_S`` (120 s) every collective after that, set once the
+  engines are built. Inside one call the ranks meet within the time of the work one
+  rank does alone (rank 0 writes the model states of a checkpoint), so a rank that waits
+  longer waits for a peer that hung or lost its host without an error to report.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,6 +62,19 @@ from pipeline.memory.splitting import split_rollout_batch_at
 from pipeline.types import RolloutBatch
 
 RENDEZVOUS_TIMEOUT_S = 600.0
+COLLECTIVE_TIMEOUT_S = 120.0
+_POLL_S = 0.5  # how often rank 0's wait looks at the other ranks while its own work runs
+
+
+class TrainerRankError(RuntimeError):
+    """Trainer rank ``rank`` raised ``error``: the data-parallel trainer cannot go on."""
+
+    def __init__(self, rank: int, error: str, ranks: int) -> None:
+        super().__init__(f"trainer rank {rank} of {ranks} failed: {error}")
+        self.rank, self.error, self.ranks = rank, error, ranks
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TrainerRankError, (self.rank, self.error, self.ranks))
 
 
 def plan_rank_groups(num_groups: int, ranks: int) -> list[int]:
@@ -84,9 +113,36 @@ def init_rank_process_group(rank: int, world: int, address: str, port: int, back
                             world_size=world, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
 
 
-@ray.remote(num_cpus=0)
-class TrainerRankActor:
-    """Trainer rank ``rank`` > 0: a ``TrainerEngine`` that mirrors rank 0's calls."""
+def set_collective_timeout(seconds: float) -> None:
+    """The timeout of every collective of this process's groups from now on (the world
+    and any DeepSpeed created)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def describe_rank_error(exc: BaseException, ranks: int) -> str:
+    """``TrainerRankError``'s text for ``exc`` (a rank's own error, or Ray's wrapper of it)."""
+    from pipeline.memory.oom import is_oom_error
+
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    cause = cause if isinstance(cause, BaseException) else exc
+    if isinstance(cause, ray.exceptions.RayActorError):
+        text = "its actor died: " + (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    else:
+        text = f"{type(cause).__name__}: " + (str(cause).strip().splitlines() or [""])[-1]
+    if is_oom_error(cause):
+        text += (f"; with train.num_ranks={ranks} an out-of-memory error stops the run (halving and retrying "
+                 "cannot be coordinated across ranks yet): use smaller micro-batches "
+                 "(dataflow.prompts_per_micro_batch, or train.memory.budget_bytes to split them before "
+                 "training) or more ranks (train.num_ranks)")
+    return text
+
+
+class TrainerRank:
+    """Trainer rank ``rank`` > 0: a ``TrainerEngine`` that mirrors rank 0's calls (Ray
+    actor: ``TrainerRankActor``)."""
 
     def __init__(self, cfg: Any, rank: int, world: int, address: str, port: int, backend: str) -> None:
         from pipeline.log import configure_logging, redirect_process_output
@@ -105,6 +161,7 @@ class TrainerRankActor:
         address, port, backend = self.rendezvous
         init_rank_process_group(self.rank, self.world, address, port, backend)
         self.engine = build_trainer_engine(self.cfg)
+        set_collective_timeout(COLLECTIVE_TIMEOUT_S)
         return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
     def train(self, part: RolloutBatch, scale: float, pad: int) -> dict[str, float]:
@@ -130,10 +187,15 @@ class TrainerRankActor:
         self.engine.load_state(Path(path))
 
 
-def build_data_parallel_engine(cfg: Any, rank_gpus: list[tuple[int, float]]) -> DataParallelEngine:
+TrainerRankActor = ray.remote(num_cpus=0)(TrainerRank)
+
+
+def build_data_parallel_engine(cfg: Any, rank_gpus: list[tuple[int, float]],
+                               rank_actor: Any = TrainerRankActor) -> DataParallelEngine:
     """Rank 0 here and ``cfg.train.num_ranks - 1`` rank actors, in one world (blocking:
     call from a thread). ``rank_gpus``: (placement-group bundle, GPU share) of ranks
-    1..N-1 from the placement plan; empty: no GPU indices (CPU, or Ray GPU counts)."""
+    1..N-1 from the placement plan; empty: no GPU indices (CPU, or Ray GPU counts).
+    ``rank_actor``: the ranks' actor class (tests pass a ``TrainerRank`` that fails)."""
     import torch
 
     from stages.trainer import build_trainer_engine
@@ -154,12 +216,15 @@ def build_data_parallel_engine(cfg: Any, rank_gpus: list[tuple[int, float]]) -> 
             bundle, share = rank_gpus[rank - 1]
             options.update(num_gpus=share, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=bundle))
-        actors.append(TrainerRankActor.options(**options).remote(cfg, rank, world, address, port, backend))
+        actors.append(rank_actor.options(**options).remote(cfg, rank, world, address, port, backend))
     ready = [a.setup.remote() for a in actors]  # they wait in the rendezvous for rank 0
     init_rank_process_group(0, world, address, port, backend)
-    local = build_trainer_engine(cfg)
-    devices = [os.environ.get("CUDA_VISIBLE_DEVICES", ""), *ray.get(ready)]
-    return DataParallelEngine(local, actors, devices)
+    engine = DataParallelEngine(None, actors, [])
+    local, devices = engine._on_all_ranks(lambda: build_trainer_engine(cfg), lambda: ready)
+    set_collective_timeout(COLLECTIVE_TIMEOUT_S)
+    engine.local = local
+    engine.devices = [os.environ.get("CUDA_VISIBLE_DEVICES", ""), *devices]
+    return engine
 
 
 class DataParallelEngine:
@@ -171,6 +236,42 @@ class DataParallelEngine:
         self.actors = actors
         self.ranks = 1 + len(actors)
         self.devices = devices  # CUDA_VISIBLE_DEVICES of each rank ("" without GPUs)
+        self.failed: TrainerRankError | None = None  # set by the first error: no call runs after it
+        # Rank 0's own work runs here while the calling thread watches the other ranks.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-rank0")
+
+    def _on_all_ranks(self, local: Callable[[], Any], submit: Callable[[], list[Any]]) -> tuple[Any, list[Any]]:
+        """Rank 0's ``local()`` and the other ranks' calls (``submit()``'s refs, rank r's
+        at r - 1), waited on together: (rank 0's result, the others' results), or
+        ``TrainerRankError`` at the first error of any rank (see the module guarantees)."""
+        if self.failed is not None:
+            raise self.failed
+        refs = submit()
+        own = self._pool.submit(local)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as exc:
+                    self._fail(1 + refs.index(ref), exc)
+            if own.done() and own.exception() is not None:
+                self._fail(0, own.exception())
+        try:
+            out = own.result()  # the others are done: its collectives have met theirs
+        except Exception as exc:
+            self._fail(0, exc)
+        return out, ray.get(refs)
+
+    def _fail(self, rank: int, exc: BaseException) -> None:
+        """Stop every rank and raise ``TrainerRankError`` for ``rank``'s ``exc``. The
+        others may wait in a collective for the failed rank; killing them ends the
+        wait of rank 0 too (its peers' connections close) or its collective times out."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.failed = TrainerRankError(rank, describe_rank_error(exc, self.ranks), self.ranks)
+        raise self.failed from exc
 
     # Rank 0's state and weights stand for the stage's engine.
     def __getattr__(self, name: str) -> Any:
@@ -182,10 +283,9 @@ class DataParallelEngine:
     def _whole(self, method: str, *args: Any) -> Any:
         """Rank 0's ``method``, which reads the whole weights; under ZeRO 3 the other ranks
         join its gather of them."""
-        refs = [a.join_gather.remote() for a in self.actors] if self.local.partitioned else []
-        out = getattr(self.local, method)(*args)
-        ray.get(refs)
-        return out
+        return self._on_all_ranks(functools.partial(getattr(self.local, method), *args),
+                                  lambda: [a.join_gather.remote() for a in self.actors] if self.local.partitioned
+                                  else [])[0]
 
     def export_weights(self) -> tuple[bytes, str, tuple[float, float]]:
         return self._whole("export_weights")
@@ -211,33 +311,32 @@ class DataParallelEngine:
         weights = [compute_piece_weight(p, batch, loss_agg) if real else 0.0 for p, real in parts]
         pads = count_rank_passes([p.num_samples for p, _ in parts], self.local.chunk_size)
         scales = [self.ranks * scale * w for w in weights]
-        refs = [a.train.remote(p, s, n) for a, (p, _), s, n in zip(self.actors, parts[1:], scales[1:], pads[1:],
-                                                                     strict=True)]
-        first = self.local.train_micro_batch(parts[0][0], scales[0])
-        self.local.pad_backwards(parts[0][0], pads[0])
-        metrics = [first, *ray.get(refs)]
+
+        def train_own() -> dict[str, float]:
+            out = self.local.train_micro_batch(parts[0][0], scales[0])
+            self.local.pad_backwards(parts[0][0], pads[0])
+            return out
+
+        first, others = self._on_all_ranks(train_own, lambda: [
+            a.train.remote(p, s, n) for a, (p, _), s, n in zip(self.actors, parts[1:], scales[1:], pads[1:],
+                                                                strict=True)])
+        metrics = [first, *others]
         real = [(m, w) for m, w, (_, is_real) in zip(metrics, weights, parts, strict=True) if is_real]
         merged = merge_piece_metrics([m for m, _ in real], [w for _, w in real])
         merged["scale"] = float(scale)
         return merged
 
     def optimizer_step(self, grad_scale: float = 1.0, bump_version: bool = True) -> dict[str, float]:
-        refs = [a.optimizer_step.remote(grad_scale, bump_version) for a in self.actors]
-        out = self.local.optimizer_step(grad_scale, bump_version)
-        ray.get(refs)
-        return out
+        return self._on_all_ranks(functools.partial(self.local.optimizer_step, grad_scale, bump_version),
+                                  lambda: [a.optimizer_step.remote(grad_scale, bump_version) for a in self.actors])[0]
 
     def discard_gradients(self) -> None:
-        refs = [a.discard_gradients.remote() for a in self.actors]
-        self.local.discard_gradients()
-        ray.get(refs)
+        self._on_all_ranks(self.local.discard_gradients, lambda: [a.discard_gradients.remote() for a in self.actors])
 
     def save_state(self, path: Path) -> None:
-        refs = [a.save_state.remote(str(path)) for a in self.actors]
-        self.local.save_state(path)
-        ray.get(refs)
+        self._on_all_ranks(functools.partial(self.local.save_state, path),
+                           lambda: [a.save_state.remote(str(path)) for a in self.actors])
 
     def load_state(self, path: Path) -> None:
-        refs = [a.load_state.remote(str(path)) for a in self.actors]
-        self.local.load_state(path)
-        ray.get(refs)
+        self._on_all_ranks(functools.partial(self.local.load_state, path),
+                           lambda: [a.load_state.remote(str(path)) for a in self.actors])

@@ -26,11 +26,12 @@ def _config(tmp_path, ranks: int, zero_stage: int):
 class EngineHost:
     """Rank 0 of a trainer (with its other ranks when ``num_ranks`` > 1), as the stage holds it."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, rank_class=None) -> None:
         from stages.trainer import build_trainer_engine
-        from stages.trainer_ranks import build_data_parallel_engine
+        from stages.trainer_ranks import TrainerRankActor, build_data_parallel_engine
 
-        self.engine = (build_data_parallel_engine(cfg, []) if cfg.train.num_ranks > 1
+        actor = ray.remote(num_cpus=0)(rank_class) if rank_class is not None else TrainerRankActor
+        self.engine = (build_data_parallel_engine(cfg, [], rank_actor=actor) if cfg.train.num_ranks > 1
                        else build_trainer_engine(cfg, threads=1))
 
     def step(self, batches, grad_scale: float) -> dict:
@@ -102,6 +103,8 @@ def test_two_ranks_update_the_weights_as_one_rank(ray_cluster, single, tmp_path,
     # the gradient is near Adam's eps (1e-8), and there rounding in the order of the sums
     # shows: seen at most 2e-6 under ZeRO 0 and 2, 5.7e-6 on 2 of 65,536 weights under ZeRO 3.
     assert _max_diff(one["weights"], two["weights"]) <= 1e-5
+    # Since that first step is ~lr * sign(grad), the weights would match under a wrong
+    # gradient scale too: the grad norm is what guards the scale.
     assert two["step"]["grad_norm"] == pytest.approx(one["step"]["grad_norm"], rel=1e-6)
     for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
         assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-7)
@@ -126,6 +129,22 @@ def test_two_ranks_save_and_load_their_state(ray_cluster, single, tmp_path, zero
     again = ray.get(pair.step.remote(work, 1.0))
     assert again["version"] == after["version"] == 2
     assert _max_diff(after["weights"], again["weights"]) == 0.0
+    ray.kill(pair)
+
+
+def test_an_error_on_rank_1_stops_the_step_naming_it(ray_cluster, single, tmp_path):
+    """Rank 1 raises in its part of a micro-batch (``FakeFailingTrainerRank``) while rank 0
+    trains its own part into ZeRO 2's gradient reduction, which waits for rank 1: the
+    call ends with the error of rank 1, not after the collective's timeout with one of
+    rank 0's own."""
+    from tests.ray_local.fakes import FakeFailingTrainerRank
+
+    pair = EngineHost.remote(_config(tmp_path, 2, 2), FakeFailingTrainerRank)
+    batch = ray.get(single.on_policy.remote(make_batch(seed=13)))
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(pair.step.remote([(batch, 1.0)], 1.0))
+    assert "TrainerRankError: trainer rank 1 of 2 failed: ValueError: fake failure in train on rank 1" in str(
+        info.value), str(info.value)[-2000:]
     ray.kill(pair)
 
 

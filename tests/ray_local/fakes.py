@@ -20,6 +20,7 @@ from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 from pipeline.types import Prompt, RolloutBatch
+from stages.trainer_ranks import TrainerRank
 
 
 class FakeItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -277,3 +278,59 @@ class FakeScriptedBackend:
         self.calls.append(contexts)
         self.version += self.bump
         return results
+
+
+class _FakeAlgo(msgspec.Struct, frozen=True, kw_only=True):
+    loss_agg: str = "token-mean"
+
+
+class FakeBlockedRankZero:
+    """Rank 0's engine for ``DataParallelEngine`` whose ``train_micro_batch`` waits for
+    ``release`` (standing in for a collective the other ranks never join), or raises
+    ``error`` at once."""
+
+    chunk_size = 16
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        import threading
+
+        self.algo = _FakeAlgo()
+        self.release = threading.Event()
+        self.error = error
+
+    def train_micro_batch(self, batch: RolloutBatch, scale: float) -> dict[str, float]:
+        if self.error is not None:
+            raise self.error
+        self.release.wait()
+        return {"loss": 0.0, "num_samples": batch.num_samples, "num_tokens": 0, "scale": scale}
+
+    def pad_backwards(self, batch: RolloutBatch, passes: int) -> None:
+        return None
+
+
+class FakeTrainerRank:
+    """A trainer rank (``stages.trainer_ranks.TrainerRank``'s calls) whose ``train``
+    raises ``error`` (``"oom"``: torch's out-of-memory error), or with ``error`` None
+    waits in ``train`` until killed (a rank blocked in a collective)."""
+
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+
+    def train(self, part: RolloutBatch, scale: float, pad: int) -> dict[str, float]:
+        if self.error == "oom":
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if self.error is not None:
+            raise ValueError(self.error)
+        while True:
+            time.sleep(1)
+
+
+
+class FakeFailingTrainerRank(TrainerRank):
+    """A real trainer rank whose ``train`` raises before its engine does anything, while
+    the other ranks go on into that call's collectives."""
+
+    def train(self, part: RolloutBatch, scale: float, pad: int) -> dict[str, float]:
+        raise ValueError(f"fake failure in train on rank {self.rank}")

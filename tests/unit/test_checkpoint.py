@@ -121,3 +121,35 @@ def test_resume_with_the_original_config_and_relative_paths_is_accepted(tmp_path
     args = argparse.Namespace(resume=str(run_dir), config=str(original), overrides=["run.steps=5"])
     cfg = _load_resume(args)
     assert cfg.run.resume_from.endswith("step-00000002") and cfg.run.steps == 5
+
+
+def test_resume_with_another_number_of_trainer_ranks_exits_2_naming_the_key(tmp_path, capsys):
+    """Each rank saved its own optimizer partition: ``launch --resume`` with
+    train.num_ranks changed is a bad config (exit 2) naming the key, before Ray starts."""
+    import yaml
+
+    from pipeline.cli import main
+    from pipeline.config import load_config, to_dict
+    from pipeline.preflight import absolutise_paths
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = to_dict(absolutise_paths(load_config(None, [f"run.dir={run_dir}", "train.num_ranks=2"])))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    write_checkpoint(run_dir, ResumeState(version=2, trained_prompts=16, num_ranks=2), _save("2"), keep=1)
+    assert main(["launch", "--resume", str(run_dir), "train.num_ranks=1"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid config" in err and "['train.num_ranks']" in err, err
+
+
+def test_a_checkpoint_is_loaded_only_by_as_many_ranks_as_wrote_it(tmp_path):
+    """``run.resume_from`` given directly skips the config comparison; the trainer checks
+    the ranks the checkpoint records before it loads anything (the engine here would
+    fail if it were asked to)."""
+    from pipeline.config import load_config
+    from stages.trainer_checkpoint import TrainerCheckpoints
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "train.num_ranks=3"])
+    path = write_checkpoint(tmp_path, ResumeState(version=2, trained_prompts=16, num_ranks=2), _save("2"), keep=1)
+    with pytest.raises(ValueError, match=r"train.num_ranks: .* written by 2 trainer ranks.*got 3"):
+        TrainerCheckpoints(cfg, engine=None).restore(path)

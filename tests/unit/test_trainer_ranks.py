@@ -76,3 +76,52 @@ def test_configs_the_ranks_cannot_run_are_refused(overrides, message) -> None:
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
+
+
+class FakeOomEngine:
+    """A trainer engine whose every ``train_micro_batch`` runs out of memory; it counts
+    the samples of each attempt."""
+
+    chunk_size = 16
+    gradients_tainted = False
+
+    def __init__(self) -> None:
+        self.attempts: list[int] = []
+
+    def get_rng_state(self) -> bytes:
+        return b""
+
+    def set_rng_state(self, state: bytes) -> None:
+        return None
+
+    def train_micro_batch(self, batch, scale: float) -> dict[str, float]:
+        import torch
+
+        self.attempts.append(batch.num_samples)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_oom_is_halved_and_retried_with_one_rank_only(ranks) -> None:
+    """One rank: 4 groups of 2 fail, then 2, then 1 group, which stops the run
+    (``OomUnrecoverable``). Two ranks: the first error stops it as it is, untried again
+    (the ranks' engine has already named the rank and how to shrink the work)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeline.config import MemoryConfig
+    from pipeline.memory.guard import MemoryGuard
+    from pipeline.memory.oom import OomUnrecoverable
+    from stages.trainer import TrainerStage
+
+    stage = TrainerStage()
+    stage.cfg = SimpleNamespace(train=SimpleNamespace(num_ranks=ranks), algorithm=SimpleNamespace(loss_agg="token-mean"))
+    stage.engine = FakeOomEngine()
+    stage.guard = MemoryGuard("trainer", MemoryConfig())
+    stage._estimate = lambda piece: 0
+    batch = make_batch(num_groups=4, group_size=2)
+    with pytest.raises(OomUnrecoverable if ranks == 1 else torch.OutOfMemoryError):
+        asyncio.run(stage._train_recovering(batch, 1.0, batch))
+    assert stage.engine.attempts == ([8, 4, 2] if ranks == 1 else [8])
