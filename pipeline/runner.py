@@ -28,8 +28,9 @@ Guarantees:
 - on every exit path the processes the stage actors spawned on this host (the vLLM
   engine core and its workers) are gone when ``run_dataflow`` returns or raises: they
   are listed before the actors are killed and killed after them;
-- either mode (lock-step's barrier waits for what is delivered again), a node with ``max_restarts`` (rollout, reward and reference in the
-  built-in graph): when a replica's process dies, Ray restarts the actor (its
+- either mode (lock-step's barrier waits for what is delivered again), a node with
+  ``max_restarts`` (rollout, reward and reference in the built-in graph): when a
+  replica's process dies, Ray restarts the actor (its
   ``max_restarts``: Ray's own restarts, as the design asks, rather than new actors
   made here, so the handle every queue and the controller know stays valid) and
   this runner, which Ray cannot replace there, requeues what the dead process had
