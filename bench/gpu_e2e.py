@@ -2,9 +2,10 @@
 
 Measures on the machine's GPU(s), one run each, in this process:
 
-- Conveyor async (the config as it is), async with ``rollout.engine_core: in_process``
-  (``async_in_process``), and sync (``dataflow.async_execution=false``,
-  ``dataflow.max_staleness=0``), launched by ``pipeline.launch.launch_run``;
+- Conveyor async (the config as it is), sync (``dataflow.async_execution=false``,
+  ``dataflow.max_staleness=0``) and colocate (sync plus ``placement: colocate``: vLLM
+  sleeps while the trainer steps), launched by ``pipeline.launch.launch_run``
+  (``run_conveyor`` also knows ``async_in_process``: ``rollout.engine_core: in_process``);
 - TRL's ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"`` on one GPU, bf16,
   with the same locally built model, prompts, group size, completion length,
   temperature, learning rate, clip, grad clip, token-mean loss and steps (no KL, no
@@ -56,8 +57,10 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
 
     overrides = [f"run.dir={root / mode}", f"run.steps={steps}", "run.progress=false", f"run.name=gpu-e2e-{mode}",
                  "train.save_checkpoint=false", "run.tensorboard=false"]
-    if mode == "sync":
+    if mode in ("sync", "colocate"):
         overrides += ["dataflow.async_execution=false", "dataflow.max_staleness=0"]
+    if mode == "colocate":
+        overrides += ["placement=colocate"]
     if mode == "async_in_process":
         overrides += ["rollout.engine_core=in_process"]
     overrides += list(extra)
@@ -84,6 +87,8 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
         "busy_ratio": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
         "weight_transport": summary["trainer"].get("weight_transport"),
         "weight_publish_s": summary["trainer"].get("weight_publish_s"),
+        "gpu_free_gib_while_training": _mean([r.get("colocate/gpu_free_gib") for r in rows[WARMUP_STEPS:]]),
+        "gpu_handoff_s": _mean([r.get("colocate/handoff_s") for r in rows[WARMUP_STEPS:]]),
         **summarize_curve([(row["time"] - t0, row.get("reward/mean")) for row in rows]),
     }
 
@@ -153,7 +158,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
 
     steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
     rows = run_three_systems(run_conveyor, run_trl, steps, "conveyor-bench-gpu-e2e-",
-                             modes=("async", "async_in_process", "sync"))
+                             modes=("async", "sync", "colocate"))
 
     def per_gpu(key: str) -> float | None:
         row = rows[key]
@@ -162,17 +167,19 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
 
-    a, s, t, ip = per_gpu("async"), per_gpu("sync"), per_gpu("trl"), per_gpu("async_in_process")
+    a, s, t, c = per_gpu("async"), per_gpu("sync"), per_gpu("trl"), per_gpu("colocate")
     ratios = {
         "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
         "async_samples_per_s_per_gpu": a, "sync_samples_per_s_per_gpu": s, "trl_samples_per_s_per_gpu": t,
-        "async_in_process_samples_per_s_per_gpu": ip,
+        "colocate_samples_per_s_per_gpu": c,
         "async_over_sync": ratio(a, s), "async_over_trl": ratio(a, t),
-        "in_process_over_subprocess": ratio(ip, a), "async_in_process_over_trl": ratio(ip, t),
+        "colocate_over_trl": ratio(c, t), "colocate_over_sync": ratio(c, s), "colocate_over_async": ratio(c, a),
         "async_over_one_gpu_bound": ratio(a, ONE_GPU_BOUND), "trl_over_one_gpu_bound": ratio(t, ONE_GPU_BOUND),
         "async_rollout_busy": (rows["async"].get("busy_ratio") or {}).get("rollout"),
         "async_weight_sync_share": rows["async"].get("weight_sync_share"),
-        "targets": {"async_over_sync": 1.8, "async_rollout_busy": 0.7, "async_over_trl": 1.5},
+        "colocate_gpu_free_gib_while_training": rows["colocate"].get("gpu_free_gib_while_training"),
+        "targets": {"async_over_sync": 1.8, "async_rollout_busy": 0.7, "async_over_trl": 1.5,
+                    "colocate_over_trl": 1.5},
     }
     status = "ok" if rows["async"].get("status") == "ok" and rows["sync"].get("status") == "ok" else "error"
     payload = {"status": status, "quick": quick, "units": "samples = completions; seconds",

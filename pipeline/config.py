@@ -215,6 +215,9 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # (AsyncLLM); "in_process" runs it in the rollout actor's process, stepped by a thread
     # (stages/rollout/vllm_inproc.py), without serialising every step's outputs.
     engine_core: Literal["subprocess", "in_process"] = "subprocess"
+    # vLLM's sleep mode (its GPU memory from an allocator that can release and map it
+    # again); ``placement: colocate`` turns it on, to sleep while the trainer steps.
+    sleep_mode: bool = False
     seed: NonNegInt = 0
     memory: MemoryConfig = MemoryConfig()
     max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio
@@ -483,8 +486,12 @@ class DataflowConfig(msgspec.Struct, **_section()):
 class PlacementConfig(msgspec.Struct, **_section()):
     """``placement: auto`` (the default, an empty mapping) lets the planner choose GPUs;
     naming GPUs (or ``num_gpus``) for any stage makes the plan explicit: stages not
-    named then get no GPU."""
+    named then get no GPU. ``placement: colocate`` (``mode: colocate``) puts every GPU
+    stage on the trainer ranks' GPUs and time-shares them: vLLM sleeps (its weights and
+    KV cache freed) while the trainer steps, and wakes with the new weights
+    (``pipeline/placement.py``); it runs lock-step and on-policy."""
 
+    mode: Literal["auto", "colocate"] = "auto"
     source: PlacementEntry = PlacementEntry()
     rollout: PlacementEntry = PlacementEntry()
     reward: PlacementEntry = PlacementEntry()
@@ -719,11 +726,13 @@ def _expand_placement(raw: dict[str, Any]) -> dict[str, Any]:
     if place is None or (isinstance(place, dict) and not any(isinstance(v, list) for v in place.values())):
         return raw
     if isinstance(place, str):
-        if place != "auto":
-            raise ConfigError(f"placement: expected 'auto' or a mapping of stage -> GPU indices, got {place!r}")
-        return {**raw, "placement": {}}
+        if place not in ("auto", "colocate"):
+            raise ConfigError(f"placement: expected 'auto', 'colocate' or a mapping of stage -> GPU indices, "
+                              f"got {place!r}")
+        return {**raw, "placement": {"mode": place}}
     if not isinstance(place, dict):
-        raise ConfigError(f"placement: expected 'auto' or a mapping of stage -> GPU indices, got {place!r}")
+        raise ConfigError(f"placement: expected 'auto', 'colocate' or a mapping of stage -> GPU indices, "
+                          f"got {place!r}")
     return {**raw, "placement": {k: {"gpus": v} if isinstance(v, list) else v for k, v in place.items()}}
 
 
@@ -736,6 +745,8 @@ def _normalise(cfg: ConveyorConfig) -> ConveyorConfig:
     if cfg.algorithm.loss_norm_tokens is None:
         algo = msgspec.structs.replace(cfg.algorithm, loss_norm_tokens=cfg.rollout.max_tokens)
         cfg = msgspec.structs.replace(cfg, algorithm=algo)
+    if cfg.placement.mode == "colocate" and not cfg.rollout.sleep_mode:
+        cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, sleep_mode=True))
     return cfg
 
 
@@ -759,6 +770,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 def check_config(cfg: ConveyorConfig) -> None:
     """Cross-field rules that a single field's bounds cannot express."""
     df, tr, ro = cfg.dataflow, cfg.train, cfg.rollout
+    check_colocate(cfg)  # first: its reasons say more than the generic rules it implies
     if tr.prompts_per_step % df.prompts_per_micro_batch:
         raise ConfigError(
             f"train.prompts_per_step: expected a multiple of dataflow.prompts_per_micro_batch "
@@ -828,6 +840,34 @@ def check_config(cfg: ConveyorConfig) -> None:
             f"reward.path: set either reward.function ({cfg.reward.function!r}) or reward.path with "
             f"reward.name (verl's spelling), not both"
         )
+
+
+def check_colocate(cfg: ConveyorConfig) -> None:
+    """``placement: colocate`` time-shares a GPU between generation and training, one
+    after the other: lock-step, on-policy, weights after every step (the rollout wakes
+    to load them: it dropped its own), vLLM (whose sleep mode frees the memory), each
+    replica on one GPU, and GPUs the planner chooses."""
+    if cfg.placement.mode != "colocate":
+        return
+    df, tr, ro = cfg.dataflow, cfg.train, cfg.rollout
+    wrong = [("dataflow.async_execution: expected false (generation and training take turns on the GPU)",
+              df.async_execution),
+             (f"dataflow.max_staleness: expected 0 (a step generates on the weights of the step before), "
+              f"got {df.max_staleness}", df.max_staleness != 0),
+             (f"train.sync_interval: expected 1 (the rollout drops its weights while it sleeps and wakes "
+              f"to load the next ones), got {tr.sync_interval}", tr.sync_interval != 1),
+             ("rollout.backend: expected 'vllm' (its sleep mode frees the GPU memory) or a plug-in backend with "
+              "sleep and wake_up, got 'hf'", ro.backend == "hf"),
+             (f"train.ppo_mini_batches: expected 1 (a colocated step trains once it is whole), got "
+              f"{tr.ppo_mini_batches}", tr.ppo_mini_batches != 1),
+             (f"rollout.tensor_parallel_size: expected 1 (a tensor-parallel replica takes GPUs of its "
+              f"own), got {ro.tensor_parallel_size}", ro.tensor_parallel_size != 1),
+             ("placement: colocate plans the GPUs itself; remove the stages' gpus and num_gpus",
+              any(e.gpus is not None or e.num_gpus > 0 for e in (getattr(cfg.placement, f) for f in
+                                                                   cfg.placement.__struct_fields__ if f != "mode")))]
+    for message, bad in wrong:
+        if bad:
+            raise ConfigError(f"{message} with placement: colocate")
 
 
 def check_curriculum(data: DataConfig) -> None:

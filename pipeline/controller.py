@@ -10,6 +10,10 @@ It owns no compute and no tensors. It holds
   TensorBoard and ``conveyor status``;
 - in lock-step runs (``barrier``), the step barrier: prompts of step k are admitted
   only once the trainer has finished step k - 1;
+- with ``placement: colocate``, the GPU's turns: before it trains on a step's samples the
+  trainer asks every rollout worker to sleep (``hand_gpus_to_trainer``) and waits until
+  each has confirmed that its engine's GPU memory is free; the next published version
+  wakes them;
 - with ``data.curriculum``, the level the trainer last reported (``CURRICULUM_LEVEL``
   in its step metrics), handed to the source with its admission (``with_level``).
 
@@ -18,7 +22,8 @@ and only where the data needs it: at most one call per micro-batch (the source's
 admission), one per optimizer step (``finish_step``, which carries the step's metrics
 and, on a sync step, its weights) and one per weight update per rollout worker
 (``wait_for_update``, which carries the confirmation of the previous one); a dropped
-micro-batch adds its ``record_dropped``. Telemetry (spans, stage status, counters) never
+micro-batch adds its ``record_dropped``; a colocated step adds the trainer's
+``hand_gpus_to_trainer`` and two calls per rollout worker. Telemetry (spans, stage status, counters) never
 comes here: the driver pulls it from each stage on its tick. ``calls`` counts the
 stages' calls by method, so a test and ``summary.json`` can check that budget.
 
@@ -66,6 +71,8 @@ class ControllerActor:
         self._steps: list[dict[str, Any]] = []
         self._stop_reason: str | None = None
         self._curriculum_level: int | None = None  # none reported yet: the source keeps its own
+        self._sleep_version = -1  # colocate: the newest version whose training asked for the GPU
+        self._asleep: set[str] = set()  # rollout workers that confirmed sleeping for it
         self.calls: collections.Counter[str] = collections.Counter()
         if resumed:
             self.ledger.trained = int(resumed["trained_prompts"])
@@ -178,6 +185,36 @@ class ControllerActor:
         self._sync_log.append({"worker": c.worker, "version": c.version, "verified": c.verified,
                                "apply_s": c.apply_s, "publish_to_serve_s": lag, "time": time.time()})
 
+    # ---------------------------------------------------------------- colocate: GPU turns
+    async def hand_gpus_to_trainer(self, version: int, workers: int, timeout_s: float) -> list[str]:
+        """Ask every rollout worker to sleep before the trainer trains the step that
+        starts at ``version``; the workers asleep once ``workers`` of them confirmed, or
+        those that had when ``timeout_s`` ran out."""
+        self.calls["hand_gpus_to_trainer"] += 1
+        async with self._cond:
+            if version > self._sleep_version:
+                self._sleep_version, self._asleep = version, set()
+                self._cond.notify_all()
+            try:
+                await asyncio.wait_for(self._cond.wait_for(lambda: len(self._asleep) >= workers), timeout_s)
+            except TimeoutError:
+                pass
+            return sorted(self._asleep)
+
+    async def wait_for_sleep_request(self, newer_than: int) -> int:
+        """A rollout worker's wait for its turn to sleep: the version asking for the GPU."""
+        self.calls["wait_for_sleep_request"] += 1
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._sleep_version > newer_than)
+            return self._sleep_version
+
+    async def confirm_asleep(self, worker: str, version: int) -> None:
+        self.calls["confirm_asleep"] += 1
+        async with self._cond:
+            if version == self._sleep_version:
+                self._asleep.add(worker)
+                self._cond.notify_all()
+
     # ---------------------------------------------------------------- metrics, status
     def drain(self) -> dict[str, Any]:
         """Everything new since the last drain, plus the current counters."""
@@ -234,6 +271,15 @@ class ControllerClient:
 
     async def confirm(self, confirmed: WeightConfirmation) -> None:
         await self.actor.confirm.remote(confirmed)
+
+    async def hand_gpus_to_trainer(self, version: int, workers: int, timeout_s: float) -> list[str]:
+        return await self.actor.hand_gpus_to_trainer.remote(version, workers, timeout_s)
+
+    async def wait_for_sleep_request(self, newer_than: int) -> int:
+        return await self.actor.wait_for_sleep_request.remote(newer_than)
+
+    async def confirm_asleep(self, worker: str, version: int) -> None:
+        await self.actor.confirm_asleep.remote(worker, version)
 
     async def stop(self, reason: str) -> None:
         await self.actor.stop.remote(reason)

@@ -504,6 +504,8 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "reward/errors": reward.get("failed", 0),
         "reward/first_error": reward.get("first_error"),
         "trainer": trainer,
+        # Each rollout replica's own account (its weight updates; sleeps under colocate).
+        "rollout": [report.get("result") for report in result.reports.get("rollout", [])],
         "served": result.controller["served"],
         # The stages' controller calls by method (its budget: pipeline/controller.py).
         "controller_calls": result.controller["calls"],

@@ -19,6 +19,10 @@ Guarantees:
   ranks' GPUs; GPUs left over are reported idle. A tensor-parallel rollout replica
   (``rollout.tensor_parallel_size`` k > 1) gets k GPUs of its own by Ray count (vLLM's
   workers are processes of that actor), never shared. Reward (functions) stays on CPU.
+- ``placement: colocate``: trainer rank r on GPU r, rollout replicas round robin over the
+  ranks' GPUs, reference, critic and reward model with rank 0; vLLM's share is sized as
+  on a shared GPU, and the trainer also has the KV cache's memory while vLLM sleeps.
+  Refused without GPUs.
 - Explicit plans name GPU indices per stage (``placement: {rollout: [0], trainer: [1],
   reference: [1]}``, or ``{gpus: [0], exclusive: true}``); a stage not named gets no
   GPU. Per-stage Ray GPU counts (``num_gpus``) without indices are passed to Ray as
@@ -155,6 +159,8 @@ def plan_placement(
             entry = entries.get(name)
             if entry is not None and entry.gpus is not None:
                 gpus[name] = list(entry.gpus)
+    elif cfg.placement.mode == "colocate":
+        gpus = _plan_colocate(cfg, [s for s in GPU_STAGES if s in stages], available_gpus, notes)
     elif available_gpus >= 1:
         gpus, by_count = _plan_auto(cfg, [s for s in GPU_STAGES if s in stages], available_gpus, notes)
     # Replica r of a stage sits on gpus[r % len(gpus)]: one index per actor.
@@ -216,6 +222,23 @@ def _plan_auto(cfg: ConveyorConfig, on_gpu: list[str], available: int,
     notes.append(f"train.num_ranks {ranks} takes every GPU: rollout replicas share the trainer ranks' GPUs")
     return {s: (list(range(min(workers, available))) if s == "rollout" else list(range(ranks)) if s == "trainer"
                 else [0]) for s in on_gpu}, {}
+
+
+def _plan_colocate(cfg: ConveyorConfig, on_gpu: list[str], available: int, notes: list[str]) -> dict[str, list[int]]:
+    """``placement: colocate``: trainer rank r on GPU r, rollout replica r on GPU
+    r % ranks beside it, the other GPU stages with rank 0; vLLM sleeps while they train."""
+    if not available:
+        raise PlacementError("placement: colocate time-shares GPUs between vLLM and the trainer; the cluster has "
+                             "none (use placement: auto on CPU)")
+    ranks = cfg.train.num_ranks
+    if ranks > available:
+        raise PlacementError(f"train.num_ranks: {ranks} ranks need {ranks} GPUs (one each), the cluster has "
+                             f"{available}")
+    if available > ranks:
+        notes.append(f"{available - ranks} GPU(s) idle: placement colocate uses the {ranks} trainer rank GPU(s)")
+    notes.append("colocate: vLLM sleeps (weights and KV cache freed) while the trainer steps")
+    rollout = list(range(min(cfg.rollout.num_workers, ranks)))
+    return {s: rollout if s == "rollout" else list(range(ranks)) if s == "trainer" else [0] for s in on_gpu}
 
 
 def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], num_params: int, gpu_bytes: int,

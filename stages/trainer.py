@@ -30,6 +30,12 @@ Guarantees:
   memory stops the run (``OomUnrecoverable``). With ``train.num_ranks`` > 1 admission
   still splits, but an OOM on any rank stops the run (``TrainerRankError``): halving and
   retrying cannot be coordinated across ranks yet;
+- with ``placement: colocate`` the step's micro-batches are held (on the host) until the
+  whole step is in; then the trainer asks every rollout worker to sleep and waits for
+  all of them (``train.weight_sync_timeout_s``; a worker that does not confirm stops the
+  run), trains the step, hands its cached GPU memory back on every rank and publishes:
+  the publish wakes the rollout. The step's metrics add ``colocate/handoff_s`` and the
+  GPU memory free while it trained (``colocate/gpu_free_gib`` and ``_fraction``, on a GPU);
 - every ``train.sync_interval`` steps the weights are published once to the object
   store with their sha256 and fingerprint; rollout workers pull and confirm them. The
   transport is ``pipeline.transport.select_transport``'s: on a one-GPU cluster the
@@ -234,6 +240,11 @@ class TrainerStage:
         # KL-in-reward penalty measured on each micro-batch of the step (kl, samples).
         self._step_zero_variance = 0
         self._step_kl: list[tuple[float, int]] = []
+        # placement: colocate: the step's micro-batches (with their staleness) held until
+        # the whole step is in, and the GPU handoff's figures for the step's metrics.
+        self.colocated = False
+        self._held: list[tuple[RolloutBatch, int]] = []
+        self._colocate_metrics: dict[str, float] = {}
 
     async def setup(self, ctx: Any) -> None:
         from stages.reference import build_model_shape  # imports torch: not at module level
@@ -242,6 +253,7 @@ class TrainerStage:
         cfg = ctx.config
         self.cfg = cfg
         self.max_staleness = cfg.dataflow.max_staleness
+        self.colocated = cfg.placement.mode == "colocate"
         self.step_samples = cfg.train.prompts_per_step * cfg.rollout.n
         if cfg.train.num_ranks > 1:
             from stages.trainer_ranks import build_data_parallel_engine
@@ -289,8 +301,38 @@ class TrainerStage:
         batch, kl = await asyncio.to_thread(self._assign_advantages, batch)
         if kl is not None:
             self._step_kl.append((kl, batch.num_samples))
-        if not self._step_batches:
+        if not self.colocated:
+            await self._train_into_step(batch, staleness)
+            return None
+        if not self._held:
             self._step_started = time.time()
+        self._held.append((batch, staleness))
+        if sum(b.num_samples for b, _ in self._held) >= self.step_samples:
+            held, self._held = self._held, []
+            await self._take_gpus()
+            for b, s in held:
+                await self._train_into_step(b, s)
+        return None
+
+    async def _take_gpus(self) -> None:
+        """placement: colocate: every rollout worker asleep before the step trains."""
+        t0 = time.time()
+        workers, timeout = self.cfg.rollout.num_workers, self.cfg.train.weight_sync_timeout_s
+        asleep = await self.ctx.controller.hand_gpus_to_trainer(self.engine.version, workers, timeout)
+        if len(asleep) < workers:
+            raise RuntimeError(
+                f"placement: colocate: {workers - len(asleep)} of {workers} rollout worker(s) did not free the GPU "
+                f"within train.weight_sync_timeout_s ({timeout:g} s) for step {self.engine.version}; asleep: {asleep}")
+        free, total = await asyncio.to_thread(self.engine.release_cached_memory)
+        self._colocate_metrics = {"colocate/handoff_s": time.time() - t0,
+                                  **({"colocate/gpu_free_gib": free / (1 << 30),
+                                      "colocate/gpu_free_fraction": free / total} if total else {})}
+
+    async def _train_into_step(self, batch: RolloutBatch, staleness: int) -> None:
+        """Train ``batch`` into the current step; the optimizer steps once the step is whole."""
+        if not self._step_batches:
+            if not self.colocated:  # colocated: the step started when its first micro-batch was held
+                self._step_started = time.time()
             self._step_rng = self.engine.get_rng_state()
             self._step_pieces, self._step_layouts = [], {}
         trained = await self._train(batch)
@@ -304,7 +346,6 @@ class TrainerStage:
         self._step_staleness += [staleness] * batch.num_samples
         if sum(b.num_samples for b in self._step_batches) >= self.step_samples:
             await self._optimizer_step()
-        return None
 
     def _assign_advantages(self, batch: RolloutBatch) -> tuple[RolloutBatch, float | None]:
         """The batch with its advantages, and the KL-in-reward penalty measured on it
@@ -411,6 +452,8 @@ class TrainerStage:
         update, payload, sync_s = None, None, 0.0
         if version % self.cfg.train.sync_interval == 0:
             update, payload, sync_s = await self._export(version)
+        if self.colocated:  # before the publish wakes the rollout on this GPU
+            await asyncio.to_thread(self.engine.release_cached_memory)
         now = time.time()
         step_s = now - self._step_started
         tokens = sum(b.num_tokens for b in batches)
@@ -442,6 +485,7 @@ class TrainerStage:
             **{f"actor/{k}": float(max(p[k] for p in pieces))
                for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},
             **{f"actor/{k}": float(v) for k, v in step_out.items()},
+            **self._colocate_metrics,
         }
         # One call: the ledger, the step's metrics and, on a sync step, its weights.
         await self.ctx.controller.finish_step(sum(len(b.prompts) for b in batches), version, metrics, update, payload)

@@ -425,6 +425,15 @@ class TrainerEngine:
             "skipped": float(self.engine.skipped_steps - skipped_before),
         }
 
+    def release_cached_memory(self) -> tuple[int, int]:
+        """Hand the CUDA allocator's cached blocks back (another process on this GPU
+        needs them: ``placement: colocate``); (free, total) bytes of the GPU after it,
+        (0, 0) without one."""
+        from pipeline.memory.oom import free_cached_memory
+
+        free_cached_memory()
+        return torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
+
     def discard_gradients(self) -> None:
         """Drop every gradient accumulated since the last optimizer step (the caller
         re-accumulates the step's pieces); clears ``gradients_tainted``."""

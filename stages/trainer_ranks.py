@@ -175,6 +175,9 @@ class TrainerRank:
     def discard_gradients(self) -> None:
         self.engine.discard_gradients()
 
+    def release_cached_memory(self) -> tuple[int, int]:
+        return self.engine.release_cached_memory()
+
     def join_gather(self) -> None:
         """Take part in rank 0's gather of the whole weights (ZeRO 3)."""
         with self.engine.gathered_parameters():
@@ -332,6 +335,11 @@ class DataParallelEngine:
 
     def discard_gradients(self) -> None:
         self._on_all_ranks(self.local.discard_gradients, lambda: [a.discard_gradients.remote() for a in self.actors])
+
+    def release_cached_memory(self) -> tuple[int, int]:
+        """Every rank's cache back to its GPU; rank 0's GPU's (free, total) bytes."""
+        return self._on_all_ranks(self.local.release_cached_memory,
+                                  lambda: [a.release_cached_memory.remote() for a in self.actors])[0]
 
     def save_state(self, path: Path) -> None:
         self._on_all_ranks(functools.partial(self.local.save_state, path),

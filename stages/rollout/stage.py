@@ -27,6 +27,12 @@ Guarantees:
   out-of-memory error from the backend (HF ``generate``) halves the prompts and retries.
   The KV budget is ``rollout.kv_cache_gib``, what the CPU engine preallocates (on a GPU
   set ``rollout.memory.budget_bytes`` to the engine's KV cache).
+- with ``placement: colocate`` (lock-step, on-policy) the worker sleeps when the
+  trainer asks for the GPU (``ControllerClient.hand_gpus_to_trainer``): once nothing is
+  generating here, the backend's ``sleep`` frees the engine's weights and KV cache, and
+  the worker confirms. The next update wakes it: weights first, the update loaded into
+  them (and read back, as always), then the KV cache. A micro-batch never generates on a
+  sleeping engine: its version wait ends only after that wake;
 - with ``rollout.tools`` each sample is a multi-turn trajectory with tool calls
   (``stages/rollout/multi_turn.py``): tool output is masked out of the loss
   (``RolloutBatch.loss_mask``) and the per-sample tool and turn counts ride in
@@ -119,6 +125,10 @@ class RolloutStage:
         self.applied_count, self.apply_s_total = 0, 0.0
         self.last_applied: dict[str, Any] | None = None
         self._watch_error: BaseException | None = None
+        # placement: colocate: sleeps and wakes (counters), and generation in progress.
+        self.colocated, self.asleep = False, False
+        self.sleeps, self.sleep_s_total, self.wake_s_total = 0, 0.0, 0.0
+        self._generating = 0
 
     async def setup(self, ctx: Any) -> None:
         from transformers import AutoTokenizer
@@ -134,6 +144,10 @@ class RolloutStage:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
         self.backend = build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
+        self.colocated = cfg.placement.mode == "colocate"
+        if self.colocated and not (hasattr(self.backend, "sleep") and hasattr(self.backend, "wake_up")):
+            raise ValueError(f"placement: colocate needs a rollout backend that can sleep and wake up; "
+                             f"rollout.backend {cfg.rollout.backend!r} cannot")
         await self.backend.start()
         self.sampling = build_sampling_settings(cfg.rollout, None)
         if cfg.rollout.tools is not None:
@@ -148,23 +162,52 @@ class RolloutStage:
         pool = build_pool_reading(int(cfg.rollout.kv_cache_gib * (1 << 30)))
         self.guard = MemoryGuard(ctx.name, cfg.rollout.memory, read=lambda: pool, spans=ctx.spans)
         self._version_changed = asyncio.Condition()
-        self._applying = asyncio.Lock()  # shutdown waits for an update in progress
-        self._watcher = asyncio.create_task(self._watch_weights())
+        self._idle = asyncio.Condition()  # notified when a generation ends
+        self._applying = asyncio.Lock()  # shutdown waits for an update in progress; sleeps wait too
+        self._watchers = [asyncio.create_task(self._watch(loop)) for loop in
+                          (self._watch_weights, *([self._watch_sleep_requests] if self.colocated else []))]
 
     # ------------------------------------------------------------------ weights
-    async def _watch_weights(self) -> None:
+    async def _watch(self, loop: Any) -> None:
         try:
-            confirmed = None  # the confirmation of an update rides on the next wait
-            while True:
-                update, payload = await self.ctx.controller.wait_for_update(self.backend.version, None, confirmed)
-                if update is None:
-                    return  # the run is stopping
-                confirmed = await self._apply(update, payload)
+            await loop()
         except BaseException as exc:  # surfaced by the next process() call
             self._watch_error = exc
             async with self._version_changed:
                 self._version_changed.notify_all()
             raise
+
+    async def _watch_weights(self) -> None:
+        confirmed = None  # the confirmation of an update rides on the next wait
+        while True:
+            update, payload = await self.ctx.controller.wait_for_update(self.backend.version, None, confirmed)
+            if update is None:
+                return  # the run is stopping
+            confirmed = await self._apply(update, payload)
+
+    async def _watch_sleep_requests(self) -> None:
+        """placement: colocate: sleep when the trainer asks for the GPU (module guarantees)."""
+        seen = -1
+        while True:
+            seen = await self.ctx.controller.wait_for_sleep_request(seen)
+            async with self._applying:
+                async with self._idle:
+                    await self._idle.wait_for(lambda: self._generating == 0)
+                    # A worker already serving a newer version was woken for the next step.
+                    sleep = not self.asleep and self.backend.version <= seen
+                    self.asleep |= sleep  # from here no generation starts: version waits see it
+                if sleep:
+                    t0 = time.time()
+                    with self.ctx.spans.span("sync"):
+                        await self.backend.sleep()
+                    self.sleeps += 1
+                    self.sleep_s_total += time.time() - t0
+            await self.ctx.controller.confirm_asleep(self.ctx.worker_id, seen)
+
+    async def _wake(self, tags: list[str]) -> None:
+        t0 = time.time()
+        await self.backend.wake_up(tags)
+        self.wake_s_total += time.time() - t0
 
     async def _apply(self, update: Any, payload_ref: Any) -> WeightConfirmation:
         async with self._applying:
@@ -183,10 +226,15 @@ class RolloutStage:
             # The backend raises WeightSyncError (and serves nothing unverified) when
             # the read-back differs from the payload.
             verify = self.cfg.train.weight_sync_monitor
+            if self.asleep:
+                await self._wake(["weights"])  # memory for the update to load into
             # ``verify`` is passed only when off: a plug-in backend of the two-argument
             # protocol keeps working with the default.
             fingerprint = await (self.backend.update_weights(data, update.version) if verify
                                  else self.backend.update_weights(data, update.version, verify=False))
+            if self.asleep:
+                await self._wake(["kv_cache"])
+                self.asleep = False
         seconds = time.time() - t0
         self.applied_count += 1
         self.apply_s_total += seconds
@@ -198,8 +246,12 @@ class RolloutStage:
         return WeightConfirmation(worker=self.ctx.worker_id, version=update.version, fingerprint=tuple(fingerprint),
                                   verified=verify, apply_s=seconds)
 
+    def _serves(self, need: int) -> bool:
+        """The engine is awake and serves version ``need`` or newer."""
+        return self.backend.version >= need and not self.asleep
+
     async def _wait_for_version(self, need: int, batch_id: int) -> None:
-        if self.backend.version >= need and self._watch_error is None:
+        if self._serves(need) and self._watch_error is None:
             return
         timeout = self.cfg.train.weight_sync_timeout_s
         t0 = time.time()
@@ -207,8 +259,7 @@ class RolloutStage:
             async with self._version_changed:
                 try:
                     await asyncio.wait_for(
-                        self._version_changed.wait_for(
-                            lambda: self.backend.version >= need or self._watch_error is not None),
+                        self._version_changed.wait_for(lambda: self._serves(need) or self._watch_error is not None),
                         timeout,
                     )
                 except TimeoutError:
@@ -226,6 +277,15 @@ class RolloutStage:
             raise self._watch_error
         df, tr = self.cfg.dataflow, self.cfg.train
         await self._wait_for_version(required_serving_version(pb.step, df.max_staleness, tr.sync_interval), pb.batch_id)
+        self._generating += 1  # no await since the version wait: a sleep cannot start in between
+        try:
+            return await self._generate_batch(pb)
+        finally:
+            async with self._idle:
+                self._generating -= 1
+                self._idle.notify_all()
+
+    async def _generate_batch(self, pb: PromptBatch) -> RolloutBatch:
         ids = {p.prompt_id: p.token_ids or self.tokenizer(p.text, add_special_tokens=True)["input_ids"]
                for p in pb.prompts}
 
@@ -260,23 +320,27 @@ class RolloutStage:
         return batch
 
     def status(self) -> dict[str, Any]:
-        return {"state": "generating", "policy_version": self.backend.version,
-                "samples": self.generated_samples, "tokens": self.generated_tokens, **self.guard.status()}
+        colocate = ({"asleep": self.asleep, "sleeps": self.sleeps, "sleep_s_total": self.sleep_s_total,
+                     "wake_s_total": self.wake_s_total} if self.colocated else {})
+        return {"state": "asleep" if self.asleep else "generating", "policy_version": self.backend.version,
+                "samples": self.generated_samples, "tokens": self.generated_tokens, **self.guard.status(), **colocate}
 
     def result(self) -> dict[str, Any]:
         return {**self.status(), "weight_updates": {"count": self.applied_count, "apply_s_total": self.apply_s_total,
                                                     "last": self.last_applied}}
 
     async def shutdown(self) -> None:
-        async with self._applying:  # never cancel an update half-applied inside the engine
-            self._watcher.cancel()
+        async with self._applying:  # never cancel an update (or a sleep) half-done inside the engine
+            for task in self._watchers:
+                task.cancel()
         if self._watch_error is None:
             # End of run: serve the final policy (the last publish lands after the last
             # generation), so every worker ends on the trainer's version, verified.
             update, payload = await self.ctx.controller.latest_update()
             if update is not None and update.version > self.backend.version:
                 await self.ctx.controller.confirm(await self._apply_locked(update, payload))
-            if update is not None and not self.cfg.train.weight_sync_monitor:
+            # A sleeping engine holds no weights to read back (an interrupted colocated run).
+            if update is not None and not self.cfg.train.weight_sync_monitor and not self.asleep:
                 await self._verify_final(update)
         await self.backend.shutdown()
 

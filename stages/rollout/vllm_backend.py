@@ -42,6 +42,11 @@ Guarantees (beyond ``stages.rollout.base``):
   buckets through CUDA IPC handles: nothing is copied to the host, and the buckets'
   fingerprint is checked in the worker before anything is loaded (a mismatch raises
   ``WeightSyncError`` with the old weights still serving).
+- With ``rollout.sleep_mode`` (``placement: colocate``) the engine allocates its GPU
+  memory so that it can be released: ``sleep`` (idle engine only) frees the weights and
+  the KV cache (vLLM's level 2: the weights are not kept anywhere, as the next update
+  replaces them all), ``wake_up(["weights"])`` maps the weights' memory again for the
+  update to load into, ``wake_up(["kv_cache"])`` the KV cache.
 - ``shutdown`` stops the output handler before the engine process, and gives that
   process time to exit on its own: no EngineDeadError, no force-kill.
 - A payload that names a tensor the checkpoint lacks, or gives one another shape, is
@@ -119,6 +124,8 @@ def build_engine_kwargs(
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,
     )
+    if cfg.sleep_mode and not on_cpu:  # vLLM's CPU workers have no sleep mode (they ignore sleep)
+        kwargs["enable_sleep_mode"] = True
     if on_cpu:
         # vLLM 0.32 reads the legacy env VLLM_CPU_KVCACHE_SPACE (whole GiB only) into
         # this same field; the engine argument takes fractions and touches no env.
@@ -571,6 +578,15 @@ class VLLMBackend:
             f"({err!r}); generation stays paused until an update succeeds"
         )
         log.error("weight update failed; engine paused", policy_version=version, error=repr(err))
+
+    async def sleep(self) -> None:
+        """Free the engine's weights and KV cache (``rollout.sleep_mode``; idle engine)."""
+        await self._require_engine().sleep(level=2)
+
+    async def wake_up(self, tags: list[str]) -> None:
+        """Map ``tags`` (``weights``, ``kv_cache``) again; the weights' contents are
+        undefined until an update loads them."""
+        await self._require_engine().wake_up(tags=tags)
 
     async def live_fingerprint(self) -> Fingerprint:
         engine = self._require_engine()

@@ -213,6 +213,12 @@ class InProcessEngine:
 
         await self.call(resume)
 
+    async def sleep(self, level: int = 1) -> None:
+        await self.call(lambda engine: engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.call(lambda engine: engine.wake_up(tags))
+
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
         return await self.call(lambda engine: engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs))

@@ -334,3 +334,53 @@ class FakeFailingTrainerRank(TrainerRank):
 
     def train(self, part: RolloutBatch, scale: float, pad: int) -> dict[str, float]:
         raise ValueError(f"fake failure in train on rank {self.rank}")
+
+
+class FakeSleepingBackend:
+    """A rollout backend (``rollout.backend: tests.ray_local.fakes:FakeSleepingBackend``)
+    that can sleep and wake like vLLM's sleep mode and logs every call in order. Each
+    ``generate`` takes ``GENERATE_S`` and fails if the engine is asleep at its start or
+    falls asleep before it ends: what a sleeping vLLM's freed memory would mean."""
+
+    GENERATE_S = 0.3
+
+    def __init__(self, model_path: Any, rollout_cfg: Any, dtype: str) -> None:
+        self.version = 0
+        self.asleep: set[str] = set()
+        self.events: list[tuple[Any, ...]] = []
+
+    async def start(self) -> None:
+        self.events.append(("start",))
+
+    async def generate(self, prompt_token_ids: list[list[int]], sampling: Any) -> list[Any]:
+        from stages.rollout.base import Completion, GenerationResult
+
+        self.events.append(("generate", self.version))
+        for _ in range(2):
+            if self.asleep:
+                raise RuntimeError(f"generate on a sleeping engine ({sorted(self.asleep)} freed)")
+            await asyncio.sleep(self.GENERATE_S / 2)
+        return [GenerationResult(prompt_token_ids=ids, completions=[
+            Completion(token_ids=[5, 6], logprobs=[-0.5, -0.5], token_versions=[self.version] * 2,
+                       finish_reason="length", text="ab") for _ in range(sampling.n)]) for ids in prompt_token_ids]
+
+    async def update_weights(self, data: bytes, version: int, verify: bool = True) -> tuple[float, float]:
+        if "weights" in self.asleep:
+            raise RuntimeError("update_weights into freed weight memory")
+        self.events.append(("update", version))
+        self.version = version
+        return (1.0, 1.0)
+
+    async def sleep(self) -> None:
+        self.events.append(("sleep",))
+        self.asleep = {"weights", "kv_cache"}
+
+    async def wake_up(self, tags: list[str]) -> None:
+        self.events.append(("wake", *tags))
+        self.asleep -= set(tags)
+
+    async def live_fingerprint(self) -> tuple[float, float]:
+        return (1.0, 1.0)
+
+    async def shutdown(self) -> None:
+        self.events.append(("shutdown",))

@@ -128,7 +128,7 @@ def test_placement_config_forms():
     assert config(placement="auto").placement == config().placement
     cfg = config(placement={"rollout": [0, 1], "trainer": {"gpus": [1], "num_cpus": 2}})
     assert cfg.placement.rollout.gpus == [0, 1] and cfg.placement.trainer.num_cpus == 2
-    with pytest.raises(ConfigError, match="placement: expected 'auto' or a mapping"):
+    with pytest.raises(ConfigError, match="placement: expected 'auto', 'colocate' or a mapping"):
         config(placement="manual")
     with pytest.raises(ConfigError, match=r"placement.rollout.gpus\[0\]: expected int >= 0"):
         config(placement={"rollout": [-1]})
@@ -213,3 +213,36 @@ def test_status_lists_trainer_ranks_and_replicas_per_gpu_and_the_stage_gets_its_
     tp = config(rollout={"tensor_parallel_size": 2})
     rows = list_gpu_actors(tp, build_dataflow(tp, plan(tp, 3)))
     assert rows[-1] == ("2 by count", ["rollout x 1, tensor parallel 2"])
+
+
+COLOCATE = {"placement": "colocate", "dataflow": {"async_execution": False, "max_staleness": 0}}
+
+
+def test_colocate_puts_every_gpu_stage_on_the_ranks_gpus_and_turns_on_vllm_sleep_mode():
+    cfg = config(**COLOCATE)
+    assert cfg.placement.mode == "colocate" and cfg.rollout.sleep_mode
+    assert not config().rollout.sleep_mode
+    p = plan(cfg, 2)  # one rank: GPU 1 idle, everything with rank 0
+    assert p.stages["rollout"].gpus == p.stages["trainer"].gpus == p.stages["reference"].gpus == (0,)
+    assert p.rollout_memory_fraction == 0.772  # sized as on a shared GPU
+    assert any("1 GPU(s) idle" in n for n in p.notes) and any("vLLM sleeps" in n for n in p.notes)
+    p = plan(config(**COLOCATE, train={"num_ranks": 2}, rollout={"num_workers": 2}), 2)
+    assert p.stages["rollout"].gpus == (0, 1) and p.stages["trainer"].gpus == (0, 1)
+    assert p.stages["reference"].gpus == (0,)
+    with pytest.raises(PlacementError, match="placement: colocate time-shares GPUs .* the cluster has none"):
+        plan(cfg, 0)
+    with pytest.raises(PlacementError, match="train.num_ranks: 2 ranks need 2 GPUs"):
+        plan(config(**COLOCATE, train={"num_ranks": 2}), 1)
+
+
+@pytest.mark.parametrize(("sections", "message"), [
+    ({"placement": "colocate"}, "dataflow.async_execution: expected false"),
+    ({**COLOCATE, "dataflow": {"async_execution": False, "max_staleness": 1}}, "dataflow.max_staleness: expected 0"),
+    ({**COLOCATE, "train": {"sync_interval": 2}}, "train.sync_interval: expected 1"),
+    ({**COLOCATE, "rollout": {"backend": "hf"}}, "rollout.backend: expected 'vllm'"),
+    ({**COLOCATE, "rollout": {"tensor_parallel_size": 2}}, "rollout.tensor_parallel_size: expected 1"),
+    ({**COLOCATE, "placement": {"mode": "colocate", "rollout": [0]}}, "placement: colocate plans the GPUs itself"),
+])
+def test_colocate_refuses_what_cannot_take_turns_on_a_gpu(sections, message):
+    with pytest.raises(ConfigError, match=re.escape(message) + ".* with placement: colocate"):
+        config(**sections)

@@ -1,0 +1,92 @@
+"""``placement: colocate`` on the real controller and rollout stage, with a backend that
+sleeps like vLLM's sleep mode (``FakeSleepingBackend``): the rollout frees the GPU only
+once nothing generates, the trainer's handoff returns only after that, and the next
+version wakes it (weights, the update, then the KV cache) before any generation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeline.config import decode_config
+from pipeline.controller import ControllerActor, ControllerClient
+from pipeline.types import Prompt, PromptBatch, WeightUpdate
+from pipeline.weights import compute_sha256
+from stages.rollout.stage import RolloutStage
+from tests.ray_local.fakes import FakeStageContext
+
+CONFIG = {
+    "placement": "colocate",
+    "dataflow": {"async_execution": False, "max_staleness": 0, "prompts_per_micro_batch": 1},
+    "rollout": {"backend": "tests.ray_local.fakes:FakeSleepingBackend", "n": 2, "max_tokens": 2},
+    "train": {"prompts_per_step": 2, "weight_sync_timeout_s": 30},
+}
+
+
+def batch(batch_id: int, step: int) -> PromptBatch:
+    return PromptBatch(batch_id=batch_id, step=step, prompts=[Prompt(prompt_id=f"p{batch_id}", text="12")])
+
+
+def test_the_rollout_sleeps_when_idle_and_wakes_with_the_next_version(ray_cluster):
+    cfg = decode_config(CONFIG)
+    controller = ControllerClient(ControllerActor.remote(target_prompts=8, prompts_per_step=2, barrier=True))
+
+    async def scenario() -> tuple[list[tuple], list[str], dict]:
+        stage = RolloutStage()
+        ctx = FakeStageContext("rollout", cfg)
+        ctx.controller = controller
+        await stage.setup(ctx)
+        backend = stage.backend
+        # Step 0: two micro-batches generating when the trainer asks for the GPU.
+        gens = [asyncio.create_task(stage.process(batch(i, 0))) for i in range(2)]
+        await asyncio.sleep(0.05)
+        asleep = await controller.hand_gpus_to_trainer(0, 1, 30.0)
+        assert all(g.done() for g in gens), "the handoff returned while the rollout still generated"
+        assert stage.asleep and backend.events[-1] == ("sleep",)
+        # Step 1's micro-batch arrives before the trainer publishes: it waits for the wake.
+        early = asyncio.create_task(stage.process(batch(2, 1)))
+        await asyncio.sleep(0.2)
+        assert not early.done() and backend.events[-1] == ("sleep",)
+        data = b"weights-v1"
+        await controller.publish(WeightUpdate(version=1, sha256=compute_sha256(data), fingerprint=(1.0, 1.0),
+                                              num_bytes=len(data)), ray_cluster.put(data))
+        out = await early
+        assert set(out.token_versions.ravel()) == {1}
+        status = stage.status()
+        await stage.shutdown()
+        return backend.events, asleep, status
+
+    events, asleep, status = asyncio.run(scenario())
+    assert asleep == ["rollout:0"]
+    after_warmup = events[events.index(("generate", 0)) + 1:]
+    assert after_warmup == [("generate", 0), ("generate", 0), ("sleep",), ("wake", "weights"), ("update", 1),
+                            ("wake", "kv_cache"), ("generate", 1), ("shutdown",)]
+    assert status["sleeps"] == 1 and not status["asleep"] and status["state"] == "generating"
+
+
+def test_a_handoff_that_no_worker_confirms_times_out_with_those_asleep(ray_cluster):
+    controller = ControllerClient(ControllerActor.remote(target_prompts=8, prompts_per_step=2, barrier=True))
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        alone = await controller.hand_gpus_to_trainer(0, 1, 0.3)
+        waiter = asyncio.create_task(controller.wait_for_sleep_request(0))
+        handoff = asyncio.create_task(controller.hand_gpus_to_trainer(1, 2, 30.0))
+        assert await waiter == 1
+        await controller.confirm_asleep("rollout:0", 0)  # a stale confirmation counts for nothing
+        await controller.confirm_asleep("rollout:0", 1)
+        await asyncio.sleep(0.2)
+        assert not handoff.done()
+        await controller.confirm_asleep("rollout:1", 1)
+        return alone, await handoff
+
+    alone, both = asyncio.run(scenario())
+    assert alone == [] and both == ["rollout:0", "rollout:1"]
+
+
+def test_a_backend_that_cannot_sleep_is_refused_under_colocate(ray_cluster):
+    cfg = decode_config({**CONFIG, "rollout": {**CONFIG["rollout"], "backend": "stages.rollout.hf_backend:HFBackend"}})
+    stage = RolloutStage()
+    ctx = FakeStageContext("rollout", cfg)
+    with pytest.raises(ValueError, match="placement: colocate needs a rollout backend that can sleep"):
+        asyncio.run(stage.setup(ctx))
