@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-import yaml
-
+from pipeline.config import load_config
+from pipeline.launch import plan_run_placement
 from pipeline.metrics import read_metrics
 from tests.gpu.test_pipeline_gpu import LOG_DIR, ROOT, _conveyor
 
@@ -17,15 +17,16 @@ STEPS = 6
 
 def test_colocated_run_frees_vllms_memory_for_every_training_step(tmp_path):
     run_dir = tmp_path / "colocate"
-    done = _conveyor("launch", "--config", str(ROOT / "configs" / "gpu_small.yaml"), "placement=colocate",
-                     "dataflow.async_execution=false", "dataflow.max_staleness=0", f"run.dir={run_dir}",
-                     f"run.steps={STEPS}", "run.progress=false", "train.save_checkpoint=false",
-                     log=LOG_DIR / "colocate.log")
+    config = ROOT / "configs" / "gpu_small.yaml"
+    overrides = ["placement=colocate", "dataflow.async_execution=false", "dataflow.max_staleness=0",
+                 f"run.dir={run_dir}", f"run.steps={STEPS}", "run.progress=false", "train.save_checkpoint=false"]
+    # vLLM's share of the GPU as the launch plans it (nvidia-smi: no CUDA context here).
+    share = plan_run_placement(load_config(config, overrides))[1].rollout_memory_fraction
+    done = _conveyor("launch", "--config", str(config), *overrides, log=LOG_DIR / "colocate.log")
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert summary["samples"]["reconciles"] and [r["step"] for r in rows] == list(range(STEPS))
-    share = yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["gpu_memory_utilization"]
     free = [r["colocate/gpu_free_fraction"] for r in rows]
     print(f"vLLM share {share}, free while training {free}, handoff s {[r['colocate/handoff_s'] for r in rows]}, "
           f"rollout {summary['rollout']}")
@@ -33,7 +34,7 @@ def test_colocated_run_frees_vllms_memory_for_every_training_step(tmp_path):
     assert share > 0.5 and min(free) > 1 - share, (share, free)
     calls = summary["controller_calls"]
     assert calls["hand_gpus_to_trainer"] == calls["confirm_asleep"] == STEPS
-    (rollout,) = summary["rollout"]
-    assert rollout["sleeps"] == STEPS and not rollout["asleep"]
+    (rollout,) = summary["rollout"]  # its account before shutdown, where the final version wakes it
+    assert rollout["sleeps"] == STEPS and rollout["weight_updates"]["count"] == STEPS - 1
     for worker, state in summary["served"].items():
         assert state["version"] == STEPS and state["verified"], (worker, state)
