@@ -28,7 +28,8 @@ Guarantees:
 - telemetry stays here until the driver pulls it: spans and the core's ``status()``
   leave in one ``telemetry`` call per driver tick, never one call per micro-batch; a
   core reaches the controller only through ``ctx.controller``, a typed
-  ``ControllerClient``;
+  ``ControllerClient``, and what it posted there has taken effect before ``run``
+  returns;
 - output queues are closed exactly once, at end-of-stream, so consumers drain and stop
   (once per producer id: an actor restarted after a crash closes them again harmlessly);
 - inputs are leased (``pipeline/queue.py``): this shell tells its input queue which
@@ -102,7 +103,7 @@ def _as_list(out: Any) -> list[Any]:
     return list(out) if isinstance(out, list) else [out]
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, enable_task_events=False)  # as QueueActor: no per-call task events
 class StageActor:
     def __init__(
         self,
@@ -205,9 +206,11 @@ class StageActor:
                             await asyncio.gather(*(out.wait_drained() for out in outs))
             else:
                 await self._consume(inp, outs)
+                inp.flush_releases()  # what the last puts' replies brought
             if hasattr(self.core, "finish"):
                 for item in _as_list(await self.core.finish()):
                     await self._emit(item, outs)
+            await self.ctx.controller.settle()  # what the core posted has taken effect
         except BaseException as exc:
             self._state = "failed"
             raise StageError(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
