@@ -14,7 +14,10 @@ the consumer maps the object or takes the value).
 
 Baselines measured in the same run:
 - ``np.copyto`` of the same number of bytes between two pre-touched buffers: one copy;
-- the round trip of an empty actor call, the floor of any hop (a hop is about three calls).
+- the round trip of an empty actor call, the floor of any hop (a hop is about three calls);
+- what one actor-to-actor call carrying a 16 KB micro-batch costs, in latency and in CPU
+  time of both processes, with Ray's task events (its per-call records for the dashboard)
+  on and off, alternately: the control-plane actors run with them off.
 
 ``copies`` = (hop latency - the 1 KB hop latency) / memcpy time: about 1 when a payload is
 copied once (into the object store) and mapped, not copied, by the consumer. ``zero_copy``
@@ -134,6 +137,52 @@ async def measure_call_rtt(repeats: int) -> dict[str, float]:
     return summarize(times)
 
 
+class CallTarget:
+    """The receiving end of ``measure_call_cost``."""
+
+    def take(self, value: Any) -> None:
+        return None
+
+    def cpu_s(self) -> float:
+        return time.process_time()
+
+
+class CallSource:
+    """Calls ``target.take`` ``n`` times in a row, as a stage shell calls its queues."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    async def call(self, n: int, size: int) -> float:
+        """Mean seconds per call."""
+        value = np.ones(size, dtype=np.uint8)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            await self.target.take.remote(value)
+        return (time.perf_counter() - t0) / n
+
+    def cpu_s(self) -> float:
+        return time.process_time()
+
+
+async def measure_call_cost(calls: int, size: int, task_events: bool) -> dict[str, Any]:
+    """One actor calling an async actor ``calls`` times with ``size`` bytes inline: mean
+    latency and CPU milliseconds of both processes per call."""
+    opts = {"num_cpus": 0, "enable_task_events": task_events}
+    target = ray.remote(max_concurrency=1000, **opts)(CallTarget).remote()
+    source = ray.remote(**opts)(CallSource).remote(target)
+    try:
+        await source.call.remote(max(1, calls // 10), size)  # warm-up
+        cpu0 = sum(await asyncio.gather(target.cpu_s.remote(), source.cpu_s.remote()))
+        latency = await source.call.remote(calls, size)
+        cpu1 = sum(await asyncio.gather(target.cpu_s.remote(), source.cpu_s.remote()))
+    finally:
+        for a in (source, target):
+            ray.kill(a, no_restart=True)
+    return {"task_events": task_events, "bytes": size, "calls": calls, "latency_ms": 1e3 * latency,
+            "cpu_ms_per_call": 1e3 * (cpu1 - cpu0) / calls}
+
+
 def _repeats(size: int, quick: bool) -> int:
     if quick:
         return 5
@@ -142,6 +191,12 @@ def _repeats(size: int, quick: bool) -> int:
 
 async def _run_async(sizes: list[int], quick: bool) -> dict[str, Any]:
     rtt = await measure_call_rtt(10 if quick else 100)
+    # Alternately, so that a change of the machine's load falls on both settings.
+    call_cost = [await measure_call_cost(50 if quick else 2000, 16 * KB, events)
+                 for _ in range(1 if quick else 3) for events in (True, False)]
+    for c in call_cost:
+        print(f"16 KB call, task events {'on ' if c['task_events'] else 'off'}: {c['latency_ms']:.2f} ms, "
+              f"{c['cpu_ms_per_call']:.3f} CPU-ms", flush=True)
     rows = []
     for size in sizes:
         reps = _repeats(size, quick)
@@ -157,7 +212,7 @@ async def _run_async(sizes: list[int], quick: bool) -> dict[str, Any]:
         print(f"{size:>10} B  actor hop {1e3 * actor['latency_s']['median']:8.2f} ms  driver hop "
               f"{1e3 * driver['latency_s']['median']:8.2f} ms{by_ref}  memcpy {1e3 * row['memcpy']['median_s']:8.3f} ms"
               f"  zero-copy {actor['zero_copy']}", flush=True)
-    return {"call_rtt_s": rtt, "rows": rows}
+    return {"call_rtt_s": rtt, "call_cost": call_cost, "rows": rows}
 
 
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
@@ -175,12 +230,19 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             r[side]["bandwidth_bytes_per_s"] = r["bytes"] / hop
             r[side]["copies"] = max(0.0, hop - rows[0][side]["latency_s"]["median"]) / r["memcpy"]["median_s"]
     big = rows[-1]
+    cost = {events: [c for c in measured["call_cost"] if c["task_events"] == events] for events in (True, False)}
+    cpu = {events: float(np.median([c["cpu_ms_per_call"] for c in cs])) for events, cs in cost.items()}
     ratios = {
         "small_hop_median_ms": 1e3 * small,
         "small_hop_driver_median_ms": 1e3 * rows[0]["driver"]["latency_s"]["median"],
         "actor_call_rtt_median_ms": 1e3 * measured["call_rtt_s"]["median"],
         "small_hop_over_call_rtt": small / measured["call_rtt_s"]["median"],
         "small_hop_by_reference_median_ms": 1e3 * rows[0]["by_reference"]["latency_s"]["median"],
+        "call_16kb_cpu_ms_task_events_on": cpu[True],
+        "call_16kb_cpu_ms_task_events_off": cpu[False],
+        "call_cpu_task_events_off_over_on": cpu[False] / cpu[True],
+        "call_16kb_latency_ms_task_events_on": float(np.median([c["latency_ms"] for c in cost[True]])),
+        "call_16kb_latency_ms_task_events_off": float(np.median([c["latency_ms"] for c in cost[False]])),
         "largest_bytes": big["bytes"],
         "largest_hop_bandwidth_gb_s": big["actor"]["bandwidth_bytes_per_s"] / 1e9,
         "memcpy_bandwidth_gb_s": big["memcpy"]["bytes_per_s"] / 1e9,
@@ -196,6 +258,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "params": {"sizes": sizes, "queue_bound": 4, "inline_max_bytes": INLINE_MAX_BYTES},
         "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "call_rtt_s": measured["call_rtt_s"],
+        "call_cost": measured["call_cost"],
         "rows": rows,
         "ratios": ratios,
     }

@@ -24,9 +24,13 @@ to the front of the queue, for the restarted actor (the depth may then exceed th
 bound by those items). Each output carries its ``Origin`` (the producer's lease on
 its input); a lease is released when its consumer emitted nothing for it (the
 terminal stage, once it has taken the item in) or when every output derived from it
-was released downstream (``release_parts``; a queue forwards the releases of one
-``forward_interval_s`` upstream in one call, at once in lock-step). So an item stays
-held here until what became of it reached the end of the graph. That is the price of Ray 2.60 having no
+was released downstream. A queue hands the releases of its producer's leases back in
+the reply to that producer's next ``put``, and the producer carries them upstream with
+its next ``lease`` there: no call of their own while items flow. What no put collects
+within ``forward_interval_s`` goes upstream in one ``release_parts`` call (at once in
+lock-step, whose step barrier waits for them); a producer that reached end-of-stream
+sends what it still carries the same way (``QueueHandle.flush_releases``). So an item
+stays held here until what became of it reached the end of the graph. That is the price of Ray 2.60 having no
 ``ray.put(_owner=...)``: the objects a stage emits are owned by its process and die
 with it, and an output that died unread (skipped by its consumer as lost) is made
 again from its input, which is then still leased upstream and requeued by the death
@@ -50,8 +54,9 @@ import ray
 # Ray carries call arguments up to 100 KiB inside the call; a value estimated below this
 # stays well under it (the estimate leaves out per-object overhead).
 INLINE_MAX_BYTES = 64 << 10
-# Streaming: at most one call per upstream queue in this interval carries the releases
-# forwarded there. Lock-step forwards each at once (0): its step barrier waits for them.
+# Streaming: releases no put collected in this interval go upstream in one call (a call
+# per micro-batch and edge was the largest cost of a queue actor; carried by the puts'
+# replies they cost none). Lock-step forwards each at once (0): its step barrier waits.
 FORWARD_INTERVAL_S = 0.02
 
 
@@ -138,7 +143,10 @@ class _Lease:
         self.released_parts = 0
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
+# No task events (Ray's per-call records for its dashboard): Conveyor keeps its own spans,
+# and they cost the control-plane actors (queues, controller, stage shells) a tenth of
+# each call's CPU time (bench/results/queue_hop.json: ``task_events``).
+@ray.remote(num_cpus=0, max_concurrency=1000, enable_task_events=False)
 class QueueActor:
     """The state of one edge: a deque of wrapped references guarded by a condition."""
 
@@ -156,10 +164,9 @@ class QueueActor:
         self._upstreams: dict[str, Any] = {}  # queue name -> actor handle, for Origin.queue
         # Releases waiting to be forwarded, per upstream queue name (also those for a
         # queue whose handle is still on its way: calls of one producer to an async
-        # actor may start out of order), and when each was last forwarded.
+        # actor may start out of order), and the names with a flush scheduled.
         self._outbox: dict[str, list[tuple[str, int, int]]] = collections.defaultdict(list)
         self._flush_due: set[str] = set()
-        self._last_flush: dict[str, float] = {}
         self._seq = 0
         self._redelivered = 0
         self._dead: set[str] = set()  # consumer ids of processes that died
@@ -189,8 +196,11 @@ class QueueActor:
         self._depth_area += len(self._items) * (now - self._last_change)
         self._last_change = now
 
-    async def put(self, wrapped: list[Any], origin: Origin | None = None, upstream: Any = None) -> float:
-        """Enqueue ``[ref]``; returns the seconds the producer waited for room.
+    async def put(self, wrapped: list[Any], origin: Origin | None = None,
+                  upstream: Any = None) -> tuple[float, list[tuple[str, int, int]]]:
+        """Enqueue ``[ref]``; returns the seconds the producer waited for room and the
+        releases of its leases on ``origin.queue`` waiting here, which the producer
+        carries there with its next ``lease`` (``release_parts``' triples).
         ``upstream``: the handle of ``origin.queue``, sent with a producer's first put
         from that queue (kept before any wait, so a later put of the same producer
         cannot be released before its queue is known)."""
@@ -210,7 +220,18 @@ class QueueActor:
             self._cond.notify_all()
         waited = time.monotonic() - t0
         self._put_wait_s += waited
-        return waited
+        return waited, self._take_releases(origin)
+
+    def _take_releases(self, origin: Origin | None) -> list[tuple[str, int, int]]:
+        """The releases waiting for ``origin.queue`` of leases held by ``origin.consumer``
+        (the producer of this put), taken out of the outbox: each leaves once."""
+        box = self._outbox.get(origin.queue) if origin is not None else None
+        if not box:
+            return []
+        mine = [r for r in box if r[0] == origin.consumer]
+        if mine:
+            self._outbox[origin.queue] = [r for r in box if r[0] != origin.consumer]
+        return mine
 
     async def _pop(self) -> tuple[list[Any], Origin | None] | None:
         t0 = time.monotonic()
@@ -236,14 +257,18 @@ class QueueActor:
         self._note_drained()
         return entry[0]
 
-    async def lease(self, consumer: str, released: list[int] = (), lost: list[int] = ()) -> Any:
+    async def lease(self, consumer: str, released: list[int] = (), lost: list[int] = (),
+                    parts: list[tuple[str, int, int]] = ()) -> Any:
         """``[ref, seq]`` of the next item, held under ``consumer`` until released, or
         ``END``. ``released``: leases the consumer is done with (it emitted nothing for
         them); ``lost``: leases whose object died with its producer (dropped, their
-        origins stay leased upstream, where that producer's requeue delivers them again)."""
+        origins stay leased upstream, where that producer's requeue delivers them again);
+        ``parts``: releases of outputs downstream that the consumer carries here
+        (``release_parts``)."""
         if consumer in self._dead:
             return END  # a call from a process that died, arriving late
         held = self._leases[consumer]
+        self._release_parts(parts)
         for seq in released:
             self._release(consumer, seq)
         for seq in lost:
@@ -265,6 +290,9 @@ class QueueActor:
         """For each ``(consumer, seq, parts)``: one output derived from lease ``seq`` was
         released downstream; the lease is released when all ``parts`` were (unknown or
         requeued leases are ignored)."""
+        self._release_parts(parts)
+
+    def _release_parts(self, parts: list[tuple[str, int, int]]) -> None:
         for consumer, seq, n in parts:
             lease = self._leases.get(consumer, {}).get(seq)
             if lease is None:
@@ -285,20 +313,17 @@ class QueueActor:
         self._note_drained()
 
     def _forward(self, origin: Origin) -> None:
-        """Tell the upstream queue that one output of its lease was released: at once
-        when nothing went there for ``forward_interval_s`` (an idle edge; always in
-        lock-step), else with the others of that interval in one call (a call per
-        micro-batch and edge was the largest cost of a queue actor)."""
+        """Tell the upstream queue that one output of its lease was released: in the
+        reply to the producer's next put, or, where no put took it within
+        ``forward_interval_s``, with the others left then in one call (at once in
+        lock-step)."""
         name = origin.queue
         self._outbox[name].append((origin.consumer, origin.seq, origin.parts))
-        if name in self._flush_due:
-            return
-        wait = self._last_flush.get(name, float("-inf")) + self.forward_interval_s - time.monotonic()
-        if wait <= 0:
+        if self.forward_interval_s <= 0:
             self._flush(name)
-        else:
+        elif name not in self._flush_due:
             self._flush_due.add(name)
-            asyncio.get_running_loop().call_later(wait, self._flush, name)
+            asyncio.get_running_loop().call_later(self.forward_interval_s, self._flush, name)
 
     def _flush(self, name: str) -> None:
         self._flush_due.discard(name)
@@ -307,7 +332,6 @@ class QueueActor:
             return  # nothing to send, or its handle comes with a put still on its way
         # Fire and forget: a lost release only means a duplicate delivery after a death.
         upstream.release_parts.remote(self._outbox.pop(name))
-        self._last_flush[name] = time.monotonic()
 
     async def requeue(self, consumer: str) -> int:
         """``consumer``'s process died: its leased items go back to the front, in order.
@@ -370,18 +394,25 @@ class QueueHandle:
         self.producer = producer
         self.consumer = consumer
         self._introduced: set[str] = set()  # upstream queues whose handle this process sent
+        self._parts: list[tuple[str, int, int]] = []  # releases to carry with the next lease
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_introduced": set()}  # a new process introduces them again
+        # A new process introduces the queues again; releases are carried by the process
+        # they were handed to.
+        return {**self.__dict__, "_introduced": set(), "_parts": []}
 
     async def put_entry(self, entry: Any, origin: Origin | None = None, upstream: QueueHandle | None = None) -> float:
         """Enqueue ``entry``: an ``ObjectRef``, or a value that ``fits_inline``.
-        ``origin`` names the lease on ``upstream`` it derives from."""
+        ``origin`` names the lease on ``upstream`` it derives from; the releases the
+        reply brings for ``upstream`` go there with its next ``lease``."""
         handle = None
         if upstream is not None and upstream.name not in self._introduced:
             self._introduced.add(upstream.name)
             handle = upstream.actor
-        return await self.actor.put.remote([entry], origin, handle)
+        waited, parts = await self.actor.put.remote([entry], origin, handle)
+        if parts and upstream is not None:
+            upstream._parts.extend(parts)
+        return waited
 
     async def put(self, value: Any) -> float:
         return await self.put_entry(value if fits_inline(value) else ray.put(value))
@@ -398,8 +429,16 @@ class QueueHandle:
 
     async def lease(self, consumer: str, released: list[int], lost: list[int]) -> tuple[Any, int]:
         """(next entry, its lease seq), or (``END``, -1); see ``QueueActor.lease``."""
-        item = await self.actor.lease.remote(consumer, released, lost)
+        parts, self._parts = self._parts, []
+        item = await self.actor.lease.remote(consumer, released, lost, parts)
         return (END, -1) if is_end(item) else (item[0], item[1])
+
+    def flush_releases(self) -> None:
+        """Fire and forget: the releases this process still carries (see ``put_entry``),
+        once it leases no more."""
+        parts, self._parts = self._parts, []
+        if parts:
+            self.actor.release_parts.remote(parts)
 
     def release(self, consumer: str, seq: int) -> None:
         """Fire and forget: ``QueueActor.release``."""
