@@ -26,12 +26,14 @@ BENCHMARKS: dict[str, str] = {
     "ppo_vs_grpo": "bench.ppo_vs_grpo:run",  # task correctness vs trained samples, same steps each
     "admission": "bench.admission:run",
     "soak": "bench.soak:run",  # --minutes N (default 60): memory growth, then kills and a resume
+    "soak_memory": "bench.soak_memory:run",  # --minutes N (default 20): memory growth, allocator settings side by side
     "staleness": "bench.staleness:run",
     "gpu_e2e": "bench.gpu_e2e:run",  # needs a CUDA GPU; "skipped" without one
     "rollout_gpu": "bench.rollout_gpu:run",  # needs a CUDA GPU; "skipped" without one
     "gpu_scale": "bench.gpu_scale:run",  # 1 GPU vs 2 (skips what the GPUs present cannot run)
     "templates": "bench.templates:run",  # learning trends of the dpo, tool_rl and curriculum templates
 }
+SOAKS = ("soak", "soak_memory")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help=f"result directory (default: {RESULTS_DIR} in a source checkout, else ./bench-results; "
                         "with --quick ./bench-results/quick, so a smoke run never replaces a committed result)")
-    p.add_argument("--minutes", type=float, help="soak only: how long it runs (default 60)")
+    p.add_argument("--minutes", type=float, help="soak and soak_memory only: how long they run (default 60, 20)")
     return p
 
 
@@ -59,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.out is None:
         args.out = default_out_dir(args.quick)
-    # "all" leaves the hour-long soak out: it is run on its own.
-    names = [n for n in BENCHMARKS if n != "soak"] if args.name == "all" else [args.name]
+    # "all" leaves the long soaks out: they are run on their own.
+    names = [n for n in BENCHMARKS if n not in SOAKS] if args.name == "all" else [args.name]
     import ray
 
     started_ray = not ray.is_initialized()
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             t0 = time.time()
             run = import_object(BENCHMARKS[name], f"bench {name}")
-            extra = {"minutes": args.minutes} if args.minutes and name == "soak" else {}
+            extra = {"minutes": args.minutes} if args.minutes and name in SOAKS else {}
             payload = run(quick=args.quick, out_dir=args.out, **extra)
             ok = payload.get("status", "ok") in ("ok", "skipped")
             status = status or (0 if ok else 1)

@@ -48,6 +48,7 @@ SAMPLE_S, QUICK_SAMPLE_S = 60.0, 3.0
 KILL_EVERY_S = 180.0
 WARMUP_FRACTION = 0.2
 RESTART_TIMEOUT_S = 600.0
+FIRST_STEP_TIMEOUT_S = 900.0
 SEED = 0
 MIB = 1 << 20
 
@@ -55,10 +56,10 @@ MIB = 1 << 20
 class _Job:
     """One ``conveyor launch`` of the soak's run, its output kept in a log file."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         self._out = log.open("w")
-        env = {**os.environ, "RAY_ADDRESS": "local"}
+        env = {**os.environ, "RAY_ADDRESS": "local", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "launch", *args], cwd=ROOT, env=env,
                                      stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -159,17 +160,24 @@ def take_sample(run_dir: Path, job: _Job, t0: float, phase: int) -> dict[str, An
 
 def compute_growth(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
     """MiB/hour slopes (RSS and USS per process, and the object store) over the samples
-    after ``warmup_s``; a process needs 3 samples to be fitted."""
+    after ``warmup_s``; a process needs 3 samples to be fitted. ``rss_halves_mib_per_hour``:
+    the RSS slope over the first and over the second half of those samples, fitted apart
+    (growth that levels off has a second slope near 0), where each half has 3."""
     late = [s for s in samples if s["t_s"] >= warmup_s]
-    out: dict[str, Any] = {"rss_mib_per_hour": {}, "uss_mib_per_hour": {}, "samples_fitted": len(late)}
+    out: dict[str, Any] = {"rss_mib_per_hour": {}, "uss_mib_per_hour": {}, "rss_halves_mib_per_hour": {},
+                           "samples_fitted": len(late)}
     names = sorted({n for s in late for n in s["memory_mib"]})
     for name in names:
-        points = [(s["t_s"], s["memory_mib"][name]) for s in late if name in s["memory_mib"]]
+        points = [(s["t_s"] / 3600, s["memory_mib"][name]) for s in late if name in s["memory_mib"]]
         if len(points) < 3:
             continue
-        hours = [t / 3600 for t, _ in points]
         for kind in ("rss", "uss"):
-            out[f"{kind}_mib_per_hour"][name] = fit_line(hours, [m[kind] for _, m in points])[1]
+            out[f"{kind}_mib_per_hour"][name] = fit_line(*zip(*[(h, m[kind]) for h, m in points], strict=True))[1]
+        half = len(points) // 2
+        if half >= 3:
+            out["rss_halves_mib_per_hour"][name] = [
+                fit_line(*zip(*[(h, m["rss"]) for h, m in part], strict=True))[1]
+                for part in (points[:half], points[half:])]
     store = [(s["t_s"] / 3600, s["object_store_mib"]) for s in late if s["object_store_mib"] is not None]
     out["object_store_mib_per_hour"] = fit_line(*zip(*store, strict=True))[1] if len(store) >= 3 else None
     return out
@@ -185,10 +193,12 @@ def summarise_queues(samples: list[dict[str, Any]]) -> dict[str, dict[str, int]]
 
 
 class _Soak:
-    def __init__(self, quick: bool, minutes: float, root: Path) -> None:
+    def __init__(self, quick: bool, phase_s: float, root: Path, env: dict[str, str] | None = None,
+                 sample_s: float = SAMPLE_S) -> None:
         self.quick = quick
-        self.phase_s = 15.0 if quick else minutes * 60 / 2
-        self.sample_s = QUICK_SAMPLE_S if quick else SAMPLE_S
+        self.phase_s = phase_s
+        self.sample_s = QUICK_SAMPLE_S if quick else sample_s
+        self.env = env
         self.root = root
         self.run_dir = root / "run"
         self.args = [f"run.dir={self.run_dir}", "run.steps=1000000", "run.progress=false", "run.tensorboard=false",
@@ -199,10 +209,11 @@ class _Soak:
         self.jobs = 0
         self.job = self._launch(["--config", str(QUICKSTART), *self.args])
         self.t0 = time.time()
+        self.started = False  # phase 1's clock runs
 
     def _launch(self, args: list[str]) -> _Job:
         self.jobs += 1
-        return _Job(args, self.root / f"driver-{self.jobs}.log")
+        return _Job(args, self.root / f"driver-{self.jobs}.log", self.env)
 
     def _check(self) -> None:
         if not self.job.alive():
@@ -224,14 +235,21 @@ class _Soak:
         if not self.samples or time.time() - self.t0 - self.samples[-1]["t_s"] >= self.sample_s:
             self.samples.append(take_sample(self.run_dir, self.job, self.t0, phase))
 
+    def phase1_tick(self) -> bool:
+        """One poll of phase 1 (True once it is over). Its clock starts at the first
+        step: start-up is not a soak."""
+        self._check()
+        if not self.started:
+            if count_steps(self.run_dir) < 1:
+                if time.time() - self.t0 > FIRST_STEP_TIMEOUT_S:
+                    raise RuntimeError(f"not within {FIRST_STEP_TIMEOUT_S:.0f}s: the first step")
+                return False
+            self.t0, self.samples, self.started = time.time(), [], True
+        self.sample_when_due(1)
+        return time.time() - self.t0 >= self.phase_s
+
     def phase1(self) -> None:
-        # The clock starts at the first step: start-up is not a soak.
-        self.wait_for("the first step", lambda s: count_steps(self.run_dir) >= 1, 900)
-        self.t0 = time.time()
-        self.samples = []
-        while time.time() - self.t0 < self.phase_s:
-            self._check()
-            self.sample_when_due(1)
+        while not self.phase1_tick():
             time.sleep(0.5)
 
     def kill_stage(self, stage: str) -> None:
@@ -288,7 +306,7 @@ def run(quick: bool, out_dir: Path, minutes: float = 60.0) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="conveyor-soak-"))
     soak = None
     try:
-        soak = _Soak(quick, minutes, root)
+        soak = _Soak(quick, 15.0 if quick else minutes * 60 / 2, root)
         soak.phase1()
         phase1_samples = list(soak.samples)
         soak.phase2()
