@@ -174,9 +174,11 @@ def test_quickstart_learns_and_reconciles_with_two_trainer_ranks(ray_cluster, tm
 def test_ranks_and_replicas_take_their_planned_gpus_on_a_cluster_that_has_two(tmp_path):
     """A Ray node started with ``--num-gpus=2`` (this machine has none, so every engine
     still computes on CPU, but Ray places and assigns GPUs as on a GPU machine) runs the
-    quickstart with 2 trainer ranks and 2 rollout replicas: the plan's placement group
-    puts one rank on each GPU (Ray gives each its own ``CUDA_VISIBLE_DEVICES``), and
-    both replicas serve every version."""
+    quickstart colocated (``placement: colocate``, lock-step) with 2 trainer ranks and 2
+    rollout replicas: the plan's placement group puts one rank and one replica on each
+    GPU (Ray gives each its own ``CUDA_VISIBLE_DEVICES``), every step hands the GPUs from
+    both replicas to the trainer (vLLM's CPU workers ignore the sleep itself, the
+    protocol around it runs), and both replicas serve every version."""
     import json
     import os
     import shutil
@@ -194,7 +196,8 @@ def test_ranks_and_replicas_take_their_planned_gpus_on_a_cluster_that_has_two(tm
         _start_node(head_tmp, "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
                     "--num-gpus=2", "--include-dashboard=false", env=env)
         run_dir = tmp_path / "run"
-        args = ["--config", "configs/quickstart.yaml", "train.num_ranks=2", "rollout.num_workers=2"]
+        args = ["--config", "configs/quickstart.yaml", "train.num_ranks=2", "rollout.num_workers=2",
+                "placement=colocate", "dataflow.async_execution=false", "dataflow.max_staleness=0"]
         status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", *args], cwd=ROOT, text=True,
                                 env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "COLUMNS": "200"},
                                 capture_output=True, timeout=600)
@@ -209,6 +212,9 @@ def test_ranks_and_replicas_take_their_planned_gpus_on_a_cluster_that_has_two(tm
         assert summary["samples"]["reconciles"] and summary["accounting"]["reconciles"]
         assert sorted(summary["trainer"]["rank_devices"]) == ["0", "1"], summary["trainer"]
         assert set(summary["served"]) == {"rollout:0", "rollout:1"}
+        calls = summary["controller_calls"]
+        assert calls["hand_gpus_to_trainer"] == steps and calls["confirm_asleep"] == 2 * steps, calls
+        assert [r["sleeps"] for r in summary["rollout"]] == [steps, steps]
         for worker, state in summary["served"].items():
             assert state["version"] == summary["policy_version"] == steps and state["verified"], (worker, state)
     finally:
