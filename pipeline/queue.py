@@ -143,9 +143,10 @@ class _Lease:
         self.released_parts = 0
 
 
-# No task events (Ray's per-call records for its dashboard): Conveyor keeps its own spans,
-# and they cost the control-plane actors (queues, controller, stage shells) a tenth of
-# each call's CPU time (bench/results/queue_hop.json: ``task_events``).
+# No task events (Ray's per-call records for its dashboard and state API): Conveyor keeps
+# its own spans, so the control-plane actors (queues, controller, stage shells) skip
+# recording and reporting them for every call. bench/queue_hop's ``call_cost`` measures
+# the difference side by side; on the shared 2-core machine it was within the noise.
 @ray.remote(num_cpus=0, max_concurrency=1000, enable_task_events=False)
 class QueueActor:
     """The state of one edge: a deque of wrapped references guarded by a condition."""
