@@ -1,4 +1,4 @@
-"""GPU end to end: ``configs/gpu_small.yaml`` streaming vs lock-step vs TRL on the same GPU.
+"""GPU end to end: ``configs/gpu_small.yaml`` streaming vs lock-step vs colocated vs TRL on the same GPU.
 
 Measures on the machine's GPU(s), one run each, in this process:
 

@@ -850,8 +850,14 @@ def check_colocate(cfg: ConveyorConfig) -> None:
     if cfg.placement.mode != "colocate":
         return
     df, tr, ro = cfg.dataflow, cfg.train, cfg.rollout
-    wrong = [("dataflow.async_execution: expected false (generation and training take turns on the GPU)",
+    wrong = [("dataflow.async_execution: expected false (generation and training take turns on the GPU), got true",
               df.async_execution),
+             (f"algorithm.name: expected an on-policy algorithm (with {cfg.algorithm.name!r} no rollout generates, "
+              f"so nothing sleeps)", cfg.algorithm.offline),
+             (f"algorithm.name: {cfg.algorithm.name!r} trains a critic, which does not give the GPU back while vLLM "
+              f"generates; use placement: auto", cfg.algorithm.needs_critic),
+             ("reward.sources: a reward model does not give the GPU back while vLLM generates; use placement: auto",
+              cfg.reward_model_enabled),
              (f"dataflow.max_staleness: expected 0 (a step generates on the weights of the step before), "
               f"got {df.max_staleness}", df.max_staleness != 0),
              (f"train.sync_interval: expected 1 (the rollout drops its weights while it sleeps and wakes "
@@ -862,9 +868,9 @@ def check_colocate(cfg: ConveyorConfig) -> None:
               f"{tr.ppo_mini_batches}", tr.ppo_mini_batches != 1),
              (f"rollout.tensor_parallel_size: expected 1 (a tensor-parallel replica takes GPUs of its "
               f"own), got {ro.tensor_parallel_size}", ro.tensor_parallel_size != 1),
-             ("placement: colocate plans the GPUs itself; remove the stages' gpus and num_gpus",
-              any(e.gpus is not None or e.num_gpus > 0 for e in (getattr(cfg.placement, f) for f in
-                                                                   cfg.placement.__struct_fields__ if f != "mode")))]
+             *((f"placement.{f}: expected no gpus or num_gpus (colocate plans the GPUs itself)",
+                getattr(cfg.placement, f).gpus is not None or getattr(cfg.placement, f).num_gpus > 0)
+               for f in cfg.placement.__struct_fields__ if f != "mode")]
     for message, bad in wrong:
         if bad:
             raise ConfigError(f"{message} with placement: colocate")

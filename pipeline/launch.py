@@ -101,7 +101,10 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
                     # Regrouping, the reward holds groups across micro-batches: a restart would lose them.
                     name == "reward" and getattr(cfg.algorithm, "drop_zero_variance_groups", False)) and not (
                     # Running normalisation: the statistics live in the actor.
-                    name == "reward_model" and any(s.normalize == "running" for s in cfg.reward.sources.values())):
+                    name == "reward_model" and any(s.normalize == "running" for s in cfg.reward.sources.values())
+            ) and not (
+                    # Colocated, a restarted engine would take its GPU share while the trainer may hold it.
+                    name == "rollout" and cfg.placement.mode == "colocate"):
                 extra["max_restarts"] = cfg.run.max_restarts
             several_updates = cfg.train.ppo_epochs > 1 or cfg.train.ppo_mini_batches > 1
             cls = STAGE_CLASSES["ppo_trainer" if name == "trainer" and several_updates
@@ -504,7 +507,8 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "reward/errors": reward.get("failed", 0),
         "reward/first_error": reward.get("first_error"),
         "trainer": trainer,
-        # Each rollout replica's own account (its weight updates; sleeps under colocate).
+        # Each rollout replica's own account (weight updates; sleeps under colocate), as it
+        # stood before its shutdown, which applies the final version.
         "rollout": [report.get("result") for report in result.reports.get("rollout", [])],
         "served": result.controller["served"],
         # The stages' controller calls by method (its budget: pipeline/controller.py).

@@ -33,9 +33,11 @@ Guarantees:
 - with ``placement: colocate`` the step's micro-batches are held (on the host) until the
   whole step is in; then the trainer asks every rollout worker to sleep and waits for
   all of them (``train.weight_sync_timeout_s``; a worker that does not confirm stops the
-  run), trains the step, hands its cached GPU memory back on every rank and publishes:
-  the publish wakes the rollout. The step's metrics add ``colocate/handoff_s`` and the
-  GPU memory free while it trained (``colocate/gpu_free_gib`` and ``_fraction``, on a GPU);
+  run), trains the step, records and checkpoints it, hands its cached GPU memory back on
+  every rank and publishes: the publish wakes the rollout. A run cut short drops the
+  held micro-batches as ``incomplete_step``, as it does a step's trained ones. The step's
+  metrics add ``colocate/handoff_s`` and the GPU memory free while it trained
+  (``colocate/gpu_free_gib`` and ``_fraction``, on a GPU);
 - every ``train.sync_interval`` steps the weights are published once to the object
   store with their sha256 and fingerprint; rollout workers pull and confirm them. The
   transport is ``pipeline.transport.select_transport``'s: on a one-GPU cluster the
@@ -308,8 +310,8 @@ class TrainerStage:
             self._step_started = time.time()
         self._held.append((batch, staleness))
         if sum(b.num_samples for b, _ in self._held) >= self.step_samples:
-            held, self._held = self._held, []
             await self._take_gpus()
+            held, self._held = self._held, []
             for b, s in held:
                 await self._train_into_step(b, s)
         return None
@@ -452,8 +454,6 @@ class TrainerStage:
         update, payload, sync_s = None, None, 0.0
         if version % self.cfg.train.sync_interval == 0:
             update, payload, sync_s = await self._export(version)
-        if self.colocated:  # before the publish wakes the rollout on this GPU
-            await asyncio.to_thread(self.engine.release_cached_memory)
         now = time.time()
         step_s = now - self._step_started
         tokens = sum(b.num_tokens for b in batches)
@@ -487,14 +487,24 @@ class TrainerStage:
             **{f"actor/{k}": float(v) for k, v in step_out.items()},
             **self._colocate_metrics,
         }
+
+        async def record() -> None:
+            self.checkpoints.record_step(batches, metrics)
+            if self.ctx.recorder is not None:
+                await asyncio.to_thread(self._record_step, step, version, batches, pieces, step_out, layouts,
+                                        kl_metrics.get("reward/kl_penalty_coef"))
+            if self.checkpoints.due():
+                await self._write_checkpoint()
+
+        if self.colocated:
+            # The trainer's own GPU work first, then its cache back: the publish below
+            # wakes vLLM on this GPU.
+            await record()
+            await asyncio.to_thread(self.engine.release_cached_memory)
         # One call: the ledger, the step's metrics and, on a sync step, its weights.
         await self.ctx.controller.finish_step(sum(len(b.prompts) for b in batches), version, metrics, update, payload)
-        self.checkpoints.record_step(batches, metrics)
-        if self.ctx.recorder is not None:
-            await asyncio.to_thread(self._record_step, step, version, batches, pieces, step_out, layouts,
-                                    kl_metrics.get("reward/kl_penalty_coef"))
-        if self.checkpoints.due():
-            await self._write_checkpoint()
+        if not self.colocated:
+            await record()
 
     def _apply_step_update(self, batches: list[RolloutBatch]) -> dict[str, float]:
         """The step's optimizer update on the gradients its micro-batches accumulated
@@ -577,11 +587,12 @@ class TrainerStage:
         # run issues its prompts again.
         if self.checkpoints.dirty or self.checkpoints.last_written != self.engine.version:
             await self._write_checkpoint()
-        if self._step_batches:
-            # The ledger admits whole steps, so this only happens when a run is cut short.
-            for b in self._step_batches:
+        if self._step_batches or self._held:
+            # The ledger admits whole steps, so this only happens when a run is cut short
+            # (colocated: the step's micro-batches may still be held, untrained).
+            for b in [*self._step_batches, *(b for b, _ in self._held)]:
                 await self._drop(b, "incomplete_step")
-            self._step_batches = []
+            self._step_batches, self._held = [], []
         if self.cfg.train.save_checkpoint:
             out = self.run_dir / "checkpoint"
             await asyncio.to_thread(self.engine.save_pretrained, out)

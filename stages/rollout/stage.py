@@ -30,9 +30,12 @@ Guarantees:
 - with ``placement: colocate`` (lock-step, on-policy) the worker sleeps when the
   trainer asks for the GPU (``ControllerClient.hand_gpus_to_trainer``): once nothing is
   generating here, the backend's ``sleep`` frees the engine's weights and KV cache, and
-  the worker confirms. The next update wakes it: weights first, the update loaded into
-  them (and read back, as always), then the KV cache. A micro-batch never generates on a
-  sleeping engine: its version wait ends only after that wake;
+  the worker confirms. The first update newer than the version whose training it slept
+  for wakes it (every payload holds all the weights): weights first, the update loaded
+  into them (and read back unless ``train.weight_sync_monitor`` is off), then the KV cache
+  (not at shutdown, where only the final weights are loaded and read back). A
+  micro-batch never generates on a sleeping engine: its version wait ends only after
+  that wake;
 - with ``rollout.tools`` each sample is a multi-turn trajectory with tool calls
   (``stages/rollout/multi_turn.py``): tool output is masked out of the loss
   (``RolloutBatch.loss_mask``) and the per-sample tool and turn counts ride in
@@ -127,6 +130,8 @@ class RolloutStage:
         self._watch_error: BaseException | None = None
         # placement: colocate: sleeps and wakes (counters), and generation in progress.
         self.colocated, self.asleep = False, False
+        self._asleep_for = -1  # the version whose training the engine sleeps for
+        self._weights_freed = False  # asleep with the weights' memory freed too
         self.sleeps, self.sleep_s_total, self.wake_s_total = 0, 0.0, 0.0
         self._generating = 0
 
@@ -180,9 +185,13 @@ class RolloutStage:
     async def _watch_weights(self) -> None:
         confirmed = None  # the confirmation of an update rides on the next wait
         while True:
-            update, payload = await self.ctx.controller.wait_for_update(self.backend.version, None, confirmed)
+            newer = max(self.backend.version, self._asleep_for) if self.asleep else self.backend.version
+            update, payload = await self.ctx.controller.wait_for_update(newer, None, confirmed)
             if update is None:
                 return  # the run is stopping
+            if self.asleep and update.version <= self._asleep_for:
+                confirmed = None  # found before the sleep: the trainer trains on it now; the next one wakes us
+                continue
             confirmed = await self._apply(update, payload)
 
     async def _watch_sleep_requests(self) -> None:
@@ -193,9 +202,11 @@ class RolloutStage:
             async with self._applying:
                 async with self._idle:
                     await self._idle.wait_for(lambda: self._generating == 0)
-                    # A worker already serving a newer version was woken for the next step.
-                    sleep = not self.asleep and self.backend.version <= seen
-                    self.asleep |= sleep  # from here no generation starts: version waits see it
+                    sleep = not self.asleep
+                    # From here no generation starts (version waits see it) and only a
+                    # version newer than ``seen`` wakes the engine.
+                    self.asleep, self._asleep_for = True, seen
+                    self._weights_freed |= sleep
                 if sleep:
                     t0 = time.time()
                     with self.ctx.spans.span("sync"):
@@ -213,7 +224,7 @@ class RolloutStage:
         async with self._applying:
             return await self._apply_locked(update, payload_ref)
 
-    async def _apply_locked(self, update: Any, payload_ref: Any) -> WeightConfirmation:
+    async def _apply_locked(self, update: Any, payload_ref: Any, wake_kv: bool = True) -> WeightConfirmation:
         t0 = time.time()
         with self.ctx.spans.span("sync"):
             data = await payload_ref
@@ -226,13 +237,16 @@ class RolloutStage:
             # The backend raises WeightSyncError (and serves nothing unverified) when
             # the read-back differs from the payload.
             verify = self.cfg.train.weight_sync_monitor
-            if self.asleep:
+            if self._weights_freed:
                 await self._wake(["weights"])  # memory for the update to load into
+                self._weights_freed = False
             # ``verify`` is passed only when off: a plug-in backend of the two-argument
             # protocol keeps working with the default.
             fingerprint = await (self.backend.update_weights(data, update.version) if verify
                                  else self.backend.update_weights(data, update.version, verify=False))
-            if self.asleep:
+            if self.asleep and wake_kv:
+                # The backend resumed its scheduler with the KV cache still asleep; nothing
+                # generates before this wake, as the version waits see ``asleep``.
                 await self._wake(["kv_cache"])
                 self.asleep = False
         seconds = time.time() - t0
@@ -338,9 +352,9 @@ class RolloutStage:
             # generation), so every worker ends on the trainer's version, verified.
             update, payload = await self.ctx.controller.latest_update()
             if update is not None and update.version > self.backend.version:
-                await self.ctx.controller.confirm(await self._apply_locked(update, payload))
-            # A sleeping engine holds no weights to read back (an interrupted colocated run).
-            if update is not None and not self.cfg.train.weight_sync_monitor and not self.asleep:
+                await self.ctx.controller.confirm(await self._apply_locked(update, payload, wake_kv=False))
+            # An engine whose weights were freed (an interrupted colocated run) has none to read back.
+            if update is not None and not self.cfg.train.weight_sync_monitor and not self._weights_freed:
                 await self._verify_final(update)
         await self.backend.shutdown()
 

@@ -44,9 +44,10 @@ Guarantees (beyond ``stages.rollout.base``):
   ``WeightSyncError`` with the old weights still serving).
 - With ``rollout.sleep_mode`` (``placement: colocate``) the engine allocates its GPU
   memory so that it can be released: ``sleep`` (idle engine only) frees the weights and
-  the KV cache (vLLM's level 2: the weights are not kept anywhere, as the next update
-  replaces them all), ``wake_up(["weights"])`` maps the weights' memory again for the
-  update to load into, ``wake_up(["kv_cache"])`` the KV cache.
+  the KV cache (vLLM's level 2: the weights are not kept, as the next update replaces
+  them all; only the model's buffers are saved in host memory), ``wake_up(["weights"])``
+  maps the weights' memory again for the update to load into, ``wake_up(["kv_cache"])``
+  the KV cache.
 - ``shutdown`` stops the output handler before the engine process, and gives that
   process time to exit on its own: no EngineDeadError, no force-kill.
 - A payload that names a tensor the checkpoint lacks, or gives one another shape, is

@@ -241,8 +241,23 @@ def test_colocate_puts_every_gpu_stage_on_the_ranks_gpus_and_turns_on_vllm_sleep
     ({**COLOCATE, "train": {"sync_interval": 2}}, "train.sync_interval: expected 1"),
     ({**COLOCATE, "rollout": {"backend": "hf"}}, "rollout.backend: expected 'vllm'"),
     ({**COLOCATE, "rollout": {"tensor_parallel_size": 2}}, "rollout.tensor_parallel_size: expected 1"),
-    ({**COLOCATE, "placement": {"mode": "colocate", "rollout": [0]}}, "placement: colocate plans the GPUs itself"),
+    ({**COLOCATE, "placement": {"mode": "colocate", "rollout": [0]}},
+     "placement.rollout: expected no gpus or num_gpus (colocate plans the GPUs itself)"),
+    ({**COLOCATE, "train": {"ppo_mini_batches": 2, "prompts_per_step": 8}}, "train.ppo_mini_batches: expected 1"),
+    ({**COLOCATE, "algorithm": {"name": "dpo"}}, "algorithm.name: expected an on-policy algorithm (with 'dpo'"),
+    ({**COLOCATE, "algorithm": {"name": "ppo"}}, "algorithm.name: 'ppo' trains a critic"),
+    ({**COLOCATE, "reward": {"sources": {"rm": {"kind": "model", "path": "rm"}, "rule": {}}}},
+     "reward.sources: a reward model does not give the GPU back"),
 ])
 def test_colocate_refuses_what_cannot_take_turns_on_a_gpu(sections, message):
     with pytest.raises(ConfigError, match=re.escape(message) + ".* with placement: colocate"):
         config(**sections)
+
+
+def test_a_colocated_rollout_is_not_restarted_where_a_shared_one_is():
+    from pipeline.launch import build_dataflow
+
+    restarts = config().run.max_restarts
+    assert restarts > 0 and build_dataflow(config()).nodes["rollout"].max_restarts == restarts
+    colocated = build_dataflow(config(**COLOCATE)).nodes
+    assert colocated["rollout"].max_restarts == 0 and colocated["reward"].max_restarts == restarts
