@@ -100,3 +100,19 @@ def test_soak_quick_writes_result(tmp_path):
     assert phase2["exit_code"] == 130 and phase2["run_status"] == "interrupted"
     assert phase2["accounting"]["reconciles"] and phase2["prompts"]["in_flight"] == 0
     assert doc["ratios"]["samples_lost"] == 0 and doc["ratios"]["samples_duplicated"] == 0
+
+
+def test_soak_memory_quick_writes_result(tmp_path):
+    """The memory soak's two allocator settings side by side on the HF rollout backend:
+    15 s of memory samples each, their own Ray clusters, in subprocesses."""
+    assert main(["soak_memory", "--quick", "--out", str(tmp_path)]) == 0
+    doc = _load(tmp_path / "soak_memory.json")
+    assert (tmp_path / "soak_memory.png").stat().st_size > 0
+    assert doc["status"] == "ok", doc["error"]
+    assert doc["params"]["variants"]["arena_max_2"] == {"MALLOC_ARENA_MAX": "2"}
+    for variant in doc["variants"].values():
+        assert variant["steps"] > 0
+        for stage in ("source:0", "rollout:0", "reward:0", "reference:0", "trainer:0", "driver"):
+            assert stage in variant["growth"]["rss_mib_per_hour"]
+        for q in variant["queues"].values():
+            assert q["max_depth"] <= q["bound"]
