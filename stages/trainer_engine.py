@@ -75,8 +75,9 @@ def find_free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def ensure_single_process_env() -> None:
-    """Set the torch.distributed rendezvous variables for a world of one, unless set.
+def ensure_single_process_env() -> bool:
+    """Set the torch.distributed rendezvous variables for a world of one, unless set;
+    True when it chose ``MASTER_PORT`` itself.
 
     The trainer is one process inside a Ray actor, not a ``deepspeed`` launcher child,
     so nothing else provides them.
@@ -84,8 +85,28 @@ def ensure_single_process_env() -> None:
     defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(find_free_port())
+    if "MASTER_PORT" in os.environ:
+        return False
+    os.environ["MASTER_PORT"] = str(find_free_port())
+    return True
+
+
+PORT_ATTEMPTS = 3
+
+
+def init_on_a_free_port(init: Any, chose_port: bool) -> Any:
+    """``init()``; when it fails because the port this process chose was taken between
+    the choice and the bind (another trainer starting on this host at the same moment
+    was given the same free port), again on a new one, ``PORT_ATTEMPTS`` times at most.
+    A port set by the user is never changed."""
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return init()
+        except Exception as exc:
+            if not chose_port or "EADDRINUSE" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                raise
+            os.environ["MASTER_PORT"] = str(find_free_port())
+    raise AssertionError("unreachable")
 
 
 def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dict[str, Any]:
@@ -188,12 +209,12 @@ def build_deepspeed_engine(model: Any, train: TrainConfig, dtype: str, total_ste
     import deepspeed  # heavy import; only the training processes pay for it
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    ensure_single_process_env()
+    chose_port = ensure_single_process_env()
     ds_config = build_deepspeed_config(train, dtype, torch.cuda.is_available())
     params = [p for p in model.parameters() if p.requires_grad]
     scheduler = build_lr_scheduler(train.lr_scheduler, train.warmup_steps, total_steps, train.min_lr_ratio)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
-                                           lr_scheduler=scheduler)
+    engine, _, _, _ = init_on_a_free_port(lambda: deepspeed.initialize(
+        model=model, model_parameters=params, config=ds_config, lr_scheduler=scheduler), chose_port)
     return engine
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -87,3 +88,36 @@ def test_bf16_runs_accumulate_gradients_in_fp32_by_default():
                               (TrainConfig(), "bfloat16", False), (TrainConfig(), "float32", True)):
         cfg = build_deepspeed_config(train, dtype, gpu)
         assert "data_types" not in cfg and cfg["zero_optimization"] == {"stage": 0}
+
+
+def test_a_taken_port_this_process_chose_is_replaced_and_a_users_port_is_not(monkeypatch):
+    from stages import trainer_engine
+
+    ports = iter([41001, 41002, 41003])
+    monkeypatch.setattr(trainer_engine, "find_free_port", lambda: next(ports))
+    monkeypatch.setenv("MASTER_PORT", "41000")
+    tried = []
+
+    def init():
+        tried.append(os.environ["MASTER_PORT"])
+        if len(tried) < 3:
+            raise RuntimeError(f"The server socket has failed to listen (port {tried[-1]}, EADDRINUSE)")
+        return "engine"
+
+    assert trainer_engine.init_on_a_free_port(init, chose_port=True) == "engine"
+    assert tried == ["41000", "41001", "41002"]
+    tried.clear()
+    with pytest.raises(RuntimeError, match="EADDRINUSE"):  # the user's port: no second try
+        trainer_engine.init_on_a_free_port(init, chose_port=False)
+    assert tried == [os.environ["MASTER_PORT"]]
+    tried.clear()
+    monkeypatch.setattr(trainer_engine, "PORT_ATTEMPTS", 2)
+    with pytest.raises(RuntimeError, match="EADDRINUSE"):  # attempts are bounded
+        trainer_engine.init_on_a_free_port(init, chose_port=True)
+    assert len(tried) == 2
+
+    def broken():
+        raise ValueError("bad config")
+
+    with pytest.raises(ValueError, match="bad config"):  # other errors are not retried
+        trainer_engine.init_on_a_free_port(broken, chose_port=True)
