@@ -59,7 +59,10 @@ class _Job:
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         self._out = log.open("w")
-        env = {**os.environ, "RAY_ADDRESS": "local", **(env or {})}
+        # Each run's trainer chooses its own rendezvous port: a MASTER_PORT inherited from
+        # this process (set by a trainer built in it) would be one port for runs side by side.
+        inherited = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+        env = {**inherited, "RAY_ADDRESS": "local", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "launch", *args], cwd=ROOT, env=env,
                                      stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
 
