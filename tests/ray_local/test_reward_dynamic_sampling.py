@@ -42,13 +42,17 @@ def test_reward_stage_drops_constant_groups_and_penalises_overlong(ray_cluster, 
     log = SimpleNamespace(warning=lambda *a, **k: None, debug=lambda *a, **k: None)
     stage = RewardStage()
 
+    client = ControllerClient(controller)
+
     async def go():
         await controller.admit_prompts.remote(2)
-        await stage.setup(SimpleNamespace(config=cfg, log=log, controller=ControllerClient(controller)))
+        await stage.setup(SimpleNamespace(config=cfg, log=log, controller=client))
         # group 0: "1", "1" in 1 token -> rewards 1, 1: constant, dropped.
         # group 1: "1" in 1 token -> 1; "2" in 2 tokens -> 0 - (2 - (2 - 1)) / 1 = -1: kept.
         out = await stage.process(_batch(["1", "1", "1", "2"], [1, 1, 1, 2]))
-        return out, await stage.finish()
+        rest = await stage.finish()
+        await client.settle()  # the drop is posted; the stage shell settles before its run returns
+        return out, rest
 
     out, rest = asyncio.run(go())
     assert out == []  # one kept group of the two a micro-batch holds
