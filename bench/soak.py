@@ -197,7 +197,7 @@ def summarise_queues(samples: list[dict[str, Any]]) -> dict[str, dict[str, int]]
 
 class _Soak:
     def __init__(self, quick: bool, phase_s: float, root: Path, env: dict[str, str] | None = None,
-                 sample_s: float = SAMPLE_S) -> None:
+                 sample_s: float = SAMPLE_S, overrides: tuple[str, ...] = ()) -> None:
         self.quick = quick
         self.phase_s = phase_s
         self.sample_s = QUICK_SAMPLE_S if quick else sample_s
@@ -206,7 +206,7 @@ class _Soak:
         self.run_dir = root / "run"
         self.args = [f"run.dir={self.run_dir}", "run.steps=1000000", "run.progress=false", "run.tensorboard=false",
                      "run.name=bench-soak", "run.max_restarts=1000", "train.checkpoint_every=2" if quick else
-                     "train.checkpoint_every=50", *(["rollout.backend=hf"] if quick else [])]
+                     "train.checkpoint_every=50", *(["rollout.backend=hf"] if quick else []), *overrides]
         self.samples: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.jobs = 0

@@ -1,21 +1,24 @@
-"""Memory soak, two allocator settings side by side: ``python -m bench soak_memory --minutes N``.
+"""Memory soak, three allocator settings side by side: ``python -m bench soak_memory --minutes N``.
 
 The soak's phase 1 (``bench/soak.py``: the quickstart with a step count it will not
 reach; RSS and USS of every stage actor, of the rollout's vLLM engine processes and of
 the driver sampled every ``MEMORY_SAMPLE_S``, fitted after the first
-``WARMUP_FRACTION``) for ``N`` minutes after the first step (default 20), twice at the
-same time on the same machine, so both see the same load, with glibc's
-``MALLOC_ARENA_MAX`` in every process of the run (Ray passes the driver's environment
-to a local cluster's workers; the vLLM engine processes inherit it):
+``WARMUP_FRACTION``) for ``N`` minutes after the first step (default 20), three times
+at once on the same machine, so all see the same load. ``MALLOC_ARENA_MAX`` reaches
+every process of a run (Ray passes the driver's environment to a local cluster's
+workers; the vLLM engine processes inherit it):
 
-- ``glibc_default``: 8 arenas per core, glibc's own limit for 64-bit processes;
-- ``arena_max_2``: 2, the usual cure for the slow RSS growth of many-threaded processes
-  that each thread's arena keeping its free memory causes.
+- ``glibc_default``: 8 arenas per core, glibc's own limit for 64-bit processes, and no
+  trim (``rollout.host_memory_trim_s=0``);
+- ``arena_max_2``: 2 arenas, the usual cure for the slow RSS growth of many-threaded
+  processes that each thread's arena keeping its free memory causes; no trim;
+- ``trim_60s``: glibc's arenas and Conveyor's default, ``malloc_trim`` in the rollout's
+  processes after a weight update at most once a minute (``pipeline/memory/trim.py``).
 
 Each variant reports the slopes over the whole fit and over its two halves apart
 (growth that levels off has a second-half slope near 0), the same per 1,000 trained
-steps, and its steps per minute (the two share the cores, so each runs at about half
-the speed of a run alone). No faults are injected. Writes ``soak_memory.json`` and
+steps, and its steps per minute (the runs share the cores, so each runs at a fraction
+of the speed of a run alone). No faults are injected. Writes ``soak_memory.json`` and
 ``soak_memory.png``; ``--quick``: the HF rollout backend and 15 s.
 """
 
@@ -26,7 +29,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.common import new_figure, publish_result, save_figure
 from bench.soak import WARMUP_FRACTION, _Soak, compute_growth, summarise_queues
@@ -35,9 +38,17 @@ MEMORY_SAMPLE_S = 30.0
 STAGES = ("source:0", "rollout:0", "reward:0", "reference:0", "trainer:0")
 
 
-def build_variants() -> dict[str, dict[str, str]]:
-    return {"glibc_default": {"MALLOC_ARENA_MAX": str(8 * (os.cpu_count() or 1))},
-            "arena_max_2": {"MALLOC_ARENA_MAX": "2"}}
+class Variant(NamedTuple):
+    env: dict[str, str]
+    overrides: tuple[str, ...]
+
+
+def build_variants() -> dict[str, Variant]:
+    glibc = {"MALLOC_ARENA_MAX": str(8 * (os.cpu_count() or 1))}
+    no_trim = ("rollout.host_memory_trim_s=0",)
+    return {"glibc_default": Variant(glibc, no_trim),
+            "arena_max_2": Variant({"MALLOC_ARENA_MAX": "2"}, no_trim),
+            "trim_60s": Variant(glibc, ("rollout.host_memory_trim_s=60",))}
 
 
 def summarise_variant(soak: _Soak) -> dict[str, Any]:
@@ -71,11 +82,12 @@ def run(quick: bool, out_dir: Path, minutes: float = 20.0) -> dict[str, Any]:
     soaks: dict[str, _Soak] = {}
     status, error = "ok", None
     try:
-        for name, env in build_variants().items():
+        for name, variant in build_variants().items():
             (root / name).mkdir()
-            soaks[name] = _Soak(quick, phase_s, root / name, env, sample_s=MEMORY_SAMPLE_S)
+            soaks[name] = _Soak(quick, phase_s, root / name, variant.env, sample_s=MEMORY_SAMPLE_S,
+                                overrides=variant.overrides)
         running = set(soaks)
-        while running:  # one that is done runs on (the same load) until both are
+        while running:  # one that is done runs on (the same load) until all are
             running -= {name for name in sorted(running) if soaks[name].phase1_tick()}
             time.sleep(0.5)
         for soak in soaks.values():
@@ -93,9 +105,10 @@ def run(quick: bool, out_dir: Path, minutes: float = 20.0) -> dict[str, Any]:
                 "engine_rss_mib_per_hour", "driver_rss_mib_per_hour", "steps_per_minute"):
         for name, v in variants.items():
             ratios[f"{name}_{key}"] = v.get(key)
-    base, two = variants.get("glibc_default", {}), variants.get("arena_max_2", {})
-    if base.get("steps_per_minute") and two.get("steps_per_minute"):
-        ratios["arena_max_2_over_glibc_default_steps"] = two["steps_per_minute"] / base["steps_per_minute"]
+    base = variants.get("glibc_default", {})
+    for name, v in variants.items():
+        if name != "glibc_default" and base.get("steps_per_minute") and v.get("steps_per_minute"):
+            ratios[f"{name}_over_glibc_default_steps"] = v["steps_per_minute"] / base["steps_per_minute"]
     payload = {
         "quick": quick,
         "status": status,
@@ -103,7 +116,8 @@ def run(quick: bool, out_dir: Path, minutes: float = 20.0) -> dict[str, Any]:
         "minutes_requested": None if quick else minutes,
         "params": {"overrides": next(iter(soaks.values())).args if soaks else [], "phase_s": phase_s,
                    "sample_s": MEMORY_SAMPLE_S, "warmup_fraction": WARMUP_FRACTION,
-                   "variants": {n: v["env"] for n, v in variants.items()}},
+                   "variants": {n: {"env": v.env, "overrides": list(v.overrides)}
+                                for n, v in build_variants().items()}},
         "variants": variants,
         "ratios": ratios,
     }

@@ -218,6 +218,10 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # vLLM's sleep mode (its GPU memory from an allocator that can release and map it
     # again); ``placement: colocate`` turns it on, to sleep while the trainer steps.
     sleep_mode: bool = False
+    # vLLM backend: after a weight update, at most once per this many seconds, the
+    # engine's processes and the rollout's own give their freed heap back to the OS
+    # (glibc ``malloc_trim``; ``pipeline/memory/trim.py``). 0: never.
+    host_memory_trim_s: NonNegFloat = 60.0
     seed: NonNegInt = 0
     memory: MemoryConfig = MemoryConfig()
     max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio

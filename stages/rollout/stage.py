@@ -340,8 +340,11 @@ class RolloutStage:
                 "samples": self.generated_samples, "tokens": self.generated_tokens, **self.guard.status(), **colocate}
 
     def result(self) -> dict[str, Any]:
+        trims = getattr(self.backend, "host_memory_trims", None)  # vLLM backend's (rollout.host_memory_trim_s)
         return {**self.status(), "weight_updates": {"count": self.applied_count, "apply_s_total": self.apply_s_total,
-                                                    "last": self.last_applied}}
+                                                    "last": self.last_applied},
+                **({} if trims is None else {"host_memory_trims": trims, "host_memory_trimmed_mib":
+                                             self.backend.host_memory_trimmed_bytes / 2**20})}
 
     async def shutdown(self) -> None:
         async with self._applying:  # never cancel an update (or a sleep) half-done inside the engine

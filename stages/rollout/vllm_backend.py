@@ -48,6 +48,10 @@ Guarantees (beyond ``stages.rollout.base``):
   them all; only the model's buffers are saved in host memory), ``wake_up(["weights"])``
   maps the weights' memory again for the update to load into, ``wake_up(["kv_cache"])``
   the KV cache.
+- After a weight update, at most once per ``rollout.host_memory_trim_s``, every worker
+  process and this one give their freed heap back to the OS (``malloc_trim``); each
+  payload is allocated and freed there, which glibc would otherwise keep resident
+  (``bench soak_memory`` compares).
 - ``shutdown`` stops the output handler before the engine process, and gives that
   process time to exit on its own: no EngineDeadError, no force-kill.
 - A payload that names a tensor the checkpoint lacks, or gives one another shape, is
@@ -77,6 +81,7 @@ from typing import Any
 import structlog
 
 from pipeline.config import RolloutConfig
+from pipeline.memory.trim import trim_host_memory
 from pipeline.transport import is_ipc_payload, read_ipc_shapes
 from pipeline.weights import (
     Fingerprint,
@@ -267,6 +272,8 @@ class VLLMBackend:
         self._labels = True  # engine labels outputs with weight versions (vLLM >= 0.32)
         self._shm_dir: Path | None = None  # private dir for payload files (None: bytes)
         self.last_pause_s = 0.0  # generation paused by the last update (pause to resume)
+        self.host_memory_trims, self.host_memory_trimmed_bytes = 0, 0
+        self._trimmed_at: float | None = None  # monotonic time of the last trim (None: none yet)
 
     @property
     def version(self) -> int:
@@ -510,7 +517,26 @@ class VLLMBackend:
             self.last_pause_s = time.perf_counter() - paused_at
         log.info("weights applied", policy_version=version, fingerprint=live, transport="cuda_ipc" if ipc else "shm",
                  paused_ms=round(1e3 * self.last_pause_s, 1))
+        await self._trim_host_memory(engine)
         return live
+
+    async def _trim_host_memory(self, engine: Any) -> None:
+        """Every worker's and this process's freed heap back to the OS, if
+        ``rollout.host_memory_trim_s`` has passed since the last time (the first update
+        trims). A weight payload is the largest thing these processes allocate and free
+        each step; glibc keeps that memory resident otherwise. Runs after generation
+        resumed: the workers trim between two engine steps."""
+        every, now = self.cfg.host_memory_trim_s, time.monotonic()
+        if not every or (self._trimmed_at is not None and now - self._trimmed_at < every):
+            return
+        self._trimmed_at = now
+        freed = await engine.collective_rpc("trim_host_memory")
+        if self.cfg.engine_core != "in_process":  # else the worker above is this process
+            freed = [*freed, await asyncio.to_thread(trim_host_memory)]
+        self.host_memory_trims += 1
+        self.host_memory_trimmed_bytes += sum(b for b in freed if b is not None and b > 0)
+        log.debug("host memory trimmed", freed_mib=[None if b is None else round(b / 2**20, 1) for b in freed],
+                  trim_ms=round(1e3 * (time.monotonic() - now), 1))
 
     async def _ship_and_apply(self, engine: Any, data: bytes, version: int, verify: bool) -> list[dict[str, Any]]:
         """Every rank's ``apply_weights`` result; by file where the workers see it, by

@@ -29,6 +29,7 @@ Guarantees:
   kernel, by multiplying the identity: ``cpu_linear(I_K) = W^T`` exactly (each output
   element is one product with 1.0 plus exact zeros). Elsewhere the parameters are the
   live weights and are read directly.
+- ``trim_host_memory`` gives the worker's freed heap back to the OS; it loads nothing.
 - ``fingerprint`` reports (sum, sum of squares) per parameter name of this rank;
   ``combine_rank_fingerprints`` folds the ranks into one model fingerprint: a name held
   with identical numbers by several ranks is replicated (norms under tensor
@@ -111,6 +112,13 @@ class WeightSyncExtension:
             model.load_weights(weights=iter(weights.items()))
         del weights
         return {"payload": payload, "live": self.fingerprint() if verify else None}
+
+    def trim_host_memory(self) -> int | None:
+        """Give this worker process's freed heap back to the OS (``pipeline.memory.trim``);
+        the bytes given back, None where the C library cannot."""
+        from pipeline.memory.trim import trim_host_memory
+
+        return trim_host_memory()
 
     def fingerprint(self) -> RankFingerprint:
         """(sum, sum of squares) of every parameter this rank holds, by name; on a GPU

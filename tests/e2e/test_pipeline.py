@@ -84,6 +84,8 @@ def test_rollout_serves_the_trainers_weights(streaming_run):
     for worker, state in served.items():
         assert state["version"] == summary["policy_version"] == STEPS, worker
         assert state["verified"], f"{worker}: live weights were not read back from the engine"
+    # rollout.host_memory_trim_s: the first update gives the engine's freed heap back
+    assert [r["host_memory_trims"] >= 1 for r in summary["rollout"]] == [True], summary["rollout"]
 
 
 def test_checkpoint_loads_and_generates(streaming_run):
