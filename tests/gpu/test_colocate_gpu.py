@@ -36,5 +36,6 @@ def test_colocated_run_frees_vllms_memory_for_every_training_step(tmp_path):
     assert calls["hand_gpus_to_trainer"] == calls["confirm_asleep"] == STEPS
     (rollout,) = summary["rollout"]  # its account before shutdown, where the final version wakes it
     assert rollout["sleeps"] == STEPS and rollout["weight_updates"]["count"] == STEPS - 1
+    assert rollout["host_memory_trims"] >= 1  # the first update gave the engine's freed heap back
     for worker, state in summary["served"].items():
         assert state["version"] == STEPS and state["verified"], (worker, state)
