@@ -99,14 +99,14 @@ def init_on_a_free_port(init: Any, chose_port: bool) -> Any:
     the choice and the bind (another trainer starting on this host at the same moment
     was given the same free port), again on a new one, ``PORT_ATTEMPTS`` times at most.
     A port set by the user is never changed."""
-    for attempt in range(PORT_ATTEMPTS):
+    for _ in range(PORT_ATTEMPTS - 1):
         try:
             return init()
         except Exception as exc:
-            if not chose_port or "EADDRINUSE" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+            if not chose_port or "EADDRINUSE" not in str(exc):
                 raise
             os.environ["MASTER_PORT"] = str(find_free_port())
-    raise AssertionError("unreachable")
+    return init()  # the last attempt: its error is the caller's
 
 
 def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dict[str, Any]:
