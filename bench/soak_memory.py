@@ -12,8 +12,9 @@ workers; the vLLM engine processes inherit it):
   trim (``rollout.host_memory_trim_s=0``);
 - ``arena_max_2``: 2 arenas, the usual cure for the slow RSS growth of many-threaded
   processes that each thread's arena keeping its free memory causes; no trim;
-- ``trim_60s``: glibc's arenas and Conveyor's default, ``malloc_trim`` in the rollout's
-  processes after a weight update at most once a minute (``pipeline/memory/trim.py``).
+- ``trim_60s``: glibc's arenas, and ``malloc_trim`` in the rollout's processes after a
+  weight update at most once a minute (``rollout.host_memory_trim_s=60``,
+  ``pipeline/memory/trim.py``).
 
 Each variant reports the slopes over the whole fit and over its two halves apart
 (growth that levels off has a second-half slope near 0), the same per 1,000 trained

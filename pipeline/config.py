@@ -220,8 +220,9 @@ class RolloutConfig(msgspec.Struct, **_section()):
     sleep_mode: bool = False
     # vLLM backend: after a weight update, at most once per this many seconds, the
     # engine's processes and the rollout's own give their freed heap back to the OS
-    # (glibc ``malloc_trim``; ``pipeline/memory/trim.py``). 0: never.
-    host_memory_trim_s: NonNegFloat = 60.0
+    # (glibc ``malloc_trim``; ``pipeline/memory/trim.py``). 0: never. Off by default:
+    # ``bench soak_memory`` saw it lower the engine's mean resident set, not its peak.
+    host_memory_trim_s: NonNegFloat = 0.0
     seed: NonNegInt = 0
     memory: MemoryConfig = MemoryConfig()
     max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio

@@ -48,10 +48,10 @@ Guarantees (beyond ``stages.rollout.base``):
   them all; only the model's buffers are saved in host memory), ``wake_up(["weights"])``
   maps the weights' memory again for the update to load into, ``wake_up(["kv_cache"])``
   the KV cache.
-- After a weight update, at most once per ``rollout.host_memory_trim_s``, every worker
-  process and this one give their freed heap back to the OS (``malloc_trim``); each
-  payload is allocated and freed there, which glibc would otherwise keep resident
-  (``bench soak_memory`` compares).
+- With ``rollout.host_memory_trim_s`` (off by default), after a weight update, at most
+  once per that many seconds, every worker process and this one give their freed heap
+  back to the OS (``malloc_trim``): each payload is allocated and freed there, which
+  glibc otherwise keeps resident (``bench soak_memory`` compares).
 - ``shutdown`` stops the output handler before the engine process, and gives that
   process time to exit on its own: no EngineDeadError, no force-kill.
 - A payload that names a tensor the checkpoint lacks, or gives one another shape, is

@@ -30,7 +30,8 @@ def _launch(run_dir: Path, *overrides: str) -> tuple[dict, list[dict]]:
 @pytest.fixture(scope="module")
 def streaming_run(ray_cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("stream")
-    summary, rows = _launch(run_dir, f"run.steps={STEPS}", "dataflow.async_execution=true", "dataflow.max_staleness=1")
+    summary, rows = _launch(run_dir, f"run.steps={STEPS}", "dataflow.async_execution=true", "dataflow.max_staleness=1",
+                            "rollout.host_memory_trim_s=60")
     return run_dir, summary, rows
 
 
@@ -84,7 +85,7 @@ def test_rollout_serves_the_trainers_weights(streaming_run):
     for worker, state in served.items():
         assert state["version"] == summary["policy_version"] == STEPS, worker
         assert state["verified"], f"{worker}: live weights were not read back from the engine"
-    # rollout.host_memory_trim_s: the first update gives the engine's freed heap back
+    # rollout.host_memory_trim_s=60: the first update gives the engine's freed heap back
     assert [r["host_memory_trims"] >= 1 for r in summary["rollout"]] == [True], summary["rollout"]
 
 
@@ -129,6 +130,7 @@ def test_lockstep_is_exactly_on_policy(lockstep_run):
     (served,) = summary["served"].values()
     assert served["version"] == STEPS and served["verified"]
     assert summary["mode"] == "sync"
+    assert [r["host_memory_trims"] for r in summary["rollout"]] == [0]  # off by default
     assert all(r["staleness/max"] == 0 for r in rows)
     # Behaviour log-probs come from vLLM, current ones from the trainer: on-policy the
     # importance ratio is 1 up to float32 kernel differences (measured < 1e-6 per token).

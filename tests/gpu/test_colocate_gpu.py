@@ -19,7 +19,8 @@ def test_colocated_run_frees_vllms_memory_for_every_training_step(tmp_path):
     run_dir = tmp_path / "colocate"
     config = ROOT / "configs" / "gpu_small.yaml"
     overrides = ["placement=colocate", "dataflow.async_execution=false", "dataflow.max_staleness=0",
-                 f"run.dir={run_dir}", f"run.steps={STEPS}", "run.progress=false", "train.save_checkpoint=false"]
+                 f"run.dir={run_dir}", f"run.steps={STEPS}", "run.progress=false", "train.save_checkpoint=false",
+                 "rollout.host_memory_trim_s=60"]
     # vLLM's share of the GPU as the launch plans it (nvidia-smi: no CUDA context here).
     share = plan_run_placement(load_config(config, overrides))[1].rollout_memory_fraction
     done = _conveyor("launch", "--config", str(config), *overrides, log=LOG_DIR / "colocate.log")
