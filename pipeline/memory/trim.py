@@ -3,8 +3,8 @@
 glibc keeps what a process frees inside its malloc arenas (up to 8 per core, one per
 thread that allocates), and returns it only from the top of the main heap. A process
 whose threads allocate and free large buffers over and over keeps a resident set that
-grows while the memory it uses does not: vLLM's engine, which receives a weight payload
-every step, grew 80 MiB an hour that way in ``bench soak_memory`` (its in-use heap flat).
+grows while the memory it uses does not, as vLLM's engine does, which receives a weight
+payload every step (``bench soak_memory``: its in-use heap flat, its resident set up).
 ``malloc_trim(0)`` gives the free pages of every arena back.
 
 Guarantees:
@@ -13,8 +13,9 @@ Guarantees:
   gave back (a difference of two readings: other threads allocating meanwhile can make
   it small or negative).
 - It only returns free pages; nothing in use moves, so it is safe in any thread, at any
-  time. It walks every arena, so its cost grows with the heap (milliseconds for a few
-  GiB): callers space their calls out.
+  time. It walks every arena and returns pages one range at a time: measured here, 12 ms
+  over a 3 GiB heap with nothing to give back, 0.3 s to give back 3 GiB. Callers space
+  their calls out.
 """
 
 from __future__ import annotations
