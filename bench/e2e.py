@@ -98,6 +98,8 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     from stages.tasks import load_task
     from stages.tiny import resolve_model_path
 
+    let_datasets_hash_pyarrow()
+
     t0 = time.time()
     cfg = load_config(QUICKSTART)
     path = resolve_model_path(cfg.model)
@@ -161,9 +163,32 @@ def _attempt(name: str, fn: Any, *args: Any, describe: Any = _describe_run) -> d
         row["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     except Exception as exc:
         row = {"system": name, "status": "error", "error": f"{type(exc).__name__}: {exc}",
-               "traceback": traceback.format_exc()[-4000:]}
+               "traceback": _clip(traceback.format_exc())}
     print(f"{name}: {describe(row) if row['status'] == 'ok' else row['error']}", flush=True)
     return row
+
+
+def _clip(text: str, head: int = 1500, tail: int = 3000) -> str:
+    """A long traceback's first and last frames (where it began and where it failed)."""
+    return text if len(text) <= head + tail else f"{text[:head]}\n[...]\n{text[-tail:]}"
+
+
+def let_datasets_hash_pyarrow() -> None:
+    """Make ``datasets``' fingerprinting able to pickle ``pyarrow.lib.MonthDayNano``.
+
+    pyarrow builds that namedtuple class in Cython, where its ``__module__`` comes out as
+    ``builtins`` (and cannot be set: the type is immutable); pickling it by reference then
+    fails (``not found as builtins.MonthDayNano``) and takes TRL's ``GRPOTrainer`` set-up
+    down with it (seen with pyarrow 21, datasets 5.2, Python 3.12). Naming it in
+    ``builtins`` makes that reference resolve to the class itself. Only the peer's runs
+    call this."""
+    import builtins
+
+    import pyarrow.lib
+
+    cls = pyarrow.lib.MonthDayNano
+    if cls.__module__ == "builtins" and getattr(builtins, cls.__name__, cls) is cls:
+        setattr(builtins, cls.__name__, cls)
 
 
 def build_trl_args(cfg: Any, root: Path, steps: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import new_figure, publish_result, save_figure
-from bench.e2e import _version, build_trl_args, run_three_systems, summarize_curve
+from bench.e2e import _version, build_trl_args, let_datasets_hash_pyarrow, run_three_systems, summarize_curve
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 WARMUP_STEPS = 5
@@ -107,6 +107,8 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     from pipeline.config import load_config
     from stages.tasks import load_task
     from stages.tiny import resolve_model_path
+
+    let_datasets_hash_pyarrow()
 
     t0 = time.time()
     cfg = load_config(CONFIG)

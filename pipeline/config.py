@@ -203,7 +203,10 @@ class RolloutConfig(msgspec.Struct, **_section()):
     top_k: int = -1
     max_tokens: PosInt = 8
     max_inflight: PosInt = 4  # micro-batches generating concurrently per worker
-    kv_cache_gib: PosFloat = 1.0  # CPU backend: VLLM_CPU_KVCACHE_SPACE
+    # The vLLM engine's KV cache in GiB (vLLM's kv_cache_memory_bytes). On CPU None is
+    # 1.0. On a GPU None sizes it from gpu_memory_utilization, except under
+    # ``placement: colocate``, where the plan sizes it to the job (``size_colocated_kv_cache``).
+    kv_cache_gib: PosFloat | None = None
     # vLLM's share of its GPU's memory. None: chosen by the placement plan (what trainer
     # and reference on the same GPU leave, or 0.9 on a GPU of its own; 0.5 unplanned).
     gpu_memory_utilization: Ratio | None = None
@@ -227,6 +230,12 @@ class RolloutConfig(msgspec.Struct, **_section()):
     memory: MemoryConfig = MemoryConfig()
     max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio
     tools: ToolsConfig | None = None  # multi-turn rollouts with tool calls
+
+    @property
+    def kv_cache_budget_gib(self) -> float:
+        """``kv_cache_gib``, 1.0 where None: the CPU engine's KV cache, and rollout admission's
+        KV budget."""
+        return 1.0 if self.kv_cache_gib is None else self.kv_cache_gib
 
 
 class RewardSourceConfig(msgspec.Struct, **_section()):

@@ -45,10 +45,12 @@ import yaml
 from pipeline.checkpoint import find_latest_checkpoint, prepare_run_dir, reconcile_prompt_ids
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
+from pipeline.dtypes import DTYPE_BYTES
 from pipeline.log import configure_logging, get_logger
+from pipeline.memory.admission import ModelShape
 from pipeline.memory.guard import merge_guard_metrics
 from pipeline.metrics import MetricsWriter, write_summary
-from pipeline.placement import PlacementPlan, check_plan, detect_gpus, plan_placement
+from pipeline.placement import PlacementPlan, check_plan, detect_gpus, plan_placement, size_colocated_kv_cache
 from pipeline.plugins import STAGE_CLASSES, load_builtin
 from pipeline.preflight import PreflightReport, run_preflight
 from pipeline.profiler import (
@@ -160,21 +162,26 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
 
     stages = build_dataflow(cfg).topological_order()
     available, gpu_bytes = detect_gpus(cfg.run.address)
-    num_params = count_model_params(cfg) if available else 0
-    plan = plan_placement(cfg, stages, available, num_params=num_params, gpu_bytes=gpu_bytes)
+    shape, max_model_len = read_model_shape(cfg) if available else (None, 0)
+    plan = plan_placement(cfg, stages, available, num_params=shape.num_params if shape else 0, gpu_bytes=gpu_bytes)
     check_plan(cfg, plan)
-    if plan.rollout_memory_fraction != cfg.rollout.gpu_memory_utilization:
-        rollout = msgspec.structs.replace(cfg.rollout, gpu_memory_utilization=plan.rollout_memory_fraction)
-        cfg = msgspec.structs.replace(cfg, rollout=rollout)
-    return cfg, plan
+    rollout = cfg.rollout
+    if plan.rollout_memory_fraction != rollout.gpu_memory_utilization:
+        rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=plan.rollout_memory_fraction)
+    kv = size_colocated_kv_cache(cfg, shape, max_model_len) if shape is not None and available else None
+    if kv is not None:
+        rollout = msgspec.structs.replace(rollout, kv_cache_gib=kv[0] / (1 << 30))
+        plan.notes.append(kv[1])
+    return msgspec.structs.replace(cfg, rollout=rollout), plan
 
 
-def count_model_params(cfg: ConveyorConfig) -> int:
-    """Parameters of ``model.path`` from its ``config.json`` (no weights are read)."""
-    from pipeline.memory.admission import ModelShape
-
+def read_model_shape(cfg: ConveyorConfig) -> tuple[ModelShape, int]:
+    """``model.path``'s shape in ``model.dtype``, from its ``config.json`` (no weights are
+    read), and its longest sequence (``max_position_embeddings``; 0 if absent)."""
     config = json.loads((load_builtin("resolve_model_path")(cfg.model) / "config.json").read_text())
-    return ModelShape.from_hf_config(config).num_params
+    text = config.get("text_config") if "num_hidden_layers" not in config else None
+    max_len = int((text or config).get("max_position_embeddings") or 0)
+    return ModelShape.from_hf_config(config, dtype_bytes=DTYPE_BYTES.get(cfg.model.dtype)), max_len
 
 
 def collect_stage_metrics(statuses: dict[str, dict[str, Any]], prefixes: tuple[str, ...]) -> dict[str, float]:

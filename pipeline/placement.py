@@ -22,7 +22,8 @@ Guarantees:
 - ``placement: colocate``: trainer rank r on GPU r, rollout replicas round robin over the
   ranks' GPUs, reference, critic and reward model with rank 0; vLLM's share is sized as
   on a shared GPU, and the trainer also has the KV cache's memory while vLLM sleeps.
-  Refused without GPUs.
+  vLLM's KV cache is sized to the job's sequences (``size_colocated_kv_cache``) unless
+  the user sizes it. Refused without GPUs.
 - Explicit plans name GPU indices per stage (``placement: {rollout: [0], trainer: [1],
   reference: [1]}``, or ``{gpus: [0], exclusive: true}``); a stage not named gets no
   GPU. Per-stage Ray GPU counts (``num_gpus``) without indices are passed to Ray as
@@ -47,6 +48,7 @@ from typing import Any
 
 from pipeline.config import ConfigError, ConveyorConfig
 from pipeline.dtypes import DTYPE_BYTES
+from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes
 
 GPU_STAGES = ("rollout", "reward_model", "reference", "critic", "trainer")
 _GIB = 1 << 30
@@ -55,6 +57,7 @@ _GIB = 1 << 30
 RESERVE_FRACTION = 0.1
 OWN_GPU_FRACTION = 0.9  # vLLM's share of a GPU it has to itself
 MIN_ROLLOUT_FRACTION = 0.05
+KV_HEADROOM = 1.25  # a colocated engine's KV cache over its sequences' tokens (vLLM's block slack)
 
 
 class PlacementError(ConfigError):
@@ -138,6 +141,35 @@ def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, 
     if with_reference:
         resident += num_params * DTYPE_BYTES[dtype]
     return min(OWN_GPU_FRACTION, 1.0 - resident / gpu_bytes - RESERVE_FRACTION)
+
+
+def size_colocated_kv_cache(cfg: ConveyorConfig, shape: ModelShape, max_model_len: int) -> tuple[int, str] | None:
+    """Bytes of KV cache per GPU for a colocated vLLM engine, sized to the job, and a note
+    for the plan; None where it is not planned: not ``placement: colocate``, the user
+    chose (``rollout.kv_cache_gib`` or ``rollout.gpu_memory_utilization`` set), or
+    sequences have no bound (``rollout.tools``: tool turns lengthen them).
+
+    A colocated engine sleeps every step, freeing its KV cache, and maps it again on
+    waking: the time both take grows with the cache, which vLLM otherwise makes as large
+    as its share allows. A worker generates at most ``min(max_inflight, its micro-batches
+    per step)`` micro-batches at once (lock-step: one step at a time), each of
+    ``prompts_per_micro_batch × n`` sequences of at most ``data.max_prompt_len +
+    rollout.max_tokens`` tokens; the cache holds them all, × ``KV_HEADROOM`` for vLLM's
+    part-filled blocks, and at least one ``max_model_len`` sequence (vLLM refuses to
+    start otherwise). (Colocate refuses tensor parallelism: one GPU holds the cache.)
+    """
+    ro = cfg.rollout
+    if (cfg.placement.mode != "colocate" or ro.kv_cache_gib is not None or ro.gpu_memory_utilization is not None
+            or ro.tools is not None):
+        return None
+    per_worker = -(-cfg.micro_batches_per_step // ro.num_workers)
+    sequences = min(ro.max_inflight, per_worker) * cfg.dataflow.prompts_per_micro_batch * ro.n
+    seq_tokens = cfg.data.max_prompt_len + ro.max_tokens
+    tokens = max(sequences * seq_tokens, max_model_len)
+    kv = math.ceil(estimate_kv_cache_bytes(shape, tokens) * KV_HEADROOM)
+    note = (f"colocate: vLLM's KV cache sized to the job, {kv / _GIB:.2f} GiB ({sequences} sequences x "
+            f"{seq_tokens} tokens, x{KV_HEADROOM:g}); rollout.kv_cache_gib sets it")
+    return kv, note
 
 
 def plan_placement(

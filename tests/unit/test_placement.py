@@ -7,6 +7,7 @@ import re
 import pytest
 
 from pipeline.config import ConfigError, decode_config
+from pipeline.memory.admission import ModelShape
 from pipeline.placement import (
     OWN_GPU_FRACTION,
     PlacementError,
@@ -15,6 +16,7 @@ from pipeline.placement import (
     estimate_trainer_bytes_per_param,
     is_manual,
     plan_placement,
+    size_colocated_kv_cache,
 )
 
 STAGES = ["source", "rollout", "reward", "reference", "trainer"]
@@ -261,3 +263,31 @@ def test_a_colocated_rollout_is_not_restarted_where_a_shared_one_is():
     assert restarts > 0 and build_dataflow(config()).nodes["rollout"].max_restarts == restarts
     colocated = build_dataflow(config(**COLOCATE)).nodes
     assert colocated["rollout"].max_restarts == 0 and colocated["reward"].max_restarts == restarts
+
+
+def test_a_colocated_engine_gets_the_kv_cache_its_sequences_need():
+    # gpu_small's shape: 16 layers x 16 KV heads x 64 dims x K and V x 2 bytes = 64 KiB a token.
+    shape = ModelShape(num_layers=16, num_kv_heads=16, head_dim=64, hidden_size=1024, vocab_size=64,
+                       num_params=268_700_000, dtype_bytes=2)
+    job = {**COLOCATE, "train": {"prompts_per_step": 32},
+           "dataflow": {**COLOCATE["dataflow"], "prompts_per_micro_batch": 8},
+           "rollout": {"n": 8, "max_tokens": 128, "max_inflight": 4}, "data": {"max_prompt_len": 64}}
+    kv, note = size_colocated_kv_cache(config(**job), shape, max_model_len=512)
+    # 4 micro-batches in flight x 8 prompts x 8 samples = 256 sequences of 64 + 128 tokens,
+    # 64 KiB each, x 1.25.
+    assert kv == 256 * 192 * 65536 * 5 // 4 == int(3.75 * GIB)
+    assert "3.75 GiB (256 sequences x 192 tokens" in note and "rollout.kv_cache_gib" in note
+    # Fewer micro-batches in flight than a step has: only those are generating at once.
+    fewer = {**job, "rollout": {**job["rollout"], "max_inflight": 1}}
+    assert size_colocated_kv_cache(config(**fewer), shape, 512)[0] == kv // 4
+    # Two replicas split the step's micro-batches.
+    two = {**job, "rollout": {**job["rollout"], "num_workers": 2}, "train": {"prompts_per_step": 32, "num_ranks": 2}}
+    assert size_colocated_kv_cache(config(**two), shape, 512)[0] == kv // 2
+    # At least one sequence of the model's full length, or vLLM would refuse to start.
+    tiny = {**job, "rollout": {"n": 2, "max_tokens": 8, "max_inflight": 1}, "train": {"prompts_per_step": 1},
+            "dataflow": {**COLOCATE["dataflow"], "prompts_per_micro_batch": 1}}
+    assert size_colocated_kv_cache(config(**tiny), shape, 32768)[0] == 32768 * 65536 * 5 // 4
+    # Not planned: shared placement, a size or share the user chose, tool turns of no bound.
+    assert size_colocated_kv_cache(config(), shape, 512) is None
+    for rollout in ({"kv_cache_gib": 2.0}, {"gpu_memory_utilization": 0.3}):
+        assert size_colocated_kv_cache(config(**{**job, "rollout": {**job["rollout"], **rollout}}), shape, 512) is None

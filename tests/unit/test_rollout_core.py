@@ -94,12 +94,18 @@ def test_engine_kwargs_on_cpu_and_gpu() -> None:
     assert cpu["logprobs_mode"] == "processed_logprobs"
     assert cpu["enforce_eager"] is True
     gpu = build_engine_kwargs(Path("/ckpt"), cfg, "auto", on_cpu=False)
-    assert gpu["gpu_memory_utilization"] == 0.4 and "kv_cache_memory_bytes" not in gpu
+    assert gpu["gpu_memory_utilization"] == 0.4 and gpu["kv_cache_memory_bytes"] == 268435456
     assert gpu["enforce_eager"] is False  # unset: CUDA graphs on a GPU
     # Tensor parallel on GPUs: vLLM's workers are the rollout actor's child processes.
     assert gpu["distributed_executor_backend"] == "mp" and "distributed_executor_backend" not in cpu
     one = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, tensor_parallel_size=1), "auto", on_cpu=False)
     assert "distributed_executor_backend" not in one
+    # Unset: the CPU engine's 1 GiB; on a GPU the share sizes the cache unless a size is given.
+    unset = msgspec.structs.replace(cfg, kv_cache_gib=None)
+    assert build_engine_kwargs(Path("/ckpt"), unset, "auto", on_cpu=True)["kv_cache_memory_bytes"] == 1 << 30
+    assert "kv_cache_memory_bytes" not in build_engine_kwargs(Path("/ckpt"), unset, "auto", on_cpu=False)
+    sized = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, kv_cache_gib=3.75), "auto", on_cpu=False)
+    assert sized["kv_cache_memory_bytes"] == int(3.75 * (1 << 30)) and sized["gpu_memory_utilization"] == 0.4
     forced = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, enforce_eager=True), "auto", on_cpu=False)
     assert forced["enforce_eager"] is True
     # An older vLLM without kv_cache_memory_bytes: the field is dropped (the env takes
