@@ -90,7 +90,6 @@ def run_conveyor(mode: str, steps: int, root: Path) -> dict[str, Any]:
 
 def run_trl(steps: int, root: Path) -> dict[str, Any]:
     import torch
-    from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -98,16 +97,13 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     from stages.tasks import load_task
     from stages.tiny import resolve_model_path
 
-    let_datasets_hash_pyarrow()
-
     t0 = time.time()
     cfg = load_config(QUICKSTART)
     path = resolve_model_path(cfg.model)
     task = load_task(cfg.data.task, **cfg.data.task_kwargs)
     per_step = cfg.train.prompts_per_step
     rows = task.generate_rows(cfg.run.seed, steps * per_step)
-    data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": str(r["ground_truth"]),
-                               "data_source": r["data_source"]} for r in rows])
+    data = build_trl_dataset(rows)
 
     def reward(prompts: list[str], completions: list[str], ground_truth: list[str], data_source: list[str],
                **_: Any) -> list[float]:
@@ -173,22 +169,25 @@ def _clip(text: str, head: int = 1500, tail: int = 3000) -> str:
     return text if len(text) <= head + tail else f"{text[:head]}\n[...]\n{text[-tail:]}"
 
 
-def let_datasets_hash_pyarrow() -> None:
-    """Make ``datasets``' fingerprinting able to pickle ``pyarrow.lib.MonthDayNano``.
+def build_trl_dataset(rows: list[dict[str, Any]]) -> Any:
+    """The task's rows as the ``datasets.Dataset`` TRL trains on, with a fingerprint of
+    their content given rather than computed.
 
-    pyarrow builds that namedtuple class in Cython, where its ``__module__`` comes out as
-    ``builtins`` (and cannot be set: the type is immutable); pickling it by reference then
-    fails (``not found as builtins.MonthDayNano``) and takes TRL's ``GRPOTrainer`` set-up
-    down with it (seen with pyarrow 21, datasets 5.2, Python 3.12). Naming it in
-    ``builtins`` makes that reference resolve to the class itself. Only the peer's runs
-    call this."""
-    import builtins
+    ``datasets`` otherwise fingerprints a new dataset by pickling its whole state with
+    dill, pyarrow's internals included; with Python 3.12 and pyarrow 21 that fails (a
+    Cython-made class that pickles as ``builtins.MonthDayNano``, then a recursion without
+    end in dill's global-variable walk) and takes TRL's run down before it starts."""
+    import hashlib
+    import json
 
-    import pyarrow.lib
+    import pyarrow as pa
+    from datasets import Dataset
+    from datasets.table import InMemoryTable
 
-    cls = pyarrow.lib.MonthDayNano
-    if cls.__module__ == "builtins" and getattr(builtins, cls.__name__, cls) is cls:
-        setattr(builtins, cls.__name__, cls)
+    table = [{"prompt": r["prompt"], "ground_truth": str(r["ground_truth"]), "data_source": r["data_source"]}
+             for r in rows]
+    digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
+    return Dataset(InMemoryTable(pa.Table.from_pylist(table)), fingerprint=digest)
 
 
 def build_trl_args(cfg: Any, root: Path, steps: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import new_figure, publish_result, save_figure
-from bench.e2e import _version, build_trl_args, let_datasets_hash_pyarrow, run_three_systems, summarize_curve
+from bench.e2e import _version, build_trl_args, build_trl_dataset, run_three_systems, summarize_curve
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 WARMUP_STEPS = 5
@@ -100,7 +100,6 @@ def _mean(values: list[Any]) -> float | None:
 
 def run_trl(steps: int, root: Path) -> dict[str, Any]:
     import torch
-    from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -108,16 +107,13 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     from stages.tasks import load_task
     from stages.tiny import resolve_model_path
 
-    let_datasets_hash_pyarrow()
-
     t0 = time.time()
     cfg = load_config(CONFIG)
     path = resolve_model_path(cfg.model)
     task = load_task(cfg.data.task, **cfg.data.task_kwargs)
     per_step, n = cfg.train.prompts_per_step, cfg.rollout.n
     rows = task.generate_rows(cfg.run.seed, steps * per_step)
-    data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": str(r["ground_truth"]),
-                               "data_source": r["data_source"]} for r in rows])
+    data = build_trl_dataset(rows)
 
     def reward(prompts: list[str], completions: list[str], ground_truth: list[str], data_source: list[str],
                **_: Any) -> list[float]:

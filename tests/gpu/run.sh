@@ -11,6 +11,10 @@ cd "$(dirname "$0")/../.."
 log_dir="${OUT:-runs/gpu-tests}"
 mkdir -p "$log_dir"
 export CONVEYOR_GPU_LOG_DIR="$log_dir" CONVEYOR_GPU_TESTS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# vLLM forks its engine process unless it sees CUDA initialised in the caller; the engine
+# tests touch CUDA in pytest's process first, and run alone (-k) the forked engine failed
+# with "Cannot re-initialize CUDA in forked subprocess". Spawn always.
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
 [ -f /root/wheels/env.sh ] && . /root/wheels/env.sh
 if ! python3 -c "import vllm, ray, deepspeed" 2>/dev/null; then
   mkdir -p /root/wheels
