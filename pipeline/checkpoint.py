@@ -47,6 +47,9 @@ SAFE_RESUME_KEYS = (
     "run.overwrite", "run.dir", "run.max_restarts", "run.auto_resume",
     "train.checkpoint_every", "train.keep_checkpoints", "train.weight_sync_timeout_s", "train.save_checkpoint",
     "record.", "placement.",
+    # Where vLLM's memory goes, not what is learned (runs saved before the planned KV
+    # cache hold kv_cache_gib: 1.0; resume them with rollout.kv_cache_gib=null).
+    "rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.max_model_len",
 )
 
 

@@ -140,7 +140,8 @@ class MemoryConfig(msgspec.Struct, **_section()):
       is re-measured whenever nothing is in flight. A value therefore means the same
       whatever the model's size. Unset, ``max_memory_ratio`` × the device's total memory
       (CPU: the machine's or the container's limit) caps the whole process, rest included.
-    - ``rollout`` admits against the KV cache its engine preallocated (``kv_cache_gib``):
+    - ``rollout`` admits against the KV cache its engine preallocated (vLLM's blocks; a
+      backend without one: ``kv_cache_gib``):
       ``budget_bytes`` of KV cache for the micro-batches one worker generates at once
       (prompt + ``max_tokens`` per sample); unset, ``max_memory_ratio`` × the KV cache.
     Either way an item also waits while the machine's free memory cannot hold it;
@@ -207,6 +208,10 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # 1.0. On a GPU None sizes it from gpu_memory_utilization, except under
     # ``placement: colocate``, where the plan sizes it to the job (``size_colocated_kv_cache``).
     kv_cache_gib: PosFloat | None = None
+    # vLLM's longest sequence (prompt + completion). None: the model's own
+    # (max_position_embeddings); ``placement: colocate`` sets data.max_prompt_len +
+    # rollout.max_tokens when it sizes the KV cache.
+    max_model_len: PosInt | None = None
     # vLLM's share of its GPU's memory. None: chosen by the placement plan (what trainer
     # and reference on the same GPU leave, or 0.9 on a GPU of its own; 0.5 unplanned).
     gpu_memory_utilization: Ratio | None = None

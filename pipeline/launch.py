@@ -162,26 +162,26 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
 
     stages = build_dataflow(cfg).topological_order()
     available, gpu_bytes = detect_gpus(cfg.run.address)
-    shape, max_model_len = read_model_shape(cfg) if available else (None, 0)
+    shape = read_model_shape(cfg) if available else None
     plan = plan_placement(cfg, stages, available, num_params=shape.num_params if shape else 0, gpu_bytes=gpu_bytes)
     check_plan(cfg, plan)
     rollout = cfg.rollout
     if plan.rollout_memory_fraction != rollout.gpu_memory_utilization:
         rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=plan.rollout_memory_fraction)
-    kv = size_colocated_kv_cache(cfg, shape, max_model_len) if shape is not None and available else None
+    kv = size_colocated_kv_cache(cfg, shape) if shape is not None else None
     if kv is not None:
-        rollout = msgspec.structs.replace(rollout, kv_cache_gib=kv[0] / (1 << 30))
-        plan.notes.append(kv[1])
+        rollout = msgspec.structs.replace(rollout, kv_cache_gib=kv[0] / (1 << 30), max_model_len=kv[1])
+        plan.notes.append(kv[2])
     return msgspec.structs.replace(cfg, rollout=rollout), plan
 
 
-def read_model_shape(cfg: ConveyorConfig) -> tuple[ModelShape, int]:
-    """``model.path``'s shape in ``model.dtype``, from its ``config.json`` (no weights are
-    read), and its longest sequence (``max_position_embeddings``; 0 if absent)."""
+def read_model_shape(cfg: ConveyorConfig) -> ModelShape:
+    """``model.path``'s shape in the rollout's dtype (``rollout.dtype``, else
+    ``model.dtype``; ``auto``: its ``config.json``'s), from its ``config.json`` (no
+    weights are read)."""
     config = json.loads((load_builtin("resolve_model_path")(cfg.model) / "config.json").read_text())
-    text = config.get("text_config") if "num_hidden_layers" not in config else None
-    max_len = int((text or config).get("max_position_embeddings") or 0)
-    return ModelShape.from_hf_config(config, dtype_bytes=DTYPE_BYTES.get(cfg.model.dtype)), max_len
+    dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    return ModelShape.from_hf_config(config, dtype_bytes=DTYPE_BYTES.get(dtype))
 
 
 def collect_stage_metrics(statuses: dict[str, dict[str, Any]], prefixes: tuple[str, ...]) -> dict[str, float]:

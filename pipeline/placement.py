@@ -143,33 +143,34 @@ def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, 
     return min(OWN_GPU_FRACTION, 1.0 - resident / gpu_bytes - RESERVE_FRACTION)
 
 
-def size_colocated_kv_cache(cfg: ConveyorConfig, shape: ModelShape, max_model_len: int) -> tuple[int, str] | None:
-    """Bytes of KV cache per GPU for a colocated vLLM engine, sized to the job, and a note
-    for the plan; None where it is not planned: not ``placement: colocate``, the user
-    chose (``rollout.kv_cache_gib`` or ``rollout.gpu_memory_utilization`` set), or
-    sequences have no bound (``rollout.tools``: tool turns lengthen them).
+def size_colocated_kv_cache(cfg: ConveyorConfig, shape: ModelShape) -> tuple[int, int, str] | None:
+    """(bytes of KV cache, longest sequence) for a colocated vLLM engine, sized to the
+    job, and a note for the plan; None where it is not planned: not ``placement:
+    colocate``, the user chose (``rollout.kv_cache_gib``, ``rollout.gpu_memory_utilization``
+    or ``rollout.max_model_len`` set), or ``rollout.tools`` (multi-turn rollouts submit
+    each turn as a new request, whose length this plan does not bound). ``shape``: the
+    model in the rollout's dtype.
 
     A colocated engine sleeps every step, freeing its KV cache, and maps it again on
     waking: the time both take grows with the cache, which vLLM otherwise makes as large
-    as its share allows. A worker generates at most ``min(max_inflight, its micro-batches
-    per step)`` micro-batches at once (lock-step: one step at a time), each of
-    ``prompts_per_micro_batch × n`` sequences of at most ``data.max_prompt_len +
-    rollout.max_tokens`` tokens; the cache holds them all, × ``KV_HEADROOM`` for vLLM's
-    part-filled blocks, and at least one ``max_model_len`` sequence (vLLM refuses to
-    start otherwise). (Colocate refuses tensor parallelism: one GPU holds the cache.)
+    as its share allows. A worker takes micro-batches from the queue all replicas share
+    and generates at most ``min(max_inflight, micro-batches per step)`` at once
+    (lock-step: one step at a time), each of ``prompts_per_micro_batch × n`` sequences
+    of at most ``data.max_prompt_len + rollout.max_tokens`` tokens (the source refuses
+    longer prompts), which becomes vLLM's ``max_model_len``; the cache holds them all,
+    × ``KV_HEADROOM`` for vLLM's part-filled blocks. (Colocate refuses tensor
+    parallelism: one GPU holds the cache.)
     """
     ro = cfg.rollout
-    if (cfg.placement.mode != "colocate" or ro.kv_cache_gib is not None or ro.gpu_memory_utilization is not None
-            or ro.tools is not None):
+    if (cfg.placement.mode != "colocate" or ro.tools is not None
+            or any(v is not None for v in (ro.kv_cache_gib, ro.gpu_memory_utilization, ro.max_model_len))):
         return None
-    per_worker = -(-cfg.micro_batches_per_step // ro.num_workers)
-    sequences = min(ro.max_inflight, per_worker) * cfg.dataflow.prompts_per_micro_batch * ro.n
+    sequences = min(ro.max_inflight, cfg.micro_batches_per_step) * cfg.dataflow.prompts_per_micro_batch * ro.n
     seq_tokens = cfg.data.max_prompt_len + ro.max_tokens
-    tokens = max(sequences * seq_tokens, max_model_len)
-    kv = math.ceil(estimate_kv_cache_bytes(shape, tokens) * KV_HEADROOM)
+    kv = math.ceil(estimate_kv_cache_bytes(shape, sequences * seq_tokens) * KV_HEADROOM)
     note = (f"colocate: vLLM's KV cache sized to the job, {kv / _GIB:.2f} GiB ({sequences} sequences x "
-            f"{seq_tokens} tokens, x{KV_HEADROOM:g}); rollout.kv_cache_gib sets it")
-    return kv, note
+            f"{seq_tokens} tokens, x{KV_HEADROOM:g}; max_model_len {seq_tokens}); rollout.kv_cache_gib sets it")
+    return kv, seq_tokens, note
 
 
 def plan_placement(

@@ -25,8 +25,9 @@ Guarantees:
   by prompts, the parts generate as they are admitted, and their results are joined back
   in prompt order into one ``RolloutBatch``: queues carry whole micro-batches only. An
   out-of-memory error from the backend (HF ``generate``) halves the prompts and retries.
-  The KV budget is ``rollout.kv_cache_gib`` (1 GiB if unset), what the CPU engine
-  preallocates (on a GPU set ``rollout.memory.budget_bytes`` to the engine's KV cache).
+  The KV budget is the cache the engine made (vLLM's blocks × block size, in this
+  model's bytes per token); a backend that reports none (HF) gets ``rollout.kv_cache_gib``
+  (1 GiB if unset).
 - with ``placement: colocate`` (lock-step, on-policy) the worker sleeps when the
   trainer asks for the GPU (``ControllerClient.hand_gpus_to_trainer``): once nothing is
   generating here, the backend's ``sleep`` frees the engine's weights and KV cache, and
@@ -164,7 +165,11 @@ class RolloutStage:
         await self.backend.generate(warm, msgspec.structs.replace(self.sampling, max_tokens=1))
         hf_config = json.loads((model_path / "config.json").read_text())
         self.shape = ModelShape.from_hf_config({**hf_config, "torch_dtype": dtype})
-        pool = build_pool_reading(int(cfg.rollout.kv_cache_budget_gib * (1 << 30)))
+        # Admission's KV budget: the cache the engine made (vLLM reports its blocks), else
+        # rollout.kv_cache_gib (1 GiB unset).
+        tokens = getattr(self.backend, "kv_cache_tokens", lambda: None)()
+        pool = build_pool_reading(estimate_kv_cache_bytes(self.shape, tokens) if tokens
+                                  else int(cfg.rollout.kv_cache_budget_gib * (1 << 30)))
         self.guard = MemoryGuard(ctx.name, cfg.rollout.memory, read=lambda: pool, spans=ctx.spans)
         self._version_changed = asyncio.Condition()
         self._idle = asyncio.Condition()  # notified when a generation ends

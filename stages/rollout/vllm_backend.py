@@ -149,6 +149,8 @@ def build_engine_kwargs(
             # many by count); vLLM's workers are its child processes, one per GPU. Inside a
             # Ray actor vLLM would otherwise pick its Ray executor and place workers itself.
             kwargs["distributed_executor_backend"] = "mp"
+    if cfg.max_model_len is not None:
+        kwargs["max_model_len"] = cfg.max_model_len
     if supported is not None:
         if "logprobs_mode" not in supported:
             raise RuntimeError(
@@ -611,6 +613,14 @@ class VLLMBackend:
             f"({err!r}); generation stays paused until an update succeeds"
         )
         log.error("weight update failed; engine paused", policy_version=version, error=repr(err))
+
+    def kv_cache_tokens(self) -> int | None:
+        """Tokens the engine's KV cache holds (its blocks × block size, as the engine
+        reported them once started; per worker under tensor parallelism, which holds
+        its share of every token); None before start or where vLLM did not report."""
+        cache = getattr(getattr(self._engine, "vllm_config", None), "cache_config", None)
+        blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+        return blocks * size if isinstance(blocks, int) and isinstance(size, int) and blocks > 0 else None
 
     async def sleep(self) -> None:
         """Free the engine's weights and KV cache (``rollout.sleep_mode``; idle engine).

@@ -93,6 +93,7 @@ class InProcessEngine:
         ready.result()  # the engine's construction error, if any, is raised here
         self.output_processor = self._engine.output_processor
         self.model_config = self._engine.model_config
+        self.vllm_config = self._engine.vllm_config  # its cache_config has the KV blocks made
 
     # ------------------------------------------------------------------ stepper thread
     def _run(self, engine_args: Any, ready: concurrent.futures.Future) -> None:

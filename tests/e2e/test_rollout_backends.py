@@ -248,6 +248,24 @@ def test_a_bad_payload_never_serves_unverified_weights(loop, backend, checkpoint
     assert {v for r in results for v in r.completions[0].token_versions} == {new}
 
 
+def test_the_engine_reports_the_kv_cache_it_made(backend, checkpoint) -> None:
+    """Rollout admission's KV budget is the cache the engine made: vLLM's blocks hold the
+    0.25 GiB asked for, to within a block, in this model's float32 bytes per token; the
+    HF backend preallocates none and reports none."""
+    import json
+
+    from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes
+    from stages.rollout.vllm_backend import VLLMBackend
+
+    tokens = getattr(backend, "kv_cache_tokens", lambda: None)()
+    if not isinstance(backend, VLLMBackend):
+        assert tokens is None
+        return
+    shape = ModelShape.from_hf_config(json.loads((checkpoint / "config.json").read_text()), dtype_bytes=4)
+    made, asked = estimate_kv_cache_bytes(shape, tokens), 0.25 * (1 << 30)
+    assert 0.95 * asked <= made <= asked, (tokens, made, asked)
+
+
 def test_hf_backend_ignores_the_checkpoints_sampling_penalties(loop, checkpoint, tmp_path) -> None:
     """A checkpoint whose generation_config asks for penalties and truncation: the HF
     backend's behaviour log-probs stay those of the plain softmax (what the trainer

@@ -68,6 +68,13 @@ def test_resume_refuses_a_changed_config_naming_the_keys():
     decaying = {**new, "train": {"lr": 1e-3, "checkpoint_every": 5, "lr_scheduler": "cosine"}}
     with pytest.raises(ConfigError, match=r"run.steps \(the learning rate decays over run.steps\)"):
         check_resume_config({**old, "train": {**old["train"], "lr_scheduler": "cosine"}}, decaying)
+    # Where vLLM's memory goes may change (a run saved before the planned KV cache holds
+    # kv_cache_gib: 1.0); how it samples may not.
+    memory = {**old, "rollout": {"kv_cache_gib": None, "gpu_memory_utilization": 0.3, "max_tokens": 8}}
+    assert check_resume_config({**old, "rollout": {"kv_cache_gib": 1.0, "max_tokens": 8}}, memory) == [
+        "rollout.gpu_memory_utilization", "rollout.kv_cache_gib"]
+    with pytest.raises(ConfigError, match=r"in \['rollout.max_tokens'\]"):
+        check_resume_config({**old, "rollout": {"max_tokens": 8}}, {**old, "rollout": {"max_tokens": 16}})
     bad = {**new, "train": {"lr": 2e-3, "checkpoint_every": 5}, "model": {"path": "b"}}
     with pytest.raises(ConfigError, match=r"differs from the run's own in \['model.path', 'train.lr'\]"):
         check_resume_config(old, bad)

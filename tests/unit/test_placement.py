@@ -272,22 +272,22 @@ def test_a_colocated_engine_gets_the_kv_cache_its_sequences_need():
     job = {**COLOCATE, "train": {"prompts_per_step": 32},
            "dataflow": {**COLOCATE["dataflow"], "prompts_per_micro_batch": 8},
            "rollout": {"n": 8, "max_tokens": 128, "max_inflight": 4}, "data": {"max_prompt_len": 64}}
-    kv, note = size_colocated_kv_cache(config(**job), shape, max_model_len=512)
+    kv, max_len, note = size_colocated_kv_cache(config(**job), shape)
     # 4 micro-batches in flight x 8 prompts x 8 samples = 256 sequences of 64 + 128 tokens,
-    # 64 KiB each, x 1.25.
-    assert kv == 256 * 192 * 65536 * 5 // 4 == int(3.75 * GIB)
+    # 64 KiB each, x 1.25; no sequence longer than 192 tokens.
+    assert kv == 256 * 192 * 65536 * 5 // 4 == int(3.75 * GIB) and max_len == 192
     assert "3.75 GiB (256 sequences x 192 tokens" in note and "rollout.kv_cache_gib" in note
     # Fewer micro-batches in flight than a step has: only those are generating at once.
     fewer = {**job, "rollout": {**job["rollout"], "max_inflight": 1}}
-    assert size_colocated_kv_cache(config(**fewer), shape, 512)[0] == kv // 4
-    # Two replicas split the step's micro-batches.
+    assert size_colocated_kv_cache(config(**fewer), shape)[0] == kv // 4
+    # Fewer micro-batches in a step than may be in flight: only the step's.
+    step = {**job, "train": {"prompts_per_step": 16}}
+    assert size_colocated_kv_cache(config(**step), shape)[0] == kv // 2
+    # Replicas share one queue: any of them may hold max_inflight micro-batches at once.
     two = {**job, "rollout": {**job["rollout"], "num_workers": 2}, "train": {"prompts_per_step": 32, "num_ranks": 2}}
-    assert size_colocated_kv_cache(config(**two), shape, 512)[0] == kv // 2
-    # At least one sequence of the model's full length, or vLLM would refuse to start.
-    tiny = {**job, "rollout": {"n": 2, "max_tokens": 8, "max_inflight": 1}, "train": {"prompts_per_step": 1},
-            "dataflow": {**COLOCATE["dataflow"], "prompts_per_micro_batch": 1}}
-    assert size_colocated_kv_cache(config(**tiny), shape, 32768)[0] == 32768 * 65536 * 5 // 4
-    # Not planned: shared placement, a size or share the user chose, tool turns of no bound.
-    assert size_colocated_kv_cache(config(), shape, 512) is None
-    for rollout in ({"kv_cache_gib": 2.0}, {"gpu_memory_utilization": 0.3}):
-        assert size_colocated_kv_cache(config(**{**job, "rollout": {**job["rollout"], **rollout}}), shape, 512) is None
+    assert size_colocated_kv_cache(config(**two), shape)[0] == kv
+    # Not planned: shared placement, a size, share or length the user chose, tool turns of no bound.
+    assert size_colocated_kv_cache(config(), shape) is None
+    tools = {"functions": "builtin"}
+    for rollout in ({"kv_cache_gib": 2.0}, {"gpu_memory_utilization": 0.3}, {"max_model_len": 512}, {"tools": tools}):
+        assert size_colocated_kv_cache(config(**{**job, "rollout": {**job["rollout"], **rollout}}), shape) is None

@@ -106,6 +106,9 @@ def test_engine_kwargs_on_cpu_and_gpu() -> None:
     assert "kv_cache_memory_bytes" not in build_engine_kwargs(Path("/ckpt"), unset, "auto", on_cpu=False)
     sized = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, kv_cache_gib=3.75), "auto", on_cpu=False)
     assert sized["kv_cache_memory_bytes"] == int(3.75 * (1 << 30)) and sized["gpu_memory_utilization"] == 0.4
+    assert "max_model_len" not in sized  # the model's own unless set
+    capped = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, max_model_len=192), "auto", on_cpu=False)
+    assert capped["max_model_len"] == 192
     forced = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, enforce_eager=True), "auto", on_cpu=False)
     assert forced["enforce_eager"] is True
     # An older vLLM without kv_cache_memory_bytes: the field is dropped (the env takes
