@@ -57,7 +57,6 @@ from pipeline.contracts import inspect_first_micro_batch, read_contract
 from pipeline.controller import ControllerClient
 from pipeline.delivery import DEDUP_WINDOW, SeenGroups
 from pipeline.log import configure_logging, get_logger, redirect_process_output
-from pipeline.memory.oom import freeze_setup_heap
 from pipeline.profiler import SpanRecorder
 from pipeline.queue import END, Origin, QueueHandle, fits_inline, is_end, resolve_entry
 
@@ -169,7 +168,6 @@ class StageActor:
         self._open_taps()  # before the core's setup: the trainer saves its step-0 state there
         if hasattr(self.core, "setup"):
             await self.core.setup(self.ctx)
-        freeze_setup_heap()
         self._state = "ready"
         return self.name
 

@@ -58,7 +58,6 @@ from typing import Any
 
 import ray
 
-from pipeline.memory.oom import freeze_setup_heap
 from pipeline.memory.splitting import split_rollout_batch_at
 from pipeline.types import RolloutBatch
 
@@ -163,7 +162,6 @@ class TrainerRank:
         init_rank_process_group(self.rank, self.world, address, port, backend)
         self.engine = build_trainer_engine(self.cfg)
         set_collective_timeout(COLLECTIVE_TIMEOUT_S)
-        freeze_setup_heap()
         return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
     def train(self, part: RolloutBatch, scale: float, pad: int) -> dict[str, float]:

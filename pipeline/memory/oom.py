@@ -67,19 +67,6 @@ def is_oom_error(exc: BaseException) -> bool:
     return False
 
 
-def freeze_setup_heap() -> None:
-    """Collect once, then move every object alive now out of the collector's generations
-    (``gc.freeze``), for a process whose set-up is done: what it built (modules, the
-    model, the engine) lives as long as the process, and a full collection would walk
-    all of it each time (about 400,000 objects once torch, DeepSpeed and transformers
-    are in: 220 ms a collection on a 2-core CPU, 1 ms frozen). Colocated training
-    collects twice a step (``free_cached_memory``). Objects made later are collected as
-    before; frozen ones are still freed when their last reference goes, only a cycle
-    among them is not (``gc.unfreeze`` gives them back, as a vLLM engine's shutdown does)."""
-    gc.collect()
-    gc.freeze()
-
-
 def free_cached_memory() -> None:
     """Collect garbage cycles and hand the CUDA allocator's cached blocks back."""
     gc.collect()

@@ -664,9 +664,7 @@ class VLLMBackend:
         await asyncio.to_thread(self._stop_engine, engine)
         del engine
         # AsyncLLM.__del__ shuts down again; let it run now rather than during
-        # interpreter teardown, when the modules it calls are already gone (the stage
-        # froze the engine with the rest of its set-up: unfrozen, a cycle it is in goes).
-        gc.unfreeze()
+        # interpreter teardown, when the modules it calls are already gone.
         gc.collect()
 
     @staticmethod
