@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "staleness": "bench.staleness:run",
     "gpu_e2e": "bench.gpu_e2e:run",  # needs a CUDA GPU; "skipped" without one
     "rollout_gpu": "bench.rollout_gpu:run",  # needs a CUDA GPU; "skipped" without one
+    "trainer_gpu": "bench.trainer_gpu:run",  # needs a CUDA GPU; "skipped" without one
     "gpu_scale": "bench.gpu_scale:run",  # 1 GPU vs 2 (skips what the GPUs present cannot run)
     "templates": "bench.templates:run",  # learning trends of the dpo, tool_rl and curriculum templates
 }

@@ -44,6 +44,7 @@ import msgspec
 import numpy as np
 import ray
 
+from pipeline.controller import resolve_payload
 from pipeline.types import WeightConfirmation, WeightUpdate
 from pipeline.versions import compute_staleness, is_too_stale, required_serving_version
 
@@ -175,7 +176,7 @@ class FakeRolloutCore:
                     return  # the run is stopping
                 t0 = time.time()
                 with self.ctx.spans.span("sync"):
-                    data = await payload  # fetch it, as a real worker must
+                    data = await resolve_payload(payload)  # fetch it, as a real worker must
                     if hashlib.sha256(data).hexdigest() != update.sha256:
                         raise RuntimeError(f"weights v{update.version}: sha256 mismatch")
                     if self.apply_s > 0:

@@ -89,6 +89,10 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
         "weight_publish_s": summary["trainer"].get("weight_publish_s"),
         "gpu_free_gib_while_training": _mean([r.get("colocate/gpu_free_gib") for r in rows[WARMUP_STEPS:]]),
         "gpu_handoff_s": _mean([r.get("colocate/handoff_s") for r in rows[WARMUP_STEPS:]]),
+        # The trainer's step, in its parts (the rest is waiting for micro-batches).
+        "trainer_timing_s": {k: _mean([r.get(f"timing_s/{k}") for r in rows[WARMUP_STEPS:]])
+                             for k in ("train", "update", "weight_publish")}
+        | {"step": _mean([r.get("time/step_s") for r in rows[WARMUP_STEPS:]])},
         **summarize_curve([(row["time"] - t0, row.get("reward/mean")) for row in rows]),
     }
 

@@ -327,6 +327,10 @@ class TrainConfig(msgspec.Struct, **_section()):
     checkpoint_every: NonNegInt = 50
     keep_checkpoints: PosInt = 2
     threads: NonNegInt = 0  # torch threads in the trainer; 0 = leave default
+    # Samples per forward/backward pass (verl's ppo_micro_batch_size_per_gpu): activation
+    # memory is bounded by one chunk; larger chunks launch fewer kernels per sample (the
+    # GPU's win on a small model). Admission (train.memory) estimates with it.
+    chunk_size: PosInt = 16
     # Learning-rate schedule (stages/lr_schedule.py): step k < warmup_steps uses
     # lr * (k + 1) / warmup_steps, then constant, or linear / cosine decay towards
     # lr * min_lr_ratio at run.steps.

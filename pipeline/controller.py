@@ -3,9 +3,10 @@
 It owns no compute and no tensors. It holds
 - the prompt ledger (``pipeline.versions.Ledger``): sources ask it for room, the trainer
   reports trained and dropped prompts, so the counters always reconcile;
-- the policy version board: the trainer publishes a ``WeightUpdate`` plus an
-  ``ObjectRef`` to its payload every ``sync_interval`` steps; rollout workers wait on it,
-  apply, and confirm the version and fingerprint they now serve;
+- the policy version board: the trainer publishes a ``WeightUpdate`` plus its payload
+  every ``sync_interval`` steps (an ``ObjectRef`` to it, or, when it fits inline like a
+  CUDA IPC descriptor, the bytes themselves: ``resolve_payload`` reads either); rollout
+  workers wait on it, apply, and confirm the version and fingerprint they now serve;
 - per-step metrics the trainer reports, which the driver drains for metrics.jsonl,
   TensorBoard and ``conveyor status``;
 - in lock-step runs (``barrier``), the step barrier: prompts of step k are admitted
@@ -103,7 +104,7 @@ class ControllerActor:
                           update: WeightUpdate | None = None, payload: list[Any] | None = None) -> None:
         """The trainer took an optimizer step on ``prompts`` prompts, reaching ``version``:
         its metrics and, on a sync step, its weights (``payload`` is ``[ObjectRef]``, a list
-        so Ray passes the reference unresolved), all in one call."""
+        so Ray passes the reference unresolved, or ``[bytes]``), all in one call."""
         self.calls["finish_step"] += 1
         async with self._cond:
             if update is not None:
@@ -232,6 +233,11 @@ class ControllerActor:
         }
 
 
+async def resolve_payload(payload: Any) -> bytes:
+    """A published payload's bytes: inline ones as they are, a reference fetched."""
+    return payload if isinstance(payload, bytes) else await payload
+
+
 class ControllerClient:
     """How a stage (and the driver) talks to the controller: one typed method per
     remote call. Picklable (it holds the actor handle only), so stages receive it.
@@ -273,23 +279,24 @@ class ControllerClient:
         return await self.actor.trainer_version.remote()
 
     async def finish_step(self, prompts: int, version: int, metrics: dict[str, Any],
-                          update: WeightUpdate | None = None, payload: ray.ObjectRef | None = None) -> None:
+                          update: WeightUpdate | None = None, payload: ray.ObjectRef | bytes | None = None) -> None:
         await self._post(self.actor.finish_step, prompts, version, metrics, update,
                          [payload] if payload is not None else [])
 
     async def record_dropped(self, prompts: int, reason: str) -> None:
         await self._post(self.actor.record_dropped, prompts, reason)
 
-    async def publish(self, update: WeightUpdate, payload: ray.ObjectRef) -> None:
+    async def publish(self, update: WeightUpdate, payload: ray.ObjectRef | bytes) -> None:
         await self.actor.publish.remote(update, [payload])
 
     async def wait_for_update(self, newer_than: int, timeout_s: float | None = None,
-                              confirmed: WeightConfirmation | None = None) -> tuple[WeightUpdate | None, ray.ObjectRef | None]:
-        """(update, reference to its payload), or (None, None) on timeout."""
+                              confirmed: WeightConfirmation | None = None) -> tuple[WeightUpdate | None, Any]:
+        """(update, its payload: an ``ObjectRef`` or inline bytes, see ``resolve_payload``),
+        or (None, None) on timeout."""
         update, payload = await self.actor.wait_for_update.remote(newer_than, timeout_s, confirmed)
         return update, payload[0] if payload else None
 
-    async def latest_update(self) -> tuple[WeightUpdate | None, ray.ObjectRef | None]:
+    async def latest_update(self) -> tuple[WeightUpdate | None, Any]:
         update, payload = await self.actor.latest_update.remote()
         return update, payload[0] if payload else None
 

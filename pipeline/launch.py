@@ -273,8 +273,9 @@ class Reporter:
             metrics.update(collect_stage_metrics(graph.stage_status, ("critic/",)))
             self._last_step_end = end
             self._recent = [sp for sp in self._recent if sp.end > end]
+            # The row's time is the step's end (the trainer's clock), not this tick's.
             self.writer.log(int(step["step"]), {k: v for k, v in metrics.items()
-                                                if _is_number(v) and k not in ("step", "time")})
+                                                if _is_number(v) and k not in ("step", "time")}, at=end)
             self.step_count += 1
             self.first_step = self.first_step or metrics
             self.last_step = metrics

@@ -46,14 +46,16 @@ class MetricsWriter:
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
         self._tb: _Scalars | None = _open_tensorboard(self.run_dir / TENSORBOARD_DIR) if tensorboard else None
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float], *, at: float | None = None) -> None:
+        """One row; ``at``: its ``time`` (default now), e.g. when the step ended rather
+        than when the driver heard of it."""
         if self._file is None:
             raise RuntimeError(f"MetricsWriter for {self.path} is closed")
         clash = [k for k in _RESERVED if k in metrics]
         if clash:
             raise ValueError(f"metric names {clash} are reserved for the row's own fields")
         values = {k: float(v) for k, v in metrics.items()}
-        row: dict[str, Any] = {"step": int(step), "time": time.time()}
+        row: dict[str, Any] = {"step": int(step), "time": time.time() if at is None else float(at)}
         row.update({k: v if math.isfinite(v) else None for k, v in values.items()})
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()

@@ -66,6 +66,7 @@ from pipeline.memory.admission import count_seq_lens, estimate_batch_bytes
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import OomRecovery, free_cached_memory, is_oom_error
 from pipeline.memory.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
+from pipeline.queue import fits_inline
 from pipeline.transport import TRANSPORT_ENV, select_transport
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness
@@ -230,6 +231,7 @@ class TrainerStage:
         self._step_batches: list[RolloutBatch] = []
         self._step_metrics: list[dict[str, float]] = []
         self._step_staleness: list[int] = []
+        self._step_train_s = 0.0  # forward/backward of the step's micro-batches so far
         self._step_rng = b""
         self._step_started = time.time()
         self._published_sha: tuple[int, str] = (-1, "")
@@ -337,7 +339,9 @@ class TrainerStage:
                 self._step_started = time.time()
             self._step_rng = self.engine.get_rng_state()
             self._step_pieces, self._step_layouts = [], {}
+        t0 = time.time()
         trained = await self._train(batch)
+        self._step_train_s += time.time() - t0
         pieces = [p for p, _ in trained]
         weights = [compute_piece_weight(p, batch, self.cfg.algorithm.loss_agg) for p in pieces]
         metrics = merge_piece_metrics([m for _, m in trained], weights)
@@ -444,7 +448,10 @@ class TrainerStage:
         layouts, self._step_layouts = self._step_layouts, {}
         self._step_pieces = []
         staleness, self._step_staleness = self._step_staleness, []
+        train_s, self._step_train_s = self._step_train_s, 0.0
+        t0 = time.time()
         step_out = await asyncio.to_thread(self._apply_step_update, batches)
+        update_s = time.time() - t0
         version = self.engine.version
         step = version - 1
         samples = sum(b.num_samples for b in batches)
@@ -472,6 +479,11 @@ class TrainerStage:
             "samples/dropped": sum(self.dropped.values()),
             "time/step_s": step_s,
             "throughput/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            # Where the step's time went in the trainer (the rest of time/step_s: waiting
+            # for micro-batches, advantages, the colocated handoff; PPO's update holds its
+            # mini-batches and epochs).
+            "timing_s/train": train_s,
+            "timing_s/update": update_s,
             "timing_s/weight_publish": sync_s,
             **summarise_step_batches(batches, self._take_zero_variance()),
             "samples/dropped_zero_variance": self.dropped.get("zero_variance", 0),
@@ -545,7 +557,9 @@ class TrainerStage:
                 data, sha, fingerprint = await asyncio.to_thread(self.engine.export_weights)
                 self._published_sha = (version, sha)  # the step record reuses it: no second serialisation
             update = WeightUpdate(version=version, sha256=sha, fingerprint=fingerprint, num_bytes=len(data))
-            payload = ray.put(data)
+            # A small payload (the CUDA IPC descriptor) travels by value: no object in the
+            # store, and none of Ray's per-borrowed-reference bookkeeping, which grows.
+            payload = data if fits_inline(data) else ray.put(data)
         seconds = time.time() - t0
         self.publishes += 1
         self.publish_s_total += seconds

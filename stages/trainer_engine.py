@@ -259,7 +259,8 @@ class TrainerEngine:
 
     ``dtype`` is the model's (and rollout's) dtype: weights are exported in it and the
     engine trains in it with mixed precision where a GPU exists; on CPU it trains in
-    float32. ``chunk_size`` bounds the samples per forward pass.
+    float32. ``chunk_size`` (default ``train.chunk_size``) bounds the samples per
+    forward/backward pass.
     """
 
     def __init__(
@@ -271,13 +272,14 @@ class TrainerEngine:
         dtype: str,
         seed: int,
         threads: int | None = None,
-        chunk_size: int = 16,
+        chunk_size: int | None = None,
         total_steps: int = 0,
     ) -> None:
         threads = train.threads if threads is None else threads
         if threads > 0:
             torch.set_num_threads(threads)
         sync_dtype = resolve_dtype(dtype)
+        chunk_size = train.chunk_size if chunk_size is None else chunk_size
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
         if temperature <= 0:

@@ -53,6 +53,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from pipeline.controller import resolve_payload
 from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes, expand_rollout_seq_lens
 from pipeline.memory.guard import MemoryGuard, build_pool_reading
 from pipeline.memory.oom import run_with_oom_recovery
@@ -232,7 +233,7 @@ class RolloutStage:
     async def _apply_locked(self, update: Any, payload_ref: Any, wake_kv: bool = True) -> WeightConfirmation:
         t0 = time.time()
         with self.ctx.spans.span("sync"):
-            data = await payload_ref
+            data = await resolve_payload(payload_ref)
             sha = compute_sha256(data)
             if sha != update.sha256:
                 raise WeightSyncError(

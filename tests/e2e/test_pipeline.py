@@ -78,6 +78,14 @@ def test_every_trained_batch_is_within_the_staleness_limit(streaming_run):
     assert any(r["staleness/mean"] > 0 for r in rows)
 
 
+def test_each_step_row_splits_the_trainers_time(streaming_run):
+    _, _, rows = streaming_run
+    for r in rows:
+        parts = r["timing_s/train"] + r["timing_s/update"] + r["timing_s/weight_publish"]
+        assert r["timing_s/train"] > 0 and r["timing_s/update"] > 0, r
+        assert parts <= r["time/step_s"] + 1e-6, r
+
+
 def test_rollout_serves_the_trainers_weights(streaming_run):
     _, summary, _ = streaming_run
     served = summary["served"]

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from pipeline.config import decode_config
-from pipeline.controller import ControllerActor, ControllerClient
+from pipeline.controller import ControllerActor, ControllerClient, resolve_payload
 from pipeline.types import Prompt, PromptBatch, WeightUpdate
 from pipeline.weights import compute_sha256
 from stages.rollout.stage import RolloutStage
@@ -50,7 +50,7 @@ def test_the_rollout_sleeps_when_idle_and_wakes_with_the_next_version(ray_cluste
         assert not early.done() and backend.events[-1] == ("sleep",)
         data = b"weights-v1"
         await controller.publish(WeightUpdate(version=1, sha256=compute_sha256(data), fingerprint=(1.0, 1.0),
-                                              num_bytes=len(data)), ray_cluster.put(data))
+                                              num_bytes=len(data)), data)  # small: by value
         out = await early
         assert set(out.token_versions.ravel()) == {1}
         status = stage.status()
@@ -63,6 +63,27 @@ def test_the_rollout_sleeps_when_idle_and_wakes_with_the_next_version(ray_cluste
     assert after_warmup == [("generate", 0), ("generate", 0), ("sleep",), ("wake", "weights"), ("update", 1),
                             ("wake", "kv_cache"), ("generate", 1), ("shutdown",)]
     assert status["sleeps"] == 1 and not status["asleep"] and status["state"] == "generating"
+
+
+def test_a_payload_travels_by_value_or_by_reference(ray_cluster):
+    """The trainer publishes a payload that fits inline (a CUDA IPC descriptor) as bytes,
+    a larger one as a reference; a worker reads either with ``resolve_payload``."""
+    controller = ControllerClient(ControllerActor.remote(target_prompts=8, prompts_per_step=2, barrier=False))
+    small, large = b"descriptor", bytes(range(256)) * 4096
+
+    def update(version: int, data: bytes) -> WeightUpdate:
+        return WeightUpdate(version=version, sha256=compute_sha256(data), fingerprint=(1.0, 1.0), num_bytes=len(data))
+
+    async def scenario() -> tuple[object, bytes, object, bytes]:
+        await controller.publish(update(1, small), small)
+        _, first = await controller.wait_for_update(0, 10.0)
+        await controller.publish(update(2, large), ray_cluster.put(large))
+        _, second = await controller.wait_for_update(1, 10.0)
+        return first, await resolve_payload(first), second, await resolve_payload(second)
+
+    first, first_data, second, second_data = asyncio.run(scenario())
+    assert isinstance(first, bytes) and first_data == small
+    assert not isinstance(second, bytes) and second_data == large
 
 
 def test_a_handoff_that_no_worker_confirms_times_out_with_those_asleep(ray_cluster):

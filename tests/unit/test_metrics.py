@@ -28,6 +28,15 @@ def test_metrics_jsonl_round_trip(tmp_path):
     assert all(isinstance(r["time"], float) for r in rows)
 
 
+def test_a_row_can_carry_the_time_its_step_ended(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.log(0, {"loss": 1.0}, at=1234.5)
+        writer.log(1, {"loss": 1.0})
+    rows = read_metrics(tmp_path)
+    assert rows[0]["time"] == 1234.5
+    assert rows[1]["time"] > 1234.5  # now
+
+
 def test_each_line_is_readable_before_close(tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=False)
     writer.log(0, {"loss": 1.0})
