@@ -64,7 +64,7 @@ import ray
 
 from pipeline.memory.admission import count_seq_lens, estimate_batch_bytes
 from pipeline.memory.guard import MemoryGuard
-from pipeline.memory.oom import OomRecovery, free_cached_memory, is_oom_error
+from pipeline.memory.oom import OomRecovery, free_cached_memory, freeze_setup_heap, is_oom_error
 from pipeline.memory.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
 from pipeline.queue import fits_inline
 from pipeline.transport import TRANSPORT_ENV, select_transport
@@ -287,6 +287,10 @@ class TrainerStage:
             ctx.log.info("resumed", path=cfg.run.resume_from, policy_version=version)
         if ctx.recorder is not None:
             await asyncio.to_thread(self._save_state_for_replay)
+        if self.colocated:
+            # Each step collects garbage twice before handing the GPU's cached memory
+            # back: without this the collection walks every object set-up made.
+            freeze_setup_heap()
 
     # ------------------------------------------------------------------ per batch
     async def process(self, batch: RolloutBatch) -> None:

@@ -58,6 +58,7 @@ from typing import Any
 
 import ray
 
+from pipeline.memory.oom import freeze_setup_heap
 from pipeline.memory.splitting import split_rollout_batch_at
 from pipeline.types import RolloutBatch
 
@@ -162,6 +163,8 @@ class TrainerRank:
         init_rank_process_group(self.rank, self.world, address, port, backend)
         self.engine = build_trainer_engine(self.cfg)
         set_collective_timeout(COLLECTIVE_TIMEOUT_S)
+        if self.cfg.placement.mode == "colocate":
+            freeze_setup_heap()  # it collects garbage twice a step, as rank 0 does
         return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
     def train(self, part: RolloutBatch, scale: float, pad: int) -> dict[str, float]:
