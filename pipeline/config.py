@@ -193,6 +193,17 @@ class ToolsConfig(msgspec.Struct, **_section()):
     max_result_tokens: PosInt = 32
 
 
+# vLLM engine arguments that rollout keys (or Conveyor itself) set, and the key to use.
+ENGINE_KWARGS_OWNED: dict[str, str] = {
+    "model": "model.path", "tokenizer": "model.path", "dtype": "rollout.dtype / model.dtype",
+    "seed": "rollout.seed", "tensor_parallel_size": "rollout.tensor_parallel_size",
+    "enforce_eager": "rollout.enforce_eager", "enable_sleep_mode": "rollout.sleep_mode",
+    "kv_cache_memory_bytes": "rollout.kv_cache_gib", "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "max_model_len": "rollout.max_model_len", "worker_extension_cls": "(Conveyor's weight loading)",
+    "logprobs_mode": "(Conveyor's importance ratios)", "distributed_executor_backend": "(rollout placement)",
+}
+
+
 class RolloutConfig(msgspec.Struct, **_section()):
     backend: str = "vllm"  # "vllm", "hf", or "module:attr"
     num_workers: PosInt = 1
@@ -232,6 +243,11 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # ``bench soak_memory`` saw it lower the engine's mean resident set, not its peak.
     host_memory_trim_s: NonNegFloat = 0.0
     seed: NonNegInt = 0
+    # vLLM backend: further keyword arguments of vLLM's AsyncEngineArgs (verl's
+    # rollout.engine_kwargs.vllm), e.g. {async_scheduling: true, max_num_seqs: 512}. The
+    # arguments Conveyor sets from other keys are refused here (ENGINE_KWARGS_OWNED); a
+    # name this vLLM does not know stops the engine's start, naming it.
+    engine_kwargs: dict[str, Any] = {}
     memory: MemoryConfig = MemoryConfig()
     max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio
     tools: ToolsConfig | None = None  # multi-turn rollouts with tool calls
@@ -842,6 +858,11 @@ def check_config(cfg: ConveyorConfig) -> None:
             f"rollout.top_k: expected -1 (off; trainer and reference log-probs use the full "
             f"softmax, top-k sampling would make every importance ratio wrong), got {ro.top_k}"
         )
+    owned = sorted(k for k in ro.engine_kwargs if k in ENGINE_KWARGS_OWNED)
+    if owned:
+        raise ConfigError(f"rollout.engine_kwargs.{owned[0]}: set by Conveyor; use {ENGINE_KWARGS_OWNED[owned[0]]}")
+    if ro.engine_kwargs and ro.backend != "vllm":
+        raise ConfigError(f"rollout.engine_kwargs: vLLM's engine arguments; rollout.backend is {ro.backend!r}")
     if ro.backend not in ("vllm", "hf") and ":" not in ro.backend:
         raise ConfigError(f"rollout.backend: expected 'vllm', 'hf' or 'module:attr', got {ro.backend!r}")
     for edge in df.queue_sizes:

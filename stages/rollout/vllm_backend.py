@@ -152,6 +152,12 @@ def build_engine_kwargs(
     if cfg.max_model_len is not None:
         kwargs["max_model_len"] = cfg.max_model_len
     if supported is not None:
+        unknown = sorted(set(cfg.engine_kwargs) - supported)
+        if unknown:
+            raise ValueError(f"rollout.engine_kwargs.{unknown[0]}: not an engine argument of this vLLM "
+                             f"(see its AsyncEngineArgs)")
+    kwargs.update(cfg.engine_kwargs)
+    if supported is not None:
         if "logprobs_mode" not in supported:
             raise RuntimeError(
                 "this vLLM has no logprobs_mode engine argument, so it would report raw "

@@ -36,12 +36,22 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
         ("model.dtype=int8", "model.dtype: expected one of"),
         ("run.max_restarts=-1", "run.max_restarts: expected int >= 0, got -1"),
         ("run.auto_resume=sometimes", "run.auto_resume: expected bool, got str"),
+        ("rollout.engine_kwargs.gpu_memory_utilization=0.3",
+         "rollout.engine_kwargs.gpu_memory_utilization: set by Conveyor; use rollout.gpu_memory_utilization"),
+        ("rollout.engine_kwargs=[1]", "rollout.engine_kwargs: expected object, got array"),
     ],
 )
 def test_bad_values_name_their_path(override, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert message in str(info.value)
+
+
+def test_engine_kwargs_reach_the_config_and_need_the_vllm_backend():
+    cfg = load_config(None, ["rollout.engine_kwargs.max_num_seqs=512", "rollout.engine_kwargs.async_scheduling=true"])
+    assert cfg.rollout.engine_kwargs == {"max_num_seqs": 512, "async_scheduling": True}
+    with pytest.raises(ConfigError, match=r"rollout.engine_kwargs: vLLM's engine arguments; rollout.backend is 'hf'"):
+        load_config(None, ["rollout.backend=hf", "rollout.engine_kwargs.max_num_seqs=512"])
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,13 @@ def test_engine_kwargs_on_cpu_and_gpu() -> None:
     assert old == {k: v for k, v in cpu.items() if k != "kv_cache_memory_bytes"} | {"dtype": "auto"}
     with pytest.raises(RuntimeError, match="logprobs_mode"):
         build_engine_kwargs(Path("/ckpt"), cfg, "auto", on_cpu=True, supported=set(cpu) - {"logprobs_mode"})
+    # rollout.engine_kwargs pass through; a name this vLLM lacks is refused, named.
+    extra = msgspec.structs.replace(cfg, engine_kwargs={"max_num_seqs": 512, "async_scheduling": True})
+    passed = build_engine_kwargs(Path("/ckpt"), extra, "auto", on_cpu=False,
+                                 supported=set(gpu) | {"max_num_seqs", "async_scheduling"})
+    assert passed == gpu | {"max_num_seqs": 512, "async_scheduling": True}
+    with pytest.raises(ValueError, match=r"rollout.engine_kwargs.async_scheduling: not an engine argument"):
+        build_engine_kwargs(Path("/ckpt"), extra, "auto", on_cpu=False, supported=set(gpu) | {"max_num_seqs"})
     module, _, name = WORKER_EXTENSION.rpartition(".")
     ext = getattr(__import__(module, fromlist=[name]), name)
     assert callable(ext.apply_weights) and callable(ext.fingerprint)
