@@ -246,7 +246,7 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # vLLM backend: further keyword arguments of vLLM's AsyncEngineArgs (verl's
     # rollout.engine_kwargs.vllm), e.g. {async_scheduling: true, max_num_seqs: 512}. The
     # arguments Conveyor sets from other keys are refused here (ENGINE_KWARGS_OWNED); a
-    # name this vLLM does not know stops the engine's start, naming it.
+    # name the installed vLLM does not know stops the launch (preflight), naming it.
     engine_kwargs: dict[str, Any] = {}
     memory: MemoryConfig = MemoryConfig()
     max_memory_ratio: Ratio | None = None  # shorthand for memory.max_memory_ratio

@@ -43,6 +43,7 @@ BUILTINS: dict[str, str] = {
     "build_reward_fn": "stages.reward:build_reward_fn",
     "build_trainer_engine": "stages.trainer:build_trainer_engine",
     "load_tools": "stages.tools:load_tools",
+    "check_engine_kwargs": "stages.rollout.vllm_backend:check_engine_kwargs",
     "train_recorded_step": "stages.trainer:train_recorded_step",  # replay: the trainer's own rules
     "bench": "bench.__main__:main",  # conveyor bench NAME
 }

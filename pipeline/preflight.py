@@ -96,6 +96,11 @@ def check_imports(cfg: ConveyorConfig) -> None:
             load_builtin("load_tools")(cfg.rollout.tools.functions)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    if cfg.rollout.engine_kwargs and cfg.rollout.backend == "vllm":
+        try:  # imports vLLM here only when engine arguments were given
+            load_builtin("check_engine_kwargs")(cfg.rollout.engine_kwargs)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _import(spec: str, field_name: str) -> Any:

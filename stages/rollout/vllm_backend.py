@@ -152,10 +152,7 @@ def build_engine_kwargs(
     if cfg.max_model_len is not None:
         kwargs["max_model_len"] = cfg.max_model_len
     if supported is not None:
-        unknown = sorted(set(cfg.engine_kwargs) - supported)
-        if unknown:
-            raise ValueError(f"rollout.engine_kwargs.{unknown[0]}: not an engine argument of this vLLM "
-                             f"(see its AsyncEngineArgs)")
+        check_engine_kwargs(cfg.engine_kwargs, supported)
     kwargs.update(cfg.engine_kwargs)
     if supported is not None:
         if "logprobs_mode" not in supported:
@@ -165,6 +162,26 @@ def build_engine_kwargs(
             )
         kwargs = {k: v for k, v in kwargs.items() if k in supported}
     return kwargs
+
+
+def check_engine_kwargs(engine_kwargs: dict[str, Any], supported: set[str] | None = None) -> None:
+    """Raise ``ValueError`` naming the first of ``rollout.engine_kwargs`` that is not a field
+    of ``supported`` (default: the installed vLLM's ``AsyncEngineArgs``; nothing to check
+    without vLLM)."""
+    if not engine_kwargs:
+        return
+    if supported is None:
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+        except ImportError:
+            return
+        import dataclasses
+
+        supported = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    unknown = sorted(set(engine_kwargs) - supported)
+    if unknown:
+        raise ValueError(f"rollout.engine_kwargs.{unknown[0]}: not an engine argument of this vLLM "
+                         f"(see its AsyncEngineArgs)")
 
 
 def plan_cpu_binding(cpus: list[int], workers: int) -> str:

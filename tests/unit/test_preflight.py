@@ -80,6 +80,7 @@ def launch(config: Path, *overrides: str, command: str = "launch") -> int:
          "rollout.tools.functions: cannot import module 'no_such_module_xyz'"),
         ("rollout.tools.max_turns=1", "rollout.tools.max_turns: expected int >= 2, got 1"),
         ("data.pairs.chosen_key=good", "data.pairs: expected a pairs section exactly with algorithm.name dpo"),
+        ("rollout.engine_kwargs.no_such_arg=1", "rollout.engine_kwargs.no_such_arg: not an engine argument of this vLLM"),
     ],
 )
 def test_bad_inputs_exit_2_naming_the_field_before_ray_starts(setup, capsys, ray_starts, override, expected):
