@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"result directory (default: {RESULTS_DIR} in a source checkout, else ./bench-results; "
                         "with --quick ./bench-results/quick, so a smoke run never replaces a committed result)")
     p.add_argument("--minutes", type=float, help="soak and soak_memory only: how long they run (default 60, 20)")
+    p.add_argument("--systems", help="gpu_e2e only: comma-separated rows (default async,sync,colocate,trl; "
+                                     "also async_in_process, sync_in_process, colocate_in_process)")
     return p
 
 
@@ -59,7 +61,17 @@ def default_out_dir(quick: bool, results_dir: Path = RESULTS_DIR, cwd: Path | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.systems is not None:
+        from bench.gpu_e2e import parse_systems
+
+        if args.name != "gpu_e2e":
+            parser.error(f"--systems: only gpu_e2e has rows to choose, not {args.name}")
+        try:
+            parse_systems(args.systems)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.out is None:
         args.out = default_out_dir(args.quick)
     # "all" leaves the long soaks out: they are run on their own.
@@ -73,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             run = import_object(BENCHMARKS[name], f"bench {name}")
             extra = {"minutes": args.minutes} if args.minutes and name in SOAKS else {}
+            if args.systems and name == "gpu_e2e":
+                extra["systems"] = args.systems
             payload = run(quick=args.quick, out_dir=args.out, **extra)
             ok = payload.get("status", "ok") in ("ok", "skipped")
             status = status or (0 if ok else 1)

@@ -46,9 +46,10 @@ def compute_steady_rate(times: list[float], samples_per_step: int, warmup: int) 
 
 def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
                  gpus: int | None = None) -> dict[str, Any]:
-    """One Conveyor run of the config with ``mode``'s overrides (``sync``,
-    ``async_in_process``; any other name: the config as it is) and ``extra`` ones;
-    ``gpus``: the GPUs it may use (default: every one this process sees)."""
+    """One Conveyor run of the config with ``mode``'s overrides (``sync``, ``colocate``,
+    either or ``async`` with ``_in_process``: ``rollout.engine_core: in_process``; any
+    other name: the config as it is) and ``extra`` ones; ``gpus``: the GPUs it may use
+    (default: every one this process sees)."""
     import torch
 
     from pipeline.config import load_config
@@ -57,11 +58,12 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
 
     overrides = [f"run.dir={root / mode}", f"run.steps={steps}", "run.progress=false", f"run.name=gpu-e2e-{mode}",
                  "train.save_checkpoint=false", "run.tensorboard=false"]
-    if mode in ("sync", "colocate"):
+    base = mode.removesuffix("_in_process")
+    if base in ("sync", "colocate"):
         overrides += ["dataflow.async_execution=false", "dataflow.max_staleness=0"]
-    if mode == "colocate":
+    if base == "colocate":
         overrides += ["placement=colocate"]
-    if mode == "async_in_process":
+    if base != mode:
         overrides += ["rollout.engine_core=in_process"]
     overrides += list(extra)
     cfg = load_config(CONFIG, overrides)
@@ -150,7 +152,24 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     }
 
 
-def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+SYSTEMS = ("async", "sync", "colocate", "trl")  # the default rows
+KNOWN_SYSTEMS = (*SYSTEMS, "async_in_process", "sync_in_process", "colocate_in_process")
+
+
+def parse_systems(text: str | None) -> tuple[str, ...]:
+    """``--systems a,b,..`` (None: ``SYSTEMS``); an unknown name raises ``ValueError``."""
+    if text is None:
+        return SYSTEMS
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in KNOWN_SYSTEMS]
+    if bad or not names:
+        raise ValueError(f"--systems: expected names from {list(KNOWN_SYSTEMS)}, got {text!r}")
+    return names
+
+
+def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any]:
+    """``systems``: the rows to run (``--systems``, comma-separated; default
+    ``SYSTEMS``); a call limit of ten minutes holds about four."""
     import torch
 
     if not torch.cuda.is_available():
@@ -159,17 +178,19 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     from pipeline.config import load_config
 
     steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
+    chosen = parse_systems(systems)
     rows = run_three_systems(run_conveyor, run_trl, steps, "conveyor-bench-gpu-e2e-",
-                             modes=("async", "sync", "colocate"))
+                             modes=tuple(m for m in chosen if m != "trl"), trl="trl" in chosen)
 
     def per_gpu(key: str) -> float | None:
-        row = rows[key]
+        row = rows.get(key, {})
         return row.get("samples_per_s_per_gpu") if row.get("status") == "ok" else None
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
 
     a, s, t, c = per_gpu("async"), per_gpu("sync"), per_gpu("trl"), per_gpu("colocate")
+    in_process = {m: per_gpu(f"{m}_in_process") for m in ("async", "sync", "colocate")}
     ratios = {
         "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
         "async_samples_per_s_per_gpu": a, "sync_samples_per_s_per_gpu": s, "trl_samples_per_s_per_gpu": t,
@@ -177,15 +198,18 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "async_over_sync": ratio(a, s), "async_over_trl": ratio(a, t),
         "colocate_over_trl": ratio(c, t), "colocate_over_sync": ratio(c, s), "colocate_over_async": ratio(c, a),
         "async_over_one_gpu_bound": ratio(a, ONE_GPU_BOUND), "trl_over_one_gpu_bound": ratio(t, ONE_GPU_BOUND),
-        "async_rollout_busy": (rows["async"].get("busy_ratio") or {}).get("rollout"),
-        "async_weight_sync_share": rows["async"].get("weight_sync_share"),
-        "colocate_gpu_free_gib_while_training": rows["colocate"].get("gpu_free_gib_while_training"),
+        **{f"{m}_in_process_samples_per_s_per_gpu": v for m, v in in_process.items() if v},
+        **{f"{m}_in_process_over_subprocess": ratio(v, per_gpu(m)) for m, v in in_process.items() if v},
+        "colocate_in_process_over_trl": ratio(in_process["colocate"], t),
+        "async_rollout_busy": (rows.get("async", {}).get("busy_ratio") or {}).get("rollout"),
+        "async_weight_sync_share": rows.get("async", {}).get("weight_sync_share"),
+        "colocate_gpu_free_gib_while_training": rows.get("colocate", {}).get("gpu_free_gib_while_training"),
         "targets": {"async_over_sync": 1.8, "async_rollout_busy": 0.7, "async_over_trl": 1.5,
                     "colocate_over_trl": 1.5},
     }
-    status = "ok" if rows["async"].get("status") == "ok" and rows["sync"].get("status") == "ok" else "error"
+    status = "ok" if all(rows[m].get("status") in ("ok", "skipped") for m in rows) else "error"
     payload = {"status": status, "quick": quick, "units": "samples = completions; seconds",
-               "params": {"config": str(CONFIG), "steps": steps, "warmup_steps": WARMUP_STEPS,
+               "params": {"config": str(CONFIG), "steps": steps, "warmup_steps": WARMUP_STEPS, "systems": list(chosen),
                           "one_gpu_bound_samples_per_s": ONE_GPU_BOUND},
                "runs": rows, "ratios": ratios}
     return publish_result(out_dir, "gpu_e2e", payload, plot)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import build_parser, default_out_dir
+from bench.__main__ import main as bench_main
 from pipeline.cli import build_parser as cli_parser
 
 
@@ -43,3 +44,15 @@ def test_overrides_may_follow_the_options() -> None:
         parse_command_line(["replay", "rec", "--no-such-flag"])
     with pytest.raises(SystemExit):  # bench takes no overrides
         parse_command_line(["bench", "overlap", "x=1"])
+
+
+def test_gpu_e2e_rows_are_chosen_by_name_and_a_bad_one_exits_2(capsys) -> None:
+    from bench.gpu_e2e import parse_systems
+
+    assert parse_systems("colocate_in_process, trl") == ("colocate_in_process", "trl")
+    with pytest.raises(SystemExit) as info:
+        bench_main(["gpu_e2e", "--systems", "async,fast"])
+    assert info.value.code == 2 and "--systems: expected names from" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        bench_main(["overlap", "--systems", "async"])
+    assert info.value.code == 2 and "only gpu_e2e has rows" in capsys.readouterr().err
