@@ -52,13 +52,16 @@ def test_trainer_engine_steps_in_bf16_and_exports_both_ways(checkpoint, cuda):
     assert fingerprints_match(fp_shm, fp_ipc), (fp_shm, fp_ipc)
 
 
-@pytest.mark.parametrize("backend_name", ["vllm", "hf"])
-def test_backend_weight_sync_over_both_transports(checkpoint, cuda, backend_name):
-    asyncio.run(_exercise_backend(checkpoint, cuda, backend_name))
+@pytest.mark.parametrize(("backend_name", "engine_core"),
+                         [("vllm", "subprocess"), ("vllm", "in_process"), ("hf", "subprocess")])
+def test_backend_weight_sync_over_both_transports(checkpoint, cuda, backend_name, engine_core):
+    """Both transports into each backend; vLLM with its engine core in its own process
+    and in the rollout's (``rollout.engine_core: in_process``)."""
+    asyncio.run(_exercise_backend(checkpoint, cuda, backend_name, engine_core))
 
 
-async def _exercise_backend(checkpoint, cuda, backend_name: str) -> None:
-    cfg = RolloutConfig(backend=backend_name, gpu_memory_utilization=0.3, seed=0)
+async def _exercise_backend(checkpoint, cuda, backend_name: str, engine_core: str) -> None:
+    cfg = RolloutConfig(backend=backend_name, gpu_memory_utilization=0.3, seed=0, engine_core=engine_core)
     backend = build_backend(backend_name, checkpoint, cfg, "bfloat16")
     await backend.start()
     sampling = SamplingSettings(n=2, temperature=1.0, max_tokens=8, seed=1)
@@ -82,7 +85,7 @@ async def _exercise_backend(checkpoint, cuda, backend_name: str) -> None:
             times.append(time.perf_counter() - t0)
             assert fingerprints_match(live, fp) and backend.version == version
             assert fingerprints_match(await backend.live_fingerprint(), fp)
-        print(f"{backend_name}: cuda_ipc publish+apply {[round(1e3 * t, 1) for t in times]} ms; paused "
+        print(f"{backend_name} ({engine_core}): cuda_ipc publish+apply {[round(1e3 * t, 1) for t in times]} ms; paused "
               f"{round(1e3 * getattr(backend, 'last_pause_s', float('nan')), 1)} ms")
         out = await backend.generate([[1, 5, 6, 7]], sampling)
         assert all(v == 4 for c in out[0].completions for v in c.token_versions)
