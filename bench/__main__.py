@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             ok = payload.get("status", "ok") in ("ok", "skipped")
             status = status or (0 if ok else 1)
             print(f"{name}: {'done' if ok else payload.get('status')} in {time.time() - t0:.0f}s -> "
-                  f"{args.out / (name + '.json')}", flush=True)
+                  f"{args.out}", flush=True)
     finally:
         if started_ray and ray.is_initialized():
             ray.shutdown()  # only a cluster this command started; a caller's stays up

@@ -45,6 +45,7 @@ import numpy as np
 import ray
 
 from pipeline.controller import resolve_payload
+from pipeline.queue import fits_inline
 from pipeline.types import WeightConfirmation, WeightUpdate
 from pipeline.versions import compute_staleness, is_too_stale, required_serving_version
 
@@ -283,7 +284,8 @@ class FakeTrainerCore:
                 with self.ctx.spans.span("sync"):
                     update = WeightUpdate(version=self.version, sha256=self._sha,
                                           fingerprint=(float(self.version), 0.0), num_bytes=len(self._weights))
-                    payload = ray.put(self._weights)
+                    # As the trainer publishes: by value when it fits inline.
+                    payload = self._weights if fits_inline(self._weights) else ray.put(self._weights)
                 self.publish_s += time.time() - t0
             await controller.finish_step(trained, self.version, {"step": self.version - 1}, update, payload)
         return None

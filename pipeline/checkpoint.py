@@ -50,8 +50,6 @@ SAFE_RESUME_KEYS = (
     # Where vLLM's memory goes, not what is learned (runs saved before the planned KV
     # cache hold kv_cache_gib: 1.0; resume them with rollout.kv_cache_gib=null).
     "rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.max_model_len",
-    "train.chunk_size",  # how the step's samples are cut into passes, not what they add up to
-    "rollout.engine_kwargs", "rollout.engine_kwargs.",  # how vLLM runs
 )
 
 

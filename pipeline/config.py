@@ -201,6 +201,8 @@ ENGINE_KWARGS_OWNED: dict[str, str] = {
     "kv_cache_memory_bytes": "rollout.kv_cache_gib", "gpu_memory_utilization": "rollout.gpu_memory_utilization",
     "max_model_len": "rollout.max_model_len", "worker_extension_cls": "(Conveyor's weight loading)",
     "logprobs_mode": "(Conveyor's importance ratios)", "distributed_executor_backend": "(rollout placement)",
+    "disable_log_stats": "(Conveyor's logging)", "pipeline_parallel_size": "rollout.tensor_parallel_size",
+    "data_parallel_size": "rollout.num_workers (one engine per replica)",
 }
 
 

@@ -60,7 +60,7 @@ class MetricsWriter:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:
-            self._tb.write(int(step), values)
+            self._tb.write(int(step), values, row["time"])
 
     def close(self) -> None:
         if self._file is not None:
@@ -146,9 +146,10 @@ class _Scalars:
         self._event, self._summary = Event, Summary
         self._writer = EventFileWriter(str(logdir))
 
-    def write(self, step: int, values: dict[str, float]) -> None:
+    def write(self, step: int, values: dict[str, float], at: float | None = None) -> None:
         value = [self._summary.Value(tag=k, simple_value=v) for k, v in values.items()]
-        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=value)))
+        self._writer.add_event(self._event(wall_time=time.time() if at is None else at, step=step,
+                                           summary=self._summary(value=value)))
         self._writer.flush()
 
     def close(self) -> None:

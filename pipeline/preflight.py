@@ -22,6 +22,7 @@ The model-aware checks live in ``stages/`` and are reached by import path
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,10 +98,16 @@ def check_imports(cfg: ConveyorConfig) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     if cfg.rollout.engine_kwargs and cfg.rollout.backend == "vllm":
-        try:  # imports vLLM here only when engine arguments were given
+        # Imports vLLM here only when engine arguments were given; importing it sets
+        # environment variables, which the actors started after this would inherit.
+        saved = dict(os.environ)
+        try:
             load_builtin("check_engine_kwargs")(cfg.rollout.engine_kwargs)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def _import(spec: str, field_name: str) -> Any:

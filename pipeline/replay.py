@@ -79,8 +79,8 @@ STATES_DIR = "states"
 # Config fields that change what a trainer step computes: replay warns when --config
 # differs from the recording's snapshot in any of them.
 _TRAINING_FIELDS = ("model.path", "model.dtype", "model.tiny", "algorithm", "train.lr", "train.weight_decay",
-                    "train.grad_clip", "train.zero_stage", "train.prompts_per_step", "train.threads", "rollout.n",
-                    "rollout.temperature", "run.seed", "dataflow.max_staleness")
+                    "train.grad_clip", "train.zero_stage", "train.prompts_per_step", "train.threads",
+                    "train.chunk_size", "rollout.n", "rollout.temperature", "run.seed", "dataflow.max_staleness")
 
 Out = Callable[[str], None]
 

@@ -24,6 +24,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from pipeline.types import RolloutBatch
@@ -56,7 +57,9 @@ class PPOTrainerStage(TrainerStage):
         pending = self._step_batches[self._applied:]
         if pending and sum(b.num_samples for b in pending) >= self.mini_samples:
             # A first-epoch mini-batch complete inside the step: apply it now.
+            t0 = time.time()
             await asyncio.to_thread(self._update, pending, False)
+            self._step_update_s += time.time() - t0
             self._groups.append((self._applied, len(self._step_batches)))
             self._applied = len(self._step_batches)
             # Only the pieces since this update remain to re-accumulate after an OOM.

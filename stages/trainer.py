@@ -232,6 +232,7 @@ class TrainerStage:
         self._step_metrics: list[dict[str, float]] = []
         self._step_staleness: list[int] = []
         self._step_train_s = 0.0  # forward/backward of the step's micro-batches so far
+        self._step_update_s = 0.0  # optimizer updates inside the step so far (PPO's mini-batches)
         self._step_rng = b""
         self._step_started = time.time()
         self._published_sha: tuple[int, str] = (-1, "")
@@ -455,7 +456,7 @@ class TrainerStage:
         train_s, self._step_train_s = self._step_train_s, 0.0
         t0 = time.time()
         step_out = await asyncio.to_thread(self._apply_step_update, batches)
-        update_s = time.time() - t0
+        update_s, self._step_update_s = self._step_update_s + time.time() - t0, 0.0
         version = self.engine.version
         step = version - 1
         samples = sum(b.num_samples for b in batches)
@@ -549,8 +550,9 @@ class TrainerStage:
         self.ctx.log.info("checkpoint_written", path=str(path), policy_version=self.engine.version)
 
     async def _export(self, version: int) -> tuple[WeightUpdate, Any, float]:
-        """The weights of ``version``, their ``WeightUpdate`` and a reference to them in the
-        object store (``finish_step`` publishes them), and the seconds that took."""
+        """The weights of ``version``, their ``WeightUpdate`` and their payload (the bytes when
+        they fit inline, else a reference to them in the object store; ``finish_step``
+        publishes them), and the seconds that took."""
         t0 = time.time()
         with self.ctx.spans.span("sync"):
             if self.transport == "cuda_ipc":

@@ -28,7 +28,10 @@ def batch(batch_id: int, step: int) -> PromptBatch:
     return PromptBatch(batch_id=batch_id, step=step, prompts=[Prompt(prompt_id=f"p{batch_id}", text="12")])
 
 
-def test_the_rollout_sleeps_when_idle_and_wakes_with_the_next_version(ray_cluster):
+@pytest.mark.parametrize("by_reference", [False, True])
+def test_the_rollout_sleeps_when_idle_and_wakes_with_the_next_version(ray_cluster, by_reference):
+    """The next version wakes it whether its payload came inline (as a CUDA IPC
+    descriptor does) or as a reference."""
     cfg = decode_config(CONFIG)
     controller = ControllerClient(ControllerActor.remote(target_prompts=8, prompts_per_step=2, barrier=True))
 
@@ -50,7 +53,7 @@ def test_the_rollout_sleeps_when_idle_and_wakes_with_the_next_version(ray_cluste
         assert not early.done() and backend.events[-1] == ("sleep",)
         data = b"weights-v1"
         await controller.publish(WeightUpdate(version=1, sha256=compute_sha256(data), fingerprint=(1.0, 1.0),
-                                              num_bytes=len(data)), data)  # small: by value
+                                              num_bytes=len(data)), ray_cluster.put(data) if by_reference else data)
         out = await early
         assert set(out.token_versions.ravel()) == {1}
         status = stage.status()

@@ -145,6 +145,35 @@ def test_a_good_config_passes_with_absolute_paths_and_a_data_report(setup, monke
     assert ray_starts == []
 
 
+def test_checking_engine_arguments_leaves_the_environment_as_it_was(setup, monkeypatch):
+    """Preflight imports vLLM to check ``rollout.engine_kwargs``; what that import sets
+    in the environment must not reach the actors started after it."""
+    import os
+
+    config, tmp = setup
+    monkeypatch.chdir(tmp)
+    cfg = load_config(config, ["data.path=chat.jsonl", "reward.function=my_reward.py:compute_score",
+                               "rollout.engine_kwargs.max_num_seqs=8"])
+    import pipeline.preflight as preflight
+
+    real = preflight.load_builtin
+
+    def importing_vllm(name):  # as importing vLLM does, whether or not it is imported already
+        if name != "check_engine_kwargs":
+            return real(name)
+
+        def check(kwargs):
+            os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+            real(name)(kwargs)
+        return check
+
+    monkeypatch.setattr(preflight, "load_builtin", importing_vllm)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    before = dict(os.environ)
+    run_preflight(cfg)
+    assert dict(os.environ) == before
+
+
 def test_verl_reward_spelling_is_checked_too(setup, capsys):
     config, tmp = setup
     raw = yaml.safe_load(config.read_text())
