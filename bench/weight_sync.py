@@ -115,7 +115,8 @@ async def measure_model(name: str, shape: tuple[int, int, int], root: Path, repe
     # The engine loads its worker extension by name at start; the timed subclass adds
     # probes and changes nothing the timed path runs.
     vllm_backend.WORKER_EXTENSION = f"{__name__}.TimedWeightSyncExtension"
-    backend = build_backend("vllm", path, RolloutConfig(backend="vllm", kv_cache_gib=0.25, seed=0), "float32")
+    backend = build_backend("vllm", path, RolloutConfig(backend="vllm", kv_cache_gib=0.25, seed=0,
+                                                        engine_core="subprocess"), "float32")
     t0 = time.perf_counter()
     await backend.start()
     start_s = time.perf_counter() - t0
@@ -208,7 +209,8 @@ async def measure_gpu_transports(shape: tuple[int, int, int], root: Path, repeat
     state = {k: v.detach().to("cuda", torch.bfloat16) for k, v in model.state_dict().items()}
     params = sum(v.numel() for v in model.parameters())
     del model
-    backend = build_backend("vllm", path, RolloutConfig(backend="vllm", gpu_memory_utilization=0.3, seed=0),
+    backend = build_backend("vllm", path, RolloutConfig(backend="vllm", gpu_memory_utilization=0.3, seed=0,
+                                                        engine_core="subprocess"),
                             "bfloat16")
     t0 = time.perf_counter()
     await backend.start()

@@ -234,8 +234,10 @@ class RolloutConfig(msgspec.Struct, **_section()):
     enforce_eager: bool | None = None
     # vLLM backend: "subprocess" runs vLLM's engine core in a process of its own
     # (AsyncLLM); "in_process" runs it in the rollout actor's process, stepped by a thread
-    # (stages/rollout/vllm_inproc.py), without serialising every step's outputs.
-    engine_core: Literal["subprocess", "in_process"] = "subprocess"
+    # (stages/rollout/vllm_inproc.py), without serialising every step's outputs. "auto":
+    # in_process on CPU without tensor parallelism (the quickstart: 15% faster steps and
+    # a start 8 s sooner on 2 cores), subprocess elsewhere (on GPUs until measured there).
+    engine_core: Literal["auto", "subprocess", "in_process"] = "auto"
     # vLLM's sleep mode (its GPU memory from an allocator that can release and map it
     # again); ``placement: colocate`` turns it on, to sleep while the trainer steps.
     sleep_mode: bool = False

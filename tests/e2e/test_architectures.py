@@ -84,7 +84,10 @@ def test_checkpoint_is_the_served_policy_and_vllm_loads_it(family_run):
     assert tok.eos_token_id in stops and len(stops) == max(1, len(FAMILIES[arch].stops))
 
     async def generate_with_vllm():
-        backend = build_backend("vllm", ckpt, RolloutConfig(kv_cache_gib=0.25, seed=0), "float32")
+        # Its engine core in a process of its own: in this one it would join (and end)
+        # the torch.distributed world the DeepSpeed engines of later tests use.
+        backend = build_backend("vllm", ckpt, RolloutConfig(kv_cache_gib=0.25, seed=0, engine_core="subprocess"),
+                                "float32")
         await backend.start()
         try:
             live = await backend.live_fingerprint()

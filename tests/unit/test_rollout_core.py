@@ -24,7 +24,13 @@ from pipeline.weights import (
 from stages.rollout import BACKENDS, build_backend, resolve_backend
 from stages.rollout.base import SamplingSettings, build_sampling_settings, check_version_order
 from stages.rollout.hf_backend import check_payload_names, cut_at_stop, group_prompts_by_length
-from stages.rollout.vllm_backend import WORKER_EXTENSION, build_engine_kwargs, expand_version_spans, plan_cpu_binding
+from stages.rollout.vllm_backend import (
+    WORKER_EXTENSION,
+    build_engine_kwargs,
+    expand_version_spans,
+    plan_cpu_binding,
+    resolve_engine_core,
+)
 from stages.rollout.vllm_worker_ext import WeightSyncExtension, combine_rank_fingerprints, read_packed_linear_weight
 
 
@@ -127,6 +133,14 @@ def test_engine_kwargs_on_cpu_and_gpu() -> None:
     module, _, name = WORKER_EXTENSION.rpartition(".")
     ext = getattr(__import__(module, fromlist=[name]), name)
     assert callable(ext.apply_weights) and callable(ext.fingerprint)
+
+
+def test_auto_engine_core_is_in_process_on_one_cpu_worker_only() -> None:
+    assert resolve_engine_core("auto", on_cpu=True, tensor_parallel_size=1) == "in_process"
+    assert resolve_engine_core("auto", on_cpu=True, tensor_parallel_size=2) == "subprocess"
+    assert resolve_engine_core("auto", on_cpu=False, tensor_parallel_size=1) == "subprocess"
+    assert resolve_engine_core("subprocess", on_cpu=True, tensor_parallel_size=1) == "subprocess"
+    assert resolve_engine_core("in_process", on_cpu=False, tensor_parallel_size=1) == "in_process"
 
 
 def test_version_spans_expand_to_one_version_per_token() -> None:
