@@ -5,7 +5,8 @@ Measures on the machine's GPU(s), one run each, in this process:
 - Conveyor async (the config as it is), sync (``dataflow.async_execution=false``,
   ``dataflow.max_staleness=0``) and colocate (sync plus ``placement: colocate``: vLLM
   sleeps while the trainer steps), launched by ``pipeline.launch.launch_run``
-  (``run_conveyor`` also knows ``async_in_process``: ``rollout.engine_core: in_process``);
+  (``run_conveyor`` also knows each with ``_in_process`` or ``_subprocess``: that
+  ``rollout.engine_core`` instead of ``auto``);
 - TRL's ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"`` on one GPU, bf16,
   with the same locally built model, prompts, group size, completion length,
   temperature, learning rate, clip, grad clip, token-mean loss and steps (no KL, no
@@ -47,8 +48,8 @@ def compute_steady_rate(times: list[float], samples_per_step: int, warmup: int) 
 def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
                  gpus: int | None = None) -> dict[str, Any]:
     """One Conveyor run of the config with ``mode``'s overrides (``sync``, ``colocate``,
-    either or ``async`` with ``_in_process``: ``rollout.engine_core: in_process``; any
-    other name: the config as it is) and ``extra`` ones; ``gpus``: the GPUs it may use
+    either or ``async`` with ``_in_process`` or ``_subprocess``: that ``rollout.engine_core``;
+    any other name: the config as it is) and ``extra`` ones; ``gpus``: the GPUs it may use
     (default: every one this process sees)."""
     import torch
 
@@ -58,13 +59,13 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
 
     overrides = [f"run.dir={root / mode}", f"run.steps={steps}", "run.progress=false", f"run.name=gpu-e2e-{mode}",
                  "train.save_checkpoint=false", "run.tensorboard=false"]
-    base = mode.removesuffix("_in_process")
+    base = mode.removesuffix("_in_process").removesuffix("_subprocess")
     if base in ("sync", "colocate"):
         overrides += ["dataflow.async_execution=false", "dataflow.max_staleness=0"]
     if base == "colocate":
         overrides += ["placement=colocate"]
     if base != mode:
-        overrides += ["rollout.engine_core=in_process"]
+        overrides += [f"rollout.engine_core={mode[len(base) + 1:]}"]
     overrides += list(extra)
     cfg = load_config(CONFIG, overrides)
     per_step = cfg.train.prompts_per_step * cfg.rollout.n
@@ -153,7 +154,7 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
 
 
 SYSTEMS = ("async", "sync", "colocate", "trl")  # the default rows
-KNOWN_SYSTEMS = (*SYSTEMS, "async_in_process", "sync_in_process", "colocate_in_process")
+KNOWN_SYSTEMS = (*SYSTEMS, *(f"{m}_{core}" for core in ("in_process", "subprocess") for m in ("async", "sync", "colocate")))
 
 
 def parse_systems(text: str | None) -> tuple[str, ...]:
@@ -192,6 +193,7 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
 
     a, s, t, c = per_gpu("async"), per_gpu("sync"), per_gpu("trl"), per_gpu("colocate")
     in_process = {m: per_gpu(f"{m}_in_process") for m in ("async", "sync", "colocate")}
+    subprocess = {m: per_gpu(f"{m}_subprocess") for m in ("async", "sync", "colocate")}
     ratios = {
         "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
         "async_samples_per_s_per_gpu": a, "sync_samples_per_s_per_gpu": s, "trl_samples_per_s_per_gpu": t,
@@ -200,7 +202,8 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
         "colocate_over_trl": ratio(c, t), "colocate_over_sync": ratio(c, s), "colocate_over_async": ratio(c, a),
         "async_over_one_gpu_bound": ratio(a, ONE_GPU_BOUND), "trl_over_one_gpu_bound": ratio(t, ONE_GPU_BOUND),
         **{f"{m}_in_process_samples_per_s_per_gpu": v for m, v in in_process.items() if v},
-        **{f"{m}_in_process_over_subprocess": ratio(v, per_gpu(m)) for m, v in in_process.items() if v},
+        **{f"{m}_in_process_over_subprocess": ratio(v, subprocess[m] or per_gpu(m)) for m, v in in_process.items() if v},
+        **{f"{m}_subprocess_samples_per_s_per_gpu": v for m, v in subprocess.items() if v},
         "colocate_in_process_over_trl": ratio(in_process["colocate"], t),
         "async_rollout_busy": (rows.get("async", {}).get("busy_ratio") or {}).get("rollout"),
         "async_weight_sync_share": rows.get("async", {}).get("weight_sync_share"),

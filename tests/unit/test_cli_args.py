@@ -50,6 +50,7 @@ def test_gpu_e2e_rows_are_chosen_by_name_and_a_bad_one_exits_2(capsys) -> None:
     from bench.gpu_e2e import parse_systems
 
     assert parse_systems("colocate_in_process, trl") == ("colocate_in_process", "trl")
+    assert parse_systems("async_subprocess") == ("async_subprocess",)
     with pytest.raises(SystemExit) as info:
         bench_main(["gpu_e2e", "--systems", "async,fast"])
     assert info.value.code == 2 and "--systems: expected names from" in capsys.readouterr().err

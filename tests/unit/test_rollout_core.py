@@ -135,12 +135,11 @@ def test_engine_kwargs_on_cpu_and_gpu() -> None:
     assert callable(ext.apply_weights) and callable(ext.fingerprint)
 
 
-def test_auto_engine_core_is_in_process_on_one_cpu_worker_only() -> None:
-    assert resolve_engine_core("auto", on_cpu=True, tensor_parallel_size=1) == "in_process"
-    assert resolve_engine_core("auto", on_cpu=True, tensor_parallel_size=2) == "subprocess"
-    assert resolve_engine_core("auto", on_cpu=False, tensor_parallel_size=1) == "subprocess"
-    assert resolve_engine_core("subprocess", on_cpu=True, tensor_parallel_size=1) == "subprocess"
-    assert resolve_engine_core("in_process", on_cpu=False, tensor_parallel_size=1) == "in_process"
+def test_auto_engine_core_is_in_process_without_tensor_parallelism() -> None:
+    assert resolve_engine_core("auto", tensor_parallel_size=1) == "in_process"
+    assert resolve_engine_core("auto", tensor_parallel_size=2) == "subprocess"
+    assert resolve_engine_core("subprocess", tensor_parallel_size=1) == "subprocess"
+    assert resolve_engine_core("in_process", tensor_parallel_size=1) == "in_process"
 
 
 def test_version_spans_expand_to_one_version_per_token() -> None:
