@@ -103,15 +103,17 @@ def test_soak_quick_writes_result(tmp_path):
 
 
 def test_soak_memory_quick_writes_result(tmp_path):
-    """The memory soak's three allocator settings side by side on the HF rollout backend:
-    15 s of memory samples each, their own Ray clusters, in subprocesses."""
+    """The memory soak's allocator settings side by side on the HF rollout backend (the
+    first two of three in quick mode): 15 s of memory samples each, their own Ray
+    clusters, in subprocesses."""
     assert main(["soak_memory", "--quick", "--out", str(tmp_path)]) == 0
     doc = _load(tmp_path / "soak_memory.json")
     assert (tmp_path / "soak_memory.png").stat().st_size > 0
     assert doc["status"] == "ok", doc["error"]
     assert doc["params"]["variants"]["arena_max_2"] == {"env": {"MALLOC_ARENA_MAX": "2"},
                                                         "overrides": ["rollout.host_memory_trim_s=0"]}
-    assert set(doc["variants"]) == {"glibc_default", "arena_max_2", "trim_60s"}
+    assert set(doc["variants"]) == {"glibc_default", "arena_max_2"}
+    assert doc["ratios"]["arena_max_2_over_glibc_default_steps"] > 0
     for variant in doc["variants"].values():
         assert variant["steps"] > 0
         for stage in ("source:0", "rollout:0", "reward:0", "reference:0", "trainer:0", "driver"):
