@@ -119,6 +119,21 @@ def publish_result(out_dir: Path, name: str, payload: dict[str, Any], plot: Any)
     return payload
 
 
+def cuda_device_name() -> str | None:
+    """The first CUDA GPU's name, or None where torch or a GPU is missing."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return None
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def publish_skipped_without_gpu(out_dir: Path, name: str, quick: bool) -> dict[str, Any]:
+    """The result of a GPU-only benchmark on a machine without a CUDA GPU."""
+    payload = {"status": "skipped", "reason": "needs a CUDA GPU", "quick": quick, "ratios": {}}
+    return publish_result(out_dir, name, payload, lambda p, d: None)
+
+
 def new_figure(rows: int = 1, cols: int = 1, size: tuple[float, float] = (11.0, 4.5)) -> tuple[Any, Any]:
     """(figure, axes array) on an Agg canvas; no pyplot, no display."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

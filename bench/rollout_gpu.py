@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import cuda_device_name, new_figure, publish_result, publish_skipped_without_gpu, save_figure
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 ROUNDS = 3
@@ -121,18 +121,14 @@ async def measure(quick: bool) -> dict[str, Any]:
 
 
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        payload = {"status": "skipped", "reason": "needs a CUDA GPU", "quick": quick, "ratios": {}}
-        return publish_result(out_dir, "rollout_gpu", payload, lambda p, d: None)
+    device = cuda_device_name()
+    if device is None:
+        return publish_skipped_without_gpu(out_dir, "rollout_gpu", quick)
     result = asyncio.run(measure(quick))
     rows = result["rows"]
     rate = {k: v["tokens_per_s"] for k, v in rows.items()}
     ratios = {
-        "device": torch.cuda.get_device_name(0),
+        "device": device,
         **{f"{k}_tokens_per_s": v for k, v in rate.items()},
         "graphs_final_over_bare": rate["graphs/final"] / rate["graphs/bare"],
         "graphs_stream_over_bare": rate["graphs/stream"] / rate["graphs/bare"],

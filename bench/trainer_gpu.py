@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import cuda_device_name, new_figure, publish_result, publish_skipped_without_gpu, save_figure
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 ROUNDS = 3
@@ -132,18 +132,14 @@ def measure(quick: bool) -> dict[str, Any]:
 
 
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        payload = {"status": "skipped", "reason": "needs a CUDA GPU", "quick": quick, "ratios": {}}
-        return publish_result(out_dir, "trainer_gpu", payload, lambda p, d: None)
+    device = cuda_device_name()
+    if device is None:
+        return publish_skipped_without_gpu(out_dir, "trainer_gpu", quick)
     result = measure(quick)
     rows = result["rows"]
     base = rows[f"chunk_{CHUNK_SIZES[0]}"]
     ratios = {
-        "device": torch.cuda.get_device_name(0),
+        "device": device,
         **{f"{k}_step_s": v["step_s"] for k, v in rows.items()},
         **{f"{k}_over_chunk_{CHUNK_SIZES[0]}_step_s": v["step_s"] / base["step_s"] for k, v in rows.items()},
         "release_share_of_step": base["release_s"] / base["step_s"],

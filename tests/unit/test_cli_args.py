@@ -57,3 +57,16 @@ def test_gpu_e2e_rows_are_chosen_by_name_and_a_bad_one_exits_2(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         bench_main(["overlap", "--systems", "async"])
     assert info.value.code == 2 and "only gpu_e2e has rows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["trainer_gpu", "rollout_gpu"])
+def test_a_gpu_benchmark_without_a_gpu_writes_skipped_and_exits_0(tmp_path: Path, name: str, monkeypatch) -> None:
+    import json
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on CPU, also where a GPU is
+    assert bench_main([name, "--quick", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / f"{name}.json").read_text())
+    assert (doc["status"], doc["reason"], doc["quick"]) == ("skipped", "needs a CUDA GPU", True)
+    assert doc["machine"]["cpu_count"] > 0
