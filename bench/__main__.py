@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "rollout_gpu": "bench.rollout_gpu:run",  # needs a CUDA GPU; "skipped" without one
     "trainer_gpu": "bench.trainer_gpu:run",  # needs a CUDA GPU; "skipped" without one
     "gpu_scale": "bench.gpu_scale:run",  # 1 GPU vs 2 (skips what the GPUs present cannot run)
+    "gpu_scale_8": "bench.gpu_scale_8:run",  # 8 GPUs (halved on 4-7); "skipped" on fewer
     "templates": "bench.templates:run",  # learning trends of the dpo, tool_rl and curriculum templates
 }
 SOAKS = ("soak", "soak_memory")

@@ -46,11 +46,11 @@ def compute_steady_rate(times: list[float], samples_per_step: int, warmup: int) 
 
 
 def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
-                 gpus: int | None = None) -> dict[str, Any]:
+                 gpus: int | None = None, config: Path = CONFIG) -> dict[str, Any]:
     """One Conveyor run of the config with ``mode``'s overrides (``sync``, ``colocate``,
     either or ``async`` with ``_in_process`` or ``_subprocess``: that ``rollout.engine_core``;
     any other name: the config as it is) and ``extra`` ones; ``gpus``: the GPUs it may use
-    (default: every one this process sees)."""
+    (default: every one this process sees); ``config``: the job (default ``CONFIG``)."""
     import torch
 
     from pipeline.config import load_config
@@ -67,7 +67,7 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
     if base != mode:
         overrides += [f"rollout.engine_core={mode[len(base) + 1:]}"]
     overrides += list(extra)
-    cfg = load_config(CONFIG, overrides)
+    cfg = load_config(config, overrides)
     per_step = cfg.train.prompts_per_step * cfg.rollout.n
     t0 = time.time()
     summary = launch_run(cfg)

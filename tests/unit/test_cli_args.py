@@ -70,3 +70,21 @@ def test_a_gpu_benchmark_without_a_gpu_writes_skipped_and_exits_0(tmp_path: Path
     doc = json.loads((tmp_path / f"{name}.json").read_text())
     assert (doc["status"], doc["reason"], doc["quick"]) == ("skipped", "needs a CUDA GPU", True)
     assert doc["machine"]["cpu_count"] > 0
+
+
+def test_the_eight_gpu_benchmark_reads_nvidia_smi_and_sums_staleness(tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    import bench.gpu_scale_8 as b8
+
+    sample = b8.parse_gpu_sample("0, 97, 40960\n1, 3, 1024\nnot a gpu line\n")
+    assert sample == {"0": (97.0, 40960.0), "1": (3.0, 1024.0)}
+    gpus = b8.summarise_gpu_samples([sample, {"0": (53.0, 20480.0), "1": (5.0, 2048.0)}])
+    assert gpus == {"0": {"busy_share": 0.75, "peak_memory_gib": 40.0}, "1": {"busy_share": 0.04, "peak_memory_gib": 2.0}}
+    rows = [{"staleness/hist/0": 40, "staleness/hist/1": 24, "reward/mean": 0.1}, {"staleness/hist/1": 64}]
+    assert b8.sum_staleness(rows) == {0: 40, 1: 88}
+    # Fewer than four GPUs: skipped, saying why, exit 0.
+    monkeypatch.setattr(b8, "list_gpus", lambda: [("0", "NVIDIA H200")])
+    assert bench_main(["gpu_scale_8", "--quick", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "gpu_scale_8.json").read_text())
+    assert (doc["status"], doc["reason"], doc["gpus"]) == ("skipped", "needs 4 or more CUDA GPUs", 1)

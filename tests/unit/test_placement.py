@@ -291,3 +291,30 @@ def test_a_colocated_engine_gets_the_kv_cache_its_sequences_need():
     tools = {"functions": "builtin"}
     for rollout in ({"kv_cache_gib": 2.0}, {"gpu_memory_utilization": 0.3}, {"max_model_len": 512}, {"tools": tools}):
         assert size_colocated_kv_cache(config(**{**job, "rollout": {**job["rollout"], **rollout}}), shape) is None
+
+
+def test_the_eight_gpu_config_plans_two_tp2_replicas_beside_four_zero3_ranks():
+    """configs/gpu_8.yaml (issue 17's run) on 8 GPUs, and halved on 4 as its header says;
+    unhalved on 4 it is refused before anything starts."""
+    from pathlib import Path
+
+    from pipeline.config import load_config
+
+    path = Path(__file__).parents[2] / "configs" / "gpu_8.yaml"
+    h, layers, inter = 2048, 28, 5632
+    params = layers * (4 * h * h + 3 * h * inter)  # 1.44e9: the 1-3B the run asks for
+    cfg = load_config(path)
+    assert (cfg.rollout.num_workers, cfg.rollout.tensor_parallel_size, cfg.train.num_ranks,
+            cfg.train.zero_stage) == (2, 2, 4, 3)
+    assert cfg.rollout.max_tokens >= 512 and cfg.rollout.n == 8 and cfg.dataflow.max_staleness == 1
+    p = plan(cfg, 8, params=params, gpu_bytes=141 * GIB)
+    assert p.stages["trainer"].gpus == (0, 1, 2, 3) and p.stages["reference"].gpus == (0,)
+    # Each replica takes 2 GPUs by count, outside the ranks' 4 bundles: 4 + 2 x 2 = 8.
+    assert p.stages["rollout"].gpus == () and p.stages["rollout"].num_gpus == 2.0 and p.bundles == 4
+    assert p.rollout_memory_fraction == OWN_GPU_FRACTION
+    half = load_config(path, ["rollout.num_workers=1", "train.num_ranks=2"])
+    p = plan(half, 4, params=params, gpu_bytes=141 * GIB)
+    assert p.stages["trainer"].gpus == (0, 1) and p.stages["rollout"].num_gpus == 2.0 and p.bundles == 2
+    with pytest.raises(PlacementError, match=r"rollout.tensor_parallel_size: 2 replica\(s\) x 2 GPUs .* make 8, "
+                                             r"the cluster has 4"):
+        plan(cfg, 4, params=params, gpu_bytes=141 * GIB)
