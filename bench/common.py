@@ -128,9 +128,10 @@ def cuda_device_name() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def publish_skipped_without_gpu(out_dir: Path, name: str, quick: bool) -> dict[str, Any]:
-    """The result of a GPU-only benchmark on a machine without a CUDA GPU."""
-    payload = {"status": "skipped", "reason": "needs a CUDA GPU", "quick": quick, "ratios": {}}
+def publish_skipped_without_gpu(out_dir: Path, name: str, quick: bool, reason: str = "needs a CUDA GPU",
+                                **extra: Any) -> dict[str, Any]:
+    """The result of a GPU-only benchmark on a machine without (enough) CUDA GPUs."""
+    payload = {"status": "skipped", "reason": reason, "quick": quick, "ratios": {}, **extra}
     return publish_result(out_dir, name, payload, lambda p, d: None)
 
 

@@ -193,7 +193,7 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
 
     a, s, t, c = per_gpu("async"), per_gpu("sync"), per_gpu("trl"), per_gpu("colocate")
     in_process = {m: per_gpu(f"{m}_in_process") for m in ("async", "sync", "colocate")}
-    subprocess = {m: per_gpu(f"{m}_subprocess") for m in ("async", "sync", "colocate")}
+    sub = {m: per_gpu(f"{m}_subprocess") for m in ("async", "sync", "colocate")}
     ratios = {
         "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
         "async_samples_per_s_per_gpu": a, "sync_samples_per_s_per_gpu": s, "trl_samples_per_s_per_gpu": t,
@@ -202,8 +202,8 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
         "colocate_over_trl": ratio(c, t), "colocate_over_sync": ratio(c, s), "colocate_over_async": ratio(c, a),
         "async_over_one_gpu_bound": ratio(a, ONE_GPU_BOUND), "trl_over_one_gpu_bound": ratio(t, ONE_GPU_BOUND),
         **{f"{m}_in_process_samples_per_s_per_gpu": v for m, v in in_process.items() if v},
-        **{f"{m}_in_process_over_subprocess": ratio(v, subprocess[m] or per_gpu(m)) for m, v in in_process.items() if v},
-        **{f"{m}_subprocess_samples_per_s_per_gpu": v for m, v in subprocess.items() if v},
+        **{f"{m}_in_process_over_subprocess": ratio(v, sub[m] or per_gpu(m)) for m, v in in_process.items() if v},
+        **{f"{m}_subprocess_samples_per_s_per_gpu": v for m, v in sub.items() if v},
         "colocate_in_process_over_trl": ratio(in_process["colocate"], t),
         "async_rollout_busy": (rows.get("async", {}).get("busy_ratio") or {}).get("rollout"),
         "async_weight_sync_share": rows.get("async", {}).get("weight_sync_share"),

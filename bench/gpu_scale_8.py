@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import new_figure, publish_result, publish_skipped_without_gpu, save_figure
 from bench.e2e import _attempt
 from bench.gpu_e2e import WARMUP_STEPS, run_conveyor
 from bench.gpu_scale import list_gpus
@@ -120,9 +120,7 @@ def _run_mode(mode: str, steps: int, root: Path, extra: tuple[str, ...], gpus: i
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     gpus = list_gpus()
     if len(gpus) < 4:
-        return publish_result(out_dir, "gpu_scale_8", {"status": "skipped", "reason": "needs 4 or more CUDA GPUs",
-                                                       "gpus": len(gpus), "quick": quick, "ratios": {}},
-                              lambda p, d: None)
+        return publish_skipped_without_gpu(out_dir, "gpu_scale_8", quick, "needs 4 or more CUDA GPUs", gpus=len(gpus))
     from pipeline.config import load_config
 
     extra = () if len(gpus) >= 8 else HALVED
