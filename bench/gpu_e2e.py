@@ -91,6 +91,8 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
         "weight_transport": summary["trainer"].get("weight_transport"),
         "weight_publish_s": summary["trainer"].get("weight_publish_s"),
         "gpu_free_gib_while_training": _mean([r.get("colocate/gpu_free_gib") for r in rows[WARMUP_STEPS:]]),
+        # Each rollout replica's in-process engine core: steps, mean step, requests per step.
+        "rollout_engine": [r.get("engine") for r in summary.get("rollout") or [] if r],
         "gpu_handoff_s": _mean([r.get("colocate/handoff_s") for r in rows[WARMUP_STEPS:]]),
         # The trainer's step, in its parts (the rest is waiting for micro-batches).
         "trainer_timing_s": {k: _mean([r.get(f"timing_s/{k}") for r in rows[WARMUP_STEPS:]])

@@ -54,6 +54,22 @@ async def _bare_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: 
     return sum(counts)
 
 
+async def _bare_in_process_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int) -> int:
+    """``_bare_step`` against ``InProcessEngine`` (its ``add_request`` and collectors)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    async def one(i: int, prompt: list[int]) -> int:
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=0,
+                                output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        collector = await engine.add_request(f"bare-{round_}-{i}", {"prompt_token_ids": prompt}, params)
+        out = await collector.get()
+        return len(out.outputs[0].token_ids)
+
+    counts = await asyncio.gather(*(one(i * n + j, p) for i, p in enumerate(prompts) for j in range(n)))
+    return sum(counts)
+
+
 async def _backend_step(backend: Any, prompts: list[list[int]], n: int, max_tokens: int, per_micro: int) -> int:
     from stages.rollout.base import SamplingSettings
 
@@ -78,7 +94,11 @@ async def _timed(step: Any, rounds: int) -> dict[str, Any]:
             "mean_tokens_per_s": float(np.mean(rates))}
 
 
-async def measure(quick: bool) -> dict[str, Any]:
+VARIANTS = ((True, None, "subprocess"), (False, None, "subprocess"), (False, "stream", "subprocess"),
+            (False, None, "in_process"))  # (enforce_eager, output_mode, engine_core)
+
+
+async def measure(quick: bool, variants: tuple[tuple[bool, str | None, str], ...] = VARIANTS) -> dict[str, Any]:
     from pipeline.config import load_config
     from stages.rollout.vllm_backend import VLLMBackend
     from stages.tiny import resolve_model_path
@@ -95,8 +115,6 @@ async def measure(quick: bool) -> dict[str, Any]:
     rng = random.Random(0)
     prompts = [[1] + [rng.randrange(4, 90) for _ in range(rng.randrange(12, 24))] for _ in range(prompts_per_step)]
     rows: dict[str, Any] = {}
-    variants = [(True, None, "subprocess"), (False, None, "subprocess"), (False, "stream", "subprocess"),
-                (False, None, "in_process")]
     for eager, mode, core in variants:
         label = "eager" if eager else "graphs"
         rcfg = msgspec.structs.replace(cfg.rollout, enforce_eager=eager, gpu_memory_utilization=0.5,
@@ -113,6 +131,11 @@ async def measure(quick: bool) -> dict[str, Any]:
             if mode is None and core == "subprocess":
                 rows[f"{label}/bare"] = await _timed(
                     lambda s, e=backend._engine: _bare_step(e, prompts, n, max_tokens, s), ROUNDS)
+            if core == "in_process":
+                rows[name]["engine"] = backend.engine_stats()
+                rows[f"{label}/bare/in_process"] = await _timed(
+                    lambda s, e=backend._engine: _bare_in_process_step(e, prompts, n, max_tokens, s), ROUNDS)
+                rows[f"{label}/bare/in_process"]["engine"] = backend.engine_stats()  # cumulative: both rows
         finally:
             await backend.shutdown()
     return {"rows": rows, "params": {"prompts_per_step": prompts_per_step, "n": n, "max_tokens": max_tokens,

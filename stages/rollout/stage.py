@@ -348,11 +348,13 @@ class RolloutStage:
     def result(self) -> dict[str, Any]:
         trims = getattr(self.backend, "host_memory_trims", None)  # vLLM backend's (rollout.host_memory_trim_s)
         freed = getattr(self.backend, "sleep_freed_bytes", None)  # vLLM backend's, on a GPU
+        engine = getattr(self.backend, "engine_stats", lambda: None)()  # vLLM's in-process engine core
         return {**self.status(), "weight_updates": {"count": self.applied_count, "apply_s_total": self.apply_s_total,
                                                     "last": self.last_applied},
                 **({} if trims is None else {"host_memory_trims": trims, "host_memory_trimmed_mib":
                                              self.backend.host_memory_trimmed_bytes / 2**20}),
-                **({} if freed is None else {"sleep_freed_gib": {"min": freed[0] / 2**30, "max": freed[1] / 2**30}})}
+                **({} if freed is None else {"sleep_freed_gib": {"min": freed[0] / 2**30, "max": freed[1] / 2**30}}),
+                **({} if engine is None else {"engine": engine})}
 
     async def shutdown(self) -> None:
         async with self._applying:  # never cancel an update (or a sleep) half-done inside the engine

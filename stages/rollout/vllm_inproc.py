@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +88,10 @@ class InProcessEngine:
         self._stopping = False
         self._failure: BaseException | None = None
         self._engine: Any = None
+        # The stepper's account (read by ``stats``): engine steps, the seconds inside
+        # them, the requests unfinished at each step (summed), and the seconds spent
+        # running queued calls (adds, aborts, RPCs) between steps.
+        self._steps, self._step_s, self._step_requests, self._calls_s = 0, 0.0, 0, 0.0
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(engine_args, ready), name="vllm-stepper", daemon=True)
         self._thread.start()
@@ -122,14 +127,22 @@ class InProcessEngine:
                     for _, future in calls:
                         future.set_exception(EngineStopped("the in-process vLLM engine is shut down"))
                     return
+            t0 = time.perf_counter()
             for fn, future in calls:
                 try:
                     future.set_result(fn(engine))
                 except BaseException as err:
                     future.set_exception(err)
+            t1 = time.perf_counter()
+            self._calls_s += t1 - t0
             if self._paused or not engine.has_unfinished_requests():
                 continue
-            for out in engine.step():
+            requests = engine.get_num_unfinished_requests()
+            outputs = engine.step()
+            self._steps += 1
+            self._step_s += time.perf_counter() - t1
+            self._step_requests += requests
+            for out in outputs:
                 collector = self._collectors.get(out.request_id)
                 if collector is None:  # aborted meanwhile
                     continue
@@ -161,6 +174,15 @@ class InProcessEngine:
             log.debug("engine core shutdown failed", error=repr(err))
 
     # ------------------------------------------------------------------ any thread
+    def stats(self) -> dict[str, float]:
+        """The stepper's account so far: ``steps``, ``step_s`` (inside ``engine.step``),
+        ``mean_step_ms``, ``mean_requests`` (unfinished requests per step) and
+        ``calls_s`` (queued calls run between steps)."""
+        steps = self._steps
+        return {"steps": steps, "step_s": self._step_s, "calls_s": self._calls_s,
+                "mean_step_ms": 1000 * self._step_s / steps if steps else 0.0,
+                "mean_requests": self._step_requests / steps if steps else 0.0}
+
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the stepper between two steps; its result."""
         return await asyncio.wrap_future(self._submit(fn))
@@ -243,16 +265,18 @@ class InProcessEngine:
 
 def _build_llm_engine(engine_args: Any) -> Any:
     """``LLMEngine`` with its engine core in this process, whatever
-    ``VLLM_ENABLE_V1_MULTIPROCESSING`` says (``from_engine_args`` would follow it)."""
-    from vllm.usage.usage_lib import UsageContext
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` says (``from_engine_args`` would follow it), under
+    the backend's usage context (``batch_usage``)."""
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.executor import Executor
 
-    vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    from stages.rollout.vllm_backend import batch_usage
+
+    vllm_config = engine_args.create_engine_config(batch_usage())
     return LLMEngine(
         vllm_config=vllm_config,
         executor_class=Executor.get_class(vllm_config),
         log_stats=not engine_args.disable_log_stats,
-        usage_context=UsageContext.ENGINE_CONTEXT,
+        usage_context=batch_usage(),
         multiprocess_mode=False,
     )

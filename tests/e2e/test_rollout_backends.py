@@ -266,6 +266,37 @@ def test_the_engine_reports_the_kv_cache_it_made(backend, checkpoint) -> None:
     assert 0.95 * asked <= made <= asked, (tokens, made, asked)
 
 
+def test_the_engine_runs_a_batch_as_vllms_offline_llm_does(loop, backend) -> None:
+    """Rollout is batch generation: the engine holds as many running sequences and tokens
+    a step as vLLM's offline ``LLM`` would (vLLM's server defaults, 128 sequences, ran
+    256-sequence steps in two waves). The in-process engine core accounts for its steps
+    (with the sequences unfinished at each); the subprocess one reports none."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from stages.rollout.vllm_backend import VLLMBackend
+
+    if not isinstance(backend, VLLMBackend):
+        return
+    batched, seqs = EngineArgs.get_batch_defaults(world_size=1)
+    scheduler = backend._engine.vllm_config.scheduler_config
+    assert seqs[UsageContext.LLM_CLASS] > seqs[UsageContext.OPENAI_API_SERVER]  # else this proves nothing
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (
+        seqs[UsageContext.LLM_CLASS], batched[UsageContext.LLM_CLASS])
+    before = backend.engine_stats()
+    results = loop.run_until_complete(backend.generate(PROMPTS, SamplingSettings(n=4, max_tokens=8)))
+    after = backend.engine_stats()
+    if backend.engine_core != "in_process":
+        assert before is None and after is None
+        return
+    lengths = [len(c.token_ids) for r in results for c in r.completions]
+    steps = after["steps"] - before["steps"]
+    # A step samples a token for every running sequence: at least the longest completion's
+    # steps, and far fewer than one a token (16 sequences in one batch).
+    assert max(lengths) <= steps < sum(lengths) / 2, (steps, lengths)
+    assert after["step_s"] > before["step_s"] and after["mean_requests"] > 0
+
+
 def test_hf_backend_ignores_the_checkpoints_sampling_penalties(loop, checkpoint, tmp_path) -> None:
     """A checkpoint whose generation_config asks for penalties and truncation: the HF
     backend's behaviour log-probs stay those of the plain softmax (what the trainer
