@@ -2,10 +2,9 @@
 
 ``AsyncLLM`` runs the engine core in a process of its own: every engine step's outputs
 (the new token and its log-prob for every running request) are serialised, sent over
-ZMQ and decoded again in the rollout's process. On an H200 with ``gpu_small``'s step
-(256 requests of up to 128 tokens) that boundary costs about a third of the step:
-1.11 s with ``AsyncLLM`` against 0.70 s with the engine core in the caller's process
-(vLLM's offline ``LLM``; both with flat log-probs, measured 2026-12-01).
+ZMQ and decoded again in the rollout's process. On an H200, ``gpu_small`` colocated
+made 105.6 samples/s with the engine core here against 99.1 with ``AsyncLLM``
+(2026-12-02, ``bench gpu_e2e``), and its engine starts sooner.
 
 ``InProcessEngine`` gives ``VLLMBackend`` the part of ``AsyncLLM``'s surface it uses
 (``add_request`` returning a collector, ``abort``, ``pause_generation(mode="keep")``,
