@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,8 @@ from stages.rollout import build_backend
 from stages.rollout.base import SamplingSettings
 from stages.tiny import FAMILIES
 
-QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 STEPS = 3
 
 
@@ -36,22 +39,29 @@ def score_digit_share(data_source, solution_str, ground_truth, extra_info=None) 
     return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_run(request, ray_cluster, tmp_path_factory):
-    arch = request.param
-    run_dir = tmp_path_factory.mktemp(f"arch-{arch}")
-    cfg = load_config(QUICKSTART, [
-        f"run.dir={run_dir}", "run.progress=false", "run.tensorboard=false", f"run.steps={STEPS}",
-        f"model.tiny.architecture={arch}", f"model.cache_dir={run_dir / 'models'}",
-        "rollout.max_tokens=4", "rollout.temperature=1.0", "train.sync_interval=1", "train.weight_sync_monitor=true",
-        "reward.function=tests.e2e.test_architectures:score_digit_share",
-    ])
-    summary = launch_run(cfg)
-    return arch, run_dir, summary
+@pytest.fixture(scope="module")
+def family_runs(ray_cluster, tmp_path_factory):
+    """``run(arch)``: that family's run (arch, run_dir, summary), launched on first use."""
+    runs: dict[str, tuple[str, Path, dict]] = {}
+
+    def run(arch: str) -> tuple[str, Path, dict]:
+        if arch not in runs:
+            run_dir = tmp_path_factory.mktemp(f"arch-{arch}")
+            cfg = load_config(QUICKSTART, [
+                f"run.dir={run_dir}", "run.progress=false", "run.tensorboard=false", f"run.steps={STEPS}",
+                f"model.tiny.architecture={arch}", f"model.cache_dir={run_dir / 'models'}",
+                "rollout.max_tokens=4", "rollout.temperature=1.0", "train.sync_interval=1",
+                "train.weight_sync_monitor=true", "reward.function=tests.e2e.test_architectures:score_digit_share",
+            ])
+            runs[arch] = (arch, run_dir, launch_run(cfg))
+        return runs[arch]
+
+    return run
 
 
-def test_family_trains_with_every_update_read_back(family_run):
-    arch, run_dir, summary = family_run
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_family_trains_with_every_update_read_back(family_runs, arch):
+    arch, run_dir, summary = family_runs(arch)
     assert summary["steps"] == STEPS, arch
     assert summary["samples"]["trained"] == STEPS * 8 * 8
     assert summary["samples"]["dropped"] == {}
@@ -64,29 +74,68 @@ def test_family_trains_with_every_update_read_back(family_run):
     assert all(r["actor/grad_norm"] > 0 for r in rows), arch
 
 
-def test_checkpoint_is_the_served_policy_and_vllm_loads_it(family_run):
-    """The exported checkpoint holds exactly the weights the rollout engine served at
-    the end (same fingerprint), transformers and vLLM load it, and generation stops on
-    every stop token the family's generation config lists."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    arch, run_dir, summary = family_run
-    ckpt = run_dir / "checkpoint"
+def served_fingerprint(summary: dict) -> tuple:
     (served,) = [tuple(s["fingerprint"]) for s in summary["served"].values()]
+    return served
+
+
+def checkpoint_stops(ckpt: Path) -> set[int]:
+    from transformers import GenerationConfig
+
+    stops = GenerationConfig.from_pretrained(ckpt).eos_token_id
+    return {stops} if isinstance(stops, int) else set(stops)
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_checkpoint_is_the_served_policy(family_runs, arch):
+    """The exported checkpoint holds exactly the weights the rollout engine served at
+    the end (same fingerprint), transformers loads it, and its tokenizer and generation
+    config agree on the family's stop tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    arch, run_dir, summary = family_runs(arch)
+    ckpt, served = run_dir / "checkpoint", served_fingerprint(summary)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     assert fingerprints_match(compute_fingerprint(model.parameters()), served), arch
     tensors = load_file(ckpt / "model.safetensors")
     assert fingerprints_match(compute_fingerprint(tensors.values()), served), arch
+    stops = checkpoint_stops(ckpt)
+    assert AutoTokenizer.from_pretrained(ckpt).eos_token_id in stops
+    assert len(stops) == max(1, len(FAMILIES[arch].stops)), arch
 
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    stops = GenerationConfig.from_pretrained(ckpt).eos_token_id
-    stops = {stops} if isinstance(stops, int) else set(stops)
-    assert tok.eos_token_id in stops and len(stops) == max(1, len(FAMILIES[arch].stops))
 
-    async def generate_with_vllm():
-        # Its engine core in a process of its own: in this one it would join (and end)
-        # the torch.distributed world the DeepSpeed engines of later tests use.
-        backend = build_backend("vllm", ckpt, RolloutConfig(kv_cache_gib=0.25, seed=0, engine_core="subprocess"),
+def test_vllm_serves_every_familys_checkpoint(family_runs):
+    """vLLM loads every family's exported checkpoint with the served weights (same live
+    fingerprint), and its generation stops on every stop token the family lists. One
+    subprocess loads them one after another, each engine core in that process: in this
+    one it would join (and end) the torch.distributed world later tests' DeepSpeed
+    engines use, and one vLLM import serves all six."""
+    runs = {arch: family_runs(arch) for arch in sorted(FAMILIES)}
+    ckpts = [str(run_dir / "checkpoint") for _, run_dir, _ in runs.values()]
+    out = subprocess.run([sys.executable, "-m", "tests.e2e.test_architectures", *ckpts],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("served: ")]
+    served_by = json.loads(line.removeprefix("served: "))
+    assert sorted(served_by) == sorted(ckpts)
+    for arch, (_, run_dir, summary) in runs.items():
+        ckpt = run_dir / "checkpoint"
+        live, ends = served_by[str(ckpt)]
+        assert fingerprints_match(tuple(live), served_fingerprint(summary)), arch
+        stops = checkpoint_stops(ckpt)
+        assert ends and set(ends) <= stops, (arch, set(ends), stops)
+        assert set(ends) == stops, f"{arch}: generation never ended on some stop token ({set(ends)} vs {stops})"
+
+
+async def serve_checkpoints(ckpts: list[str]) -> dict[str, tuple[list, list[int]]]:
+    """For each checkpoint, one after another: vLLM's live fingerprint after loading it,
+    and the last token of every completion that stopped (8 prompts x 8 samples)."""
+    from transformers import AutoTokenizer
+
+    served = {}
+    for ckpt in ckpts:
+        tok = AutoTokenizer.from_pretrained(ckpt)
+        backend = build_backend("vllm", Path(ckpt), RolloutConfig(kv_cache_gib=0.25, seed=0, engine_core="in_process"),
                                 "float32")
         await backend.start()
         try:
@@ -95,10 +144,10 @@ def test_checkpoint_is_the_served_policy_and_vllm_loads_it(family_run):
             results = await backend.generate(prompts, SamplingSettings(n=8, temperature=1.0, max_tokens=32))
         finally:
             await backend.shutdown()
-        return live, results
+        served[ckpt] = (list(live), [c.token_ids[-1] for r in results for c in r.completions
+                                     if c.finish_reason == "stop"])
+    return served
 
-    live, results = asyncio.run(generate_with_vllm())
-    assert fingerprints_match(live, served), arch
-    ends = [c.token_ids[-1] for r in results for c in r.completions if c.finish_reason == "stop"]
-    assert ends and set(ends) <= stops, (arch, set(ends), stops)
-    assert set(ends) == stops, f"{arch}: generation never ended on some stop token ({set(ends)} vs {stops})"
+
+if __name__ == "__main__":  # test_vllm_serves_every_familys_checkpoint's subprocess
+    print("served: " + json.dumps(asyncio.run(serve_checkpoints(sys.argv[1:]))), flush=True)
