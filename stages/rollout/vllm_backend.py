@@ -20,11 +20,12 @@ Guarantees (beyond ``stages.rollout.base``):
   (``resolve_engine_core``): in-process without tensor parallelism, else subprocess.
 - On a GPU the engine captures CUDA graphs unless ``rollout.enforce_eager`` says
   otherwise (on the H200, 2.4x the eager decode rate: ``bench rollout_gpu``).
-- The engine is configured as vLLM configures its offline ``LLM`` (``BATCH_USAGE``):
+- The engine is configured as vLLM configures its offline ``LLM`` (``batch_usage``):
   rollout is batch generation, and vLLM's server defaults (what ``AsyncLLM`` otherwise
   gets: 128 running sequences, 2,048 tokens a step) ran ``gpu_small``'s 256 sequences in
   two waves, half the decode rate (on an H100/H200 the offline defaults are 1,024
-  sequences and 16,384 tokens a step). ``rollout.engine_kwargs.vllm`` overrides either.
+  sequences and 16,384 tokens a step). ``rollout.engine_kwargs`` overrides either
+  (``max_num_seqs``, ``max_num_batched_tokens``).
 - Weight updates land between engine steps, in place, with generation paused
   (``pause_generation(mode="keep")``): requests in flight are kept, not aborted. The
   pause also drops every KV block (running requests are preempted and recomputed), so a
