@@ -10,6 +10,8 @@ engine per ``enforce_eager`` setting, measured in this process:
   request, versions from labels or split points, text decoded once);
 - ``final/in_process`` (CUDA graphs only): ``final`` with ``rollout.engine_core:
   in_process`` (the engine core in this process, stepped by a thread);
+- ``bare/in_process`` (CUDA graphs only): ``bare`` into that in-process engine; both
+  in-process rows carry the engine's step account (``engine``: steps, mean step);
 - ``stream`` (CUDA graphs only): ``VLLMBackend(output_mode="stream")``: every token
   through the event loop with vLLM's incremental detokenization (the path before
   final-only outputs).
@@ -38,13 +40,18 @@ CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 ROUNDS = 3
 
 
-async def _bare_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int) -> int:
+def _bare_params(max_tokens: int) -> Any:
+    """A bare request's sampling: one output when it finishes, no detokenization."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    return SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=0,
+                          output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+
+
+async def _bare_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int) -> int:
     async def one(i: int, prompt: list[int]) -> int:
-        params = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=0,
-                                output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        params = _bare_params(max_tokens)
         tokens = 0
         async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id=f"bare-{round_}-{i}"):
             tokens = len(out.outputs[0].token_ids)
@@ -56,13 +63,10 @@ async def _bare_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: 
 
 async def _bare_in_process_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int) -> int:
     """``_bare_step`` against ``InProcessEngine`` (its ``add_request`` and collectors)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
 
     async def one(i: int, prompt: list[int]) -> int:
-        params = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=0,
-                                output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
-        collector = await engine.add_request(f"bare-{round_}-{i}", {"prompt_token_ids": prompt}, params)
+        collector = await engine.add_request(f"bare-{round_}-{i}", {"prompt_token_ids": prompt},
+                                             _bare_params(max_tokens))
         out = await collector.get()
         return len(out.outputs[0].token_ids)
 

@@ -41,10 +41,10 @@ def score_digit_share(data_source, solution_str, ground_truth, extra_info=None) 
 
 @pytest.fixture(scope="module")
 def family_runs(ray_cluster, tmp_path_factory):
-    """``run(arch)``: that family's run (arch, run_dir, summary), launched on first use."""
-    runs: dict[str, tuple[str, Path, dict]] = {}
+    """``run(arch)``: that family's run (run_dir, summary), launched on first use."""
+    runs: dict[str, tuple[Path, dict]] = {}
 
-    def run(arch: str) -> tuple[str, Path, dict]:
+    def run(arch: str) -> tuple[Path, dict]:
         if arch not in runs:
             run_dir = tmp_path_factory.mktemp(f"arch-{arch}")
             cfg = load_config(QUICKSTART, [
@@ -53,7 +53,7 @@ def family_runs(ray_cluster, tmp_path_factory):
                 "rollout.max_tokens=4", "rollout.temperature=1.0", "train.sync_interval=1",
                 "train.weight_sync_monitor=true", "reward.function=tests.e2e.test_architectures:score_digit_share",
             ])
-            runs[arch] = (arch, run_dir, launch_run(cfg))
+            runs[arch] = (run_dir, launch_run(cfg))
         return runs[arch]
 
     return run
@@ -61,7 +61,7 @@ def family_runs(ray_cluster, tmp_path_factory):
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_family_trains_with_every_update_read_back(family_runs, arch):
-    arch, run_dir, summary = family_runs(arch)
+    run_dir, summary = family_runs(arch)
     assert summary["steps"] == STEPS, arch
     assert summary["samples"]["trained"] == STEPS * 8 * 8
     assert summary["samples"]["dropped"] == {}
@@ -93,7 +93,7 @@ def test_checkpoint_is_the_served_policy(family_runs, arch):
     config agree on the family's stop tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    arch, run_dir, summary = family_runs(arch)
+    run_dir, summary = family_runs(arch)
     ckpt, served = run_dir / "checkpoint", served_fingerprint(summary)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     assert fingerprints_match(compute_fingerprint(model.parameters()), served), arch
@@ -111,14 +111,14 @@ def test_vllm_serves_every_familys_checkpoint(family_runs):
     one it would join (and end) the torch.distributed world later tests' DeepSpeed
     engines use, and one vLLM import serves all six."""
     runs = {arch: family_runs(arch) for arch in sorted(FAMILIES)}
-    ckpts = [str(run_dir / "checkpoint") for _, run_dir, _ in runs.values()]
+    ckpts = [str(run_dir / "checkpoint") for run_dir, _ in runs.values()]
     out = subprocess.run([sys.executable, "-m", "tests.e2e.test_architectures", *ckpts],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("served: ")]
     served_by = json.loads(line.removeprefix("served: "))
     assert sorted(served_by) == sorted(ckpts)
-    for arch, (_, run_dir, summary) in runs.items():
+    for arch, (run_dir, summary) in runs.items():
         ckpt = run_dir / "checkpoint"
         live, ends = served_by[str(ckpt)]
         assert fingerprints_match(tuple(live), served_fingerprint(summary)), arch
