@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import math
 import operator
 import os
 import re
@@ -174,7 +175,10 @@ class PythonSandbox:
     max_processes: int = 16
 
     def __call__(self, arguments: str) -> str:
-        cpu = max(1, int(self.timeout_s + 0.999))
+        # The CPU limit is a backstop a second past the wall clock: equal to it, a busy loop
+        # could reach it first (its CPU time counts from its start, the deadline from
+        # after the start) and end killed by SIGXCPU instead of timed out.
+        cpu = math.ceil(self.timeout_s) + 1
         cap = 4 * self.max_output_chars + 64  # bytes of stdout that hold max_output_chars characters
         proc = subprocess.Popen(
             [sys.executable, "-I", "-c", _RUNNER, str(self.memory_mb << 20), str(cpu), str(self.max_processes)],
