@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"result directory (default: {RESULTS_DIR} in a source checkout, else ./bench-results; "
                         "with --quick ./bench-results/quick, so a smoke run never replaces a committed result)")
     p.add_argument("--minutes", type=float, help="soak and soak_memory only: how long they run (default 60, 20)")
-    p.add_argument("--systems", help="gpu_e2e only: comma-separated rows (default async,sync,colocate,trl; "
-                                     "also async_in_process, sync_in_process, colocate_in_process)")
+    p.add_argument("--systems", help="gpu_e2e only: comma-separated rows in order, repeats allowed (default "
+                                     "async,sync,colocate,trl; also async_in_process, ..., colocate_subprocess); "
+                                     "a Conveyor row may carry overrides: colocate[train.chunk_size=256;run.seed=1]")
     return p
 
 
@@ -65,12 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.systems is not None:
-        from bench.gpu_e2e import parse_systems
+        from bench.gpu_e2e import check_rows, parse_systems
 
         if args.name != "gpu_e2e":
             parser.error(f"--systems: only gpu_e2e has rows to choose, not {args.name}")
         try:
-            parse_systems(args.systems)
+            check_rows(parse_systems(args.systems))
         except ValueError as exc:
             parser.error(str(exc))
     if args.out is None:

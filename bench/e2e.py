@@ -206,17 +206,14 @@ def build_trl_args(cfg: Any, root: Path, steps: int) -> dict[str, Any]:
     )
 
 
-def run_three_systems(run_conveyor: Any, run_trl: Any, steps: int, prefix: str,
-                      modes: tuple[str, ...] = ("async", "sync"), trl: bool = True) -> dict[str, dict[str, Any]]:
-    """Conveyor in each of ``modes`` (async and sync) and TRL (unless ``trl`` is False) on
-    the same job, one after the other, each in a fresh temporary directory; a failing
-    system is a row with its error."""
+def run_three_systems(run_conveyor: Any, run_trl: Any, steps: int, prefix: str) -> dict[str, dict[str, Any]]:
+    """Conveyor async and sync and TRL on the same job, one after the other, each in a
+    fresh temporary directory; a failing system is a row with its error."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     try:
-        rows = {mode: _attempt(f"conveyor-{mode}", run_conveyor, mode, steps, root) for mode in modes}
-        if trl:
-            rows["trl"] = (_attempt("trl-grpo", run_trl, steps, root) if _version("trl")
-                           else {"system": "trl-grpo", "status": "skipped", "error": "trl is not installed"})
+        rows = {mode: _attempt(f"conveyor-{mode}", run_conveyor, mode, steps, root) for mode in ("async", "sync")}
+        rows["trl"] = (_attempt("trl-grpo", run_trl, steps, root) if _version("trl")
+                       else {"system": "trl-grpo", "status": "skipped", "error": "trl is not installed"})
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows

@@ -12,6 +12,11 @@ Measures on the machine's GPU(s), one run each, in this process:
   temperature, learning rate, clip, grad clip, token-mean loss and steps (no KL, no
   reference model: the config has ``kl_coef: 0``).
 
+``--systems`` names the rows and their order. A name may repeat (``colocate,trl,colocate,trl``:
+the machine's rate drifts within one start, so alternating rows shows the drift, and
+each ratio is also given round by round), and a Conveyor row may carry its own
+overrides (``colocate[train.chunk_size=256;rollout.max_inflight=2]``).
+
 Steady state: samples/s over the steps after the first ``WARMUP_STEPS`` (engine start,
 compilation and the first updates set aside), per GPU used; also completion tokens/s,
 start-up time (launch to the first step), per-stage busy shares and the weight-sync
@@ -23,14 +28,18 @@ without one).
 
 from __future__ import annotations
 
+import re
+import shutil
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.common import new_figure, publish_result, save_figure
-from bench.e2e import _version, build_trl_args, build_trl_dataset, run_three_systems, summarize_curve
+from bench.e2e import _attempt, _version, build_trl_args, build_trl_dataset, summarize_curve
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 WARMUP_STEPS = 5
@@ -93,6 +102,12 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
         "gpu_free_gib_while_training": _mean([r.get("colocate/gpu_free_gib") for r in rows[WARMUP_STEPS:]]),
         # Each rollout replica's in-process engine core: steps, mean step, requests per step.
         "rollout_engine": [r.get("engine") for r in summary.get("rollout") or [] if r],
+        # Each replica's turns under colocate (sleeps, seconds asleep-going and waking) and
+        # weight updates (count, seconds applying, waking included).
+        "rollout_turns": [{**{k: r.get(k) for k in ("sleeps", "sleep_s_total", "wake_s_total")},
+                           "updates": (r.get("weight_updates") or {}).get("count"),
+                           "apply_s_total": (r.get("weight_updates") or {}).get("apply_s_total")}
+                          for r in summary.get("rollout") or [] if r],
         "gpu_handoff_s": _mean([r.get("colocate/handoff_s") for r in rows[WARMUP_STEPS:]]),
         # The trainer's step, in its parts (the rest is waiting for micro-batches).
         "trainer_timing_s": {k: _mean([r.get(f"timing_s/{k}") for r in rows[WARMUP_STEPS:]])
@@ -157,23 +172,109 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
 
 SYSTEMS = ("async", "sync", "colocate", "trl")  # the default rows
 KNOWN_SYSTEMS = (*SYSTEMS, *(f"{m}_{core}" for core in ("in_process", "subprocess") for m in ("async", "sync", "colocate")))
+_ROW = re.compile(r"(?P<name>[a-z_]+)(?:\[(?P<overrides>[^\[\]]*)\])?")
+
+
+def split_row(spec: str) -> tuple[str, tuple[str, ...]]:
+    """``name[key=value;key=value]`` -> (name, overrides); ``ValueError`` naming what is
+    wrong: an unknown name, an override without ``key=``, or overrides on ``trl``."""
+    found = _ROW.fullmatch(spec.strip())
+    if found is None or found["name"] not in KNOWN_SYSTEMS:
+        raise ValueError(f"--systems: expected names from {list(KNOWN_SYSTEMS)}, each with optional "
+                         f"[key=value;...] overrides, got {spec.strip()!r}")
+    overrides = tuple(o.strip() for o in (found["overrides"] or "").split(";") if o.strip())
+    bad = [o for o in overrides if not re.fullmatch(r"[A-Za-z_][\w.]*=.*", o)]
+    if bad:
+        raise ValueError(f"--systems: {spec.strip()!r}: overrides are key=value, got {bad}")
+    if overrides and found["name"] == "trl":
+        raise ValueError(f"--systems: {spec.strip()!r}: the TRL row takes no overrides")
+    return found["name"], overrides
 
 
 def parse_systems(text: str | None) -> tuple[str, ...]:
-    """``--systems a,b,..`` (None: ``SYSTEMS``); an unknown name raises ``ValueError``."""
+    """``--systems a,b[k=v;..],a,..`` (None: ``SYSTEMS``): the rows in order, repeats
+    kept, each written back as ``name`` or ``name[k=v;..]``; a bad one raises ``ValueError``."""
     if text is None:
         return SYSTEMS
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    bad = [n for n in names if n not in KNOWN_SYSTEMS]
-    if bad or not names:
+    if text.count("[") != text.count("]"):
+        raise ValueError(f"--systems: unbalanced brackets in {text!r}")
+    # Commas split rows, except inside brackets (an override's value may hold one).
+    specs = [m.strip() for m in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text) if m.strip()]
+    if not specs:
         raise ValueError(f"--systems: expected names from {list(KNOWN_SYSTEMS)}, got {text!r}")
-    return names
+    rows = []
+    for spec in specs:
+        name, overrides = split_row(spec)
+        rows.append(f"{name}[{';'.join(overrides)}]" if overrides else name)
+    return tuple(rows)
+
+
+def check_rows(specs: tuple[str, ...], config: Path = CONFIG) -> None:
+    """Load the job with each row's overrides, so a bad key or value stops the bench
+    before any row starts (``ConfigError``, a ``ValueError``, naming the row)."""
+    from pipeline.config import ConfigError, load_config
+
+    for spec in dict.fromkeys(specs):
+        overrides = split_row(spec)[1]
+        if overrides:
+            try:
+                load_config(config, list(overrides))
+            except ConfigError as exc:
+                raise ConfigError(f"--systems: row {spec!r}: {exc}") from None
+
+
+def row_labels(specs: tuple[str, ...]) -> list[str]:
+    """One label per row: its spec, with ``#2``, ``#3``.. on a repeat."""
+    seen: Counter[str] = Counter()
+    labels = []
+    for spec in specs:
+        seen[spec] += 1
+        labels.append(spec if seen[spec] == 1 else f"{spec}#{seen[spec]}")
+    return labels
+
+
+def run_rows(specs: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]]:
+    """Each row in order, each in a fresh directory; a failing one is a row with its error."""
+    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-gpu-e2e-"))
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        for i, (spec, label) in enumerate(zip(specs, row_labels(specs), strict=True)):
+            name, overrides = split_row(spec)
+            where = root / str(i)
+            if name == "trl":
+                rows[label] = (_attempt("trl-grpo", run_trl, steps, where) if _version("trl")
+                               else {"system": "trl-grpo", "status": "skipped", "error": "trl is not installed"})
+            else:
+                rows[label] = _attempt(f"conveyor-{spec}", run_conveyor, name, steps, where, overrides)
+            rows[label]["label"] = label
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def rates_by_spec(rows: dict[str, dict[str, Any]]) -> dict[str, list[float | None]]:
+    """Samples/s per GPU of each spec's rows, in order (None for a row that failed)."""
+    rates: dict[str, list[float | None]] = {}
+    for label, row in rows.items():
+        rates.setdefault(label.split("#")[0], []).append(
+            row.get("samples_per_s_per_gpu") if row.get("status") == "ok" else None)
+    return rates
+
+
+def result_name(specs: tuple[str, ...]) -> str:
+    """``gpu_e2e`` for the default rows, else ``gpu_e2e-<rows>`` (each distinct spec once,
+    brackets and ``=`` turned to ``_``): a subset never overwrites the full comparison."""
+    if specs == SYSTEMS:
+        return "gpu_e2e"
+    distinct = dict.fromkeys(re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_") for s in specs)
+    return "gpu_e2e-" + "-".join(distinct)
 
 
 def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any]:
-    """``systems``: the rows to run (``--systems``, comma-separated; default
-    ``SYSTEMS``); a call limit of ten minutes holds about four. Another choice than the
-    default writes ``gpu_e2e-<rows>.json``, never over the full comparison."""
+    """``systems``: the rows to run, in order (``--systems``, see ``parse_systems``;
+    default ``SYSTEMS``); a call limit of ten minutes holds about four. Where a spec
+    repeats, its figure is the mean of its rows, and ``over_trl_by_round`` gives each
+    round's ratio to the TRL row of the same round."""
     import torch
 
     if not torch.cuda.is_available():
@@ -183,12 +284,11 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
 
     steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
     chosen = parse_systems(systems)
-    rows = run_three_systems(run_conveyor, run_trl, steps, "conveyor-bench-gpu-e2e-",
-                             modes=tuple(m for m in chosen if m != "trl"), trl="trl" in chosen)
+    rows = run_rows(chosen, steps)
+    rates = rates_by_spec(rows)
 
-    def per_gpu(key: str) -> float | None:
-        row = rows.get(key, {})
-        return row.get("samples_per_s_per_gpu") if row.get("status") == "ok" else None
+    def per_gpu(spec: str) -> float | None:
+        return _mean(rates.get(spec, []))
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
@@ -196,6 +296,7 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
     a, s, t, c = per_gpu("async"), per_gpu("sync"), per_gpu("trl"), per_gpu("colocate")
     in_process = {m: per_gpu(f"{m}_in_process") for m in ("async", "sync", "colocate")}
     sub = {m: per_gpu(f"{m}_subprocess") for m in ("async", "sync", "colocate")}
+    trl_rounds = rates.get("trl", [])
     ratios = {
         "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
         "async_samples_per_s_per_gpu": a, "sync_samples_per_s_per_gpu": s, "trl_samples_per_s_per_gpu": t,
@@ -207,6 +308,11 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
         **{f"{m}_in_process_over_subprocess": ratio(v, sub[m] or per_gpu(m)) for m, v in in_process.items() if v},
         **{f"{m}_subprocess_samples_per_s_per_gpu": v for m, v in sub.items() if v},
         "colocate_in_process_over_trl": ratio(in_process["colocate"], t),
+        # Every row's spec: its mean, and round by round against the TRL row of that round.
+        "samples_per_s_per_gpu": {spec: per_gpu(spec) for spec in rates},
+        "over_trl": {spec: ratio(per_gpu(spec), t) for spec in rates if spec != "trl"},
+        "over_trl_by_round": {spec: [ratio(x, y) for x, y in zip(vals, trl_rounds, strict=False)]
+                              for spec, vals in rates.items() if spec != "trl" and trl_rounds},
         "async_rollout_busy": (rows.get("async", {}).get("busy_ratio") or {}).get("rollout"),
         "async_weight_sync_share": rows.get("async", {}).get("weight_sync_share"),
         "colocate_gpu_free_gib_while_training": rows.get("colocate", {}).get("gpu_free_gib_while_training"),
@@ -214,9 +320,8 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
                     "colocate_over_trl": 1.5},
     }
     # A failing Conveyor row fails the bench; TRL's (a third party's, on this machine) does not.
-    status = "ok" if all(rows[m].get("status") == "ok" for m in rows if m != "trl") else "error"
-    # A chosen subset is written beside the full comparison, never over it.
-    name = "gpu_e2e" if chosen == SYSTEMS else "gpu_e2e-" + "-".join(chosen)
+    status = "ok" if all(r.get("status") == "ok" for label, r in rows.items() if not label.startswith("trl")) else "error"
+    name = result_name(chosen)
     payload = {"status": status, "quick": quick, "units": "samples = completions; seconds",
                "params": {"config": str(CONFIG), "steps": steps, "warmup_steps": WARMUP_STEPS, "systems": list(chosen),
                           "one_gpu_bound_samples_per_s": ONE_GPU_BOUND},
@@ -228,7 +333,7 @@ def plot(payload: dict[str, Any], out_dir: Path, name: str = "gpu_e2e") -> Path:
     fig, axes = new_figure(1, 2, size=(12, 4.5))
     runs = payload.get("runs", {})
     ax = axes[0][0]
-    names = [r["system"] for r in runs.values()]
+    names = [r.get("label", r["system"]) for r in runs.values()]
     ax.bar(names, [r.get("samples_per_s_per_gpu") or 0.0 for r in runs.values()])
     ax.axhline(ONE_GPU_BOUND, linestyle="--", color="grey", linewidth=0.8, label="one-GPU bound")
     ax.set_ylabel("samples / s / GPU (steady state)")

@@ -59,6 +59,30 @@ def test_gpu_e2e_rows_are_chosen_by_name_and_a_bad_one_exits_2(capsys) -> None:
     assert info.value.code == 2 and "only gpu_e2e has rows" in capsys.readouterr().err
 
 
+def test_gpu_e2e_rows_repeat_in_order_and_carry_their_own_overrides(capsys) -> None:
+    from bench.gpu_e2e import parse_systems, rates_by_spec, result_name, row_labels
+
+    specs = parse_systems("colocate, trl, colocate[train.chunk_size=256; rollout.engine_kwargs={a: 1, b: 2}], colocate,trl")
+    assert specs == ("colocate", "trl", "colocate[train.chunk_size=256;rollout.engine_kwargs={a: 1, b: 2}]", "colocate", "trl")
+    labels = row_labels(specs)
+    assert labels == ["colocate", "trl", specs[2], "colocate#2", "trl#2"]
+    assert result_name(specs) == "gpu_e2e-colocate-trl-colocate_train.chunk_size_256_rollout.engine_kwargs_a_1_b_2"
+    assert result_name(("async", "sync", "colocate", "trl")) == "gpu_e2e"
+    rows = dict(zip(labels, [{"status": "ok", "samples_per_s_per_gpu": v} for v in (200.0, 150.0, 240.0, 220.0, 170.0)],
+                    strict=True))
+    rows["colocate#2"]["status"] = "error"
+    assert rates_by_spec(rows) == {"colocate": [200.0, None], "trl": [150.0, 170.0], specs[2]: [240.0]}
+    for bad, says in (("trl[train.lr=1]", "takes no overrides"), ("colocate[train.lr]", "overrides are key=value"),
+                      ("colocate[train.lr=1", "unbalanced brackets"), ("colocate,,fast", "got 'fast'")):
+        with pytest.raises(ValueError, match=says):
+            parse_systems(bad)
+    # An override the config refuses stops the bench before any row runs, naming the row.
+    with pytest.raises(SystemExit) as info:
+        bench_main(["gpu_e2e", "--systems", "trl,colocate[train.chunk_sz=64]"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "row 'colocate[train.chunk_sz=64]'" in err and "train.chunk_sz" in err
+
+
 @pytest.mark.parametrize("name", ["trainer_gpu", "rollout_gpu"])
 def test_a_gpu_benchmark_without_a_gpu_writes_skipped_and_exits_0(tmp_path: Path, name: str, monkeypatch) -> None:
     import json
