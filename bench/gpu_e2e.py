@@ -28,8 +28,11 @@ without one).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -170,6 +173,19 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     }
 
 
+def run_trl_isolated(steps: int, root: Path) -> dict[str, Any]:
+    """``run_trl`` in a process of its own, its row read back: TRL's in-process vLLM
+    engine keeps its GPU memory (about 40 GiB on an H200) until its process exits, so a
+    Conveyor row after it in this process found too little free memory to start vLLM."""
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / "trl_row.json"
+    code = subprocess.run([sys.executable, "-m", "bench.gpu_e2e", "trl-row", str(steps), str(root), str(out)],
+                          check=False).returncode
+    if code != 0 or not out.is_file():
+        raise RuntimeError(f"the TRL row's process exited with status {code} (its output is above)")
+    return json.loads(out.read_text())
+
+
 SYSTEMS = ("async", "sync", "colocate", "trl")  # the default rows
 KNOWN_SYSTEMS = (*SYSTEMS, *(f"{m}_{core}" for core in ("in_process", "subprocess") for m in ("async", "sync", "colocate")))
 _ROW = re.compile(r"(?P<name>[a-z_]+)(?:\[(?P<overrides>[^\[\]]*)\])?")
@@ -242,7 +258,7 @@ def run_rows(specs: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]]:
             name, overrides = split_row(spec)
             where = root / str(i)
             if name == "trl":
-                rows[label] = (_attempt("trl-grpo", run_trl, steps, where) if _version("trl")
+                rows[label] = (_attempt("trl-grpo", run_trl_isolated, steps, where) if _version("trl")
                                else {"system": "trl-grpo", "status": "skipped", "error": "trl is not installed"})
             else:
                 rows[label] = _attempt(f"conveyor-{spec}", run_conveyor, name, steps, where, overrides)
@@ -350,3 +366,9 @@ def plot(payload: dict[str, Any], out_dir: Path, name: str = "gpu_e2e") -> Path:
     ax.set_ylabel("mean reward per step")
     ax.legend(fontsize=8)
     return save_figure(fig, out_dir, name)
+
+
+if __name__ == "__main__":  # ``run_trl_isolated``'s child: trl-row STEPS ROOT OUT_JSON
+    if len(sys.argv) != 5 or sys.argv[1] != "trl-row":
+        sys.exit("usage: python -m bench.gpu_e2e trl-row STEPS ROOT OUT_JSON")
+    Path(sys.argv[4]).write_text(json.dumps(run_trl(int(sys.argv[2]), Path(sys.argv[3]))))
