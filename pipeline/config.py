@@ -239,6 +239,12 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # 8 s sooner on 2 cores; gpu_small colocated on an H200: 6.5% more samples/s),
     # subprocess with it.
     engine_core: Literal["auto", "subprocess", "in_process"] = "auto"
+    # The engine reports each sampled token's log-prob (the behaviour policy, PPO's ratio
+    # anchor). false: it does not, and the trainer anchors the ratio on its own log-probs
+    # of the same weights (detached): exact on-policy only, so false needs lock-step
+    # training on the weights that sampled (check_sampler_logprobs). vLLM generates a
+    # step faster without them (gpu_small on an H200: 0.58 s against 0.70 s, vLLM alone).
+    logprobs: bool = True
     # vLLM's sleep mode (its GPU memory from an allocator that can release and map it
     # again); ``placement: colocate`` turns it on, to sleep while the trainer steps.
     sleep_mode: bool = False
@@ -815,6 +821,7 @@ def check_config(cfg: ConveyorConfig) -> None:
     """Cross-field rules that a single field's bounds cannot express."""
     df, tr, ro = cfg.dataflow, cfg.train, cfg.rollout
     check_colocate(cfg)  # first: its reasons say more than the generic rules it implies
+    check_sampler_logprobs(cfg)
     if tr.prompts_per_step % df.prompts_per_micro_batch:
         raise ConfigError(
             f"train.prompts_per_step: expected a multiple of dataflow.prompts_per_micro_batch "
@@ -923,6 +930,30 @@ def check_colocate(cfg: ConveyorConfig) -> None:
     for message, bad in wrong:
         if bad:
             raise ConfigError(f"{message} with placement: colocate")
+
+
+def check_sampler_logprobs(cfg: ConveyorConfig) -> None:
+    """``rollout.logprobs: false``: the trainer's detached log-probs stand in for the
+    sampler's, which is exact only where every sample is trained, in one update, by the
+    weights that generated it, and nothing else reads the sampler's log-probs."""
+    if cfg.rollout.logprobs:
+        return
+    df, tr, algo = cfg.dataflow, cfg.train, cfg.algorithm
+    wrong = [(f"dataflow.max_staleness: expected 0 (samples trained by the weights that generated them), "
+              f"got {df.max_staleness}", df.max_staleness != 0),
+             (f"train.sync_interval: expected 1 (the rollout serves every step's weights), got {tr.sync_interval}",
+              tr.sync_interval != 1),
+             (f"train.ppo_epochs: expected 1 (a later epoch's ratio needs the sampler's log-probs), "
+              f"got {tr.ppo_epochs}", tr.ppo_epochs != 1),
+             (f"train.ppo_mini_batches: expected 1 (after the first update the weights are no longer the "
+              f"sampler's), got {tr.ppo_mini_batches}", tr.ppo_mini_batches != 1),
+             (f"algorithm.off_policy: expected 'off' (its importance weight divides by the sampler's "
+              f"log-probs), got {algo.off_policy!r}", algo.off_policy != "off"),
+             ("algorithm.use_kl_in_reward: expected false (its penalty reads the sampler's log-probs)",
+              algo.use_kl_in_reward)]
+    for message, bad in wrong:
+        if bad:
+            raise ConfigError(f"{message} with rollout.logprobs: false")
 
 
 def check_curriculum(data: DataConfig) -> None:

@@ -118,7 +118,8 @@ def compute_policy_loss(
     """PPO clipped surrogate with dual-clip, optional off-policy correction and KL penalty.
 
     Inputs: ``logprobs`` [S, C] (current policy, carries the gradient), ``old_logprobs``
-    [S, C] (behaviour: the policy that generated the tokens), ``advantages`` [S, C] per
+    [S, C] (behaviour: the policy that generated the tokens; NaN where the sampler reported
+    none, ``rollout.logprobs: false``, on-policy only: ``logprobs`` detached stands in), ``advantages`` [S, C] per
     token (or [S], broadcast over the sample's tokens), ``mask`` [S, C] bool or float,
     ``ref_logprobs`` [S, C]. Per token, with ``ratio = exp(logp - anchor)``:
         pg = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)
@@ -150,7 +151,8 @@ def compute_policy_loss(
     ``is_weight_capped_frac`` (``iw > cap``, whether or not a correction is on) and
     ``logp_mismatch`` (mean ``|logp - behaviour|`` over the valid tokens where
     ``fresh_mask`` [S, C] is set: tokens sampled by the very weights being trained, where
-    any difference is sampler-vs-trainer numerics, not staleness; 0 without such tokens).
+    any difference is sampler-vs-trainer numerics, not staleness; 0 without such tokens,
+    and tokens without a sampler log-prob are not such tokens).
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(
@@ -175,6 +177,12 @@ def compute_policy_loss(
     valid = m > 0
     logp = _zero_where_invalid(logprobs, valid)
     behaviour = _zero_where_invalid(old_logprobs, valid)
+    # NaN: the sampler did not report the token's log-prob (rollout.logprobs: false,
+    # allowed only on-policy): the weights being trained sampled it, so their own
+    # log-prob, detached, is the behaviour policy's.
+    unreported = torch.isnan(behaviour)
+    if unreported.any():
+        behaviour = torch.where(unreported, logp.detach().to(behaviour.dtype), behaviour)
     adv = advantages.to(logp.dtype)
     adv = _zero_where_invalid(adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, valid)
 
@@ -228,7 +236,7 @@ def compute_policy_loss(
             "logp_mismatch": 0.0,
         }
         if fresh_mask is not None:
-            fresh = m * _as_float_mask(fresh_mask, m)
+            fresh = m * _as_float_mask(fresh_mask, m) * (~unreported).to(m.dtype)
             metrics["logp_mismatch"] = _masked_mean((logp.detach() - behaviour).abs(), fresh)
     return loss, metrics
 

@@ -55,6 +55,9 @@ class SamplingSettings(msgspec.Struct, **_frozen):
     top_k: int = -1
     max_tokens: int = 16
     seed: int | None = None
+    # False: the engine does not report the sampled tokens' log-probs; completions
+    # carry NaN there (``rollout.logprobs``).
+    logprobs: bool = True
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -82,6 +85,7 @@ def build_sampling_settings(cfg: RolloutConfig, seed: int | None = None) -> Samp
         top_k=cfg.top_k,
         max_tokens=cfg.max_tokens,
         seed=seed,
+        logprobs=cfg.logprobs,
     )
 
 

@@ -26,6 +26,7 @@ Guarantees (beyond ``stages.rollout.base``):
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -157,12 +158,14 @@ class HFBackend:
             eos_token_id=sorted(self._stop_ids) or None,
             pad_token_id=self._pad_id,
             return_dict_in_generate=True,
-            output_scores=True,
+            output_scores=sampling.logprobs,
         )
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
         new_tokens = out.sequences[:, ids.shape[1] :]
-        if new_tokens.shape[1]:
+        if not sampling.logprobs:  # rollout.logprobs: false
+            picked = torch.full(new_tokens.shape, math.nan)
+        elif new_tokens.shape[1]:
             # scores[t]: [rows, vocab] processed logits of step t -> log-prob of the sampled token.
             scores = torch.stack(out.scores, dim=1).float()
             picked = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)

@@ -246,19 +246,22 @@ def build_sampling_params(sampling: SamplingSettings, seed: int | None, *, final
         top_k=0 if sampling.top_k == -1 else sampling.top_k,  # vLLM: 0 is off
         max_tokens=sampling.max_tokens,
         seed=seed,
-        logprobs=0,  # the sampled token's log-prob only
+        logprobs=0 if sampling.logprobs else None,  # the sampled token's log-prob only, or none
         output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
         detokenize=not final_only,
         **extra,
     )
 
 
-def read_sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+def read_sampled_logprobs(logprobs: Any, token_ids: list[int], requested: bool = True) -> list[float]:
     """The sampled token's log-prob at each of ``token_ids`` from a completion's
     ``logprobs`` (requested with ``logprobs=0``: one entry per position, the sampled
     token). vLLM's flat form (lists over all positions) is read as is; the classic
     form (a dict per position) by token id. Strict: a position without its token's
-    log-prob fails the request loudly."""
+    log-prob fails the request loudly. Not ``requested`` (``rollout.logprobs: false``):
+    NaN at every position."""
+    if not requested:
+        return [math.nan] * len(token_ids)
     flat = getattr(logprobs, "logprobs", None)
     if isinstance(flat, list):
         if logprobs.token_ids != token_ids or len(flat) != len(token_ids):
@@ -473,7 +476,7 @@ class VLLMBackend:
             versions = expand_version_spans(getattr(comp, "weight_versions", None), len(token_ids))
         return Completion(
             token_ids=token_ids,
-            logprobs=read_sampled_logprobs(comp.logprobs, token_ids),
+            logprobs=read_sampled_logprobs(comp.logprobs, token_ids, params.logprobs is not None),
             token_versions=versions or expand_splits(splits, len(token_ids)),
             finish_reason=comp.finish_reason or "abort",
             text=self._tokenizer.decode(token_ids, skip_special_tokens=True),
@@ -536,7 +539,7 @@ class VLLMBackend:
                 new = list(comp.token_ids)
                 token_ids.extend(new)
                 self._finished_tokens += len(new)
-                logprobs.extend(read_sampled_logprobs(comp.logprobs, new))
+                logprobs.extend(read_sampled_logprobs(comp.logprobs, new, params.logprobs is not None))
                 arrival_versions.extend([self._version] * len(new))
                 text.append(comp.text)
                 if comp.finish_reason is not None:

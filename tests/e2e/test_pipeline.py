@@ -149,6 +149,22 @@ def test_lockstep_is_exactly_on_policy(lockstep_run):
     assert summary["samples"]["reconciles"]
 
 
+def test_lockstep_without_sampler_logprobs_anchors_the_ratio_on_the_trainer(ray_cluster, tmp_path):
+    """``rollout.logprobs: false``: vLLM reports no log-probs, the trainer's own (detached)
+    anchor its ratio, so it is 1 on every token and nothing clips; a dense reward keeps
+    every step's gradient non-zero, and it stays finite."""
+    steps = 3
+    summary, rows = _launch(tmp_path, f"run.steps={steps}", "dataflow.async_execution=false",
+                            "dataflow.max_staleness=0", "rollout.logprobs=false",
+                            "reward.function=tests.e2e.test_architectures:score_digit_share")
+    assert summary["steps"] == steps and summary["samples"]["reconciles"]
+    assert len(rows) == steps
+    for r in rows:
+        assert r["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-9) and r["actor/ratio_max"] == 1.0
+        assert r["actor/clip_frac"] == 0.0 and r["actor/logp_mismatch"] == 0.0
+        assert np.isfinite(r["actor/pg_loss"]) and np.isfinite(r["actor/grad_norm"]) and r["actor/grad_norm"] > 0
+
+
 @pytest.fixture(scope="module")
 def short_debug_run(ray_cluster, tmp_path_factory):
     """Six steps, weights every second step, with ``run.debug=true``."""

@@ -96,7 +96,10 @@ def check_shapes(results: list[GenerationResult], sampling: SamplingSettings, ve
         for c in result.completions:
             assert 1 <= len(c.token_ids) <= sampling.max_tokens
             assert len(c.logprobs) == len(c.token_ids) == len(c.token_versions)
-            assert all(math.isfinite(lp) and lp <= 0.0 for lp in c.logprobs)
+            if sampling.logprobs:
+                assert all(math.isfinite(lp) and lp <= 0.0 for lp in c.logprobs)
+            else:
+                assert all(math.isnan(lp) for lp in c.logprobs)
             assert set(c.token_versions) <= versions
             assert c.finish_reason in ("stop", "length")
             # "stop" ends with the tiny vocabulary's <eos> (id 2), included in the tokens.
@@ -134,6 +137,18 @@ def test_logprobs_are_those_of_the_processed_distribution(loop, backend) -> None
     assert all(abs(lp) < 1e-6 for r in results for c in r.completions for lp in c.logprobs)
     greedy = loop.run_until_complete(backend.generate(PROMPTS, SamplingSettings(n=1, temperature=0.0, max_tokens=6)))
     assert [r.completions[0].token_ids for r in results] == [g.completions[0].token_ids for g in greedy]
+
+
+def test_without_logprobs_the_same_samples_come_with_nan_in_their_place(loop, backend) -> None:
+    """``rollout.logprobs: false``: the engine is asked for no log-probs; with the same
+    seeds it draws the very tokens it draws with them, and every log-prob is NaN."""
+    with_them = SamplingSettings(n=3, temperature=1.0, max_tokens=10, seed=11)
+    without = SamplingSettings(n=3, temperature=1.0, max_tokens=10, seed=11, logprobs=False)
+    first = loop.run_until_complete(backend.generate(PROMPTS, with_them))
+    second = loop.run_until_complete(backend.generate(PROMPTS, without))
+    check_shapes(second, without, {backend.version})
+    assert [[c.token_ids for c in r.completions] for r in second] == [[c.token_ids for c in r.completions] for r in first]
+    check_shapes(first, with_them, {backend.version})
 
 
 def test_update_weights_is_verified_and_changes_greedy_output(loop, backend, checkpoint) -> None:

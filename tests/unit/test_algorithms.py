@@ -91,6 +91,36 @@ def test_policy_loss_clipped_ratio_by_hand():
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.0]]), atol=1e-6, rtol=0)
 
 
+def test_policy_loss_without_sampler_logprobs_anchors_on_the_trained_weights():
+    """NaN behaviour log-probs (rollout.logprobs: false): loss, gradient and metrics are
+    those of a sampler that reported exactly the trainer's log-probs; tokens with a
+    sampler log-prob keep it, and only they count in logp_mismatch."""
+    current = torch.tensor([[-0.7, -1.9, -0.2], [-2.3, -0.4, -1.1]])
+    sampler = torch.tensor([[-0.75, -1.6, -0.25], [-2.0, -0.5, -1.0]])
+    advantages, mask = torch.tensor([1.5, -0.5]), torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    fresh = torch.ones(2, 3, dtype=torch.bool)
+
+    def run(old):
+        logp = current.clone().requires_grad_(True)
+        loss, metrics = compute_policy_loss(logp, old, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2,
+                                            fresh_mask=fresh)
+        loss.backward()
+        return loss.item(), logp.grad, metrics
+
+    loss, grad, metrics = run(torch.full((2, 3), math.nan))
+    ref_loss, ref_grad, ref_metrics = run(current.clone())
+    assert loss == ref_loss and torch.equal(grad, ref_grad)
+    assert metrics == ref_metrics and metrics["ratio_mean"] == 1.0 and metrics["clip_frac"] == 0.0
+    assert math.isfinite(loss) and grad.abs().sum() > 0
+    # Row 0 reported by the sampler, row 1 not: row 0 keeps its own ratio.
+    partial = torch.cat([sampler[:1], torch.full((1, 3), math.nan)])
+    loss, grad, metrics = run(partial)
+    mixed_loss, mixed_grad, mixed_metrics = run(torch.cat([sampler[:1], current[1:]]))
+    assert loss == mixed_loss and torch.equal(grad, mixed_grad) and metrics["ratio_mean"] != 1.0
+    assert metrics["logp_mismatch"] == pytest.approx((current[0] - sampler[0]).abs().mean().item(), abs=1e-6)
+    assert mixed_metrics["logp_mismatch"] < metrics["logp_mismatch"]  # row 1's zeros no longer dilute it
+
+
 def test_policy_loss_negative_advantage_uses_low_clip():
     # ratio 0.5, A = -1, low 0.2: -min(0.5*-1, 0.8*-1) = -min(-0.5, -0.8) = 0.8 (clipped)
     # ratio 2.0, A = -1, high 0.28: -min(-2.0, -1.28) = 2.0 (unclipped: a bad action

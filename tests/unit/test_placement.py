@@ -256,6 +256,29 @@ def test_colocate_refuses_what_cannot_take_turns_on_a_gpu(sections, message):
         config(**sections)
 
 
+ON_POLICY_NO_LOGPROBS = {"rollout": {"logprobs": False}, "dataflow": {"async_execution": False, "max_staleness": 0}}
+
+
+@pytest.mark.parametrize(("sections", "message"), [
+    ({"rollout": {"logprobs": False}}, "dataflow.max_staleness: expected 0"),
+    ({**ON_POLICY_NO_LOGPROBS, "train": {"sync_interval": 2}}, "train.sync_interval: expected 1"),
+    ({**ON_POLICY_NO_LOGPROBS, "train": {"ppo_epochs": 2}}, "train.ppo_epochs: expected 1"),
+    ({**ON_POLICY_NO_LOGPROBS, "train": {"ppo_mini_batches": 2, "prompts_per_step": 8}},
+     "train.ppo_mini_batches: expected 1"),
+    ({**ON_POLICY_NO_LOGPROBS, "algorithm": {"off_policy": "truncate"}}, "algorithm.off_policy: expected 'off'"),
+    ({**ON_POLICY_NO_LOGPROBS, "algorithm": {"use_kl_in_reward": True}}, "algorithm.use_kl_in_reward: expected false"),
+])
+def test_no_sampler_logprobs_is_refused_wherever_training_is_not_on_policy(sections, message):
+    with pytest.raises(ConfigError, match=re.escape(message) + ".* with rollout.logprobs: false"):
+        config(**sections)
+
+
+def test_no_sampler_logprobs_is_taken_on_policy_colocated_or_not():
+    assert not config(**ON_POLICY_NO_LOGPROBS).rollout.logprobs
+    assert not config(**COLOCATE, rollout={"logprobs": False}).rollout.logprobs
+    assert config().rollout.logprobs  # on by default, also where it could be off
+
+
 def test_a_colocated_rollout_is_not_restarted_where_a_shared_one_is():
     from pipeline.launch import build_dataflow
 

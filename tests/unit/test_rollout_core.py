@@ -3,6 +3,7 @@ per-token versions, rank fingerprints and payload checks. No engine is started."
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -269,6 +270,11 @@ def test_sampled_logprobs_are_read_from_the_flat_and_the_classic_form() -> None:
         read_sampled_logprobs(positions[:1], [7, 3])
     params = build_sampling_params(SamplingSettings(n=1, temperature=1.0, max_tokens=4), None, final_only=True)
     assert params.flat_logprobs and params.logprobs == 0
+    # rollout.logprobs: false: none asked of the engine, NaN in their place, nothing read.
+    params = build_sampling_params(SamplingSettings(max_tokens=4, logprobs=False), None, final_only=True)
+    assert params.logprobs is None
+    assert all(math.isnan(x) for x in read_sampled_logprobs(None, [7, 3], requested=False))
+    assert len(read_sampled_logprobs(None, [7, 3], requested=False)) == 2
 
 
 def test_tensor_parallel_cpu_workers_get_disjoint_cores() -> None:
