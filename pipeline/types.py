@@ -62,7 +62,8 @@ class RolloutBatch(msgspec.Struct, **_wire):
       prompt_ids [S, P] int32 right-padded, prompt_lens [S] int32,
       completion_ids [S, C] int32 right-padded, completion_lens [S] int32,
       behaviour_logprobs [S, C] float32 (log-prob of each sampled token under the
-      generating policy), token_versions [S, C] int32 (policy version that produced each
+      generating policy; NaN where the sampler reported none, ``rollout.logprobs:
+      false``), token_versions [S, C] int32 (policy version that produced each
       token), rewards [S] float32, ref_logprobs [S, C] float32.
     Per-token training fields, [S, C], set by the algorithm before training
     (``stages/algorithms``; an upstream stage may set them first, e.g. a multi-turn
