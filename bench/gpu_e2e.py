@@ -1,6 +1,6 @@
 """GPU end to end: ``configs/gpu_small.yaml`` streaming vs lock-step vs colocated vs TRL on the same GPU.
 
-Measures on the machine's GPU(s), one run each, in this process:
+Measures on the machine's GPU(s), one after the other (by default one row each):
 
 - Conveyor async (the config as it is), sync (``dataflow.async_execution=false``,
   ``dataflow.max_staleness=0``) and colocate (sync plus ``placement: colocate``: vLLM
@@ -8,14 +8,16 @@ Measures on the machine's GPU(s), one run each, in this process:
   (``run_conveyor`` also knows each with ``_in_process`` or ``_subprocess``: that
   ``rollout.engine_core`` instead of ``auto``);
 - TRL's ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"`` on one GPU, bf16,
+  in a process of its own (``run_trl_isolated``),
   with the same locally built model, prompts, group size, completion length,
   temperature, learning rate, clip, grad clip, token-mean loss and steps (no KL, no
   reference model: the config has ``kl_coef: 0``).
 
 ``--systems`` names the rows and their order. A name may repeat (``colocate,trl,colocate,trl``:
 the machine's rate drifts within one start, so alternating rows shows the drift, and
-each ratio is also given round by round), and a Conveyor row may carry its own
-overrides (``colocate[train.chunk_size=256;rollout.max_inflight=2]``).
+each ratio is also given round by round: a row against the first TRL row after it,
+else the last one), and a Conveyor row may carry its own overrides
+(``colocate[train.chunk_size=256;rollout.max_inflight=2]``, on top of its mode's).
 
 Steady state: samples/s over the steps after the first ``WARMUP_STEPS`` (engine start,
 compilation and the first updates set aside), per GPU used; also completion tokens/s,
@@ -57,6 +59,21 @@ def compute_steady_rate(times: list[float], samples_per_step: int, warmup: int) 
     return (len(times) - warmup) * samples_per_step / span if span > 0 else None
 
 
+def mode_overrides(mode: str) -> list[str]:
+    """What a Conveyor row's mode changes in the config: ``sync`` and ``colocate`` train
+    in lock-step on-policy, ``colocate`` also time-shares the GPU; ``_in_process`` /
+    ``_subprocess`` choose ``rollout.engine_core``; any other name: nothing."""
+    base = mode.removesuffix("_in_process").removesuffix("_subprocess")
+    overrides = []
+    if base in ("sync", "colocate"):
+        overrides += ["dataflow.async_execution=false", "dataflow.max_staleness=0"]
+    if base == "colocate":
+        overrides += ["placement=colocate"]
+    if base != mode:
+        overrides += [f"rollout.engine_core={mode[len(base) + 1:]}"]
+    return overrides
+
+
 def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
                  gpus: int | None = None, config: Path = CONFIG) -> dict[str, Any]:
     """One Conveyor run of the config with ``mode``'s overrides (``sync``, ``colocate``,
@@ -70,15 +87,7 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
     from pipeline.metrics import read_metrics
 
     overrides = [f"run.dir={root / mode}", f"run.steps={steps}", "run.progress=false", f"run.name=gpu-e2e-{mode}",
-                 "train.save_checkpoint=false", "run.tensorboard=false"]
-    base = mode.removesuffix("_in_process").removesuffix("_subprocess")
-    if base in ("sync", "colocate"):
-        overrides += ["dataflow.async_execution=false", "dataflow.max_staleness=0"]
-    if base == "colocate":
-        overrides += ["placement=colocate"]
-    if base != mode:
-        overrides += [f"rollout.engine_core={mode[len(base) + 1:]}"]
-    overrides += list(extra)
+                 "train.save_checkpoint=false", "run.tensorboard=false", *mode_overrides(mode), *extra]
     cfg = load_config(config, overrides)
     per_step = cfg.train.prompts_per_step * cfg.rollout.n
     t0 = time.time()
@@ -226,15 +235,16 @@ def parse_systems(text: str | None) -> tuple[str, ...]:
 
 
 def check_rows(specs: tuple[str, ...], config: Path = CONFIG) -> None:
-    """Load the job with each row's overrides, so a bad key or value stops the bench
-    before any row starts (``ConfigError``, a ``ValueError``, naming the row)."""
+    """Load the job as each row runs it (its mode's overrides, then its own), so a bad
+    key or value, or a combination the config refuses, stops the bench before any row
+    starts (``ConfigError``, a ``ValueError``, naming the row)."""
     from pipeline.config import ConfigError, load_config
 
     for spec in dict.fromkeys(specs):
-        overrides = split_row(spec)[1]
+        name, overrides = split_row(spec)
         if overrides:
             try:
-                load_config(config, list(overrides))
+                load_config(config, [*mode_overrides(name), *overrides])
             except ConfigError as exc:
                 raise ConfigError(f"--systems: row {spec!r}: {exc}") from None
 
@@ -262,7 +272,7 @@ def run_rows(specs: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]]:
                                else {"system": "trl-grpo", "status": "skipped", "error": "trl is not installed"})
             else:
                 rows[label] = _attempt(f"conveyor-{spec}", run_conveyor, name, steps, where, overrides)
-            rows[label]["label"] = label
+            rows[label]["label"], rows[label]["spec"] = label, spec
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -271,26 +281,48 @@ def run_rows(specs: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]]:
 def rates_by_spec(rows: dict[str, dict[str, Any]]) -> dict[str, list[float | None]]:
     """Samples/s per GPU of each spec's rows, in order (None for a row that failed)."""
     rates: dict[str, list[float | None]] = {}
-    for label, row in rows.items():
-        rates.setdefault(label.split("#")[0], []).append(
+    for row in rows.values():
+        rates.setdefault(row["spec"], []).append(
             row.get("samples_per_s_per_gpu") if row.get("status") == "ok" else None)
     return rates
 
 
+def over_trl_by_round(rows: dict[str, dict[str, Any]]) -> dict[str, list[float | None]]:
+    """Each Conveyor row's samples/s over its round's TRL row, by spec in order: the first
+    TRL row after it, else (a row after the last TRL row) the last one; None where either
+    failed. Empty without a TRL row."""
+    ordered = list(rows.values())
+    trl = [i for i, row in enumerate(ordered) if row["spec"] == "trl"]
+    ratios: dict[str, list[float | None]] = {}
+    if not trl:
+        return ratios
+
+    def rate(row: dict[str, Any]) -> float | None:
+        return row.get("samples_per_s_per_gpu") if row.get("status") == "ok" else None
+
+    for i, row in enumerate(ordered):
+        if row["spec"] == "trl":
+            continue
+        paired = ordered[next((t for t in trl if t > i), trl[-1])]
+        a, b = rate(row), rate(paired)
+        ratios.setdefault(row["spec"], []).append(a / b if a and b else None)
+    return ratios
+
+
 def result_name(specs: tuple[str, ...]) -> str:
-    """``gpu_e2e`` for the default rows, else ``gpu_e2e-<rows>`` (each distinct spec once,
-    brackets and ``=`` turned to ``_``): a subset never overwrites the full comparison."""
+    """``gpu_e2e`` for the default rows, else ``gpu_e2e-<rows>`` (every row in order,
+    repeats too, brackets and ``=`` turned to ``_``): another choice never overwrites the
+    full comparison, nor a run of its rows once each."""
     if specs == SYSTEMS:
         return "gpu_e2e"
-    distinct = dict.fromkeys(re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_") for s in specs)
-    return "gpu_e2e-" + "-".join(distinct)
+    return "gpu_e2e-" + "-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_") for s in specs)
 
 
 def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any]:
     """``systems``: the rows to run, in order (``--systems``, see ``parse_systems``;
     default ``SYSTEMS``); a call limit of ten minutes holds about four. Where a spec
     repeats, its figure is the mean of its rows, and ``over_trl_by_round`` gives each
-    round's ratio to the TRL row of the same round."""
+    row's ratio to its round's TRL row (``over_trl_by_round``)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -312,7 +344,6 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
     a, s, t, c = per_gpu("async"), per_gpu("sync"), per_gpu("trl"), per_gpu("colocate")
     in_process = {m: per_gpu(f"{m}_in_process") for m in ("async", "sync", "colocate")}
     sub = {m: per_gpu(f"{m}_subprocess") for m in ("async", "sync", "colocate")}
-    trl_rounds = rates.get("trl", [])
     ratios = {
         "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
         "async_samples_per_s_per_gpu": a, "sync_samples_per_s_per_gpu": s, "trl_samples_per_s_per_gpu": t,
@@ -324,11 +355,10 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
         **{f"{m}_in_process_over_subprocess": ratio(v, sub[m] or per_gpu(m)) for m, v in in_process.items() if v},
         **{f"{m}_subprocess_samples_per_s_per_gpu": v for m, v in sub.items() if v},
         "colocate_in_process_over_trl": ratio(in_process["colocate"], t),
-        # Every row's spec: its mean, and round by round against the TRL row of that round.
+        # Every row's spec: its mean, and row by row against its round's TRL row.
         "samples_per_s_per_gpu": {spec: per_gpu(spec) for spec in rates},
         "over_trl": {spec: ratio(per_gpu(spec), t) for spec in rates if spec != "trl"},
-        "over_trl_by_round": {spec: [ratio(x, y) for x, y in zip(vals, trl_rounds, strict=False)]
-                              for spec, vals in rates.items() if spec != "trl" and trl_rounds},
+        "over_trl_by_round": over_trl_by_round(rows),
         "async_rollout_busy": (rows.get("async", {}).get("busy_ratio") or {}).get("rollout"),
         "async_weight_sync_share": rows.get("async", {}).get("weight_sync_share"),
         "colocate_gpu_free_gib_while_training": rows.get("colocate", {}).get("gpu_free_gib_while_training"),

@@ -241,9 +241,10 @@ class RolloutConfig(msgspec.Struct, **_section()):
     engine_core: Literal["auto", "subprocess", "in_process"] = "auto"
     # The engine reports each sampled token's log-prob (the behaviour policy, PPO's ratio
     # anchor). false: it does not, and the trainer anchors the ratio on its own log-probs
-    # of the same weights (detached): exact on-policy only, so false needs lock-step
-    # training on the weights that sampled (check_sampler_logprobs). vLLM generates a
-    # step faster without them (gpu_small on an H200: 0.58 s against 0.70 s, vLLM alone).
+    # of the same weights (detached): exact on-policy only, so false needs every sample
+    # trained, in one update, by the weights that sampled it (check_sampler_logprobs).
+    # vLLM generates a step faster without them (gpu_small on an H200: 0.58 s against
+    # 0.70 s, vLLM alone).
     logprobs: bool = True
     # vLLM's sleep mode (its GPU memory from an allocator that can release and map it
     # again); ``placement: colocate`` turns it on, to sleep while the trainer steps.

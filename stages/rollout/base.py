@@ -8,8 +8,9 @@ every backend gives, and the e2e tests check on the real ones:
   one event loop; the engine interleaves them (continuous batching in vLLM).
 - ``Completion.logprobs[t]`` is the log-probability of ``token_ids[t]`` under the
   distribution it was sampled from: logits after temperature, top-k and top-p (greedy:
-  the plain softmax). It is finite and <= 0. These are the behaviour log-probs the
-  trainer's importance ratio divides by.
+  the plain softmax). It is finite and <= 0 (NaN at every position where
+  ``sampling.logprobs`` is False: the engine reported none). These are the behaviour
+  log-probs the trainer's importance ratio divides by.
 - ``Completion.token_versions[t]`` is the policy version of the weights that sampled
   ``token_ids[t]``. Each backend documents how exact this is; both built-ins are exact
   (vLLM from 0.32, which labels engine steps with weight versions).

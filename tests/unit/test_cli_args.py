@@ -60,18 +60,16 @@ def test_gpu_e2e_rows_are_chosen_by_name_and_a_bad_one_exits_2(capsys) -> None:
 
 
 def test_gpu_e2e_rows_repeat_in_order_and_carry_their_own_overrides(capsys) -> None:
-    from bench.gpu_e2e import parse_systems, rates_by_spec, result_name, row_labels
+    from bench.gpu_e2e import parse_systems, result_name, row_labels
 
     specs = parse_systems("colocate, trl, colocate[train.chunk_size=256; rollout.engine_kwargs={a: 1, b: 2}], colocate,trl")
     assert specs == ("colocate", "trl", "colocate[train.chunk_size=256;rollout.engine_kwargs={a: 1, b: 2}]", "colocate", "trl")
     labels = row_labels(specs)
     assert labels == ["colocate", "trl", specs[2], "colocate#2", "trl#2"]
-    assert result_name(specs) == "gpu_e2e-colocate-trl-colocate_train.chunk_size_256_rollout.engine_kwargs_a_1_b_2"
+    assert result_name(specs) == ("gpu_e2e-colocate-trl-colocate_train.chunk_size_256_rollout.engine_kwargs_a_1_b_2"
+                                  "-colocate-trl")
+    assert result_name(("colocate", "trl")) != result_name(("colocate", "trl", "colocate", "trl"))
     assert result_name(("async", "sync", "colocate", "trl")) == "gpu_e2e"
-    rows = dict(zip(labels, [{"status": "ok", "samples_per_s_per_gpu": v} for v in (200.0, 150.0, 240.0, 220.0, 170.0)],
-                    strict=True))
-    rows["colocate#2"]["status"] = "error"
-    assert rates_by_spec(rows) == {"colocate": [200.0, None], "trl": [150.0, 170.0], specs[2]: [240.0]}
     for bad, says in (("trl[train.lr=1]", "takes no overrides"), ("colocate[train.lr]", "overrides are key=value"),
                       ("colocate[train.lr=1", "unbalanced brackets"), ("colocate,,fast", "got 'fast'")):
         with pytest.raises(ValueError, match=says):
@@ -81,6 +79,38 @@ def test_gpu_e2e_rows_repeat_in_order_and_carry_their_own_overrides(capsys) -> N
         bench_main(["gpu_e2e", "--systems", "trl,colocate[train.chunk_sz=64]"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "row 'colocate[train.chunk_sz=64]'" in err and "train.chunk_sz" in err
+
+
+def test_gpu_e2e_checks_each_row_as_its_mode_runs_it() -> None:
+    """A row's overrides go on top of its mode's: on-policy only settings pass on the
+    lock-step rows and are refused on the streaming one; a colocated row that undoes its
+    mode's lock-step is refused before anything runs."""
+    from bench.gpu_e2e import check_rows, parse_systems
+    from pipeline.config import ConfigError
+
+    check_rows(parse_systems("colocate[rollout.logprobs=false],sync_in_process[rollout.logprobs=false],trl"))
+    with pytest.raises(ConfigError, match=r"row 'async\[rollout.logprobs=false\]'.*max_staleness: expected 0"):
+        check_rows(parse_systems("async[rollout.logprobs=false]"))
+    with pytest.raises(ConfigError, match=r"row 'colocate\[dataflow.max_staleness=1\]'.*placement: colocate"):
+        check_rows(parse_systems("colocate[dataflow.max_staleness=1]"))
+
+
+def test_gpu_e2e_rates_by_spec_and_each_rows_ratio_to_its_rounds_trl_row() -> None:
+    from bench.gpu_e2e import over_trl_by_round, rates_by_spec, row_labels
+
+    specs = ("colocate", "trl", "colocate[train.chunk_size=256]", "trl", "colocate")
+    rows = {label: {"spec": spec, "status": "ok", "samples_per_s_per_gpu": rate}
+            for label, spec, rate in zip(row_labels(specs), specs, (200.0, 160.0, 240.0, 200.0, 180.0), strict=True)}
+    assert rates_by_spec(rows) == {"colocate": [200.0, 180.0], "trl": [160.0, 200.0],
+                                   "colocate[train.chunk_size=256]": [240.0]}
+    # Each row against the first TRL row after it; the last colocate row, after every
+    # TRL row, against the last one.
+    assert over_trl_by_round(rows) == {"colocate": [200.0 / 160.0, 180.0 / 200.0],
+                                       "colocate[train.chunk_size=256]": [240.0 / 200.0]}
+    rows["trl#2"]["status"] = "error"
+    assert over_trl_by_round(rows)["colocate[train.chunk_size=256]"] == [None]
+    assert rates_by_spec(rows)["trl"] == [160.0, None]
+    assert over_trl_by_round({k: v for k, v in rows.items() if not k.startswith("trl")}) == {}
 
 
 @pytest.mark.parametrize("name", ["trainer_gpu", "rollout_gpu"])
