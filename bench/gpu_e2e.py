@@ -278,12 +278,16 @@ def run_rows(specs: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def _row_rate(row: dict[str, Any]) -> float | None:
+    """A row's samples/s per GPU; None for a row that failed or was skipped."""
+    return row.get("samples_per_s_per_gpu") if row.get("status") == "ok" else None
+
+
 def rates_by_spec(rows: dict[str, dict[str, Any]]) -> dict[str, list[float | None]]:
     """Samples/s per GPU of each spec's rows, in order (None for a row that failed)."""
     rates: dict[str, list[float | None]] = {}
     for row in rows.values():
-        rates.setdefault(row["spec"], []).append(
-            row.get("samples_per_s_per_gpu") if row.get("status") == "ok" else None)
+        rates.setdefault(row["spec"], []).append(_row_rate(row))
     return rates
 
 
@@ -296,15 +300,11 @@ def over_trl_by_round(rows: dict[str, dict[str, Any]]) -> dict[str, list[float |
     ratios: dict[str, list[float | None]] = {}
     if not trl:
         return ratios
-
-    def rate(row: dict[str, Any]) -> float | None:
-        return row.get("samples_per_s_per_gpu") if row.get("status") == "ok" else None
-
     for i, row in enumerate(ordered):
         if row["spec"] == "trl":
             continue
         paired = ordered[next((t for t in trl if t > i), trl[-1])]
-        a, b = rate(row), rate(paired)
+        a, b = _row_rate(row), _row_rate(paired)
         ratios.setdefault(row["spec"], []).append(a / b if a and b else None)
     return ratios
 
@@ -321,8 +321,8 @@ def result_name(specs: tuple[str, ...]) -> str:
 def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any]:
     """``systems``: the rows to run, in order (``--systems``, see ``parse_systems``;
     default ``SYSTEMS``); a call limit of ten minutes holds about four. Where a spec
-    repeats, its figure is the mean of its rows, and ``over_trl_by_round`` gives each
-    row's ratio to its round's TRL row (``over_trl_by_round``)."""
+    repeats, its figure is the mean of its rows, and the ratios' ``over_trl_by_round``
+    gives each row's ratio to its round's TRL row."""
     import torch
 
     if not torch.cuda.is_available():
@@ -366,7 +366,7 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
                     "colocate_over_trl": 1.5},
     }
     # A failing Conveyor row fails the bench; TRL's (a third party's, on this machine) does not.
-    status = "ok" if all(r.get("status") == "ok" for label, r in rows.items() if not label.startswith("trl")) else "error"
+    status = "ok" if all(r.get("status") == "ok" for r in rows.values() if r["spec"] != "trl") else "error"
     name = result_name(chosen)
     payload = {"status": status, "quick": quick, "units": "samples = completions; seconds",
                "params": {"config": str(CONFIG), "steps": steps, "warmup_steps": WARMUP_STEPS, "systems": list(chosen),

@@ -181,8 +181,7 @@ def compute_policy_loss(
     # allowed only on-policy): the weights being trained sampled it, so their own
     # log-prob, detached, is the behaviour policy's.
     unreported = torch.isnan(behaviour)
-    if unreported.any():
-        behaviour = torch.where(unreported, logp.detach().to(behaviour.dtype), behaviour)
+    behaviour = torch.where(unreported, logp.detach().to(behaviour.dtype), behaviour)  # no host sync on the train step
     adv = advantages.to(logp.dtype)
     adv = _zero_where_invalid(adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, valid)
 
