@@ -33,6 +33,7 @@ replicas add up), and ``summary.json`` has their final values per stage under
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import time
@@ -50,7 +51,15 @@ from pipeline.log import configure_logging, get_logger
 from pipeline.memory.admission import ModelShape
 from pipeline.memory.guard import merge_guard_metrics
 from pipeline.metrics import MetricsWriter, write_summary
-from pipeline.placement import PlacementPlan, check_plan, detect_gpus, plan_placement, size_colocated_kv_cache
+from pipeline.placement import (
+    RESERVE_FRACTION,
+    PlacementPlan,
+    check_plan,
+    colocated_startup_fraction,
+    detect_gpus,
+    plan_placement,
+    size_colocated_kv_cache,
+)
 from pipeline.plugins import STAGE_CLASSES, load_builtin
 from pipeline.preflight import PreflightReport, run_preflight
 from pipeline.profiler import (
@@ -172,6 +181,14 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     if kv is not None:
         rollout = msgspec.structs.replace(rollout, kv_cache_gib=kv[0] / (1 << 30), max_model_len=kv[1])
         plan.notes.append(kv[2])
+        if gpu_bytes and rollout.gpu_memory_utilization is not None:
+            startup = colocated_startup_fraction(shape, kv[0], gpu_bytes, rollout.gpu_memory_utilization)
+            if startup < rollout.gpu_memory_utilization:
+                plan.notes.append(f"colocate: vLLM asks for {startup:g} of the GPU at start-up (weights, KV cache "
+                                  f"and {RESERVE_FRACTION:.0%} reserve), not its share "
+                                  f"{rollout.gpu_memory_utilization:g}")
+                rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=startup)
+                plan = dataclasses.replace(plan, rollout_memory_fraction=startup)
     return msgspec.structs.replace(cfg, rollout=rollout), plan
 
 

@@ -23,7 +23,8 @@ Guarantees:
   ranks' GPUs, reference, critic and reward model with rank 0; vLLM's share is sized as
   on a shared GPU, and the trainer also has the KV cache's memory while vLLM sleeps.
   vLLM's KV cache is sized to the job's sequences (``size_colocated_kv_cache``) unless
-  the user sizes it. Refused without GPUs.
+  the user sizes it, and vLLM then asks at start-up only for its weights, that cache
+  and the reserve (``colocated_startup_fraction``). Refused without GPUs.
 - Explicit plans name GPU indices per stage (``placement: {rollout: [0], trainer: [1],
   reference: [1]}``, or ``{gpus: [0], exclusive: true}``); a stage not named gets no
   GPU. Per-stage Ray GPU counts (``num_gpus``) without indices are passed to Ray as
@@ -171,6 +172,22 @@ def size_colocated_kv_cache(cfg: ConveyorConfig, shape: ModelShape) -> tuple[int
     note = (f"colocate: vLLM's KV cache sized to the job, {kv / _GIB:.2f} GiB ({sequences} sequences x "
             f"{seq_tokens} tokens, x{KV_HEADROOM:g}; max_model_len {seq_tokens}); rollout.kv_cache_gib sets it")
     return kv, seq_tokens, note
+
+
+def colocated_startup_fraction(shape: ModelShape, kv_bytes: int, gpu_bytes: int, planned: float) -> float:
+    """vLLM's ``gpu_memory_utilization`` for a colocated engine whose KV cache the plan
+    sized (``size_colocated_kv_cache``): its weights plus that cache plus
+    ``RESERVE_FRACTION`` of the GPU, at most ``planned`` (the share the trainer and
+    reference leave).
+
+    With ``kv_cache_memory_bytes`` set, vLLM reads the utilization only in its start-up
+    check (free memory >= utilization x total), so asking for the whole share would
+    refuse to start on a GPU where anything else holds more than what the trainer
+    leaves. Example: 268.7M params in bf16 (0.50 GiB) and a 3.75 GiB cache on 139.8 GiB:
+    4.25 / 139.8 + 0.1 = 0.131.
+    """
+    need = (shape.num_params * shape.dtype_bytes + kv_bytes) / gpu_bytes + RESERVE_FRACTION
+    return min(planned, math.ceil(need * 1000) / 1000)
 
 
 def plan_placement(

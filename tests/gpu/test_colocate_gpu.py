@@ -1,6 +1,7 @@
 """``placement: colocate`` on one GPU: ``configs/gpu_small.yaml`` lock-step with vLLM
 asleep while the trainer steps. vLLM's KV cache is the size the plan gave it (the job's
-sequences, not its share of the GPU), every sleep gives that cache and the weights back
+sequences, not its share of the GPU) and it asks for no more than weights, cache and
+reserve at start-up, every sleep gives that cache and the weights back
 to the GPU, every step hands the GPU over once, and the rollout ends awake on the
 trainer's final, verified weights."""
 
@@ -36,10 +37,12 @@ def test_colocated_run_frees_vllms_memory_for_every_training_step(tmp_path):
     print(f"vLLM share {share}, KV cache {kv_gib:.2f} GiB, free while training {free}, "
           f"handoff s {[r['colocate/handoff_s'] for r in rows]}, rollout {summary['rollout']}")
     (rollout,) = summary["rollout"]  # its account before shutdown, where the final version wakes it
-    # Each sleep gave back at least the planned KV cache, and not the >100 GiB a cache
-    # filling vLLM's share would be (the weights are 0.5 GiB).
+    # vLLM started asking only for its weights (0.5 GiB), that cache and the 10% reserve,
+    # not the ~0.86 of the GPU the trainer leaves it. Each sleep gave back at least the
+    # planned KV cache, and not the >100 GiB a cache filling that share would be.
     freed = rollout["sleep_freed_gib"]
-    assert share > 0.5 and kv_gib <= freed["min"] and freed["max"] < kv_gib + 8, (kv_gib, freed)
+    assert share < 0.2 and any("at start-up" in n for n in plan.notes), (share, plan.notes)
+    assert kv_gib <= freed["min"] and freed["max"] < kv_gib + 8, (kv_gib, freed)
     calls = summary["controller_calls"]
     assert calls["hand_gpus_to_trainer"] == calls["confirm_asleep"] == STEPS
     assert rollout["sleeps"] == STEPS and rollout["weight_updates"]["count"] == STEPS - 1

@@ -12,6 +12,7 @@ from pipeline.placement import (
     OWN_GPU_FRACTION,
     PlacementError,
     check_plan,
+    colocated_startup_fraction,
     estimate_colocated_fraction,
     estimate_trainer_bytes_per_param,
     is_manual,
@@ -314,6 +315,40 @@ def test_a_colocated_engine_gets_the_kv_cache_its_sequences_need():
     tools = {"functions": "builtin"}
     for rollout in ({"kv_cache_gib": 2.0}, {"gpu_memory_utilization": 0.3}, {"max_model_len": 512}, {"tools": tools}):
         assert size_colocated_kv_cache(config(**{**job, "rollout": {**job["rollout"], **rollout}}), shape) is None
+
+
+def test_a_colocated_engine_asks_vllm_at_start_up_only_for_its_weights_and_cache(monkeypatch):
+    """vLLM reads gpu_memory_utilization, once the KV cache has a size, only to check the
+    free memory at start-up: the launch asks for the weights, the cache and the reserve,
+    not the whole share the trainer leaves, so a GPU that something else also holds can
+    still start it. A share the user chose, or a cache they sized, stays theirs."""
+    import pipeline.launch as launch
+
+    shape = ModelShape(num_layers=16, num_kv_heads=16, head_dim=64, hidden_size=1024, vocab_size=64,
+                       num_params=268_700_000, dtype_bytes=2)
+    gpu = 140 * GIB
+    monkeypatch.setattr(launch, "detect_gpus", lambda address: (1, gpu))
+    monkeypatch.setattr(launch, "read_model_shape", lambda cfg: shape)
+    job = {**COLOCATE, "train": {"prompts_per_step": 32},
+           "dataflow": {**COLOCATE["dataflow"], "prompts_per_micro_batch": 8},
+           "rollout": {"n": 8, "max_tokens": 128, "max_inflight": 4}, "data": {"max_prompt_len": 64}}
+    share = estimate_colocated_fraction(shape.num_params, "bfloat16", gpu, with_reference=True)
+    assert share == pytest.approx(0.861, abs=1e-3)
+    cfg, p = launch.plan_run_placement(config(**job))
+    # 0.50 GiB of weights + the 3.75 GiB cache, over 140 GiB, + 0.1: 0.1304, rounded up.
+    assert cfg.rollout.kv_cache_gib == 3.75 and p.rollout_memory_fraction == cfg.rollout.gpu_memory_utilization == 0.131
+    assert any("vLLM asks for 0.131 of the GPU at start-up" in n and f"{round(share, 3):g}" in n for n in p.notes)
+    assert colocated_startup_fraction(shape, int(3.75 * GIB), gpu, 0.861) == 0.131
+    # On a GPU too small for more, never above the share (the trainer's room is planned).
+    assert colocated_startup_fraction(shape, int(3.75 * GIB), 8 * GIB, 0.2) == 0.2
+    # The user's cache size: vLLM keeps the planned share; the user's share: kept as chosen.
+    for rollout, expected in (({"kv_cache_gib": 2.0}, round(share, 3)), ({"gpu_memory_utilization": 0.5}, 0.5)):
+        cfg, p = launch.plan_run_placement(config(**{**job, "rollout": {**job["rollout"], **rollout}}))
+        assert cfg.rollout.gpu_memory_utilization == p.rollout_memory_fraction == expected, rollout
+        assert not any("at start-up" in n for n in p.notes)
+    # Shared (not colocated) placement on one GPU: the share is vLLM's whole budget.
+    cfg, p = launch.plan_run_placement(config(rollout=job["rollout"]))
+    assert cfg.rollout.gpu_memory_utilization == round(share, 3) and cfg.rollout.kv_cache_gib is None
 
 
 def test_the_eight_gpu_config_plans_two_tp2_replicas_beside_four_zero3_ranks():
