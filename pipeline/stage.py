@@ -119,6 +119,7 @@ class StageActor:
         dedup_window: int = DEDUP_WINDOW,
         debug: bool = False,
     ) -> None:
+        created = time.monotonic()
         run_dir = getattr(config, "run_dir", None)
         console = None
         if run_dir is not None and log_level != "debug":  # a launched run: its stages log to files
@@ -152,6 +153,7 @@ class StageActor:
         # against what the core declares it takes (pipeline/contracts.py).
         self._debug_pending = debug
         self._console = 2 if console is None else console
+        self._constructed_s = time.monotonic() - created  # imports and the core's constructor
 
     # ---------------------------------------------------------------- lifecycle
     async def setup(self, controller: ControllerClient) -> str:
@@ -166,9 +168,15 @@ class StageActor:
         self.ctx.controller = controller
         self._state = "setup"
         self._open_taps()  # before the core's setup: the trainer saves its step-0 state there
+        began = time.monotonic()
         if hasattr(self.core, "setup"):
             await self.core.setup(self.ctx)
         self._state = "ready"
+        # Where a stage's start-up went: its process's age covers Ray starting it too.
+        import psutil
+
+        self.ctx.log.info("stage ready", process_age_s=round(time.time() - psutil.Process().create_time(), 2),
+                 constructed_s=round(self._constructed_s, 2), setup_s=round(time.monotonic() - began, 2))
         return self.name
 
     def _open_taps(self) -> None:
