@@ -10,7 +10,9 @@ made 105.6 samples/s with the engine core here against 99.1 with ``AsyncLLM``
 (``add_request`` returning a collector, ``abort``, ``pause_generation(mode="keep")``,
 ``resume_generation``, ``collective_rpc``, ``output_processor``,
 ``model_config``, ``shutdown``) over vLLM's ``LLMEngine`` with ``multiprocess_mode``
-off. Selected by ``rollout.engine_core: in_process``.
+off. Selected by ``rollout.engine_core: in_process``. Without tensor parallelism the
+model runs in this process too, on a GPU (vLLM's own choice) and on CPU (where vLLM would
+start a worker process: ``_build_llm_engine``).
 
 Guarantees:
 
