@@ -51,6 +51,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 
 from pipeline.contracts import inspect_first_micro_batch, read_contract
@@ -173,10 +174,9 @@ class StageActor:
             await self.core.setup(self.ctx)
         self._state = "ready"
         # Where a stage's start-up went: its process's age covers Ray starting it too.
-        import psutil
-
-        self.ctx.log.info("stage ready", process_age_s=round(time.time() - psutil.Process().create_time(), 2),
-                 constructed_s=round(self._constructed_s, 2), setup_s=round(time.monotonic() - began, 2))
+        age = time.time() - psutil.Process().create_time()
+        self.ctx.log.info("stage ready", process_age_s=round(age, 2), constructed_s=round(self._constructed_s, 2),
+                          setup_s=round(time.monotonic() - began, 2))
         return self.name
 
     def _open_taps(self) -> None:

@@ -5,7 +5,9 @@
   restarts each, the micro-batches it held are delivered again, the run completes every
   step and the source's and the trainer's independent accounts of the prompt ids agree
   (nothing lost, nothing trained twice); the killed rollout's vLLM engine does not
-  survive it.
+  survive it. The rollout's engine core runs in a process of its own here
+  (``rollout.engine_core: subprocess``, as under tensor parallelism): the default one
+  runs in the actor's process and dies with it, leaving nothing to reap.
 - without ``run.auto_resume`` a killed trainer stops the run (exit status 1) with the
   resume command.
 """
@@ -66,7 +68,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 900) -> str:
 
 def test_killed_trainer_resumes_and_killed_stage_actors_restart(tmp_path):
     run_dir, steps = tmp_path / "run", 20
-    proc = _launch(run_dir, steps, "run.auto_resume=true")
+    proc = _launch(run_dir, steps, "run.auto_resume=true", "rollout.engine_core=subprocess")
     engines: list[psutil.Process] = []
     try:
         # The trainer first, after the checkpoint of step 2: the run resumes by itself.

@@ -32,6 +32,7 @@ from stages.tiny import ensure_tiny_checkpoint
 PROMPTS = [[1, 5, 6, 7], [1, 20, 21], [1, 40, 41, 42, 43, 44], [1, 66]]
 # float32 on both sides: measured max |diff| ~6e-7; 1e-4 leaves room for other CPUs.
 LOGPROB_ATOL = 1e-4
+SET_NUM_THREADS = torch.set_num_threads  # as torch made it, before any engine starts here
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +311,24 @@ def test_the_engine_runs_a_batch_as_vllms_offline_llm_does(loop, backend) -> Non
     # steps, and far fewer than one a token (16 sequences in one batch).
     assert max(lengths) <= steps < sum(lengths) / 2, (steps, lengths)
     assert after["step_s"] > before["step_s"] and after["mean_requests"] > 0
+
+
+def test_the_model_runs_where_the_engine_core_says(backend) -> None:
+    """On CPU the in-process engine core runs the model in this process too (vLLM's uni
+    executor), starting no vLLM process, and leaves torch.set_num_threads as it was
+    (vLLM's CPU worker replaces it for its process); the subprocess engine core is a vLLM
+    process of its own; the HF backend starts none."""
+    import psutil
+
+    from stages.rollout.vllm_backend import VLLMBackend
+
+    vllm_processes = [p.name() for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
+    if not isinstance(backend, VLLMBackend) or backend.engine_core == "in_process":
+        assert vllm_processes == []
+        assert torch.set_num_threads is SET_NUM_THREADS
+        torch.set_num_threads(torch.get_num_threads())  # still torch's own: no warning, no error
+    else:
+        assert "VLLM::EngineCore" in vllm_processes, vllm_processes
 
 
 def test_hf_backend_ignores_the_checkpoints_sampling_penalties(loop, checkpoint, tmp_path) -> None:
