@@ -6,7 +6,9 @@ its own (``RAY_ADDRESS=local``) and with a step count it will not reach, then:
 
 - phase 1, the first half of the minutes (after the first step): every ``SAMPLE_S``
   the RSS and USS of every stage actor's process, of the vLLM engine processes under the
-  rollout actor and of the driver, the bytes in Ray's object store and the queue depths
+  rollout actor (none by default: the in-process engine runs its model in the actor's
+  process and is counted in its figure; ``rollout.engine_core=subprocess`` separates
+  them) and of the driver, the bytes in Ray's object store and the queue depths
   (the driver's ``status.json``). Growth per process: the least-squares slope in
   MiB/hour over the samples after the warm-up (the first ``WARMUP_FRACTION`` of the
   phase). Target: ~0.

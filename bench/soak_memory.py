@@ -1,10 +1,11 @@
 """Memory soak, three allocator settings side by side: ``python -m bench soak_memory --minutes N``.
 
 The soak's phase 1 (``bench/soak.py``: the quickstart with a step count it will not
-reach; RSS and USS of every stage actor, of the rollout's vLLM engine processes and of
-the driver sampled every ``MEMORY_SAMPLE_S``, fitted after the first
-``WARMUP_FRACTION``) for ``N`` minutes after the first step (default 20), three times
-at once on the same machine, so all see the same load. ``MALLOC_ARENA_MAX`` reaches
+reach; RSS and USS of every stage actor, of the rollout's vLLM engine processes (none by
+default: the in-process engine's memory is the rollout actor's) and of the driver
+sampled every ``MEMORY_SAMPLE_S``, fitted after the first ``WARMUP_FRACTION``) for ``N``
+minutes after the first step (default 20), three times at once on the same machine, so
+all see the same load. ``MALLOC_ARENA_MAX`` reaches
 every process of a run (Ray passes the driver's environment to a local cluster's
 workers; the vLLM engine processes inherit it):
 

@@ -236,8 +236,8 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # (AsyncLLM); "in_process" runs it in the rollout actor's process, stepped by a thread
     # (stages/rollout/vllm_inproc.py), without serialising every step's outputs. "auto":
     # in_process without tensor parallelism (the quickstart: 15% faster steps and a start
-    # 8 s sooner on 2 cores; gpu_small colocated on an H200: 6.5% more samples/s),
-    # subprocess with it.
+    # 8 s sooner on 2 cores, and since its model runs in the actor on CPU too, 7 s more;
+    # gpu_small colocated on an H200: 6.5% more samples/s), subprocess with it.
     engine_core: Literal["auto", "subprocess", "in_process"] = "auto"
     # The engine reports each sampled token's log-prob (the behaviour policy, PPO's ratio
     # anchor). false: it does not, and the trainer anchors the ratio on its own log-probs

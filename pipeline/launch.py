@@ -181,14 +181,20 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     if kv is not None:
         rollout = msgspec.structs.replace(rollout, kv_cache_gib=kv[0] / (1 << 30), max_model_len=kv[1])
         plan.notes.append(kv[2])
-        if gpu_bytes and rollout.gpu_memory_utilization is not None:
-            startup = colocated_startup_fraction(shape, kv[0], gpu_bytes, rollout.gpu_memory_utilization)
-            if startup < rollout.gpu_memory_utilization:
-                plan.notes.append(f"colocate: vLLM asks for {startup:g} of the GPU at start-up (weights, KV cache "
-                                  f"and {RESERVE_FRACTION:.0%} reserve), not its share "
-                                  f"{rollout.gpu_memory_utilization:g}")
-                rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=startup)
-                plan = dataclasses.replace(plan, rollout_memory_fraction=startup)
+    share = rollout.gpu_memory_utilization
+    if (cfg.placement.mode == "colocate" and shape is not None and gpu_bytes and share is not None
+            and rollout.kv_cache_gib is not None and cfg.rollout.gpu_memory_utilization is None):
+        # The KV cache has a size (planned or the user's) and the share is the plan's.
+        startup = colocated_startup_fraction(shape, int(rollout.kv_cache_gib * (1 << 30)), gpu_bytes)
+        if startup < share:
+            plan.notes.append(f"colocate: vLLM asks for {startup:g} of the GPU at start-up (weights, KV cache "
+                              f"and {RESERVE_FRACTION:.0%} reserve), not its share {share:g}")
+            rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=startup)
+            plan = dataclasses.replace(plan, rollout_memory_fraction=startup)
+        elif startup > share:
+            plan.notes.append(f"colocate: vLLM's weights, KV cache and {RESERVE_FRACTION:.0%} reserve need "
+                              f"{startup:g} of the GPU, more than the {share:g} the trainer leaves: it may run "
+                              f"out of memory while awake; lower rollout.kv_cache_gib or rollout.max_inflight")
     return msgspec.structs.replace(cfg, rollout=rollout), plan
 
 

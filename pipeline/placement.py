@@ -174,20 +174,22 @@ def size_colocated_kv_cache(cfg: ConveyorConfig, shape: ModelShape) -> tuple[int
     return kv, seq_tokens, note
 
 
-def colocated_startup_fraction(shape: ModelShape, kv_bytes: int, gpu_bytes: int, planned: float) -> float:
-    """vLLM's ``gpu_memory_utilization`` for a colocated engine whose KV cache the plan
-    sized (``size_colocated_kv_cache``): its weights plus that cache plus
-    ``RESERVE_FRACTION`` of the GPU, at most ``planned`` (the share the trainer and
-    reference leave).
+def colocated_startup_fraction(shape: ModelShape, kv_bytes: int, gpu_bytes: int) -> float:
+    """The share of the GPU a colocated engine with a KV cache of ``kv_bytes`` needs
+    awake: its weights, that cache and ``RESERVE_FRACTION`` of the GPU (the CUDA
+    context, CUDA graphs, the activations of a step), rounded up to a thousandth.
 
-    With ``kv_cache_memory_bytes`` set, vLLM reads the utilization only in its start-up
-    check (free memory >= utilization x total), so asking for the whole share would
-    refuse to start on a GPU where anything else holds more than what the trainer
-    leaves. Example: 268.7M params in bf16 (0.50 GiB) and a 3.75 GiB cache on 139.8 GiB:
-    4.25 / 139.8 + 0.1 = 0.131.
+    With ``kv_cache_memory_bytes`` set, vLLM (0.26 to 0.32) reads
+    ``gpu_memory_utilization`` only in its start-up check (free memory >= utilization x
+    total): the launch asks for this, not the whole share the trainer leaves, which would
+    refuse to start where anything else holds more than the trainer. The reserve is
+    vLLM's only margin then: on a small GPU with a large vocabulary its graphs and
+    sampler may need more (``rollout.gpu_memory_utilization`` sets it). Example: 268.7M
+    params in bf16 (0.50 GiB) and a 3.75 GiB cache on 139.8 GiB: 4.25 / 139.8 + 0.1 =
+    0.131.
     """
     need = (shape.num_params * shape.dtype_bytes + kv_bytes) / gpu_bytes + RESERVE_FRACTION
-    return min(planned, math.ceil(need * 1000) / 1000)
+    return math.ceil(need * 1000) / 1000
 
 
 def plan_placement(

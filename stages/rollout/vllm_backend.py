@@ -182,7 +182,8 @@ def batch_usage() -> Any:
 
 def resolve_engine_core(engine_core: str, tensor_parallel_size: int) -> str:
     """``rollout.engine_core`` with ``auto`` decided: ``in_process`` with one worker, on
-    CPU (the quickstart's steps 0.147 s against 0.174 s, its engine up 8 s sooner) as on
+    CPU (the quickstart's steps 0.147 s against 0.174 s, its engine up 8 s sooner, and 7 s
+    more since its model runs in the actor: ``vllm_inproc._build_llm_engine``) as on
     a GPU (``gpu_small`` colocated on one H200: 105.6 samples/s against 99.1), and
     ``subprocess`` for tensor parallelism (vLLM's workers are processes then anyway)."""
     if engine_core != "auto":

@@ -278,7 +278,10 @@ def _build_llm_engine(engine_args: Any) -> Any:
     made: that process imports torch and vLLM again before it loads the model, and pins
     its OpenMP threads to the first core whatever Ray gave the actor. The quickstart's
     engine started in 7.8 s instead of 15.2 s (2 cores), and a 2-step quickstart took
-    33 s instead of 47.
+    33 s instead of 47. vLLM's CPU platform calls this path unsupported for the OpenMP
+    binding it would set up (checked with vLLM 0.32): here torch keeps the threads Ray
+    gave the actor (its ``num_cpus``). The engine also joins a one-rank torch.distributed
+    group in this process, as it does on a GPU.
     """
     import torch
     from vllm.platforms import current_platform

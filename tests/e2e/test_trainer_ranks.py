@@ -165,7 +165,6 @@ def test_quickstart_learns_and_reconciles_with_two_trainer_ranks(ray_cluster, tm
     summary = launch_run(cfg)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     rewards = np.array([r["reward/mean"] for r in rows])
-    print("reward by 10 steps", np.round(rewards.reshape(-1, 10).mean(axis=1), 3).tolist())
     # As the one-rank runs (test_pipeline.reward_rise): the task takes off after about 60
     # steps. Over 60, lock-step runs rose 0.14, 0.11 and once 0.04 between 20-step means,
     # too close to their noise (~0.03); over 100 one rose 0.023 -> 0.396 (first 10 steps,

@@ -319,9 +319,10 @@ def test_a_colocated_engine_gets_the_kv_cache_its_sequences_need():
 
 def test_a_colocated_engine_asks_vllm_at_start_up_only_for_its_weights_and_cache(monkeypatch):
     """vLLM reads gpu_memory_utilization, once the KV cache has a size, only to check the
-    free memory at start-up: the launch asks for the weights, the cache and the reserve,
-    not the whole share the trainer leaves, so a GPU that something else also holds can
-    still start it. A share the user chose, or a cache they sized, stays theirs."""
+    free memory at start-up: the launch asks for the weights, the cache (planned or the
+    user's) and the reserve, not the whole share the trainer leaves, so a GPU that
+    something else also holds can still start it. A share the user chose stays theirs; a
+    cache too large for the share is reported."""
     import pipeline.launch as launch
 
     shape = ModelShape(num_layers=16, num_kv_heads=16, head_dim=64, hidden_size=1024, vocab_size=64,
@@ -338,14 +339,20 @@ def test_a_colocated_engine_asks_vllm_at_start_up_only_for_its_weights_and_cache
     # 0.50 GiB of weights + the 3.75 GiB cache, over 140 GiB, + 0.1: 0.1304, rounded up.
     assert cfg.rollout.kv_cache_gib == 3.75 and p.rollout_memory_fraction == cfg.rollout.gpu_memory_utilization == 0.131
     assert any("vLLM asks for 0.131 of the GPU at start-up" in n and f"{round(share, 3):g}" in n for n in p.notes)
-    assert colocated_startup_fraction(shape, int(3.75 * GIB), gpu, 0.861) == 0.131
-    # On a GPU too small for more, never above the share (the trainer's room is planned).
-    assert colocated_startup_fraction(shape, int(3.75 * GIB), 8 * GIB, 0.2) == 0.2
-    # The user's cache size: vLLM keeps the planned share; the user's share: kept as chosen.
-    for rollout, expected in (({"kv_cache_gib": 2.0}, round(share, 3)), ({"gpu_memory_utilization": 0.5}, 0.5)):
-        cfg, p = launch.plan_run_placement(config(**{**job, "rollout": {**job["rollout"], **rollout}}))
-        assert cfg.rollout.gpu_memory_utilization == p.rollout_memory_fraction == expected, rollout
-        assert not any("at start-up" in n for n in p.notes)
+    assert colocated_startup_fraction(shape, int(3.75 * GIB), gpu) == 0.131
+    # The user's cache size: (0.50 + 2) / 140 + 0.1 = 0.1179, rounded up.
+    cfg, p = launch.plan_run_placement(config(**{**job, "rollout": {**job["rollout"], "kv_cache_gib": 2.0}}))
+    assert cfg.rollout.gpu_memory_utilization == p.rollout_memory_fraction == 0.118
+    # The user's share: kept as chosen.
+    cfg, p = launch.plan_run_placement(config(**{**job, "rollout": {**job["rollout"], "gpu_memory_utilization": 0.5}}))
+    assert cfg.rollout.gpu_memory_utilization == p.rollout_memory_fraction == 0.5
+    assert not any("at start-up" in n for n in p.notes)
+    # A cache larger than the trainer leaves: 120 GiB needs (0.50 + 120) / 140 + 0.1 =
+    # 0.961 of the GPU, over the 0.861 left: the share stays, and the plan says vLLM may
+    # run out of memory while awake.
+    cfg, p = launch.plan_run_placement(config(**{**job, "rollout": {**job["rollout"], "kv_cache_gib": 120.0}}))
+    assert cfg.rollout.gpu_memory_utilization == round(share, 3)
+    assert any("more than the 0.861 the trainer leaves" in n for n in p.notes), p.notes
     # Shared (not colocated) placement on one GPU: the share is vLLM's whole budget.
     cfg, p = launch.plan_run_placement(config(rollout=job["rollout"]))
     assert cfg.rollout.gpu_memory_utilization == round(share, 3) and cfg.rollout.kv_cache_gib is None
