@@ -246,6 +246,14 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # vLLM generates a step faster without them (gpu_small on an H200: 0.58 s against
     # 0.70 s, vLLM alone).
     logprobs: bool = True
+    # vLLM backend, engine core in_process on a GPU: "auto" takes those log-probs from
+    # vLLM's sampler in the rollout's process (stages/rollout/vllm_sampler_tap.py), where
+    # vLLM would spend Python on every request at every engine step to report them, where
+    # that is exact (vLLM's V2 GPU model runner, no speculative decoding); "never": vLLM
+    # reports them; "verify": vLLM reports them and every one is checked against the
+    # tap's (a request fails on a difference; for a new vLLM or model). The
+    # engine-started log line says which source is used.
+    sampler_tap: Literal["auto", "never", "verify"] = "auto"
     # vLLM's sleep mode (its GPU memory from an allocator that can release and map it
     # again); ``placement: colocate`` turns it on, to sleep while the trainer steps.
     sleep_mode: bool = False
@@ -878,6 +886,11 @@ def check_config(cfg: ConveyorConfig) -> None:
         raise ConfigError(f"rollout.engine_kwargs: vLLM's engine arguments; rollout.backend is {ro.backend!r}")
     if ro.backend not in ("vllm", "hf") and ":" not in ro.backend:
         raise ConfigError(f"rollout.backend: expected 'vllm', 'hf' or 'module:attr', got {ro.backend!r}")
+    if ro.sampler_tap == "verify" and (ro.backend != "vllm" or ro.engine_core == "subprocess"
+                                       or ro.tensor_parallel_size > 1 or not ro.logprobs):
+        raise ConfigError("rollout.sampler_tap: verify checks vLLM's log-probs in the rollout's process: it needs "
+                          "rollout.backend vllm, rollout.engine_core in_process or auto, tensor_parallel_size 1 "
+                          "and rollout.logprobs true")
     for edge in df.queue_sizes:
         if "->" not in edge:
             raise ConfigError(f"dataflow.queue_sizes.{edge}: expected an edge 'producer->consumer'")

@@ -227,10 +227,13 @@ def plan_cpu_binding(cpus: list[int], workers: int) -> str:
     return "|".join(runs)
 
 
-def build_sampling_params(sampling: SamplingSettings, seed: int | None, *, final_only: bool = False) -> Any:
+def build_sampling_params(
+    sampling: SamplingSettings, seed: int | None, *, final_only: bool = False, tapped: bool = False
+) -> Any:
     """One engine request's ``SamplingParams`` (n=1: ``generate`` fans out itself).
     ``final_only``: one output when the request finishes, no detokenization in vLLM;
-    otherwise every new token as it comes, with its text."""
+    otherwise every new token as it comes, with its text. ``tapped``: the engine's
+    sampler tap reports the log-probs (``vllm_sampler_tap``), so vLLM is asked for none."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -247,7 +250,7 @@ def build_sampling_params(sampling: SamplingSettings, seed: int | None, *, final
         top_k=0 if sampling.top_k == -1 else sampling.top_k,  # vLLM: 0 is off
         max_tokens=sampling.max_tokens,
         seed=seed,
-        logprobs=0 if sampling.logprobs else None,  # the sampled token's log-prob only, or none
+        logprobs=0 if sampling.logprobs and not tapped else None,  # the sampled token's only, or none
         output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
         detokenize=not final_only,
         **extra,
@@ -296,6 +299,15 @@ def expand_version_spans(spans: list[Any] | None, num_tokens: int) -> list[int] 
     return versions if len(versions) == num_tokens else None
 
 
+def _logprobs_source(cfg: RolloutConfig, tapped: bool, tap_installed: bool) -> str:
+    """Where the rollout's sampled-token log-probs come from, for the engine-started line."""
+    if not cfg.logprobs:
+        return "none"
+    if tapped:
+        return "sampler tap"
+    return "vLLM outputs, checked against the sampler tap" if tap_installed else "vLLM outputs"
+
+
 class VLLMBackend:
     """``RolloutBackend`` over ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
@@ -331,6 +343,7 @@ class VLLMBackend:
         self._prefix = uuid.uuid4().hex[:8]
         self._keep_pause = True  # engine can pause keeping requests (vLLM >= 0.32)
         self._labels = True  # engine labels outputs with weight versions (vLLM >= 0.32)
+        self._tapped = False  # the in-process engine's sampler tap reports the log-probs
         self._shm_dir: Path | None = None  # private dir for payload files (None: bytes)
         self.last_pause_s = 0.0  # generation paused by the last update (pause to resume)
         self.host_memory_trims, self.host_memory_trimmed_bytes = 0, 0
@@ -384,7 +397,15 @@ class VLLMBackend:
         if self.engine_core == "in_process":
             from stages.rollout.vllm_inproc import InProcessEngine
 
-            self._engine = InProcessEngine(AsyncEngineArgs(**kwargs))
+            self._engine = InProcessEngine(AsyncEngineArgs(**kwargs),
+                                           sampler_tap=self.cfg.sampler_tap if self.cfg.logprobs else "never")
+            # "verify": vLLM still reports them (the engine checks each against the tap's).
+            self._tapped = self._engine.sampler_tap and self.cfg.sampler_tap == "auto"
+            if self.cfg.sampler_tap == "verify" and not self._engine.sampler_tap:
+                why = self._engine.sampler_tap_unavailable
+                self._engine.shutdown()
+                self._engine = None
+                raise RuntimeError(f"rollout.sampler_tap: verify: no sampler tap here: {why}")
         else:
             self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=batch_usage())
         self._keep_pause = "mode" in inspect.signature(self._engine.pause_generation).parameters
@@ -409,6 +430,8 @@ class VLLMBackend:
             pause_keep=self._keep_pause,
             version_labels=self._labels,
             output_mode=self._output_mode,
+            logprobs=_logprobs_source(self.cfg, self._tapped, getattr(self._engine, "sampler_tap", False)),
+            sampler_tap_unavailable=getattr(self._engine, "sampler_tap_unavailable", None) if self.cfg.logprobs else None,
             max_num_seqs=getattr(getattr(getattr(self._engine, "vllm_config", None), "scheduler_config", None),
                                  "max_num_seqs", None),
         )
@@ -436,7 +459,9 @@ class VLLMBackend:
                                 sampling,
                                 None if sampling.seed is None else sampling.seed + j * n + i,
                                 final_only=self._output_mode != "stream",
+                                tapped=self._tapped,
                             ),
+                            sampling.logprobs,
                         )
                     )
                     for i in range(n)
@@ -448,7 +473,9 @@ class VLLMBackend:
             for prompt, row in zip(prompt_token_ids, tasks, strict=True)
         ]
 
-    async def _generate_one(self, engine: Any, prompt: list[int], params: Any) -> Completion:
+    async def _generate_one(self, engine: Any, prompt: list[int], params: Any, logprobs: bool) -> Completion:
+        """``logprobs``: read the sampled tokens' log-probs (from vLLM's outputs, or
+        from the sampler tap's that the in-process engine puts in their place)."""
         request_id = f"{self._prefix}-{next(self._ids)}"
         if self._output_mode == "stream":
             return await self._generate_streamed(engine, prompt, params, request_id)
@@ -477,7 +504,7 @@ class VLLMBackend:
             versions = expand_version_spans(getattr(comp, "weight_versions", None), len(token_ids))
         return Completion(
             token_ids=token_ids,
-            logprobs=read_sampled_logprobs(comp.logprobs, token_ids, params.logprobs is not None),
+            logprobs=read_sampled_logprobs(comp.logprobs, token_ids, logprobs),
             token_versions=versions or expand_splits(splits, len(token_ids)),
             finish_reason=comp.finish_reason or "abort",
             text=self._tokenizer.decode(token_ids, skip_special_tokens=True),

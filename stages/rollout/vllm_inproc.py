@@ -30,6 +30,11 @@ Guarantees:
   collector on the event loop that added it.
 - A step that raises fails every request in flight with that error, and every later
   call; ``shutdown`` fails what is still in flight with ``EngineStopped``.
+- With the sampler tap (asked for, and ``vllm_sampler_tap`` installed it), every
+  completion that vLLM gives no log-probs carries the tap's, one per token
+  (``SampledLogprobs``), before it reaches its collector; one that vLLM gives them is
+  checked against the tap's (``sampler_tap="verify"``). A request the tap has no value
+  for, or a value that differs from vLLM's, fails with ``LookupError``.
 """
 
 from __future__ import annotations
@@ -84,7 +89,12 @@ class InProcessEngine:
     """``LLMEngine`` (engine core in this process) behind a stepper thread; see the
     module docstring. Construct it off the event loop: it waits for the engine."""
 
-    def __init__(self, engine_args: Any) -> None:
+    def __init__(self, engine_args: Any, sampler_tap: str = "never") -> None:
+        """``sampler_tap`` (``rollout.sampler_tap``): "auto" or "verify" installs the
+        sampler tap (``vllm_sampler_tap``) where that is exact; ``self.sampler_tap``
+        says whether it was installed, ``self.sampler_tap_unavailable`` why not."""
+        if sampler_tap not in ("auto", "never", "verify"):
+            raise ValueError(f"sampler_tap: expected auto, never or verify, got {sampler_tap!r}")
         self._cv = threading.Condition()
         self._calls: list[tuple[Callable[[Any], Any], concurrent.futures.Future]] = []
         self._collectors: dict[str, _Collector] = {}
@@ -92,6 +102,12 @@ class InProcessEngine:
         self._stopping = False
         self._failure: BaseException | None = None
         self._engine: Any = None
+        self._want_tap = sampler_tap != "never"
+        self._ledger: Any = None  # SampledLogprobLedger once the tap is installed
+        self._internal: dict[str, str] = {}  # request id -> vLLM's internal id (tapped requests)
+        self.sampler_tap_unavailable = "" if self._want_tap else "not asked for"
+        # Tokens whose tap value was checked against vLLM's, and the largest difference.
+        self._tap_checked, self._tap_max_diff = 0, 0.0
         # The stepper's account (read by ``stats``): engine steps, the seconds inside
         # them, the requests unfinished at each step (summed), and the seconds spent
         # running queued calls (adds, aborts, RPCs) between steps.
@@ -103,11 +119,16 @@ class InProcessEngine:
         self.output_processor = self._engine.output_processor
         self.model_config = self._engine.model_config
         self.vllm_config = self._engine.vllm_config  # its cache_config has the KV blocks made
+        self.sampler_tap = self._ledger is not None
 
     # ------------------------------------------------------------------ stepper thread
     def _run(self, engine_args: Any, ready: concurrent.futures.Future) -> None:
         try:
             self._engine = _build_llm_engine(engine_args)
+            if self._want_tap:
+                from stages.rollout.vllm_sampler_tap import install_sampler_tap
+
+                self._ledger, self.sampler_tap_unavailable = install_sampler_tap(self._engine)
         except BaseException as err:
             ready.set_exception(err)
             return
@@ -152,7 +173,38 @@ class InProcessEngine:
                     continue
                 if out.finished:
                     del self._collectors[out.request_id]
+                if self._ledger is not None:
+                    out = self._attach_tapped_logprobs(out)
                 collector.loop.call_soon_threadsafe(collector.put, out)
+
+    def _attach_tapped_logprobs(self, out: Any) -> Any:
+        """``out`` with the tap's log-probs on each completion vLLM gave none, and those
+        vLLM gave checked against the tap's (the ``LookupError`` instead when the tap has
+        none, or they differ or do not fit: the collector raises it)."""
+        from stages.rollout.vllm_backend import read_sampled_logprobs
+        from stages.rollout.vllm_sampler_tap import SampledLogprobs, check_against_vllm
+
+        internal = self._internal.get(out.request_id)
+        if internal is None:
+            return out
+        if out.finished:
+            del self._internal[out.request_id]
+        try:
+            for comp in out.outputs:
+                token_ids = list(comp.token_ids)
+                tapped = self._ledger.take(internal, len(token_ids))
+                if comp.logprobs is None:
+                    comp.logprobs = SampledLogprobs(token_ids, tapped)
+                else:
+                    diff = check_against_vllm(out.request_id, tapped, read_sampled_logprobs(comp.logprobs, token_ids))
+                    self._tap_checked += len(tapped)
+                    self._tap_max_diff = max(self._tap_max_diff, diff)
+        except (LookupError, ValueError) as err:  # this request fails; the engine steps on
+            return err
+        finally:
+            if out.finished:
+                self._ledger.forget(internal)
+        return out
 
     def _fail_everything(self, err: BaseException) -> None:
         with self._cv:
@@ -181,9 +233,13 @@ class InProcessEngine:
     def stats(self) -> dict[str, float]:
         """The stepper's account so far: ``steps``, ``step_s`` (inside ``engine.step``),
         ``mean_step_ms``, ``mean_requests`` (unfinished requests per step) and
-        ``calls_s`` (queued calls run between steps)."""
+        ``calls_s`` (queued calls run between steps); with the sampler tap
+        ``tap_records`` (its steps read), ``tap_checked`` (tokens checked against vLLM's
+        log-probs) and ``tap_max_abs_diff`` (the largest difference there)."""
         steps = self._steps
         return {"steps": steps, "step_s": self._step_s, "calls_s": self._calls_s,
+                "tap_records": self._ledger.records if self._ledger is not None else 0,
+                "tap_checked": self._tap_checked, "tap_max_abs_diff": self._tap_max_diff,
                 "mean_step_ms": 1000 * self._step_s / steps if steps else 0.0,
                 "mean_requests": self._step_requests / steps if steps else 0.0}
 
@@ -206,12 +262,18 @@ class InProcessEngine:
         collector = _Collector(asyncio.get_running_loop())
 
         def add(engine: Any) -> None:
+            if self._ledger is not None and params.n != 1:
+                raise ValueError(f"the sampler tap files one completion per request, got n={params.n}")
             self._collectors[request_id] = collector
             try:
-                engine.add_request(request_id, prompt, params)
+                internal = engine.add_request(request_id, prompt, params)
             except BaseException:
                 del self._collectors[request_id]
                 raise
+            if self._ledger is not None:
+                self._internal[request_id] = internal
+                max_tokens = engine.model_config.max_model_len if params.max_tokens is None else params.max_tokens
+                self._ledger.track(internal, len(prompt["prompt_token_ids"]), max_tokens)
 
         await self.call(add)
         return collector
@@ -220,6 +282,9 @@ class InProcessEngine:
         def abort(engine: Any) -> None:
             self._collectors.pop(request_id, None)
             engine.abort_request([request_id], internal=internal)
+            tapped = self._internal.pop(request_id, None)
+            if tapped is not None:
+                self._ledger.forget(tapped)
 
         await self.call(abort)
 

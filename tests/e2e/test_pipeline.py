@@ -131,6 +131,10 @@ def test_run_outputs_are_written(streaming_run):
         assert ready, (name, logs[f"{name}.log"][-2000:])
         setup[name] = float(ready.group(3))
     assert setup["rollout"] > 0.5, setup
+    # On CPU vLLM reports the sampled tokens' log-probs itself: the sampler tap needs its
+    # GPU model runner, and the engine says so instead of failing.
+    assert re.search(r"engine started .*logprobs='vLLM outputs'.*sampler_tap_unavailable=.the model runner is "
+                     r"CPUModelRunner, not vLLM's V2 GPU model runner", logs["rollout.log"]), logs["rollout.log"][-2000:]
 
 
 @pytest.fixture(scope="module")

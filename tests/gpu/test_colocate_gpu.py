@@ -47,5 +47,12 @@ def test_colocated_run_frees_vllms_memory_for_every_training_step(tmp_path):
     assert calls["hand_gpus_to_trainer"] == calls["confirm_asleep"] == STEPS
     assert rollout["sleeps"] == STEPS and rollout["weight_updates"]["count"] == STEPS - 1
     assert rollout["host_memory_trims"] >= 1  # the first update gave the engine's freed heap back
+    # The sampled tokens' log-probs came from the sampler tap (rollout.sampler_tap: auto),
+    # and they are the trainer's own to bf16 precision: a value filed one token off would
+    # differ by nats.
+    mismatch = [r["actor/logp_mismatch"] for r in rows]
+    print(f"sampler tap {rollout['engine']}, |trainer - sampler| log-prob per step {mismatch}")
+    assert rollout["engine"]["tap_records"] > 0
+    assert max(mismatch) < 0.1, mismatch
     for worker, state in summary["served"].items():
         assert state["version"] == STEPS and state["verified"], (worker, state)

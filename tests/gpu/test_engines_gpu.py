@@ -4,6 +4,7 @@ weight sync verified over both transports (shm bytes and cuda_ipc handles)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -100,5 +101,46 @@ async def _exercise_backend(checkpoint, cuda, backend_name: str, engine_core: st
         assert fingerprints_match(await backend.live_fingerprint(), fp)
         out = await backend.generate([[1, 5, 6, 7]], sampling)
         assert len(out[0].completions) == 2
+    finally:
+        await backend.shutdown()
+
+
+def test_the_sampler_tap_reports_what_vllm_reports(checkpoint, cuda):
+    """``rollout.sampler_tap: verify``: vLLM reports every sampled token's log-prob and the
+    in-process engine checks each against the tap's. Prompts long enough that their
+    prefill is chunked (rows that sample no token), and weight updates mid-generation
+    whose keep-mode pause preempts every running request (tokens sampled in flight and
+    discarded, then sampled again after the recompute)."""
+    asyncio.run(_verify_sampler_tap(checkpoint, cuda))
+
+
+async def _verify_sampler_tap(checkpoint, cuda) -> None:
+    # Eager: a second in-process engine in this process (after the weight-sync test's)
+    # failed its CUDA graph capture in PyTorch's allocator; the sampler runs outside the
+    # graphs anyway (test_colocate_gpu runs the tap with them).
+    cfg = RolloutConfig(backend="vllm", gpu_memory_utilization=0.3, seed=0, engine_core="in_process",
+                        sampler_tap="verify", enforce_eager=True, engine_kwargs={"max_num_batched_tokens": 128})
+    backend = build_backend("vllm", checkpoint, cfg, "bfloat16")
+    await backend.start()
+    try:
+        assert backend._engine.sampler_tap, backend._engine.sampler_tap_unavailable
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(checkpoint).vocab_size
+        prompts = [[3 + (7 * k + j) % (vocab - 3) for j in range(length)] for k, length in enumerate((4, 30, 150, 200))]
+        sampling = SamplingSettings(n=8, temperature=1.0, max_tokens=48, seed=3)
+        generating = asyncio.create_task(backend.generate(prompts, sampling))
+        for version in (1, 2, 3):
+            await asyncio.sleep(0.05)
+            data, _, _ = build_payload(perturbed_state(checkpoint, 1.0 + version / 100, cuda))
+            await backend.update_weights(data, version)
+        out = await generating
+        tokens = sum(len(c.token_ids) for r in out for c in r.completions)
+        stats = backend.engine_stats()
+        print(f"sampler tap verified: {stats}, tokens {tokens}, versions "
+              f"{sorted({v for r in out for c in r.completions for v in c.token_versions})}")
+        assert stats["tap_checked"] == tokens > 0
+        assert stats["tap_max_abs_diff"] <= 1e-5
+        assert all(math.isfinite(x) and x <= 0 for r in out for c in r.completions for x in c.logprobs)
     finally:
         await backend.shutdown()

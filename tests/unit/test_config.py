@@ -39,12 +39,23 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
         ("rollout.engine_kwargs.gpu_memory_utilization=0.3",
          "rollout.engine_kwargs.gpu_memory_utilization: set by Conveyor; use rollout.gpu_memory_utilization"),
         ("rollout.engine_kwargs=[1]", "rollout.engine_kwargs: expected object, got array"),
+        ("rollout.sampler_tap=sometimes", "rollout.sampler_tap: expected one of ['auto', 'never', 'verify']"),
     ],
 )
 def test_bad_values_name_their_path(override, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("other", [["rollout.engine_core=subprocess"], ["rollout.backend=hf"],
+                                   ["rollout.tensor_parallel_size=2"],
+                                   ["rollout.logprobs=false", "dataflow.max_staleness=0"]])
+def test_verifying_the_sampler_tap_needs_vllms_engine_core_in_the_rollouts_process(other):
+    assert load_config(None, ["rollout.sampler_tap=verify"]).rollout.sampler_tap == "verify"
+    load_config(None, other)  # valid without verify
+    with pytest.raises(ConfigError, match="rollout.sampler_tap: verify checks vLLM's log-probs in the rollout's process"):
+        load_config(None, ["rollout.sampler_tap=verify", *other])
 
 
 def test_engine_kwargs_reach_the_config_and_need_the_vllm_backend():

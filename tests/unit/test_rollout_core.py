@@ -253,6 +253,7 @@ def test_sampled_logprobs_are_read_from_the_flat_and_the_classic_form() -> None:
     from vllm.logprobs import FlatLogprobs, Logprob
 
     from stages.rollout.vllm_backend import build_sampling_params, read_sampled_logprobs
+    from stages.rollout.vllm_sampler_tap import SampledLogprobs
 
     positions = [{7: Logprob(-0.5, rank=1)}, {3: Logprob(-1.25, rank=2)}]
     flat = FlatLogprobs()
@@ -275,6 +276,12 @@ def test_sampled_logprobs_are_read_from_the_flat_and_the_classic_form() -> None:
     assert params.logprobs is None
     assert all(math.isnan(x) for x in read_sampled_logprobs(None, [7, 3], requested=False))
     assert len(read_sampled_logprobs(None, [7, 3], requested=False)) == 2
+    # The sampler tap reports them: none asked of vLLM, read as asked, in vLLM's flat form.
+    params = build_sampling_params(SamplingSettings(max_tokens=4), None, final_only=True, tapped=True)
+    assert params.logprobs is None
+    assert read_sampled_logprobs(SampledLogprobs([7, 3], [-0.5, -1.25]), [7, 3]) == [-0.5, -1.25]
+    with pytest.raises(ValueError, match="one per sampled token"):
+        read_sampled_logprobs(SampledLogprobs([7, 3], [-0.5]), [7, 3])
 
 
 def test_tensor_parallel_cpu_workers_get_disjoint_cores() -> None:
