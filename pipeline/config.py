@@ -249,7 +249,8 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # vLLM backend, engine core in_process on a GPU: "auto" takes those log-probs from
     # vLLM's sampler in the rollout's process (stages/rollout/vllm_sampler_tap.py), where
     # vLLM would spend Python on every request at every engine step to report them, where
-    # that is exact (vLLM's V2 GPU model runner, no speculative decoding); "never": vLLM
+    # that is exact (vLLM's V2 GPU model runner, no speculative decoding; vLLM then samples
+    # without FlashInfer, as it does when it reports them itself); "never": vLLM
     # reports them; "verify": vLLM reports them and every one is checked against the
     # tap's (a request fails on a difference; for a new vLLM or model). The
     # engine-started log line says which source is used.

@@ -478,7 +478,7 @@ class VLLMBackend:
         from the sampler tap's that the in-process engine puts in their place)."""
         request_id = f"{self._prefix}-{next(self._ids)}"
         if self._output_mode == "stream":
-            return await self._generate_streamed(engine, prompt, params, request_id)
+            return await self._generate_streamed(engine, prompt, params, request_id, logprobs)
         # One output per request, when it finishes: no per-token hop through this event
         # loop and no detokenization in vLLM's output path (the text is decoded once).
         splits = [(0, self._version)]  # (first token index, version) while in flight
@@ -554,7 +554,8 @@ class VLLMBackend:
         states = list(self._engine.output_processor.request_states.values())  # one atomic copy
         return self._finished_tokens + sum(st.detokenizer.num_output_tokens() for st in states)
 
-    async def _generate_streamed(self, engine: Any, prompt: list[int], params: Any, request_id: str) -> Completion:
+    async def _generate_streamed(self, engine: Any, prompt: list[int], params: Any, request_id: str,
+                                 wanted: bool) -> Completion:
         """Token by token (a vLLM without the frontend state the final-only path reads):
         each token is tagged with the version current when it arrived."""
         token_ids: list[int] = []
@@ -567,7 +568,7 @@ class VLLMBackend:
                 new = list(comp.token_ids)
                 token_ids.extend(new)
                 self._finished_tokens += len(new)
-                logprobs.extend(read_sampled_logprobs(comp.logprobs, new, params.logprobs is not None))
+                logprobs.extend(read_sampled_logprobs(comp.logprobs, new, wanted))
                 arrival_versions.extend([self._version] * len(new))
                 text.append(comp.text)
                 if comp.finish_reason is not None:

@@ -51,6 +51,8 @@ from typing import Any
 
 import structlog
 
+from stages.rollout.vllm_sampler_tap import SampledLogprobs, check_against_vllm, install_sampler_tap
+
 log = structlog.get_logger(stage="rollout")
 
 
@@ -112,6 +114,7 @@ class InProcessEngine:
         # them, the requests unfinished at each step (summed), and the seconds spent
         # running queued calls (adds, aborts, RPCs) between steps.
         self._steps, self._step_s, self._step_requests, self._calls_s = 0, 0.0, 0, 0.0
+        self._tap_s = 0.0  # the sampler tap's reading and filing after the steps
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(engine_args, ready), name="vllm-stepper", daemon=True)
         self._thread.start()
@@ -125,13 +128,14 @@ class InProcessEngine:
     def _run(self, engine_args: Any, ready: concurrent.futures.Future) -> None:
         try:
             self._engine = _build_llm_engine(engine_args)
-            if self._want_tap:
-                from stages.rollout.vllm_sampler_tap import install_sampler_tap
-
-                self._ledger, self.sampler_tap_unavailable = install_sampler_tap(self._engine)
         except BaseException as err:
             ready.set_exception(err)
             return
+        if self._want_tap:
+            try:
+                self._ledger, self.sampler_tap_unavailable = install_sampler_tap(self._engine)
+            except Exception as err:  # another vLLM's internals: vLLM reports the log-probs
+                self._ledger, self.sampler_tap_unavailable = None, f"installing it failed: {err!r}"
         ready.set_result(None)
         try:
             self._loop_steps()
@@ -167,6 +171,9 @@ class InProcessEngine:
             self._steps += 1
             self._step_s += time.perf_counter() - t1
             self._step_requests += requests
+            t2 = time.perf_counter()
+            if self._ledger is not None:
+                self._ledger.settle()  # the copies already done: at most a few steps stay pending
             for out in outputs:
                 collector = self._collectors.get(out.request_id)
                 if collector is None:  # aborted meanwhile
@@ -176,19 +183,18 @@ class InProcessEngine:
                 if self._ledger is not None:
                     out = self._attach_tapped_logprobs(out)
                 collector.loop.call_soon_threadsafe(collector.put, out)
+            if self._ledger is not None:
+                self._tap_s += time.perf_counter() - t2
 
     def _attach_tapped_logprobs(self, out: Any) -> Any:
         """``out`` with the tap's log-probs on each completion vLLM gave none, and those
         vLLM gave checked against the tap's (the ``LookupError`` instead when the tap has
-        none, or they differ or do not fit: the collector raises it)."""
-        from stages.rollout.vllm_backend import read_sampled_logprobs
-        from stages.rollout.vllm_sampler_tap import SampledLogprobs, check_against_vllm
-
+        none, or they differ or do not fit: the collector raises it, and the request is
+        forgotten, so a later output of it cannot read another token's value)."""
         internal = self._internal.get(out.request_id)
         if internal is None:
             return out
-        if out.finished:
-            del self._internal[out.request_id]
+        failed = False
         try:
             for comp in out.outputs:
                 token_ids = list(comp.token_ids)
@@ -196,13 +202,17 @@ class InProcessEngine:
                 if comp.logprobs is None:
                     comp.logprobs = SampledLogprobs(token_ids, tapped)
                 else:
+                    from stages.rollout.vllm_backend import read_sampled_logprobs
+
                     diff = check_against_vllm(out.request_id, tapped, read_sampled_logprobs(comp.logprobs, token_ids))
                     self._tap_checked += len(tapped)
                     self._tap_max_diff = max(self._tap_max_diff, diff)
         except (LookupError, ValueError) as err:  # this request fails; the engine steps on
+            failed = True
             return err
         finally:
-            if out.finished:
+            if out.finished or failed:
+                del self._internal[out.request_id]
                 self._ledger.forget(internal)
         return out
 
@@ -234,11 +244,12 @@ class InProcessEngine:
         """The stepper's account so far: ``steps``, ``step_s`` (inside ``engine.step``),
         ``mean_step_ms``, ``mean_requests`` (unfinished requests per step) and
         ``calls_s`` (queued calls run between steps); with the sampler tap
-        ``tap_records`` (its steps read), ``tap_checked`` (tokens checked against vLLM's
+        ``tap_records`` (its steps read), ``tap_s`` (its reading and filing after the
+        steps, outside ``step_s``), ``tap_checked`` (tokens checked against vLLM's
         log-probs) and ``tap_max_abs_diff`` (the largest difference there)."""
         steps = self._steps
         return {"steps": steps, "step_s": self._step_s, "calls_s": self._calls_s,
-                "tap_records": self._ledger.records if self._ledger is not None else 0,
+                "tap_records": self._ledger.records if self._ledger is not None else 0, "tap_s": self._tap_s,
                 "tap_checked": self._tap_checked, "tap_max_abs_diff": self._tap_max_diff,
                 "mean_step_ms": 1000 * self._step_s / steps if steps else 0.0,
                 "mean_requests": self._step_requests / steps if steps else 0.0}
@@ -271,9 +282,14 @@ class InProcessEngine:
                 del self._collectors[request_id]
                 raise
             if self._ledger is not None:
+                # vLLM's own count of the prompt: the positions the tap reads are its.
+                state = engine.output_processor.request_states.get(internal)
+                prompt_len = getattr(state, "prompt_len", None) or len(prompt["prompt_token_ids"])
+                max_tokens = params.max_tokens
+                if max_tokens is None:
+                    max_tokens = engine.model_config.max_model_len - prompt_len
                 self._internal[request_id] = internal
-                max_tokens = engine.model_config.max_model_len if params.max_tokens is None else params.max_tokens
-                self._ledger.track(internal, len(prompt["prompt_token_ids"]), max_tokens)
+                self._ledger.track(internal, prompt_len, max_tokens)
 
         await self.call(add)
         return collector
@@ -282,7 +298,11 @@ class InProcessEngine:
         def abort(engine: Any) -> None:
             self._collectors.pop(request_id, None)
             engine.abort_request([request_id], internal=internal)
-            tapped = self._internal.pop(request_id, None)
+            if internal:  # vLLM's id: the tapped request it belongs to
+                external = next((k for k, v in self._internal.items() if v == request_id), None)
+                tapped = request_id if self._internal.pop(external, None) is not None else None
+            else:
+                tapped = self._internal.pop(request_id, None)
             if tapped is not None:
                 self._ledger.forget(tapped)
 

@@ -11,23 +11,29 @@ Conveyor 183.7 samples/s against 241.4.
 With the in-process engine (``vllm_inproc``) on vLLM's GPU model runner (V2), the model
 runs in this process, so ``install_sampler_tap`` wraps that runner's sampling: after
 each engine step's sampling it computes, for every row, the log-prob of the token just
-sampled under the distribution it was sampled from (vLLM's ``processed_logprobs``, the
-kernel vLLM itself uses), and copies the row's value and position to pinned host
-memory without waiting. vLLM is asked for no log-probs. The stepper attaches the values
-to each finished request (``SampledLogprobLedger.take``): one dictionary lookup per
-row per step, and one slice per request.
+sampled from the logits vLLM sampled it from (after temperature, penalties, top-k/top-p:
+vLLM's ``processed_logprobs``, with the kernel vLLM itself uses; a greedy row's logits
+are not scaled, as in vLLM), and copies the row's value and position to pinned host
+memory without waiting. vLLM is asked for no log-probs. It samples without FlashInfer
+then, as it does whenever processed log-probs are asked (FlashInfer's sampler keeps
+top-k/top-p out of the logits). The stepper reads the records after each step and
+attaches the values to each finished request (``SampledLogprobLedger.take``): one
+dictionary lookup per row per step, and one slice per request.
 
 Guarantees:
 
 - A value is filed under the request and the output position of the token it belongs
   to (the row's position minus the request's prompt length), never by counting rows:
-  a row vLLM discards (a chunk of a prefill, a token sampled in flight for a request
-  that was preempted or had already finished) is either marked as not sampled by vLLM
-  itself or overwritten, in step order, by the row that samples that position again.
+  a row vLLM discards is marked as not sampled by vLLM itself (a chunk of a prefill),
+  overwritten in step order by the row that samples that position again (a token
+  sampled in flight for a request a weight update preempted), or past every position
+  ``take`` reads (a token sampled in flight after the request finished).
 - Records are applied in the order the GPU made them; a record is read only once its
   copy has finished (its CUDA event).
 - ``take`` returns a value for every token it is asked for, or raises naming the
-  request and the position: a missing log-prob fails the request, never shifts it.
+  request and the position: a missing log-prob fails the request (and the rollout's
+  ``generate`` call that asked for it), never shifts it. A failure inside the wrappers
+  leaves vLLM's sampling as it was and fails the requests that need the tap.
 - Installed only where it is exact: vLLM's V2 GPU model runner in this process, one
   sampled token per request per step (no speculative decoding), one pipeline stage,
   text positions. Anywhere else ``install_sampler_tap`` says why and the backend asks
@@ -36,7 +42,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -62,7 +67,8 @@ class SampledLogprobs:
 @dataclass
 class _Request:
     prompt_len: int
-    values: np.ndarray  # [max_tokens] float32, NaN where not yet sampled
+    values: np.ndarray  # [max_tokens] float32
+    filled: np.ndarray  # [max_tokens] bool: a sampled row gave that position its value
     taken: int = 0  # values handed out so far (outputs that carry only new tokens)
 
 
@@ -74,17 +80,19 @@ class SampledLogprobLedger:
     _requests: dict[str, _Request] = field(default_factory=dict)
     _pending: deque[tuple[list[str], Any, _Ready]] = field(default_factory=deque)
     records: int = 0  # applied so far (read by stats)
+    broken: BaseException | None = None  # the wrappers failed: nothing more is filed
 
     def track(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
-        self._requests[request_id] = _Request(prompt_len, np.full(max_tokens, np.nan, dtype=np.float32))
+        self._requests[request_id] = _Request(prompt_len, np.zeros(max_tokens, dtype=np.float32),
+                                              np.zeros(max_tokens, dtype=bool))
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
     def push(self, request_ids: list[str], rows: Any, ready: _Ready) -> None:
         """One step's record: ``rows`` [2, len(request_ids)] (host tensor or array; row 0
-        the log-prob, NaN where the row sampled no token; row 1 the sampled token's
-        position in its sequence), readable once ``ready`` has completed."""
+        the log-prob; row 1 the sampled token's position in its sequence, -1 where the
+        row sampled no token), readable once ``ready`` has completed."""
         self._pending.append((request_ids, rows, ready))
 
     def settle(self, wait: bool = False) -> None:
@@ -99,16 +107,19 @@ class SampledLogprobLedger:
         requests = self._requests
         for request_id, value, position in zip(request_ids, rows[0].tolist(), rows[1].tolist(), strict=True):
             request = requests.get(request_id)
-            if request is None or math.isnan(value):
+            if request is None or position < 0:
                 continue
             index = int(position) - request.prompt_len
             if 0 <= index < request.values.shape[0]:
                 request.values[index] = value
+                request.filled[index] = True
         self.records += 1
 
     def take(self, request_id: str, count: int) -> list[float]:
         """The next ``count`` values of ``request_id`` (the tokens of its next output).
         Raises ``LookupError`` when a position has none after every record is applied."""
+        if self.broken is not None:
+            raise LookupError(f"the sampler tap failed: {self.broken!r}") from self.broken
         request = self._requests.get(request_id)
         if request is None:
             raise LookupError(f"the sampler tap does not track request {request_id!r}")
@@ -117,15 +128,14 @@ class SampledLogprobLedger:
             raise LookupError(f"request {request_id!r}: {hi} tokens, more than its max_tokens "
                               f"{request.values.shape[0]}")
         self.settle()
-        window = request.values[lo:hi]
-        if np.isnan(window).any():
+        if not request.filled[lo:hi].all():
             self.settle(wait=True)
-            missing = np.flatnonzero(np.isnan(window))
+            missing = np.flatnonzero(~request.filled[lo:hi])
             if missing.size:
                 raise LookupError(f"the sampler tap has no log-prob for token {lo + int(missing[0])} of "
                                   f"request {request_id!r} ({missing.size} of {count} missing)")
         request.taken = hi
-        return window.tolist()
+        return request.values[lo:hi].tolist()
 
 
 # The tap reads the same logits with the same kernel as vLLM: any difference is a bug.
@@ -164,23 +174,34 @@ def install_sampler_tap(llm_engine: Any) -> tuple[SampledLogprobLedger | None, s
 
     def sample(logits: Any, *args: Any, **kwargs: Any) -> Any:
         sampled, processed = sampler_sample(logits, *args, **kwargs)
-        last[0] = compute_token_logprobs(processed, sampled.view(-1, 1)).view(-1)
+        if ledger.broken is None:
+            try:
+                last[0] = compute_token_logprobs(processed, sampled.view(-1, 1)).view(-1)
+            except Exception as err:  # vLLM's sampling stands; the requests needing the tap fail
+                ledger.broken = err
         return sampled, processed
 
     def runner_sample_tapped(hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
         last[0] = None
         out = runner_sample(hidden_states, input_batch, grammar_output)
         logprobs, last[0] = last[0], None
-        _, num_sampled, _ = out
-        if logprobs is None or input_batch.num_draft_tokens or logprobs.shape[0] != num_sampled.shape[0]:
-            return out  # not a plain one-token-per-request step: nothing filed, take() fails loudly
-        position = input_batch.positions[input_batch.logits_indices] + 1  # the sampled token's
-        rows = torch.stack([torch.where(num_sampled > 0, logprobs, torch.nan), position.to(torch.float32)])
-        host = torch.empty(rows.shape, dtype=torch.float32, pin_memory=True)
-        host.copy_(rows, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        ledger.push(list(input_batch.req_ids), host, ready)
+        if logprobs is None or ledger.broken is not None:
+            return out
+        try:
+            _, num_sampled, _ = out
+            if input_batch.num_draft_tokens or logprobs.shape[0] != num_sampled.shape[0]:
+                raise RuntimeError(f"a step sampled {logprobs.shape[0]} rows for {num_sampled.shape[0]} requests "
+                                   f"({input_batch.num_draft_tokens} draft tokens)")
+            position = input_batch.positions[input_batch.logits_indices] + 1  # the sampled token's
+            position = torch.where(num_sampled > 0, position, -1)  # -1: vLLM keeps no token from the row
+            rows = torch.stack([logprobs, position.to(torch.float32)])
+            host = torch.empty(rows.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            ledger.push(list(input_batch.req_ids), host, ready)
+        except Exception as err:
+            ledger.broken = err
         return out
 
     sampler.sample = sample
@@ -200,8 +221,12 @@ def _v2_model_runner(llm_engine: Any) -> tuple[Any, str]:
 
     if type(runner.sampler) is not SamplerV2:
         return None, f"the sampler is {type(runner.sampler).__name__}"
-    if runner.speculative_config is not None:
-        return None, "speculative decoding samples several tokens a step"
+    if (runner.speculative_config is not None or runner.num_speculative_steps
+            or runner.rejection_sampler is not None
+            or runner.model_state.num_new_sampled_tokens_per_step != 1):
+        return None, "the model samples several tokens a step (speculative decoding or its own sampler)"
+    if getattr(runner, "pcp_manager", None) is not None:
+        return None, "prefill context parallelism"
     if not runner.is_last_pp_rank or runner.vllm_config.parallel_config.pipeline_parallel_size > 1:
         return None, "pipeline parallelism"
     if getattr(runner.vllm_config.model_config, "uses_mrope", False):

@@ -3,14 +3,12 @@ sampled token's position, in the order the GPU made them, read once copied."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 from stages.rollout.vllm_sampler_tap import SampledLogprobLedger
 
-NAN = math.nan
+NOT_SAMPLED = -1  # the position vLLM's rows carry when it keeps no token from them
 
 
 class CopyDone:
@@ -27,7 +25,7 @@ class CopyDone:
 
 
 def record(ledger: SampledLogprobLedger, rows: dict[str, tuple[float, int]], ready: CopyDone | None = None) -> None:
-    """One engine step: request id -> (log-prob or NaN when not sampled, position of the sampled token)."""
+    """One engine step: request id -> (log-prob, position of the sampled token or NOT_SAMPLED)."""
     values = np.array([[v for v, _ in rows.values()], [p for _, p in rows.values()]], dtype=np.float32)
     ledger.push(list(rows), values, ready or CopyDone())
 
@@ -36,11 +34,11 @@ def test_values_are_filed_by_position_so_discarded_rows_never_shift_a_request() 
     ledger = SampledLogprobLedger()
     ledger.track("a", prompt_len=3, max_tokens=4)
     ledger.track("b", prompt_len=1, max_tokens=2)
-    record(ledger, {"a": (NAN, 2), "b": (-0.1, 1)})  # a: a chunk of its prefill, no token
+    record(ledger, {"a": (-4.0, NOT_SAMPLED), "b": (-0.1, 1)})  # a: a chunk of its prefill, no token
     record(ledger, {"a": (-0.5, 3), "b": (-0.2, 2), "gone": (-3.0, 9)})  # a's token 0 (3 - 3); an untracked row
     record(ledger, {"a": (-1.0, 4)})  # token 1
     record(ledger, {"a": (-9.0, 5)})  # token 2 sampled in flight, then discarded: a was preempted
-    record(ledger, {"a": (NAN, 3)})  # the recompute's first chunk: no token
+    record(ledger, {"a": (-5.0, NOT_SAMPLED)})  # the recompute's first chunk: no token
     record(ledger, {"a": (-0.25, 5)})  # token 2 sampled again: the later row wins
     record(ledger, {"a": (-2.0, 6)})  # token 3, the last (max_tokens 4)
     record(ledger, {"a": (-7.0, 7)})  # sampled in flight after a finished: past max_tokens, dropped
@@ -83,4 +81,21 @@ def test_a_missing_value_fails_the_request_naming_the_token() -> None:
         ledger.take("a", 3)
     ledger.forget("a")
     with pytest.raises(LookupError, match="does not track request 'a'"):
+        ledger.take("a", 1)
+
+
+def test_a_nan_log_prob_is_a_value_not_a_missing_token() -> None:
+    ledger = SampledLogprobLedger()
+    ledger.track("a", prompt_len=1, max_tokens=1)
+    record(ledger, {"a": (float("nan"), 1)})
+    (value,) = ledger.take("a", 1)
+    assert value != value  # NaN, handed on (the trainer then anchors on its own log-prob)
+
+
+def test_once_the_tap_failed_every_take_says_why() -> None:
+    ledger = SampledLogprobLedger()
+    ledger.track("a", prompt_len=1, max_tokens=1)
+    record(ledger, {"a": (-0.5, 1)})
+    ledger.broken = RuntimeError("a step sampled 2 rows for 1 requests (0 draft tokens)")
+    with pytest.raises(LookupError, match="the sampler tap failed: RuntimeError"):
         ledger.take("a", 1)
