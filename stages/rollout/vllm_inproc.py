@@ -51,6 +51,7 @@ from typing import Any
 
 import structlog
 
+from stages.rollout.vllm_backend import batch_usage, read_sampled_logprobs
 from stages.rollout.vllm_sampler_tap import SampledLogprobs, check_against_vllm, install_sampler_tap
 
 log = structlog.get_logger(stage="rollout")
@@ -95,8 +96,6 @@ class InProcessEngine:
         """``sampler_tap`` (``rollout.sampler_tap``): "auto" or "verify" installs the
         sampler tap (``vllm_sampler_tap``) where that is exact; ``self.sampler_tap``
         says whether it was installed, ``self.sampler_tap_unavailable`` why not."""
-        if sampler_tap not in ("auto", "never", "verify"):
-            raise ValueError(f"sampler_tap: expected auto, never or verify, got {sampler_tap!r}")
         self._cv = threading.Condition()
         self._calls: list[tuple[Callable[[Any], Any], concurrent.futures.Future]] = []
         self._collectors: dict[str, _Collector] = {}
@@ -202,8 +201,6 @@ class InProcessEngine:
                 if comp.logprobs is None:
                     comp.logprobs = SampledLogprobs(token_ids, tapped)
                 else:
-                    from stages.rollout.vllm_backend import read_sampled_logprobs
-
                     diff = check_against_vllm(out.request_id, tapped, read_sampled_logprobs(comp.logprobs, token_ids))
                     self._tap_checked += len(tapped)
                     self._tap_max_diff = max(self._tap_max_diff, diff)
@@ -372,8 +369,6 @@ def _build_llm_engine(engine_args: Any) -> Any:
     from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.executor import Executor
-
-    from stages.rollout.vllm_backend import batch_usage
 
     here = (current_platform.is_cpu() and engine_args.tensor_parallel_size == 1
             and engine_args.distributed_executor_backend is None)
