@@ -275,6 +275,7 @@ class TrainerStage:
         self.transport = select_transport(self.engine.weights_on_gpu, _count_cluster_gpus(),
                                           os.environ.get(TRANSPORT_ENV))
         ctx.log.info("weight_transport", transport=self.transport)
+        ctx.log.info("trainer_compile", blocks=self.engine.compiled_blocks, skipped=self.engine.compile_skipped)
         self.checkpoints = TrainerCheckpoints(cfg, self.engine)
         from stages.algorithms.kl_control import build_kl_controller
 
@@ -518,6 +519,10 @@ class TrainerStage:
             # wakes vLLM on this GPU.
             await record()
             await asyncio.to_thread(self.engine.release_cached_memory)
+            if self.steps_done == 1:
+                # The first step built what set-up left lazy (the compiled blocks' graphs
+                # and caches, the optimizer's moments): out of the collections too.
+                freeze_setup_heap()
         # One call: the ledger, the step's metrics and, on a sync step, its weights.
         await self.ctx.controller.finish_step(sum(len(b.prompts) for b in batches), version, metrics, update, payload)
         if not self.colocated:

@@ -31,6 +31,10 @@ Guarantees:
   (bfloat16: bf16 weights and activations, float32 master weights and Adam moments,
   and, unless ``train.grad_accum_dtype: bf16``, float32 gradient accumulation across a
   step's pieces).
+- ``train.compile`` (``auto``: on a GPU, below ZeRO 3) compiles the model's transformer
+  blocks in place (``compile_blocks``): parameter names, checkpoints and exported weights
+  are the eager model's; losses and gradients match eager up to the fused kernels' bf16
+  rounding (``tests/gpu``). ``compiled_blocks`` / ``compile_skipped`` say what was done.
 - On CPU, the same state and the same inputs give bitwise-identical losses, gradient
   norms and weights (same thread count); ``save_state``/``load_state`` round-trip
   weights, optimizer moments, version and RNG states exactly.
@@ -218,6 +222,42 @@ def build_deepspeed_engine(model: Any, train: TrainConfig, dtype: str, total_ste
     return engine
 
 
+def find_blocks(model: Any) -> list[torch.nn.Module]:
+    """The model's transformer blocks: the modules of the classes its Hugging Face
+    class lists in ``_no_split_modules`` (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``,
+    ...), in model order; none for a model that lists none."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def plan_compile(mode: str, on_gpu: bool, zero_stage: int) -> str:
+    """Why the blocks stay eager under ``train.compile: mode``; "" to compile them."""
+    if mode == "off":
+        return "train.compile is off"
+    if mode == "auto" and not on_gpu:
+        return "no GPU (train.compile: auto compiles on a GPU)"
+    if mode == "auto" and zero_stage >= 3:
+        return "ZeRO 3 gathers parameters module by module (train.compile: auto leaves it eager)"
+    return ""
+
+
+def compile_blocks(model: Any, mode: str, on_gpu: bool, zero_stage: int) -> tuple[int, str]:
+    """Compile ``model``'s blocks in place (``nn.Module.compile``: parameter names, the
+    state dict and DeepSpeed's hooks stay as they are; shapes dynamic, so the batch and
+    the sequence length vary without recompiling). Every block shares one compiled
+    graph; it is built by the first forward and backward. Returns (blocks compiled, why
+    none were: "" when some were)."""
+    why = plan_compile(mode, on_gpu, zero_stage)
+    if why:
+        return 0, why
+    blocks = find_blocks(model)
+    if not blocks:
+        return 0, f"{type(model).__name__} names no transformer block class (_no_split_modules)"
+    for block in blocks:
+        block.compile(dynamic=True)
+    return len(blocks), ""
+
+
 def optimizer_reports_grad_norm(optimizer: Any) -> bool:
     """Whether DeepSpeed's ``optimizer`` computes the gradient norm itself during
     ``step()`` (ZeRO, the bf16/fp16 wrappers); torch AdamW under ZeRO 0 does not."""
@@ -309,6 +349,9 @@ class TrainerEngine:
         # total_steps: the run's optimizer steps, where a decaying lr schedule ends.
         self.engine = build_deepspeed_engine(model, train, dtype, total_steps)
         self.module = self.engine.module
+        # (blocks compiled, why none were): see compile_blocks.
+        self.compiled_blocks, self.compile_skipped = compile_blocks(
+            self.module, train.compile, self.weights_on_gpu, int(train.zero_stage))
         self._keep = accepts_logits_to_keep(self.module)
         self._ipc: CudaIpcExporter | None = None  # made on the first cuda_ipc export
         self._loss = build_policy_loss(algo)

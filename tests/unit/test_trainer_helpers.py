@@ -13,9 +13,12 @@ from pipeline.config import TrainConfig
 from pipeline.types import Prompt, RolloutBatch
 from stages.trainer_engine import (
     build_deepspeed_config,
+    compile_blocks,
     compute_chunk_weights,
     decode_rng_state,
     encode_rng_state,
+    find_blocks,
+    plan_compile,
 )
 
 
@@ -121,3 +124,39 @@ def test_a_taken_port_this_process_chose_is_replaced_and_a_users_port_is_not(mon
 
     with pytest.raises(ValueError, match="bad config"):  # other errors are not retried
         trainer_engine.init_on_a_free_port(broken, chose_port=True)
+
+
+def tiny_llama(layers: int = 3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                                        num_attention_heads=2, num_key_value_heads=2))
+
+
+def test_compile_plan_follows_the_mode_the_device_and_zero():
+    assert plan_compile("auto", on_gpu=True, zero_stage=1) == ""
+    assert plan_compile("on", on_gpu=False, zero_stage=3) == ""
+    assert "off" in plan_compile("off", on_gpu=True, zero_stage=0)
+    assert "GPU" in plan_compile("auto", on_gpu=False, zero_stage=0)
+    assert "ZeRO 3" in plan_compile("auto", on_gpu=True, zero_stage=3)
+    assert TrainConfig().compile == "auto"
+
+
+def test_blocks_are_the_models_decoder_layers_in_order():
+    model = tiny_llama(3)
+    assert find_blocks(model) == list(model.model.layers)
+    assert find_blocks(torch.nn.Linear(2, 2)) == []
+
+
+def test_compiling_blocks_keeps_the_module_tree_and_its_names():
+    model = tiny_llama(2)
+    names = list(model.state_dict())
+    assert compile_blocks(model, "on", on_gpu=False, zero_stage=0) == (2, "")
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    assert model.lm_head._compiled_call_impl is None  # only the blocks
+    assert list(model.state_dict()) == names
+    eager = tiny_llama(2)
+    assert compile_blocks(eager, "auto", on_gpu=False, zero_stage=0) == (0, plan_compile("auto", False, 0))
+    assert all(layer._compiled_call_impl is None for layer in eager.model.layers)
+    count, why = compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)), "on", on_gpu=False, zero_stage=0)
+    assert count == 0 and "_no_split_modules" in why
