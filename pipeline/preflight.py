@@ -12,7 +12,8 @@ Guarantees of ``run_preflight``:
   (``rollout.tools.functions``, loaded); the data (``data.path``
   read once, streaming, and validated whole: rows in total and skipped by reason, a
   file without one usable row is refused; or ``data.task`` loaded); the reward function
-  (imported or loaded from its file, its signature recognised).
+  (imported or loaded from its file, its signature recognised); with ``train.compile:
+  on``, a compiler for torch.compile's kernels (``find_compiler``).
 - The returned config has ``data.path``, a reward file's and a tools file's path made absolute, so
   actors started in another working directory read the same files.
 
@@ -23,6 +24,7 @@ The model-aware checks live in ``stages/`` and are reached by import path
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,7 @@ def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]
     model_path, tokenizer = check_model(cfg)
     check_reference(cfg)
     check_imports(cfg)
+    check_compile(cfg)
     cfg = absolutise_paths(cfg)
     data = check_data(cfg, tokenizer, model_path)
     reward = check_reward(cfg)
@@ -108,6 +111,26 @@ def check_imports(cfg: ConveyorConfig) -> None:
         finally:
             os.environ.clear()
             os.environ.update(saved)
+
+
+def find_compiler(on_gpu: bool) -> str | None:
+    """The compiler torch.compile would build its kernels with, found on PATH, or None:
+    on a GPU Triton's C launcher (``$CC``, else gcc, else clang), on CPU inductor's C++
+    (``$CXX``, else g++), as those two look for them."""
+    if on_gpu:
+        tools = [os.environ["CC"]] if os.environ.get("CC") else ["gcc", "clang"]
+    else:
+        tools = [os.environ.get("CXX") or "g++"]
+    return next((found for found in map(shutil.which, tools) if found), None)
+
+
+def check_compile(cfg: ConveyorConfig) -> None:
+    """``train.compile: on`` compiles wherever the trainer runs: refused when this
+    machine has neither compiler (``auto`` leaves such a trainer eager instead)."""
+    if cfg.train.compile == "on" and find_compiler(on_gpu=True) is None and find_compiler(on_gpu=False) is None:
+        raise ConfigError("train.compile: on needs a compiler for torch.compile's kernels on PATH, a C compiler "
+                          "on a GPU ($CC, gcc or clang) or a C++ one on CPU ($CXX or g++); none found. "
+                          "Set train.compile: auto (eager without one) or off")
 
 
 def _import(spec: str, field_name: str) -> Any:

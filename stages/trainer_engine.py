@@ -230,14 +230,21 @@ def find_blocks(model: Any) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def plan_compile(mode: str, on_gpu: bool, zero_stage: int) -> str:
-    """Why the blocks stay eager under ``train.compile: mode``; "" to compile them."""
+def plan_compile(mode: str, on_gpu: bool, zero_stage: int, compiler: str | None) -> str:
+    """Why the blocks stay eager under ``train.compile: mode``; "" to compile them.
+    ``compiler``: the one the kernels would be built with (``find_compiler``), None if
+    there is none: ``auto`` then stays eager, ``on`` raises ``ValueError``."""
     if mode == "off":
         return "train.compile is off"
     if mode == "auto" and not on_gpu:
         return "no GPU (train.compile: auto compiles on a GPU)"
     if mode == "auto" and zero_stage >= 3:
         return "ZeRO 3 gathers parameters module by module (train.compile: auto leaves it eager)"
+    if compiler is None:
+        need = "a C compiler for Triton ($CC, gcc or clang)" if on_gpu else "a C++ compiler for inductor ($CXX or g++)"
+        if mode == "on":
+            raise ValueError(f"train.compile: on needs {need} on PATH; none found (auto or off runs eager)")
+        return f"no {need} on PATH"
     return ""
 
 
@@ -247,7 +254,9 @@ def compile_blocks(model: Any, mode: str, on_gpu: bool, zero_stage: int) -> tupl
     the sequence length vary without recompiling). Every block shares one compiled
     graph; it is built by the first forward and backward. Returns (blocks compiled, why
     none were: "" when some were)."""
-    why = plan_compile(mode, on_gpu, zero_stage)
+    from pipeline.preflight import find_compiler
+
+    why = plan_compile(mode, on_gpu, zero_stage, find_compiler(on_gpu) if mode != "off" else None)
     if why:
         return 0, why
     blocks = find_blocks(model)

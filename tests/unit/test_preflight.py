@@ -181,3 +181,17 @@ def test_verl_reward_spelling_is_checked_too(setup, capsys):
     config.write_text(yaml.safe_dump(raw))
     assert launch(config) == 2
     assert f"reward.function: '{tmp}/my_reward.py' defines no 'missing_fn'" in capsys.readouterr().err
+
+
+def test_compile_on_without_any_compiler_exits_2_and_auto_does_not(setup, capsys, ray_starts, monkeypatch):
+    config, tmp = setup
+    empty = tmp / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    assert launch(config, "train.compile=on") == 2
+    assert "conveyor: invalid config: train.compile: on needs a compiler for torch.compile's kernels" in capsys.readouterr().err
+    assert ray_starts == []
+    cfg = load_config(config, ["train.compile=auto"])
+    assert run_preflight(cfg)[0].train.compile == "auto"  # auto runs eager where nothing compiles

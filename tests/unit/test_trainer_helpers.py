@@ -133,13 +133,42 @@ def tiny_llama(layers: int = 3):
                                         num_attention_heads=2, num_key_value_heads=2))
 
 
-def test_compile_plan_follows_the_mode_the_device_and_zero():
-    assert plan_compile("auto", on_gpu=True, zero_stage=1) == ""
-    assert plan_compile("on", on_gpu=False, zero_stage=3) == ""
-    assert "off" in plan_compile("off", on_gpu=True, zero_stage=0)
-    assert "GPU" in plan_compile("auto", on_gpu=False, zero_stage=0)
-    assert "ZeRO 3" in plan_compile("auto", on_gpu=True, zero_stage=3)
+def test_compile_plan_follows_the_mode_the_device_zero_and_the_compiler():
+    assert plan_compile("auto", on_gpu=True, zero_stage=1, compiler="/usr/bin/gcc") == ""
+    assert plan_compile("on", on_gpu=False, zero_stage=3, compiler="/usr/bin/g++") == ""
+    assert "off" in plan_compile("off", on_gpu=True, zero_stage=0, compiler=None)
+    assert "GPU" in plan_compile("auto", on_gpu=False, zero_stage=0, compiler="/usr/bin/g++")
+    assert "ZeRO 3" in plan_compile("auto", on_gpu=True, zero_stage=3, compiler="/usr/bin/gcc")
+    # No compiler: auto stays eager and says why; on refuses.
+    assert "C compiler for Triton" in plan_compile("auto", on_gpu=True, zero_stage=0, compiler=None)
+    with pytest.raises(ValueError, match=r"train.compile: on needs a C\+\+ compiler for inductor"):
+        plan_compile("on", on_gpu=False, zero_stage=0, compiler=None)
     assert TrainConfig().compile == "auto"
+
+
+def test_the_compiler_is_found_where_triton_and_inductor_look(tmp_path, monkeypatch):
+    from pipeline.preflight import find_compiler
+
+    def tool(name: str) -> str:
+        path = tmp_path / name
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+        return str(path)
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    assert find_compiler(on_gpu=True) is None and find_compiler(on_gpu=False) is None
+    clang = tool("clang")
+    assert find_compiler(on_gpu=True) == clang and find_compiler(on_gpu=False) is None
+    gcc = tool("gcc")
+    assert find_compiler(on_gpu=True) == gcc  # gcc before clang, as Triton picks
+    monkeypatch.setenv("CC", "no-such-cc")  # $CC is the only one Triton tries when set
+    assert find_compiler(on_gpu=True) is None
+    gxx = tool("g++")
+    assert find_compiler(on_gpu=False) == gxx
+    monkeypatch.setenv("CXX", "clang")
+    assert find_compiler(on_gpu=False) == clang
 
 
 def test_blocks_are_the_models_decoder_layers_in_order():
@@ -156,7 +185,7 @@ def test_compiling_blocks_keeps_the_module_tree_and_its_names():
     assert model.lm_head._compiled_call_impl is None  # only the blocks
     assert list(model.state_dict()) == names
     eager = tiny_llama(2)
-    assert compile_blocks(eager, "auto", on_gpu=False, zero_stage=0) == (0, plan_compile("auto", False, 0))
+    assert compile_blocks(eager, "auto", on_gpu=False, zero_stage=0) == (0, plan_compile("auto", False, 0, None))
     assert all(layer._compiled_call_impl is None for layer in eager.model.layers)
     count, why = compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)), "on", on_gpu=False, zero_stage=0)
     assert count == 0 and "_no_split_modules" in why
