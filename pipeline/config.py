@@ -381,8 +381,9 @@ class TrainConfig(msgspec.Struct, **_section()):
     # torch.compile the model's transformer blocks (stages/trainer_engine.py,
     # compile_blocks): each block's elementwise ops (norms, rotary, SiLU gating) fused
     # into few kernels, forward and backward. auto: on a GPU below ZeRO 3 with a C
-    # compiler for Triton on PATH; on: wherever (CPU needs a C++ compiler); off: eager. gpu_small's step on an H200 trained in
-    # 0.23 s instead of 0.33-0.35 (bench gpu_e2e); its first step compiles (about 15 s).
+    # compiler for Triton on PATH; on: wherever (CPU needs a C++ compiler); off: eager.
+    # gpu_small's step on an H200 trained in 0.23 s instead of 0.33-0.35 (bench
+    # gpu_e2e); its first step compiles (about 15 s).
     compile: Literal["auto", "on", "off"] = "auto"
     # PPO's updates over a step's data (stages/ppo_trainer.py): the step is cut into
     # ppo_mini_batches mini-batches of whole micro-batches, each one optimizer update

@@ -31,7 +31,7 @@ Guarantees:
   (bfloat16: bf16 weights and activations, float32 master weights and Adam moments,
   and, unless ``train.grad_accum_dtype: bf16``, float32 gradient accumulation across a
   step's pieces).
-- ``train.compile`` (``auto``: on a GPU, below ZeRO 3) compiles the model's transformer
+- ``train.compile`` (``auto``: on a GPU, below ZeRO 3, with a compiler) compiles the model's transformer
   blocks in place (``compile_blocks``): parameter names, checkpoints and exported weights
   are the eager model's; losses and gradients match eager up to the fused kernels' bf16
   rounding (``tests/gpu``). ``compiled_blocks`` / ``compile_skipped`` say what was done.
@@ -256,7 +256,7 @@ def compile_blocks(model: Any, mode: str, on_gpu: bool, zero_stage: int) -> tupl
     none were: "" when some were)."""
     from pipeline.preflight import find_compiler
 
-    why = plan_compile(mode, on_gpu, zero_stage, find_compiler(on_gpu) if mode != "off" else None)
+    why = plan_compile(mode, on_gpu, zero_stage, find_compiler(on_gpu))
     if why:
         return 0, why
     blocks = find_blocks(model)
