@@ -67,7 +67,10 @@ def _finish(proc: subprocess.Popen, timeout: float = 900) -> str:
 
 
 def test_killed_trainer_resumes_and_killed_stage_actors_restart(tmp_path):
-    run_dir, steps = tmp_path / "run", 20
+    # 40 steps: the tiny model steps in ~0.2 s and the driver sees each restart on its
+    # tick, so the last kill must come well before the stages run out of work (a stage
+    # killed after its last micro-batch is not restarted, nothing asks it to run again).
+    run_dir, steps = tmp_path / "run", 40
     proc = _launch(run_dir, steps, "run.auto_resume=true", "rollout.engine_core=subprocess")
     engines: list[psutil.Process] = []
     try:
