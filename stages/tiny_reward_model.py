@@ -39,7 +39,9 @@ class TinyRewardRecipe(msgspec.Struct, frozen=True, kw_only=True):
     num_heads: int = 2
     intermediate_size: int = 128
     examples: int = 20000  # prompts x 5 completions; more prompts generalise better than more steps
-    steps: int = 1000
+    # 1,000 steps reached 89% held-out accuracy with AVX-512 kernels but 70% with AVX2 ones
+    # (the same seeds: the fit was still leaving its plateau); 2,000 reach 93% with AVX2.
+    steps: int = 2000
     batch_size: int = 64
     lr: float = 2e-3
     seed: int = 0

@@ -101,8 +101,12 @@ def test_two_ranks_update_the_weights_as_one_rank(ray_cluster, single, tmp_path,
     # The gradients agree to float rounding (grad norms to ~3e-8 relative). Adam's first
     # step moves a weight by about lr (1e-3) times the sign of its gradient, by less where
     # the gradient is near Adam's eps (1e-8), and there rounding in the order of the sums
-    # shows: seen at most 2e-6 under ZeRO 0 and 2, 5.7e-6 on 2 of 65,536 weights under ZeRO 3.
-    assert _max_diff(one["weights"], two["weights"]) <= 1e-5
+    # shows: seen at most 2e-6 under ZeRO 0 and 2, and under ZeRO 3 5.7e-6 on 2 of 65,536
+    # weights with AVX-512 kernels, 1.4e-5 with AVX2 ones. So: every weight within a tenth
+    # of a step (a wrong gradient moves one by up to 2 lr) and all but a few within rounding.
+    assert _max_diff(one["weights"], two["weights"]) <= 1e-4
+    off = sum(int((np.abs(one["weights"][k] - two["weights"][k]) > 1e-6).sum()) for k in one["weights"])
+    assert off <= 1e-3 * sum(w.size for w in one["weights"].values()), off
     # Since that first step is ~lr * sign(grad), the weights would match under a wrong
     # gradient scale too: the grad norm is what guards the scale.
     assert two["step"]["grad_norm"] == pytest.approx(one["step"]["grad_norm"], rel=1e-6)
