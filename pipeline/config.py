@@ -41,7 +41,7 @@ def _section(**kw: Any) -> Any:
     return dict(kw, forbid_unknown_fields=True, kw_only=True, frozen=True)
 
 
-TinyArchitecture = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
+TinyArchitecture = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "mixtral"]
 
 
 class TinyModelConfig(msgspec.Struct, **_section()):

@@ -16,8 +16,11 @@ Guarantees:
   ChatML), Mistral (grouped-query attention, sliding window, ``[INST]`` template),
   Gemma3 (tied, (1 + w) norms, q/k norm, scaled embeddings, logit soft-capping,
   ``<start_of_turn>`` template, ``<end_of_turn>`` stops) and Phi3 (fused qkv and
-  gate/up projections in the checkpoint, ``<|end|>`` stops). Every family but Llama
-  uses one key/value head (GQA). The generation config lists every stop token.
+  gate/up projections in the checkpoint, ``<|end|>`` stops). Two are mixtures of
+  experts, ``MOE_EXPERTS`` per layer with two routed per token: Qwen3-MoE (ChatML,
+  normalised top-k weights) and Mixtral (the Mistral conventions, ``w1``/``w2``/``w3``
+  experts under ``block_sparse_moe`` in the checkpoint). Every family but Llama and
+  Mixtral uses one key/value head (GQA). The generation config lists every stop token.
 - ``ensure_tiny_checkpoint`` returns a complete Hugging Face checkpoint directory
   (config, safetensors weights, tokenizer, generation config) that transformers and vLLM
   load from disk. It is idempotent and safe under concurrent callers: a checkpoint is
@@ -46,6 +49,8 @@ from pipeline.config import ModelConfig, TinyModelConfig
 # Bump when the checkpoint layout, the vocabulary or the init changes: old cache entries
 # then stop matching instead of being silently reused.
 FORMAT_VERSION = 1
+
+MOE_EXPERTS = 4  # experts per layer of the mixture-of-experts families
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD, BOS, EOS, UNK = SPECIAL_TOKENS
@@ -105,6 +110,7 @@ class Family:
     chat_template: str | None = None
     byte_level: bool = False  # a byte-level BPE (no merges) like GPT-2/Qwen, not a word-level vocab
     kv_heads: int | None = 1  # None: TinyModelConfig.num_kv_heads
+    moe_experts: str | None = None  # the config field of the expert count, for mixture-of-experts families
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -122,6 +128,16 @@ FAMILIES: dict[str, Family] = {
     "gemma3": Family("Gemma3TextConfig", (PAD, EOS, BOS, UNK, "<start_of_turn>", "<end_of_turn>"), eos=EOS, pad=PAD,
                      bos=BOS, stops=(EOS, "<end_of_turn>"), chat_template=_GEMMA,
                      config={"tie_word_embeddings": True}),
+    # Mixture-of-experts: 4 experts of the model's intermediate size, 2 routed per token
+    # on every layer. transformers holds each layer's experts as 3D tensors; checkpoints
+    # and vLLM name them one expert at a time (see pipeline.weights.checkpoint_names).
+    "qwen3_moe": Family("Qwen3MoeConfig", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", UNK), eos="<|im_end|>",
+                        pad="<|endoftext|>", stops=("<|im_end|>", "<|endoftext|>"), chat_template=_CHATML,
+                        byte_level=True, moe_experts="num_experts",
+                        config={"tie_word_embeddings": False, "num_experts_per_tok": 2, "norm_topk_prob": True}),
+    "mixtral": Family("MixtralConfig", (UNK, "<s>", "</s>", "[INST]", "[/INST]"), eos="</s>", pad="</s>", bos="<s>",
+                      chat_template=_MISTRAL, kv_heads=None, moe_experts="num_local_experts",
+                      config={"tie_word_embeddings": False, "num_experts_per_tok": 2}),
     "phi3": Family("Phi3Config", (UNK, "<s>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"),
                    eos="<|endoftext|>", pad="<|endoftext|>", bos="<s>", stops=("<|endoftext|>", "<|end|>"),
                    chat_template=_PHI3, config={"tie_word_embeddings": False}),
@@ -199,6 +215,7 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
         **fam.config,
+        **({fam.moe_experts: MOE_EXPERTS, "moe_intermediate_size": cfg.intermediate_size} if fam.moe_experts else {}),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)

@@ -22,7 +22,8 @@ Guarantees:
   ``optimizer_step`` refuses to apply them until ``discard_gradients`` (after which the
   caller re-accumulates the step's pieces). A call that raises before any backward
   leaves the gradients as they were.
-- Weights leave the engine under their Hugging Face names (as in the checkpoint), in the
+- Weights leave the engine under their Hugging Face checkpoint names (a mixture of
+  experts' 3D expert tensors split one expert at a time, ``stages.checkpoint_names``), in the
   rollout dtype, tied parameters once, whole (under ZeRO 3 gathered from the ranks'
   partitions for the export): as safetensors bytes on CPU (``export_weights``;
   ``weights_sha256`` is the sha256 of exactly those bytes) or, on a GPU, as a
@@ -62,6 +63,7 @@ from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import build_policy_loss
+from stages.checkpoint_names import checkpoint_state_dict
 from stages.logprobs import accepts_logits_to_keep, build_model_inputs, forward_completion_logprobs
 from stages.lr_schedule import build_lr_scheduler
 
@@ -230,16 +232,19 @@ def find_blocks(model: Any) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def plan_compile(mode: str, on_gpu: bool, zero_stage: int, compiler: str | None) -> str:
+def plan_compile(mode: str, on_gpu: bool, zero_stage: int, compiler: str | None, experts: bool = False) -> str:
     """Why the blocks stay eager under ``train.compile: mode``; "" to compile them.
     ``compiler``: the one the kernels would be built with (``find_compiler``), None if
-    there is none: ``auto`` then stays eager, ``on`` raises ``ValueError``."""
+    there is none: ``auto`` then stays eager, ``on`` raises ``ValueError``. ``experts``:
+    the blocks are a mixture of experts."""
     if mode == "off":
         return "train.compile is off"
     if mode == "auto" and not on_gpu:
         return "no GPU (train.compile: auto compiles on a GPU)"
     if mode == "auto" and zero_stage >= 3:
         return "ZeRO 3 gathers parameters module by module (train.compile: auto leaves it eager)"
+    if mode == "auto" and experts:
+        return "mixture-of-experts blocks route tokens data-dependently (train.compile: auto leaves them eager)"
     if compiler is None:
         need = "a C compiler for Triton ($CC, gcc or clang)" if on_gpu else "a C++ compiler for inductor ($CXX or g++)"
         if mode == "on":
@@ -256,7 +261,8 @@ def compile_blocks(model: Any, mode: str, on_gpu: bool, zero_stage: int) -> tupl
     none were: "" when some were)."""
     from pipeline.preflight import find_compiler
 
-    why = plan_compile(mode, on_gpu, zero_stage, find_compiler(on_gpu))
+    experts = any(p.dim() == 3 for p in model.parameters())  # transformers stacks a layer's experts
+    why = plan_compile(mode, on_gpu, zero_stage, find_compiler(on_gpu), experts)
     if why:
         return 0, why
     blocks = find_blocks(model)
@@ -553,11 +559,17 @@ class TrainerEngine:
 
         return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
 
-    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """HF name -> CPU copy in the rollout dtype; tied parameters once."""
+    def _module_state_for_sync(self) -> dict[str, torch.Tensor]:
+        """The module's names -> CPU copy in the rollout dtype; tied parameters once."""
         with self.gathered_parameters():
             live = drop_tied_duplicates(self.module.state_dict())
             return {name: t.detach().to("cpu", self.sync_dtype, copy=True) for name, t in live.items()}
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> CPU copy in the rollout dtype; tied parameters once. The
+        names are the checkpoint's (``stages.checkpoint_names``): a mixture of experts'
+        3D expert tensors go one expert at a time, as vLLM loads them."""
+        return checkpoint_state_dict(self.module, self._module_state_for_sync())
 
     @property
     def weights_on_gpu(self) -> bool:
@@ -574,7 +586,8 @@ class TrainerEngine:
         if self._ipc is None:
             self._ipc = CudaIpcExporter(self.sync_dtype)
         with self.gathered_parameters():
-            data, fingerprint = self._ipc.export(self.module.state_dict(), self.version)
+            data, fingerprint = self._ipc.export(checkpoint_state_dict(self.module, self.module.state_dict()),
+                                                 self.version)
         return data, compute_sha256(data), fingerprint
 
     def weights_sha256(self) -> str:
@@ -586,7 +599,8 @@ class TrainerEngine:
         generation config, tokenizer files copied from ``model_path``)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.module.save_pretrained(out, state_dict=self.state_dict_for_sync())
+        # The module's names: save_pretrained writes them as the checkpoint names them.
+        self.module.save_pretrained(out, state_dict=self._module_state_for_sync())
         # save_pretrained records the dtype of the live (float32) parameters; the
         # files hold the rollout dtype, and loaders with dtype="auto" read this field.
         config = self.module.config.__class__.from_dict(self.module.config.to_dict())

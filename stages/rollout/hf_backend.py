@@ -17,7 +17,9 @@ Guarantees (beyond ``stages.rollout.base``):
   (``pipeline.transport``: the buckets are mapped from the trainer's GPU and their
   fingerprint checked before anything is copied), and copies it into the live
   parameters (on the model's device: CUDA when there is one) with
-  ``load_state_dict``; a name it does not know, a wrong shape, or a parameter the
+  ``load_state_dict``. Payloads carry checkpoint names; a mixture of experts' experts,
+  one tensor per expert there, are put back into the module's 3D tensors first
+  (``stages.checkpoint_names``). A name it does not know, a wrong shape, or a parameter the
   payload lacks (other than the alias of a tied one) raises ``WeightSyncError`` before
   anything is copied, and the old weights keep serving. If the copied weights then fail
   the fingerprint check, ``generate`` raises until a later update succeeds.
@@ -44,6 +46,7 @@ from pipeline.weights import (
     deserialize_weights,
     verify_fingerprint,
 )
+from stages.checkpoint_names import CheckpointLayout
 from stages.rollout.base import Completion, GenerationResult, SamplingSettings, check_version_order
 
 log = structlog.get_logger(__name__).bind(stage="rollout", backend="hf")
@@ -73,6 +76,7 @@ class HFBackend:
         self.cfg = rollout_cfg
         self.dtype = dtype
         self._model: Any = None
+        self._layout: CheckpointLayout | None = None  # None: payload names are the module's
         self._tokenizer: Any = None
         self._stop_ids: set[int] = set()
         self._pad_id = 0
@@ -108,6 +112,8 @@ class HFBackend:
         # own: a checkpoint's repetition_penalty, min_p, no_repeat_ngram_size... would
         # reshape the sampling distribution and its behaviour log-probs. Neutral defaults.
         model.generation_config = GenerationConfig()
+        layout = CheckpointLayout(model)
+        self._layout = None if layout.identity else layout
         self._model, self._tokenizer = model, tokenizer
         log.info("model loaded", model=str(self.model_path), device=device, dtype=str(model.dtype))
 
@@ -199,6 +205,11 @@ class HFBackend:
         with self._lock:
             model = self._model
             payload = compute_fingerprint(weights.values(), dtype=model.dtype)
+            if self._layout is not None:  # checkpoint names (a mixture of experts' one per expert)
+                try:
+                    weights = self._layout.assemble(weights)
+                except ValueError as err:
+                    raise WeightSyncError(str(err)) from None
             check_payload_names(model, weights)
             model.load_state_dict(weights, strict=False)
             live = compute_fingerprint(model.parameters()) if verify else payload

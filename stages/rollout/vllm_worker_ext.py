@@ -16,8 +16,9 @@ Guarantees:
 - On a GPU, ``apply_weights_ipc`` takes a ``pipeline.transport`` descriptor instead:
   the trainer's buckets are mapped (CUDA IPC), their fingerprint is checked against the
   published one before anything is loaded, and ``load_weights`` reads GPU memory.
-- Unquantized weights on a GPU are loaded with the model's ``load_weights`` alone;
-  elsewhere ``reload_weights`` (where vLLM has it) re-runs post-load processing.
+- Unquantized dense weights on a GPU are loaded with the model's ``load_weights``
+  alone; elsewhere (and for fused mixture-of-experts layers, whose kernels may re-lay
+  their weights out) ``reload_weights`` (where vLLM has it) re-runs post-load processing.
 - Weights travel as a file path when the frontend shares the worker's /dev/shm
   (``apply_weights_file``: the worker maps the file, no copy until ``load_weights``),
   else as bytes through collective_rpc (msgpack carries ``bytes``, not tensors; it costs
@@ -101,10 +102,11 @@ class WeightSyncExtension:
             payload = compute_fingerprint(weights.values(), dtype=dtype)
         model = runner.get_model()
         on_gpu = next(model.parameters()).is_cuda
-        if on_gpu and getattr(runner.model_config, "quantization", None) is None:
-            # Unquantized weights on a GPU need no post-load processing: the model's own
-            # load_weights (fusing, padding, sharding) is the whole reload, without the
-            # layerwise bookkeeping of reload_weights (about 25x slower here).
+        if on_gpu and getattr(runner.model_config, "quantization", None) is None and not has_fused_experts(model):
+            # Unquantized dense weights on a GPU need no post-load processing: the model's
+            # own load_weights (fusing, padding, sharding) is the whole reload, without the
+            # layerwise bookkeeping of reload_weights (about 25x slower here). Fused
+            # experts may be re-laid out for their kernel after loading: they reload.
             model.load_weights(weights=iter(weights.items()))
         elif hasattr(runner, "reload_weights"):  # re-runs post-load processing (CPU packing)
             runner.reload_weights(weights_iterator=iter(weights.items()))
@@ -155,6 +157,12 @@ class WeightSyncExtension:
             return {}
         values = torch.stack([t.to(sums[0].device) for t in sums]).tolist()
         return {name: (float(v[0]), float(v[1])) for name, v in zip(names, values, strict=True)}
+
+
+def has_fused_experts(model: Any) -> bool:
+    """True when the vLLM model has fused mixture-of-experts layers (their stacked
+    ``w13_weight``), whose kernels may re-lay their weights out after loading."""
+    return any(hasattr(module, "w13_weight") for module in model.modules())
 
 
 def read_packed_linear_weight(module: Any, rows: int = 1024) -> Iterator[Any]:

@@ -4,8 +4,8 @@ and vLLM load.
 
 Each family is a tiny random-init checkpoint built locally with transformers' own config
 class (``stages/tiny.py``: tied and untied embeddings, q/k/v bias, q/k norms, GQA,
-fused projections, soft-capping, byte-level BPE and char tokenizers, several stop
-tokens). A few steps each: what is tested is that the weights the trainer publishes
+fused projections, soft-capping, mixtures of experts, byte-level BPE and char
+tokenizers, several stop tokens). A few steps each: what is tested is that the weights the trainer publishes
 are, bit for bit, the weights the engine serves, for every family's parameter layout.
 """
 
@@ -72,6 +72,11 @@ def test_family_trains_with_every_update_read_back(family_runs, arch):
     # Every step moved the weights, so each read-back compared new numbers.
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["actor/grad_norm"] > 0 for r in rows), arch
+    # The fingerprint cannot see a permutation (an expert's rows put in another expert):
+    # the log-probs can. Step 0 trains tokens the engine sampled with the very weights
+    # being trained, so the trainer's log-probs must be the engine's up to float32 kernels.
+    assert abs(rows[0]["actor/ratio_mean"] - 1.0) < 1e-3, (arch, rows[0]["actor/ratio_mean"])
+    assert rows[0]["actor/logp_mismatch"] < 1e-3, (arch, rows[0]["actor/logp_mismatch"])
 
 
 def served_fingerprint(summary: dict) -> tuple:
@@ -109,7 +114,7 @@ def test_vllm_serves_every_familys_checkpoint(family_runs):
     fingerprint), and its generation stops on every stop token the family lists. One
     subprocess loads them one after another, each engine core in that process: in this
     one it would join (and end) the torch.distributed world later tests' DeepSpeed
-    engines use, and one vLLM import serves all six."""
+    engines use, and one vLLM import serves them all."""
     runs = {arch: family_runs(arch) for arch in sorted(FAMILIES)}
     ckpts = [str(run_dir / "checkpoint") for run_dir, _ in runs.values()]
     out = subprocess.run([sys.executable, "-m", "tests.e2e.test_architectures", *ckpts],

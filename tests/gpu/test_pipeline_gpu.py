@@ -78,3 +78,28 @@ def test_replay_of_the_gpu_recording_verifies(quickstart_run):
     print(done.stdout[-3000:])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "reproduce" in done.stdout
+
+
+def test_a_mixture_of_experts_serves_the_trainers_experts(tmp_path):
+    """The tiny Qwen3-MoE in lock-step on the GPU: the weights go over cuda_ipc one expert
+    at a time, vLLM re-runs its post-load processing for its fused experts, and every
+    token the trainer scores was sampled with the very weights it trains, so its
+    log-probs must be the engine's. A fingerprint cannot see an expert's rows put in
+    another expert; the log-probs can."""
+    steps = 4
+    run_dir = tmp_path / "moe"
+    done = _conveyor("launch", "--config", str(QUICKSTART), f"run.dir={run_dir}", f"run.steps={steps}",
+                     "run.progress=false", "model.tiny.architecture=qwen3_moe", "dataflow.async_execution=false",
+                     "dataflow.max_staleness=0", "rollout.max_tokens=4", "rollout.temperature=1.0",
+                     "reward.function=tests.e2e.test_architectures:score_digit_share",
+                     log=LOG_DIR / "moe.log")
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer"]["weight_transport"] == "cuda_ipc"
+    for worker, state in summary["served"].items():
+        assert state["version"] == steps and state["verified"], worker
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert len(rows) == steps and all(r["actor/grad_norm"] > 0 for r in rows)
+    print("moe ratio/mismatch", [(r["actor/ratio_mean"], r["actor/logp_mismatch"]) for r in rows])
+    for r in rows:
+        assert abs(r["actor/ratio_mean"] - 1.0) < 1e-2 and r["actor/logp_mismatch"] < 1e-2, r

@@ -144,6 +144,23 @@ def test_compile_plan_follows_the_mode_the_device_zero_and_the_compiler():
     with pytest.raises(ValueError, match=r"train.compile: on needs a C\+\+ compiler for inductor"):
         plan_compile("on", on_gpu=False, zero_stage=0, compiler=None)
     assert TrainConfig().compile == "auto"
+    # Mixture-of-experts blocks: auto leaves them eager, on compiles them anyway.
+    assert "mixture-of-experts" in plan_compile("auto", on_gpu=True, zero_stage=1, compiler="/usr/bin/gcc", experts=True)
+    assert plan_compile("on", on_gpu=True, zero_stage=1, compiler="/usr/bin/gcc", experts=True) == ""
+
+
+def test_auto_leaves_a_mixture_of_experts_eager_on_a_gpu(tmp_path, monkeypatch):
+    from pipeline.config import TinyModelConfig
+    from stages.tiny import build_char_tokenizer, build_tiny_model
+
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))  # a compiler is found: only the experts keep it eager
+    moe = build_tiny_model(TinyModelConfig(architecture="qwen3_moe"), build_char_tokenizer("qwen3_moe"))
+    count, why = compile_blocks(moe, "auto", on_gpu=True, zero_stage=0)
+    assert count == 0 and "mixture-of-experts" in why
+    assert compile_blocks(tiny_llama(2), "auto", on_gpu=True, zero_stage=0) == (2, "")  # the same plan, dense
 
 
 def test_the_compiler_is_found_where_triton_and_inductor_look(tmp_path, monkeypatch):
