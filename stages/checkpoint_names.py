@@ -63,11 +63,13 @@ class CheckpointLayout:
         # checkpoint name -> (module name, flat positions in it or None for all of it
         # in order, checkpoint shape)
         self._where: dict[str, tuple[str, torch.Tensor | None, torch.Size]] = {}
+        self._shapes: dict[str, torch.Size] = {}  # module name -> its tensor's shape
         if self.identity:
             return
         # One module tensor at a time: each checkpoint tensor comes from one of them,
         # and the positions never take more memory than the largest tensor's.
         for name, tensor in model.state_dict(keep_vars=True).items():
+            self._shapes[name] = tensor.shape
             positions = torch.arange(tensor.numel(), dtype=torch.int64).view(tensor.shape)
             try:
                 converted = checkpoint_state_dict(model, {name: positions})
@@ -81,7 +83,7 @@ class CheckpointLayout:
         """Checkpoint-named ``weights`` under the module's names, each module tensor put
         together from its parts. Raises ``ValueError`` naming what does not fit: an
         unknown name, a wrong shape, a module tensor only partly covered."""
-        state = self.model.state_dict(keep_vars=True)
+        shapes = self._shapes
         out: dict[str, torch.Tensor] = {}
         filled: dict[str, int] = {}
         unknown, misshaped = [], []
@@ -94,15 +96,15 @@ class CheckpointLayout:
                 misshaped.append(f"{name} {tuple(tensor.shape)} != {tuple(shape)}")
                 continue
             if source not in out:
-                out[source] = torch.empty(state[source].numel(), dtype=tensor.dtype, device=tensor.device)
+                out[source] = torch.empty(shapes[source].numel(), dtype=tensor.dtype, device=tensor.device)
                 filled[source] = 0
             if flat is None:
                 out[source].copy_(tensor.reshape(-1))
             else:
                 out[source][flat.to(tensor.device)] = tensor.reshape(-1)
             filled[source] += tensor.numel()
-        partial = [s for s in out if filled[s] != state[s].numel()]
+        partial = [s for s in out if filled[s] != shapes[s].numel()]
         if unknown or misshaped or partial:
             raise ValueError(f"payload does not fit the model's checkpoint layout: unknown names {sorted(unknown)[:5]}, "
                              f"wrong shapes {sorted(misshaped)[:5]}, partly covered {sorted(partial)[:5]}")
-        return {source: flat.view(state[source].shape) for source, flat in out.items()}
+        return {source: flat.view(shapes[source]) for source, flat in out.items()}

@@ -102,7 +102,10 @@ class WeightSyncExtension:
             payload = compute_fingerprint(weights.values(), dtype=dtype)
         model = runner.get_model()
         on_gpu = next(model.parameters()).is_cuda
-        if on_gpu and getattr(runner.model_config, "quantization", None) is None and not has_fused_experts(model):
+        fused = getattr(self, "_fused_experts", None)
+        if fused is None:  # the architecture does not change between updates
+            fused = self._fused_experts = has_fused_experts(model)
+        if on_gpu and getattr(runner.model_config, "quantization", None) is None and not fused:
             # Unquantized dense weights on a GPU need no post-load processing: the model's
             # own load_weights (fusing, padding, sharding) is the whole reload, without the
             # layerwise bookkeeping of reload_weights (about 25x slower here). Fused
