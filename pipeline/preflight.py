@@ -13,7 +13,9 @@ Guarantees of ``run_preflight``:
   read once, streaming, and validated whole: rows in total and skipped by reason, a
   file without one usable row is refused; or ``data.task`` loaded); the reward function
   (imported or loaded from its file, its signature recognised); with ``train.compile:
-  on``, a compiler for torch.compile's kernels (``find_compiler``).
+  on``, a compiler for torch.compile's kernels (``find_compiler``); with
+  ``train.router_aux_loss_coef`` above 0, a router in the model (its ``config.json``
+  configures ``output_router_logits``, as transformers' mixtures of experts do).
 - The returned config has ``data.path``, a reward file's and a tools file's path made absolute, so
   actors started in another working directory read the same files.
 
@@ -23,6 +25,7 @@ The model-aware checks live in ``stages/`` and are reached by import path
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -60,6 +63,7 @@ def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]
     """Run every check (see the module guarantees); return the config with absolute
     data and reward-file paths, and the report."""
     model_path, tokenizer = check_model(cfg)
+    check_router_loss(cfg, model_path)
     check_reference(cfg)
     check_imports(cfg)
     check_compile(cfg)
@@ -76,6 +80,21 @@ def check_model(cfg: ConveyorConfig) -> tuple[Path, Any]:
         return path, load_builtin("load_tokenizer")(path)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_router_loss(cfg: ConveyorConfig, model_path: Path) -> None:
+    """A router load-balancing loss needs a model with a router."""
+    coef = cfg.train.router_aux_loss_coef
+    if not coef:
+        return
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"train.router_aux_loss_coef: cannot read {model_path / 'config.json'} ({exc})") from None
+    if "output_router_logits" not in config:
+        raise ConfigError(f"train.router_aux_loss_coef: {coef:g} needs a mixture of experts, but the model at "
+                          f"{model_path} ({config.get('model_type', 'unknown type')}) has no router "
+                          f"(no output_router_logits in its config.json); set it to 0")
 
 
 def check_reference(cfg: ConveyorConfig) -> None:

@@ -84,6 +84,7 @@ def forward_completion_logprobs(
     temperature: float = 1.0,
     use_logits_to_keep: bool | None = None,
     entropy_out: list[torch.Tensor] | None = None,
+    router_loss_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One forward pass over rows already cut from ``build_model_inputs``.
 
@@ -92,6 +93,9 @@ def forward_completion_logprobs(
     ``entropy_out``: a list that receives the entropy of each completion position's
     next-token distribution at ``temperature``, [s, C] float32 detached (zeros where
     the mask is 0), computed from the logits this pass already holds.
+    ``router_loss_out``: a list that receives a mixture of experts' load-balancing loss
+    over this pass's real tokens (a scalar with its graph; the model's own
+    ``aux_loss``, asked for with ``output_router_logits``).
     """
     device = next(iter(getattr(model, "module", model).parameters())).device
     valid = completion_mask.to(device)
@@ -110,12 +114,19 @@ def forward_completion_logprobs(
     first = max(int(pos[:, 0].min()) - 1, 0)
     if use_logits_to_keep is None:
         use_logits_to_keep = accepts_logits_to_keep(model)
+    extra: dict[str, Any] = {"output_router_logits": True} if router_loss_out is not None else {}
     if use_logits_to_keep:
-        out = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=length - first)
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=length - first, **extra)
         logits = out.logits
     else:
-        out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
         logits = out.logits[:, first:]
+    if router_loss_out is not None:
+        aux = getattr(out, "aux_loss", None)
+        if not isinstance(aux, torch.Tensor):
+            raise ValueError(f"{type(getattr(model, 'module', model)).__name__} returned no router load-balancing loss "
+                             f"(aux_loss) with output_router_logits: it is not a mixture of experts")
+        router_loss_out.append(aux)
     # token_lp[:, t] = log p(ids[:, first + t + 1] | logits at position first + t)
     token_lp = compute_token_logprobs(logits.float(), ids[:, first:], temperature=temperature)
     index = (pos - 1 - first).clamp(min=0, max=token_lp.shape[1] - 1)

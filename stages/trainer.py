@@ -498,7 +498,8 @@ class TrainerStage:
             **{f"actor/{k}": float(np.average([p[k] for p in pieces], weights=weight))
                for k in ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_upper", "clip_frac_lower", "clip_frac_dual",
                          "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean", "logp_mismatch",
-                         "entropy", "preference_accuracy", "reward_margin", "chosen_reward", "rejected_reward")
+                         "entropy", "router_aux_loss", "preference_accuracy", "reward_margin", "chosen_reward",
+                         "rejected_reward")
                if all(k in p for p in pieces)},
             **{f"actor/{k}": float(max(p[k] for p in pieces))
                for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},

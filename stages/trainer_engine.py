@@ -360,6 +360,10 @@ class TrainerEngine:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.router_aux_loss_coef = float(train.router_aux_loss_coef)
+        if self.router_aux_loss_coef and not hasattr(model.config, "output_router_logits"):
+            raise ValueError(f"train.router_aux_loss_coef: {self.router_aux_loss_coef:g} needs a mixture of experts; "
+                             f"{type(model).__name__} at {self.model_path} has no router")
         model.train()
         # total_steps: the run's optimizer steps, where a decaying lr schedule ends.
         self.engine = build_deepspeed_engine(model, train, dtype, total_steps)
@@ -404,9 +408,11 @@ class TrainerEngine:
         try:
             for (a, b), weight in zip(bounds, weights, strict=True):
                 entropy: list[torch.Tensor] = []
+                router: list[torch.Tensor] | None = [] if self.router_aux_loss_coef else None
                 logprobs = forward_completion_logprobs(
                     self.engine, input_ids[a:b], attention_mask[a:b], completion_mask[a:b], positions[a:b],
                     temperature=self.temperature, use_logits_to_keep=self._keep, entropy_out=entropy,
+                    router_loss_out=router,
                 )
                 device = logprobs.device
                 chunk_mask = completion_mask[a:b].to(device)
@@ -417,6 +423,9 @@ class TrainerEngine:
                 )
                 # Mean entropy of the loss tokens' distributions (from the logits in hand).
                 metrics["entropy"] = float((entropy[0] * chunk_mask).sum() / chunk_mask.sum().clamp(min=1.0))
+                if router:
+                    loss = loss + self.router_aux_loss_coef * router[0].to(loss.device, loss.dtype)
+                    metrics["router_aux_loss"] = float(router[0].detach())
                 # Backward per chunk frees its activations before the next forward: memory
                 # is bounded by one chunk. A zero-weight chunk (no valid token) adds zeros.
                 began = True

@@ -52,6 +52,8 @@ def family_runs(ray_cluster, tmp_path_factory):
                 f"model.tiny.architecture={arch}", f"model.cache_dir={run_dir / 'models'}",
                 "rollout.max_tokens=4", "rollout.temperature=1.0", "train.sync_interval=1",
                 "train.weight_sync_monitor=true", "reward.function=tests.e2e.test_architectures:score_digit_share",
+                # The mixtures of experts also train their routers' load balance.
+                *(["train.router_aux_loss_coef=0.01"] if FAMILIES[arch].moe_experts else []),
             ])
             runs[arch] = (run_dir, launch_run(cfg))
         return runs[arch]
@@ -77,6 +79,12 @@ def test_family_trains_with_every_update_read_back(family_runs, arch):
     # being trained, so the trainer's log-probs must be the engine's up to float32 kernels.
     assert abs(rows[0]["actor/ratio_mean"] - 1.0) < 1e-3, (arch, rows[0]["actor/ratio_mean"])
     assert rows[0]["actor/logp_mismatch"] < 1e-3, (arch, rows[0]["actor/logp_mismatch"])
+    # 4 experts, 2 picks a token: 2 when routing is even, at most 4.
+    aux = [r.get("actor/router_aux_loss") for r in rows]
+    if FAMILIES[arch].moe_experts:
+        assert all(1.0 < a <= 4.0 + 1e-6 for a in aux), (arch, aux)
+    else:
+        assert aux == [None] * STEPS, (arch, aux)
 
 
 def served_fingerprint(summary: dict) -> tuple:

@@ -195,3 +195,16 @@ def test_compile_on_without_any_compiler_exits_2_and_auto_does_not(setup, capsys
     assert ray_starts == []
     cfg = load_config(config, ["train.compile=auto"])
     assert run_preflight(cfg)[0].train.compile == "auto"  # auto runs eager where nothing compiles
+
+
+def test_a_router_loss_needs_a_model_with_a_router(setup, models, capsys, ray_starts, tmp_path):
+    config, _ = setup
+    assert launch(config, "train.router_aux_loss_coef=0.01") == 2
+    assert (f"conveyor: invalid config: train.router_aux_loss_coef: 0.01 needs a mixture of experts, but the model "
+            f"at {models['chat']} (qwen2) has no router" in capsys.readouterr().err)
+    assert ray_starts == []
+    moe = make_checkpoint_dir(tmp_path / "moe", "qwen2")
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "output_router_logits": False}))
+    cfg = load_config(config, [f"model.path={moe}", "train.router_aux_loss_coef=0.01"])
+    assert run_preflight(cfg)[0].train.router_aux_loss_coef == 0.01
+    assert ray_starts == []
