@@ -385,10 +385,11 @@ class TrainConfig(msgspec.Struct, **_section()):
     # gpu_small's step on an H200 trained in 0.23 s instead of 0.33-0.35 (bench
     # gpu_e2e); its first step compiles (about 15 s).
     compile: Literal["auto", "on", "off"] = "auto"
-    # Mixtures of experts: the router's load-balancing loss (transformers'
-    # load_balancing_loss_func, Switch Transformer's; 1.0 when routing is even) times
-    # this coefficient is added to the policy loss of every forward pass. 0: the policy
-    # loss alone. A model without a router refuses any other value at launch.
+    # Mixtures of experts: the routers' load-balancing loss (transformers'
+    # load_balancing_loss_func, Switch Transformer's: the experts a token picks when
+    # routing is even, more when it is not) times this coefficient is added to the
+    # policy loss of every forward pass. 0: the policy loss alone. A model without a
+    # router refuses any other value at launch.
     router_aux_loss_coef: NonNegFloat = 0.0
     # PPO's updates over a step's data (stages/ppo_trainer.py): the step is cut into
     # ppo_mini_batches mini-batches of whole micro-batches, each one optimizer update
