@@ -66,14 +66,13 @@ def routers(engine: TrainerEngine) -> list[torch.nn.Module]:
     return found
 
 
-def run_routers(engine: TrainerEngine, batch: RolloutBatch, hook: str) -> list[tuple[torch.Tensor, tuple]]:
-    """(each router's real-token rows of what ``hook`` sees, its args or outputs), one
-    forward pass over ``batch`` without gradients."""
+def run_routers(engine: TrainerEngine, batch: RolloutBatch, hook: str) -> tuple[torch.Tensor, list[tuple]]:
+    """(the real-token mask of the flattened rows, what ``hook`` saw at each router: its
+    args or outputs), one forward pass over ``batch`` without gradients."""
     ids, mask, _, _ = build_model_inputs(batch)
-    real = mask.reshape(-1).bool()
-    seen: list[tuple[torch.Tensor, tuple]] = []
-    register = {"pre": lambda m: m.register_forward_pre_hook(lambda _m, args: seen.append((real, args))),
-                "post": lambda m: m.register_forward_hook(lambda _m, _a, out: seen.append((real, out)))}[hook]
+    seen: list[tuple] = []
+    register = {"pre": lambda m: m.register_forward_pre_hook(lambda _m, args: seen.append(args)),
+                "post": lambda m: m.register_forward_hook(lambda _m, _a, out: seen.append(out))}[hook]
     handles = [register(m) for m in routers(engine)]
     try:
         with torch.no_grad():
@@ -81,12 +80,13 @@ def run_routers(engine: TrainerEngine, batch: RolloutBatch, hook: str) -> list[t
     finally:
         for handle in handles:
             handle.remove()
-    return seen
+    return mask.reshape(-1).bool(), seen
 
 
 def skew_to_expert_0(engine: TrainerEngine, batch: RolloutBatch) -> None:
+    real, inputs = run_routers(engine, batch, "pre")
     with torch.no_grad():
-        for router, (real, args) in zip(routers(engine), run_routers(engine, batch, "pre"), strict=True):
+        for router, args in zip(routers(engine), inputs, strict=True):
             rows = args[0].reshape(-1, args[0].shape[-1])[real]
             mean = rows.mean(dim=0)
             router.weight[0] += 4.0 * mean / (mean @ mean)
@@ -94,7 +94,8 @@ def skew_to_expert_0(engine: TrainerEngine, batch: RolloutBatch) -> None:
 
 def expert_0_share(engine: TrainerEngine, batch: RolloutBatch) -> float:
     """Share of real tokens with expert 0 among their picks, over all layers."""
-    picks = torch.cat([out[2].reshape(-1, out[2].shape[-1])[real] for real, out in run_routers(engine, batch, "post")])
+    real, outputs = run_routers(engine, batch, "post")
+    picks = torch.cat([out[2].reshape(-1, out[2].shape[-1])[real] for out in outputs])
     return float((picks == 0).any(dim=-1).float().mean())
 
 
