@@ -208,6 +208,23 @@ def load_state_file(path: str, map_location: Any = None) -> Any:
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
+def skip_shm_comm_build() -> None:
+    """Keep DeepSpeed from building its shared-memory all-reduce op in this process.
+
+    On the CPU, every ``deepspeed.initialize`` compiles ``deepspeed_shm_comm`` with ninja
+    (or finds it built), holding a lock file in the torch extensions folder
+    (``~/.cache/torch_extensions``) meanwhile. A process killed while it held the lock,
+    a stopped run or CI job, leaves the file behind, and every later trainer on that
+    machine waits for it forever, in torch's ``FileBaton.wait``. The op serves
+    DeepSpeed's ``inference_all_reduce`` only; the trainer's collectives go through
+    torch.distributed. So it is marked incompatible in the probe DeepSpeed keeps for
+    the process (``deepspeed.ops.__compatible_ops__``) and never built or loaded.
+    On a GPU its accelerator has no such op and the mark changes nothing."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def build_deepspeed_engine(model: Any, train: TrainConfig, dtype: str, total_steps: int = 0) -> Any:
     """``model`` (float32, train mode) wrapped in a single-process DeepSpeed engine with
     ``build_deepspeed_config(train, ...)`` and ``train``'s lr schedule over
@@ -215,6 +232,7 @@ def build_deepspeed_engine(model: Any, train: TrainConfig, dtype: str, total_ste
     import deepspeed  # heavy import; only the training processes pay for it
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    skip_shm_comm_build()
     chose_port = ensure_single_process_env()
     ds_config = build_deepspeed_config(train, dtype, torch.cuda.is_available())
     params = [p for p in model.parameters() if p.requires_grad]

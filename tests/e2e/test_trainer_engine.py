@@ -8,7 +8,11 @@ the others ran in.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -26,6 +30,7 @@ from stages.trainer import compute_micro_batch_scale, compute_piece_weight, comp
 from stages.trainer_engine import TrainerEngine
 
 NUM_PROMPTS, GROUP, MAX_COMPLETION = 8, 8, 20
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -402,3 +407,32 @@ def build_engine_bf16(checkpoint, zero_stage: int, grad_accum: str = "fp32") -> 
     train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1, grad_accum_dtype=grad_accum)
     return TrainerEngine(checkpoint, train, GrpoConfig(kl_coef=0.0), temperature=1.0, dtype="bfloat16", seed=0,
                          chunk_size=64)
+
+
+SHM_PROBE = """
+import sys
+import deepspeed.comm.comm as ds_comm
+import torch
+from pipeline.config import TrainConfig
+from stages.trainer_engine import build_deepspeed_engine
+
+torch.manual_seed(0)
+build_deepspeed_engine(torch.nn.Linear(4, 4), TrainConfig(threads=1), "float32")
+print("shm_comm_op:", ds_comm.cdb.shm_comm_op)
+"""
+
+
+def test_a_lock_left_by_a_killed_build_does_not_stop_the_engine(tmp_path):
+    # A process killed while DeepSpeed built its shared-memory op on this machine left
+    # the build's lock file behind. A new engine starts anyway (DeepSpeed would wait on
+    # that lock forever) and neither builds nor loads the op.
+    ext = tmp_path / "torch_extensions"
+    build_dir = ext / "deepspeed_shm_comm"  # torch builds in TORCH_EXTENSIONS_DIR/<name> when it is set
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", SHM_PROBE], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)  # a guard against the hang, not a speed bound
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "shm_comm_op: None" in done.stdout, done.stdout[-2000:]
+    assert sorted(p.name for p in build_dir.iterdir()) == ["lock"]  # nothing was built there
