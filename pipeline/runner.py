@@ -70,6 +70,7 @@ log = get_logger(stage="driver")
 MAX_TRACE_SPANS = 50_000
 PLACEMENT_TIMEOUT_S = 120.0
 RESTART_TIMEOUT_S = 300.0  # for Ray to bring a dead stage actor's process back
+SETUP_REPORT_S = 60.0  # how often the stages still setting up are logged
 QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",  # its per-update warnings (e.g. layerwise reload) are noise here
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' and the hub's tqdm bars
@@ -227,18 +228,38 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
     keys = [(name, r) for name, reps in actors.items() for r in range(len(reps))]
     pids = await asyncio.gather(*(actors[n][r].process_id.remote() for n, r in keys))
     graph.processes = dict(zip(keys, pids, strict=True))
-    setups = {a.setup.remote(controller): name for name, reps in actors.items() for a in reps}
-    for ref, name in setups.items():
-        try:
-            await ref
-        except BaseException as exc:  # a failed setup, or a forced stop while engines start
-            await _teardown(graph)
-            if isinstance(exc, Exception):
-                raise _stage_error(name, exc) from None
-            raise
+    await _set_up(graph, {a.setup.remote(controller): name for name, reps in actors.items() for a in reps})
     for key, (host, pid) in graph.processes.items():
         graph.spawned[key] = _children(host, pid)
     return graph
+
+
+async def _set_up(graph: Graph, setups: dict[Any, str]) -> None:
+    """Wait for every stage actor's ``setup`` (``setups``: its ref -> the stage's name).
+    While some are still setting up, the stages they belong to are logged every
+    ``SETUP_REPORT_S``, so a set-up that waits on something (a resource Ray cannot
+    grant, a lock, a slow disk) shows which stage it is rather than a silent hang. The
+    first to fail, or a forced stop meanwhile, tears the graph down and raises (the
+    failure as the stage's ``StageError``)."""
+    pending = {asyncio.ensure_future(ref): name for ref, name in setups.items()}
+    started = time.monotonic()
+    name = ""
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, timeout=SETUP_REPORT_S, return_when=asyncio.FIRST_EXCEPTION)
+            for fut in done:
+                name = pending.pop(fut)
+                fut.result()
+            if pending and not done:
+                log.info("setting_up", stages=sorted(set(pending.values())),
+                         waited_s=round(time.monotonic() - started))
+    except BaseException as exc:  # a failed setup, or a forced stop while engines start
+        for fut in pending:
+            fut.cancel()
+        await _teardown(graph)
+        if isinstance(exc, Exception):
+            raise _stage_error(name, exc) from None
+        raise
 
 
 async def _create_placement_group(df: DataFlow) -> Any:

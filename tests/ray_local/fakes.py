@@ -48,14 +48,20 @@ class FakeSource:
 
 class FakeStage:
     """Sleeps ``delay_s`` per item in a thread (as real compute would run off the loop);
-    raises at item ``fail_at``."""
+    raises at item ``fail_at``. Its set-up takes ``setup_s`` (as an engine's start
+    would), then raises ``RuntimeError(setup_error)`` if that is set."""
 
-    def __init__(self, delay_s: float = 0.0, fail_at: int = -1, tag: str = "") -> None:
+    def __init__(self, delay_s: float = 0.0, fail_at: int = -1, tag: str = "", setup_s: float = 0.0,
+                 setup_error: str = "") -> None:
         self.delay_s, self.fail_at, self.tag = delay_s, fail_at, tag
+        self.setup_s, self.setup_error = setup_s, setup_error
         self.seen = 0
 
     async def setup(self, ctx) -> None:
         self.tag = self.tag or ctx.name
+        await asyncio.sleep(self.setup_s)
+        if self.setup_error:
+            raise RuntimeError(self.setup_error)
 
     async def process(self, item: FakeItem) -> FakeItem:
         if self.seen == self.fail_at:
@@ -69,8 +75,8 @@ class FakeStage:
 class FakeSink(FakeStage):
     """Terminal fake: records what arrived, in arrival order."""
 
-    def __init__(self, delay_s: float = 0.0, fail_at: int = -1) -> None:
-        super().__init__(delay_s, fail_at)
+    def __init__(self, delay_s: float = 0.0, fail_at: int = -1, **setup: Any) -> None:
+        super().__init__(delay_s, fail_at, **setup)
         self.arrived: list[tuple[str, int, tuple[str, ...]]] = []
 
     async def process(self, item: FakeItem) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline import runner
 from pipeline.dataflow import DataFlow
 from pipeline.stage import StageError
 from tests.ray_local.fakes import FakeGroupSource, FakeOomStage, FakeScoredSink, FakeSink, FakeSource, FakeStage
@@ -48,6 +49,31 @@ def test_stage_that_raises_stops_the_run_with_its_error(ray_cluster):
     assert info.value.stage == "bad"
     assert "fake failure at item 3" in str(info.value)
     assert "ValueError" in info.value.remote_traceback
+
+
+def test_stages_still_setting_up_are_logged_by_name_and_the_run_goes_on(ray_cluster, monkeypatch, capsys):
+    monkeypatch.setattr(runner, "SETUP_REPORT_S", 0.25)
+    df = DataFlow()
+    df.add_node("source", FakeSource, None, count=4)
+    df.add_node("slow_start", FakeSink, "source", setup_s=5.0)
+    result = df.run(async_execution=True)
+    assert len(result.result("slow_start")) == 4
+    reports = [line for line in "".join(capsys.readouterr()).splitlines() if "setting_up" in line]
+    assert len(reports) >= 2, reports  # one every 0.25 s over the 5 s set-up
+    # The source set up in a moment: the last reports name the slow stage alone.
+    assert "'slow_start'" in reports[-1] and "'source'" not in reports[-1], reports[-1]
+
+
+def test_a_failed_set_up_stops_the_run_while_another_stage_still_sets_up(ray_cluster):
+    # "stuck" comes first and never finishes its set-up; "broken"'s failure ends the run.
+    df = DataFlow()
+    df.add_node("source", FakeSource, None, count=4)
+    df.add_node("stuck", FakeStage, "source", setup_s=3600.0)
+    df.add_node("broken", FakeSink, "stuck", setup_error="no checkpoint at /nowhere")
+    with pytest.raises(StageError) as info:
+        df.run(async_execution=True)
+    assert info.value.stage == "broken"
+    assert "no checkpoint at /nowhere" in str(info.value)
 
 
 def test_stage_that_raises_in_lockstep_mode_is_named(ray_cluster):
