@@ -55,8 +55,10 @@ from pipeline.placement import (
     RESERVE_FRACTION,
     PlacementPlan,
     check_plan,
+    check_resources,
     colocated_startup_fraction,
     detect_gpus,
+    detect_nodes,
     plan_placement,
     size_colocated_kv_cache,
 )
@@ -170,6 +172,7 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     import msgspec
 
     stages = build_dataflow(cfg).topological_order()
+    check_resources(cfg, stages, detect_nodes(cfg.run.address))
     available, gpu_bytes = detect_gpus(cfg.run.address)
     shape = read_model_shape(cfg) if available else None
     plan = plan_placement(cfg, stages, available, num_params=shape.num_params if shape else 0, gpu_bytes=gpu_bytes)

@@ -35,7 +35,9 @@ Guarantees:
   add up to more GPUs than exist, more trainer ranks than GPUs or two ranks on one GPU
   (NCCL cannot run them), a tensor-parallel rollout given GPU indices (an index is one
   GPU) or GPUs it would have to share, and a shared GPU whose memory cannot hold the
-  trainer, the reference and vLLM's share.
+  trainer, the reference and vLLM's share. ``check_resources`` refuses, naming the stage,
+  CPUs or custom Ray resources the cluster cannot grant (``detect_nodes``): an actor's
+  beyond every node's, or CPUs beyond the cluster's in all.
 """
 
 from __future__ import annotations
@@ -380,6 +382,62 @@ def check_plan(cfg: ConveyorConfig, plan: PlacementPlan) -> None:
             f"placement: stages ask Ray for {counted:g} GPU(s) by count besides {plan.bundles} by index, "
             f"but the cluster has {plan.available_gpus}; Ray would wait for them forever"
         )
+
+
+def detect_nodes(address: str | None) -> list[dict[str, float]]:
+    """The resources (``CPU``, custom ones) of each node the run's Ray cluster will have.
+
+    A cluster this process has joined, or the one ``address`` / ``RAY_ADDRESS`` names,
+    is asked; a local cluster still to start is this host with the CPUs Ray will count
+    (its cgroup limit respected), and no custom resources.
+    """
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address or ray.is_initialized():
+        from pipeline.runner import init_ray
+
+        init_ray(address)
+        return [{k: float(v) for k, v in n["Resources"].items()} for n in ray.nodes() if n.get("Alive")]
+    try:
+        from ray._private.utils import get_num_cpus
+
+        cpus = float(get_num_cpus())
+    except (ImportError, AttributeError):  # pragma: no cover - Ray moved it: the host's count
+        cpus = float(os.cpu_count() or 1)
+    return [{"CPU": cpus}]
+
+
+def check_resources(cfg: ConveyorConfig, stages: list[str], nodes: list[dict[str, float]]) -> None:
+    """Refuse, with ``PlacementError`` naming the stage and field, CPUs or custom resources
+    the cluster (``nodes``: ``detect_nodes``) cannot grant: one actor's share beyond every
+    node's, or all the stages' CPUs together beyond the cluster's. Ray would keep such an
+    actor pending, and the run waiting for it, forever."""
+    entries = _entries(cfg)
+    asked: dict[str, float] = {}
+    for name in stages:
+        entry = entries.get(name)
+        if entry is None:
+            continue
+        largest = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
+        if entry.num_cpus > largest:
+            raise PlacementError(f"placement.{name}.num_cpus: {entry.num_cpus:g} CPUs for each {name} actor, but "
+                                 f"the largest node of the cluster has {largest:g}; Ray would wait for it forever")
+        for resource, amount in entry.resources.items():
+            offered = max((n.get(resource, 0.0) for n in nodes), default=0.0)
+            if amount > offered:
+                has = f"at most {offered:g} on a node" if offered else "no node offers it"
+                raise PlacementError(
+                    f"placement.{name}.resources: {resource!r} {amount:g} for each {name} actor, but {has} "
+                    f"(a node offers it with `ray start --resources '{{\"{resource}\": N}}'`); Ray would wait "
+                    f"for it forever")
+        if entry.num_cpus:
+            asked[name] = entry.num_cpus * count_actors(cfg, name)
+    total = sum(n.get("CPU", 0.0) for n in nodes)
+    if sum(asked.values()) > total:
+        parts = ", ".join(f"{name} {cpus:g}" for name, cpus in asked.items())
+        raise PlacementError(f"placement: the stages ask for {sum(asked.values()):g} CPUs in all ({parts}), but the "
+                             f"cluster has {total:g}; Ray would wait for the rest forever")
 
 
 def detect_gpus(address: str | None) -> tuple[int, int]:

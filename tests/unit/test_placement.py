@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from pipeline.placement import (
     OWN_GPU_FRACTION,
     PlacementError,
     check_plan,
+    check_resources,
     colocated_startup_fraction,
     estimate_colocated_fraction,
     estimate_trainer_bytes_per_param,
@@ -383,3 +385,49 @@ def test_the_eight_gpu_config_plans_two_tp2_replicas_beside_four_zero3_ranks():
     with pytest.raises(PlacementError, match=r"rollout.tensor_parallel_size: 2 replica\(s\) x 2 GPUs .* make 8, "
                                              r"the cluster has 4"):
         plan(cfg, 4, params=params, gpu_bytes=141 * GIB)
+
+
+@pytest.mark.parametrize(
+    ("sections", "nodes", "message"),
+    [
+        ({"placement": {"rollout": {"num_cpus": 64}}}, [{"CPU": 2.0}],
+         "placement.rollout.num_cpus: 64 CPUs for each rollout actor, but the largest node of the cluster has 2"),
+        # 3 CPUs for one actor: the cluster has 4, but no node has 3.
+        ({"placement": {"trainer": {"num_cpus": 3}}}, [{"CPU": 2.0}, {"CPU": 2.0}],
+         "placement.trainer.num_cpus: 3 CPUs for each trainer actor, but the largest node of the cluster has 2"),
+        # 2 rollout replicas and 2 trainer ranks of 1 CPU each: 4 on a 3-CPU cluster.
+        ({"rollout": {"num_workers": 2}, "train": {"num_ranks": 2},
+          "placement": {"rollout": {"num_cpus": 1}, "trainer": {"num_cpus": 1}}}, [{"CPU": 2.0}, {"CPU": 1.0}],
+         "placement: the stages ask for 4 CPUs in all (rollout 2, trainer 2), but the cluster has 3"),
+        ({"placement": {"rollout": {"resources": {"node_b": 0.01}}}}, [{"CPU": 2.0}],
+         "placement.rollout.resources: 'node_b' 0.01 for each rollout actor, but no node offers it"),
+        ({"placement": {"reference": {"resources": {"node_b": 0.5}}}}, [{"CPU": 2.0}, {"CPU": 2.0, "node_b": 0.25}],
+         "placement.reference.resources: 'node_b' 0.5 for each reference actor, but at most 0.25 on a node"),
+    ],
+)
+def test_cpus_and_custom_resources_the_cluster_cannot_grant_are_refused(sections, nodes, message):
+    with pytest.raises(PlacementError, match=re.escape(message)):
+        check_resources(config(**sections), STAGES, nodes)
+
+
+def test_what_the_cluster_can_grant_is_accepted():
+    check_resources(config(), STAGES, [{"CPU": 1.0}])  # the default asks for no CPUs
+    two_nodes = [{"CPU": 2.0}, {"CPU": 2.0, "node_b": 1.0}]
+    check_resources(config(placement={"rollout": {"num_cpus": 2, "resources": {"node_b": 0.01}},
+                                      "trainer": {"num_cpus": 2}}), STAGES, two_nodes)
+
+
+def test_launch_refuses_more_cpus_than_this_host_has_before_ray_starts(tmp_path, capsys):
+    import os
+
+    import ray
+
+    from pipeline.cli import main
+
+    quickstart = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
+    asked = 2 * (os.cpu_count() or 1)
+    code = main(["launch", "--config", str(quickstart), f"run.dir={tmp_path / 'run'}",
+                 f"placement.rollout.num_cpus={asked}"])
+    assert code == 2
+    assert f"placement.rollout.num_cpus: {asked} CPUs for each rollout actor" in capsys.readouterr().err
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()
