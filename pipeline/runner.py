@@ -70,7 +70,7 @@ log = get_logger(stage="driver")
 MAX_TRACE_SPANS = 50_000
 PLACEMENT_TIMEOUT_S = 120.0
 RESTART_TIMEOUT_S = 300.0  # for Ray to bring a dead stage actor's process back
-SETUP_REPORT_S = 60.0  # how often the stages still setting up are logged
+SETUP_REPORT_S = 60.0  # how often the stages still starting or setting up are logged
 QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",  # its per-update warnings (e.g. layerwise reload) are noise here
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' and the hub's tqdm bars
@@ -226,22 +226,23 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
         ]
     graph = Graph(df, controller, actors, queues, pg)
     keys = [(name, r) for name, reps in actors.items() for r in range(len(reps))]
-    pids = await asyncio.gather(*(actors[n][r].process_id.remote() for n, r in keys))
+    pids = await _await_stages(graph, [(actors[n][r].process_id.remote(), n) for n, r in keys], "starting")
     graph.processes = dict(zip(keys, pids, strict=True))
-    await _set_up(graph, {a.setup.remote(controller): name for name, reps in actors.items() for a in reps})
+    await _await_stages(graph, [(actors[n][r].setup.remote(controller), n) for n, r in keys], "setting_up")
     for key, (host, pid) in graph.processes.items():
         graph.spawned[key] = _children(host, pid)
     return graph
 
 
-async def _set_up(graph: Graph, setups: dict[Any, str]) -> None:
-    """Wait for every stage actor's ``setup`` (``setups``: its ref -> the stage's name).
-    While some are still setting up, the stages they belong to are logged every
-    ``SETUP_REPORT_S``, so a set-up that waits on something (a resource Ray cannot
-    grant, a lock, a slow disk) shows which stage it is rather than a silent hang. The
-    first to fail, or a forced stop meanwhile, tears the graph down and raises (the
-    failure as the stage's ``StageError``)."""
-    pending = {asyncio.ensure_future(ref): name for ref, name in setups.items()}
+async def _await_stages(graph: Graph, calls: list[tuple[Any, str]], event: str) -> list[Any]:
+    """The results of ``calls`` (a stage actor's call ref, its stage's name), in order.
+    While some are still running, their stages are logged as ``event`` every
+    ``SETUP_REPORT_S``: an actor Ray has not started yet (``starting``) or a set-up that
+    waits on something (``setting_up``: a lock, a slow disk) shows which stage it is
+    rather than a silent hang. The first to fail, or a forced stop meanwhile, tears the
+    graph down and raises (the failure as its stage's ``StageError``)."""
+    futures = [asyncio.ensure_future(ref) for ref, _ in calls]
+    pending = {fut: name for fut, (_, name) in zip(futures, calls, strict=True)}
     started = time.monotonic()
     name = ""
     try:
@@ -251,15 +252,15 @@ async def _set_up(graph: Graph, setups: dict[Any, str]) -> None:
                 name = pending.pop(fut)
                 fut.result()
             if pending and not done:
-                log.info("setting_up", stages=sorted(set(pending.values())),
-                         waited_s=round(time.monotonic() - started))
-    except BaseException as exc:  # a failed setup, or a forced stop while engines start
+                log.info(event, stages=sorted(set(pending.values())), waited_s=round(time.monotonic() - started))
+    except BaseException as exc:  # a failed call, or a forced stop while engines start
         for fut in pending:
             fut.cancel()
         await _teardown(graph)
         if isinstance(exc, Exception):
             raise _stage_error(name, exc) from None
         raise
+    return [fut.result() for fut in futures]
 
 
 async def _create_placement_group(df: DataFlow) -> Any:
@@ -301,6 +302,10 @@ def _stage_error(name: str, exc: BaseException) -> StageError:
         return exc
     if isinstance(exc, ray.exceptions.RayActorError):
         text = str(exc).strip().splitlines()
+        if text and "error raised in its creation task" in text[0]:
+            # The stage's constructor raised: its own error is the last line. Not a
+            # death a restart or a resume would get past.
+            return StageError(name, f"could not be constructed: {text[-1].strip()}", str(exc))
         return StageError(name, f"actor died: {text[0] if text else type(exc).__name__}", str(exc), died=True)
     text = str(exc)
     return StageError(name, text.strip().splitlines()[-1] if text.strip() else type(exc).__name__, text)

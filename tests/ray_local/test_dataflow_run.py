@@ -76,6 +76,17 @@ def test_a_failed_set_up_stops_the_run_while_another_stage_still_sets_up(ray_clu
     assert "no checkpoint at /nowhere" in str(info.value)
 
 
+def test_a_stage_whose_constructor_raises_is_named_with_its_error(ray_cluster):
+    df = DataFlow()
+    df.add_node("source", FakeSource, None, count=4)
+    df.add_node("bad", FakeSink, "source", no_such_option=1)
+    with pytest.raises(StageError) as info:
+        df.run(async_execution=True)
+    assert info.value.stage == "bad" and not info.value.died
+    assert "could not be constructed: TypeError:" in str(info.value)
+    assert "unexpected keyword argument 'no_such_option'" in str(info.value)
+
+
 def test_stage_that_raises_in_lockstep_mode_is_named(ray_cluster):
     df = DataFlow()
     df.add_node("source", FakeSource, None, count=8)
