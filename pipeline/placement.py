@@ -414,12 +414,12 @@ def check_resources(cfg: ConveyorConfig, stages: list[str], nodes: list[dict[str
     node's, or all the stages' CPUs together beyond the cluster's. Ray would keep such an
     actor pending, and the run waiting for it, forever."""
     entries = _entries(cfg)
+    largest = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
     asked: dict[str, float] = {}
     for name in stages:
         entry = entries.get(name)
         if entry is None:
             continue
-        largest = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
         if entry.num_cpus > largest:
             raise PlacementError(f"placement.{name}.num_cpus: {entry.num_cpus:g} CPUs for each {name} actor, but "
                                  f"the largest node of the cluster has {largest:g}; Ray would wait for it forever")

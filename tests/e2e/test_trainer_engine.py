@@ -410,7 +410,6 @@ def build_engine_bf16(checkpoint, zero_stage: int, grad_accum: str = "fp32") -> 
 
 
 SHM_PROBE = """
-import sys
 import deepspeed.comm.comm as ds_comm
 import torch
 from pipeline.config import TrainConfig
