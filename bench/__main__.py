@@ -46,9 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"result directory (default: {RESULTS_DIR} in a source checkout, else ./bench-results; "
                         "with --quick ./bench-results/quick, so a smoke run never replaces a committed result)")
     p.add_argument("--minutes", type=float, help="soak and soak_memory only: how long they run (default 60, 20)")
-    p.add_argument("--systems", help="gpu_e2e only: comma-separated rows in order, repeats allowed (default "
+    p.add_argument("--systems", help="gpu_e2e: comma-separated rows in order, repeats allowed (default "
                                      "async,sync,colocate,trl; also async_in_process, ..., colocate_subprocess); "
-                                     "a Conveyor row may carry overrides: colocate[train.chunk_size=256;run.seed=1]")
+                                     "a Conveyor row may carry overrides: colocate[train.chunk_size=256;run.seed=1]. "
+                                     "gpu_scale: a subset of shared_1gpu,colocate_1gpu,disaggregated_2gpu,"
+                                     "replicas_ranks_2gpu")
     return p
 
 
@@ -67,11 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.systems is not None:
         from bench.gpu_e2e import check_rows, parse_systems
+        from bench.gpu_scale import parse_configs
 
-        if args.name != "gpu_e2e":
-            parser.error(f"--systems: only gpu_e2e has rows to choose, not {args.name}")
+        if args.name not in ("gpu_e2e", "gpu_scale"):
+            parser.error(f"--systems: only gpu_e2e and gpu_scale have rows to choose, not {args.name}")
         try:
-            check_rows(parse_systems(args.systems))
+            check_rows(parse_systems(args.systems)) if args.name == "gpu_e2e" else parse_configs(args.systems)
         except ValueError as exc:
             parser.error(str(exc))
     if args.out is None:
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             run = import_object(BENCHMARKS[name], f"bench {name}")
             extra = {"minutes": args.minutes} if args.minutes and name in SOAKS else {}
-            if args.systems and name == "gpu_e2e":
+            if args.systems and name in ("gpu_e2e", "gpu_scale"):
                 extra["systems"] = args.systems
             payload = run(quick=args.quick, out_dir=args.out, **extra)
             ok = payload.get("status", "ok") in ("ok", "skipped")

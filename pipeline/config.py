@@ -219,7 +219,8 @@ class RolloutConfig(msgspec.Struct, **_section()):
     max_inflight: PosInt = 4  # micro-batches generating concurrently per worker
     # The vLLM engine's KV cache in GiB (vLLM's kv_cache_memory_bytes). On CPU None is
     # 1.0. On a GPU None sizes it from gpu_memory_utilization, except under
-    # ``placement: colocate``, where the plan sizes it to the job (``size_colocated_kv_cache``).
+    # ``placement: colocate`` or with rollout replicas sharing a GPU, where the plan sizes
+    # it to the job (``size_job_kv_cache``).
     kv_cache_gib: PosFloat | None = None
     # vLLM's longest sequence (prompt + completion). None: the model's own
     # (max_position_embeddings); ``placement: colocate`` sets data.max_prompt_len +

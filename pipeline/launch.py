@@ -59,8 +59,9 @@ from pipeline.placement import (
     colocated_startup_fraction,
     detect_gpus,
     detect_nodes,
+    engines_per_gpu,
     plan_placement,
-    size_colocated_kv_cache,
+    size_job_kv_cache,
 )
 from pipeline.plugins import STAGE_CLASSES, load_builtin
 from pipeline.preflight import PreflightReport, run_preflight
@@ -180,24 +181,26 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     rollout = cfg.rollout
     if plan.rollout_memory_fraction != rollout.gpu_memory_utilization:
         rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=plan.rollout_memory_fraction)
-    kv = size_colocated_kv_cache(cfg, shape) if shape is not None else None
+    engines = engines_per_gpu(plan)
+    kv = size_job_kv_cache(cfg, shape, engines) if shape is not None else None
     if kv is not None:
         rollout = msgspec.structs.replace(rollout, kv_cache_gib=kv[0] / (1 << 30), max_model_len=kv[1])
         plan.notes.append(kv[2])
     share = rollout.gpu_memory_utilization
-    if (cfg.placement.mode == "colocate" and shape is not None and gpu_bytes and share is not None
+    where = "colocate" if cfg.placement.mode == "colocate" else f"{engines} vLLM engines on one GPU"
+    if ((cfg.placement.mode == "colocate" or engines > 1) and shape is not None and gpu_bytes and share is not None
             and rollout.kv_cache_gib is not None and cfg.rollout.gpu_memory_utilization is None):
         # The KV cache has a size (planned or the user's) and the share is the plan's.
         startup = colocated_startup_fraction(shape, int(rollout.kv_cache_gib * (1 << 30)), gpu_bytes)
         if startup < share:
-            plan.notes.append(f"colocate: vLLM asks for {startup:g} of the GPU at start-up (weights, KV cache "
+            plan.notes.append(f"{where}: vLLM asks for {startup:g} of the GPU at start-up (weights, KV cache "
                               f"and {RESERVE_FRACTION:.0%} reserve), not its share {share:g}")
             rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=startup)
             plan = dataclasses.replace(plan, rollout_memory_fraction=startup)
         elif startup > share:
-            plan.notes.append(f"colocate: vLLM's weights, KV cache and {RESERVE_FRACTION:.0%} reserve need "
-                              f"{startup:g} of the GPU, more than the {share:g} the trainer leaves: it may run "
-                              f"out of memory while awake; lower rollout.kv_cache_gib or rollout.max_inflight")
+            plan.notes.append(f"{where}: vLLM's weights, KV cache and {RESERVE_FRACTION:.0%} reserve need "
+                              f"{startup:g} of the GPU, more than its share {share:g}: it may run "
+                              f"out of memory; lower rollout.kv_cache_gib or rollout.max_inflight")
     return msgspec.structs.replace(cfg, rollout=rollout), plan
 
 

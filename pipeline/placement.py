@@ -22,9 +22,12 @@ Guarantees:
 - ``placement: colocate``: trainer rank r on GPU r, rollout replicas round robin over the
   ranks' GPUs, reference, critic and reward model with rank 0; vLLM's share is sized as
   on a shared GPU, and the trainer also has the KV cache's memory while vLLM sleeps.
-  vLLM's KV cache is sized to the job's sequences (``size_colocated_kv_cache``) unless
+  vLLM's KV cache is sized to the job's sequences (``size_job_kv_cache``) unless
   the user sizes it, and vLLM then asks at start-up only for its weights, that cache
   and the reserve (``colocated_startup_fraction``). Refused without GPUs.
+- Rollout replicas that share a GPU (any mode) get that planned KV cache each, and the
+  same start-up ask: sized from their shares, engines starting together would each
+  count the other's memory as their own (``size_job_kv_cache``).
 - Explicit plans name GPU indices per stage (``placement: {rollout: [0], trainer: [1],
   reference: [1]}``, or ``{gpus: [0], exclusive: true}``); a stage not named gets no
   GPU. Per-stage Ray GPU counts (``num_gpus``) without indices are passed to Ray as
@@ -146,32 +149,53 @@ def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, 
     return min(OWN_GPU_FRACTION, 1.0 - resident / gpu_bytes - RESERVE_FRACTION)
 
 
-def size_colocated_kv_cache(cfg: ConveyorConfig, shape: ModelShape) -> tuple[int, int, str] | None:
-    """(bytes of KV cache, longest sequence) for a colocated vLLM engine, sized to the
-    job, and a note for the plan; None where it is not planned: not ``placement:
-    colocate``, the user chose (``rollout.kv_cache_gib``, ``rollout.gpu_memory_utilization``
-    or ``rollout.max_model_len`` set), or ``rollout.tools`` (multi-turn rollouts submit
+def engines_per_gpu(plan: PlacementPlan) -> int:
+    """The most rollout replicas (vLLM engines) that share one GPU in ``plan``; 1 where
+    none share (one replica a GPU, tensor parallelism, CPU)."""
+    rollout = plan.stages.get("rollout")
+    if rollout is None or not rollout.gpus:
+        return 1
+    return max(rollout.gpus.count(g) for g in set(rollout.gpus))
+
+
+def size_job_kv_cache(cfg: ConveyorConfig, shape: ModelShape, engines_sharing: int = 1) -> tuple[int, int, str] | None:
+    """(bytes of KV cache, longest sequence) for one vLLM engine, sized to the job, and
+    a note for the plan; None where it is not planned: neither ``placement: colocate``
+    nor ``engines_sharing`` > 1 rollout replicas on one GPU, the user chose
+    (``rollout.kv_cache_gib``, ``rollout.gpu_memory_utilization`` or
+    ``rollout.max_model_len`` set), or ``rollout.tools`` (multi-turn rollouts submit
     each turn as a new request, whose length this plan does not bound). ``shape``: the
     model in the rollout's dtype.
 
-    A colocated engine sleeps every step, freeing its KV cache, and maps it again on
-    waking: the time both take grows with the cache, which vLLM otherwise makes as large
-    as its share allows. A worker takes micro-batches from the queue all replicas share
-    and generates at most ``min(max_inflight, micro-batches per step)`` at once
-    (lock-step: one step at a time), each of ``prompts_per_micro_batch × n`` sequences
-    of at most ``data.max_prompt_len + rollout.max_tokens`` tokens (the source refuses
-    longer prompts), which becomes vLLM's ``max_model_len``; the cache holds them all,
-    × ``KV_HEADROOM`` for vLLM's part-filled blocks. (Colocate refuses tensor
-    parallelism: one GPU holds the cache.)
+    Why it is planned there:
+    - A colocated engine sleeps every step, freeing its KV cache, and maps it again on
+      waking: the time both take grows with the cache, which vLLM otherwise makes as
+      large as its share allows.
+    - Engines that share a GPU start at once. vLLM (0.26 to 0.32) sizes a cache from its
+      share by profiling the whole device's free memory after loading its weights, so
+      whatever another engine allocates meanwhile (its cache: the rest of its share)
+      is counted as this one's and leaves it a cache of nothing, or a start-up error.
+      With a size given, vLLM makes that cache and profiles nothing.
+
+    A worker takes micro-batches from the queue all replicas share and generates at
+    most ``max_inflight`` at once (lock-step: at most a step's micro-batches), each of
+    ``prompts_per_micro_batch × n`` sequences of at most ``data.max_prompt_len +
+    rollout.max_tokens`` tokens (the source refuses longer prompts), which becomes
+    vLLM's ``max_model_len``; the cache holds them all, × ``KV_HEADROOM`` for vLLM's
+    part-filled blocks. (Tensor parallelism shares no GPU and colocate refuses it: one
+    GPU holds the cache.)
     """
     ro = cfg.rollout
-    if (cfg.placement.mode != "colocate" or ro.tools is not None
+    colocated = cfg.placement.mode == "colocate"
+    if ((not colocated and engines_sharing < 2) or ro.tools is not None
             or any(v is not None for v in (ro.kv_cache_gib, ro.gpu_memory_utilization, ro.max_model_len))):
         return None
-    sequences = min(ro.max_inflight, cfg.micro_batches_per_step) * cfg.dataflow.prompts_per_micro_batch * ro.n
+    inflight = ro.max_inflight if cfg.dataflow.async_execution else min(ro.max_inflight, cfg.micro_batches_per_step)
+    sequences = inflight * cfg.dataflow.prompts_per_micro_batch * ro.n
     seq_tokens = cfg.data.max_prompt_len + ro.max_tokens
     kv = math.ceil(estimate_kv_cache_bytes(shape, sequences * seq_tokens) * KV_HEADROOM)
-    note = (f"colocate: vLLM's KV cache sized to the job, {kv / _GIB:.2f} GiB ({sequences} sequences x "
+    where = "colocate" if colocated else f"{engines_sharing} vLLM engines on one GPU"
+    note = (f"{where}: vLLM's KV cache sized to the job, {kv / _GIB:.2f} GiB ({sequences} sequences x "
             f"{seq_tokens} tokens, x{KV_HEADROOM:g}; max_model_len {seq_tokens}); rollout.kv_cache_gib sets it")
     return kv, seq_tokens, note
 

@@ -28,7 +28,7 @@ Guarantees:
   (``TrainerEngine.gathered_parameters``), and forward passes gather layer by layer,
   which the equal pass counts keep in step.
 - Checkpoints use DeepSpeed's layout: rank 0 writes the model states, each rank its own
-  optimizer partition (``zero_pp_rank_<r>_*``), all into the same directory (one host,
+  optimizer partition (``zero_pp_rank_<r>_*``, ``bf16_zero_pp_rank_<r>_*`` in bf16), all into the same directory (one host,
   or a file system every rank's host shares). A resume needs the same ``num_ranks``.
 - An error on any rank stops the trainer promptly, never a hang: every call waits on
   rank 0's own work and the other ranks' results together (``_on_all_ranks``), and the

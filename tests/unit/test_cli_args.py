@@ -56,7 +56,7 @@ def test_gpu_e2e_rows_are_chosen_by_name_and_a_bad_one_exits_2(capsys) -> None:
     assert info.value.code == 2 and "--systems: expected names from" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         bench_main(["overlap", "--systems", "async"])
-    assert info.value.code == 2 and "only gpu_e2e has rows" in capsys.readouterr().err
+    assert info.value.code == 2 and "only gpu_e2e and gpu_scale have rows" in capsys.readouterr().err
 
 
 def test_gpu_e2e_rows_repeat_in_order_and_carry_their_own_overrides(capsys) -> None:
@@ -124,6 +124,29 @@ def test_a_gpu_benchmark_without_a_gpu_writes_skipped_and_exits_0(tmp_path: Path
     doc = json.loads((tmp_path / f"{name}.json").read_text())
     assert (doc["status"], doc["reason"], doc["quick"]) == ("skipped", "needs a CUDA GPU", True)
     assert doc["machine"]["cpu_count"] > 0
+
+
+def test_gpu_scale_runs_a_chosen_subset_under_its_own_name(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--systems`` picks gpu_scale's configurations (one device call holds two of the
+    four); an unknown one exits 2 naming the known ones, and a subset's result never
+    takes the full result's name."""
+    import json
+
+    import bench.gpu_scale as scale
+
+    assert scale.parse_configs(None) == tuple(scale.CONFIGS)
+    assert scale.parse_configs(" shared_1gpu, disaggregated_2gpu") == ("shared_1gpu", "disaggregated_2gpu")
+    for bad in ("shared_2gpu", " , "):
+        with pytest.raises(ValueError, match="gpu_scale runs shared_1gpu, colocate_1gpu"):
+            scale.parse_configs(bad)
+    with pytest.raises(SystemExit) as info:
+        bench_main(["gpu_scale", "--systems", "shared_1gpu,tp_2gpu"])
+    assert info.value.code == 2 and "gpu_scale runs shared_1gpu" in capsys.readouterr().err
+    monkeypatch.setattr(scale, "list_gpus", lambda: [])  # as on CPU: skipped, under the subset's name
+    assert bench_main(["gpu_scale", "--systems", "shared_1gpu,disaggregated_2gpu", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "gpu_scale-shared_1gpu-disaggregated_2gpu.json").read_text())
+    assert doc["status"] == "skipped" and not (tmp_path / "gpu_scale.json").exists()
+    assert (tmp_path / "gpu_scale-shared_1gpu-disaggregated_2gpu.png").exists()
 
 
 def test_the_eight_gpu_benchmark_reads_nvidia_smi_and_sums_staleness(tmp_path: Path, monkeypatch) -> None:

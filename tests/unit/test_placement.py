@@ -15,11 +15,12 @@ from pipeline.placement import (
     check_plan,
     check_resources,
     colocated_startup_fraction,
+    engines_per_gpu,
     estimate_colocated_fraction,
     estimate_trainer_bytes_per_param,
     is_manual,
     plan_placement,
-    size_colocated_kv_cache,
+    size_job_kv_cache,
 )
 
 STAGES = ["source", "rollout", "reward", "reference", "trainer"]
@@ -298,25 +299,66 @@ def test_a_colocated_engine_gets_the_kv_cache_its_sequences_need():
     job = {**COLOCATE, "train": {"prompts_per_step": 32},
            "dataflow": {**COLOCATE["dataflow"], "prompts_per_micro_batch": 8},
            "rollout": {"n": 8, "max_tokens": 128, "max_inflight": 4}, "data": {"max_prompt_len": 64}}
-    kv, max_len, note = size_colocated_kv_cache(config(**job), shape)
+    kv, max_len, note = size_job_kv_cache(config(**job), shape)
     # 4 micro-batches in flight x 8 prompts x 8 samples = 256 sequences of 64 + 128 tokens,
     # 64 KiB each, x 1.25; no sequence longer than 192 tokens.
     assert kv == 256 * 192 * 65536 * 5 // 4 == int(3.75 * GIB) and max_len == 192
     assert "3.75 GiB (256 sequences x 192 tokens" in note and "rollout.kv_cache_gib" in note
     # Fewer micro-batches in flight than a step has: only those are generating at once.
     fewer = {**job, "rollout": {**job["rollout"], "max_inflight": 1}}
-    assert size_colocated_kv_cache(config(**fewer), shape)[0] == kv // 4
+    assert size_job_kv_cache(config(**fewer), shape)[0] == kv // 4
     # Fewer micro-batches in a step than may be in flight: only the step's.
     step = {**job, "train": {"prompts_per_step": 16}}
-    assert size_colocated_kv_cache(config(**step), shape)[0] == kv // 2
+    assert size_job_kv_cache(config(**step), shape)[0] == kv // 2
     # Replicas share one queue: any of them may hold max_inflight micro-batches at once.
     two = {**job, "rollout": {**job["rollout"], "num_workers": 2}, "train": {"prompts_per_step": 32, "num_ranks": 2}}
-    assert size_colocated_kv_cache(config(**two), shape)[0] == kv
+    assert size_job_kv_cache(config(**two), shape)[0] == kv
     # Not planned: shared placement, a size, share or length the user chose, tool turns of no bound.
-    assert size_colocated_kv_cache(config(), shape) is None
+    assert size_job_kv_cache(config(), shape) is None
     tools = {"functions": "builtin"}
     for rollout in ({"kv_cache_gib": 2.0}, {"gpu_memory_utilization": 0.3}, {"max_model_len": 512}, {"tools": tools}):
-        assert size_colocated_kv_cache(config(**{**job, "rollout": {**job["rollout"], **rollout}}), shape) is None
+        assert size_job_kv_cache(config(**{**job, "rollout": {**job["rollout"], **rollout}}), shape) is None
+
+
+def test_rollout_replicas_sharing_a_gpu_get_a_planned_cache_and_start_up_ask(monkeypatch):
+    """Two vLLM engines on one GPU start together; sized from their shares, each would
+    count the other's cache, allocated meanwhile, as its own memory (vLLM profiles the
+    whole device) and be left none. Each gets the job's cache and asks at start-up for
+    its weights, that cache and the reserve; one replica a GPU keeps vLLM's sizing."""
+    import pipeline.launch as launch
+
+    shape = ModelShape(num_layers=16, num_kv_heads=16, head_dim=64, hidden_size=1024, vocab_size=64,
+                       num_params=268_700_000, dtype_bytes=2)
+    gpu = 140 * GIB
+    monkeypatch.setattr(launch, "read_model_shape", lambda cfg: shape)
+    job = {"train": {"prompts_per_step": 32}, "dataflow": {"prompts_per_micro_batch": 8},
+           "rollout": {"n": 8, "max_tokens": 128, "max_inflight": 4, "num_workers": 2},
+           "data": {"max_prompt_len": 64}}
+    # Two GPUs, one rank: both replicas on GPU 0 at 0.45 each, the trainer on GPU 1.
+    monkeypatch.setattr(launch, "detect_gpus", lambda address: (2, gpu))
+    cfg, p = launch.plan_run_placement(config(**job))
+    assert p.stages["rollout"].gpus == (0, 0) and engines_per_gpu(p) == 2
+    # Streaming: a worker may hold max_inflight micro-batches at once, across steps:
+    # 4 x 8 x 8 = 256 sequences of 192 tokens, 64 KiB a token, x1.25 = 3.75 GiB.
+    assert cfg.rollout.kv_cache_gib == 3.75 and cfg.rollout.max_model_len == 192
+    assert cfg.rollout.gpu_memory_utilization == p.rollout_memory_fraction == 0.131
+    assert any(n.startswith("2 vLLM engines on one GPU: vLLM's KV cache sized to the job, 3.75 GiB") for n in p.notes)
+    assert any("2 vLLM engines on one GPU: vLLM asks for 0.131 of the GPU at start-up" in n for n in p.notes)
+    # Lock-step: only a step's micro-batches generate at once (4 here, max_inflight 8).
+    sync = {**job, "rollout": {**job["rollout"], "max_inflight": 8},
+            "dataflow": {"prompts_per_micro_batch": 8, "async_execution": False, "max_staleness": 0}}
+    assert launch.plan_run_placement(config(**sync))[0].rollout.kv_cache_gib == 3.75
+    # The user's size or share stays theirs.
+    cfg, _ = launch.plan_run_placement(config(**{**job, "rollout": {**job["rollout"], "kv_cache_gib": 2.0}}))
+    assert cfg.rollout.kv_cache_gib == 2.0 and cfg.rollout.gpu_memory_utilization == 0.118
+    cfg, _ = launch.plan_run_placement(config(**{**job, "rollout": {**job["rollout"],
+                                                                     "gpu_memory_utilization": 0.3}}))
+    assert cfg.rollout.kv_cache_gib is None and cfg.rollout.gpu_memory_utilization == 0.3
+    # Three GPUs: a replica a GPU, vLLM sizes its cache from its share as before.
+    monkeypatch.setattr(launch, "detect_gpus", lambda address: (3, gpu))
+    cfg, p = launch.plan_run_placement(config(**job))
+    assert engines_per_gpu(p) == 1 and cfg.rollout.kv_cache_gib is None
+    assert cfg.rollout.gpu_memory_utilization == p.rollout_memory_fraction == 0.9
 
 
 def test_a_colocated_engine_asks_vllm_at_start_up_only_for_its_weights_and_cache(monkeypatch):
@@ -354,7 +396,7 @@ def test_a_colocated_engine_asks_vllm_at_start_up_only_for_its_weights_and_cache
     # run out of memory while awake.
     cfg, p = launch.plan_run_placement(config(**{**job, "rollout": {**job["rollout"], "kv_cache_gib": 120.0}}))
     assert cfg.rollout.gpu_memory_utilization == round(share, 3)
-    assert any("more than the 0.861 the trainer leaves" in n for n in p.notes), p.notes
+    assert any("more than its share 0.861" in n for n in p.notes), p.notes
     # Shared (not colocated) placement on one GPU: the share is vLLM's whole budget.
     cfg, p = launch.plan_run_placement(config(rollout=job["rollout"]))
     assert cfg.rollout.gpu_memory_utilization == round(share, 3) and cfg.rollout.kv_cache_gib is None
