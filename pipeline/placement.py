@@ -175,7 +175,7 @@ def size_job_kv_cache(cfg: ConveyorConfig, shape: ModelShape, engines_sharing: i
       share by profiling the whole device's free memory after loading its weights, so
       whatever another engine allocates meanwhile (its cache: the rest of its share)
       is counted as this one's and leaves it a cache of nothing, or a start-up error.
-      With a size given, vLLM makes that cache and profiles nothing.
+      With a size given, vLLM makes a cache of that size, not one derived from the profile.
 
     A worker takes micro-batches from the queue all replicas share and generates at
     most ``max_inflight`` at once (lock-step: at most a step's micro-batches), each of
