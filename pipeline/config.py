@@ -145,13 +145,19 @@ class MemoryConfig(msgspec.Struct, **_section()):
       ``budget_bytes`` of KV cache for the micro-batches one worker generates at once
       (prompt + ``max_tokens`` per sample); unset, ``max_memory_ratio`` × the KV cache.
     Either way an item also waits while the machine's free memory cannot hold it;
-    ``defer_timeout_s`` bounds that wait, then the stage stops with the numbers.
+    ``defer_timeout_s`` bounds that wait, then the stage stops with the numbers; an item
+    the free memory cannot hold with nothing of the stage in flight is split, or waits at
+    most ``stall_timeout_s``.
     """
 
     oom_protection: bool = True
     max_memory_ratio: Ratio = 0.85
     budget_bytes: Annotated[int, Meta(ge=1)] | None = None
     defer_timeout_s: PosFloat = 120.0
+    # A micro-batch of one group that the device's free memory cannot hold while the
+    # stage has nothing in flight waits at most this long (a neighbour's transient pass
+    # may end), then the stage stops naming what to lower: nothing of its own will free.
+    stall_timeout_s: PosFloat = 10.0
 
 
 class PlacementEntry(msgspec.Struct, **_section()):
@@ -369,6 +375,12 @@ class TrainConfig(msgspec.Struct, **_section()):
     # memory is bounded by one chunk; larger chunks launch fewer kernels per sample (the
     # GPU's win on a small model). Admission (train.memory) estimates with it.
     chunk_size: PosInt = 16
+    # Rows of [tokens, vocabulary] logits alive at once when the trainer and the
+    # reference compute log-probs (stages/logprobs.py: the output head runs on completion
+    # tokens only, this many at a time, recomputed in backward): memory does not grow
+    # with the vocabulary.
+    # 0: the dense head (all of a pass's logits at once).
+    logit_chunk_tokens: NonNegInt = 1024
     # Learning-rate schedule (stages/lr_schedule.py): step k < warmup_steps uses
     # lr * (k + 1) / warmup_steps, then constant, or linear / cosine decay towards
     # lr * min_lr_ratio at run.steps.

@@ -176,7 +176,7 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     check_resources(cfg, stages, detect_nodes(cfg.run.address))
     available, gpu_bytes = detect_gpus(cfg.run.address)
     shape = read_model_shape(cfg) if available else None
-    plan = plan_placement(cfg, stages, available, num_params=shape.num_params if shape else 0, gpu_bytes=gpu_bytes)
+    plan = plan_placement(cfg, stages, available, gpu_bytes=gpu_bytes, shape=shape)
     check_plan(cfg, plan)
     rollout = cfg.rollout
     if plan.rollout_memory_fraction != rollout.gpu_memory_utilization:

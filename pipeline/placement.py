@@ -54,7 +54,7 @@ from typing import Any
 
 from pipeline.config import ConfigError, ConveyorConfig
 from pipeline.dtypes import DTYPE_BYTES
-from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes
+from pipeline.memory.admission import ModelShape, estimate_batch_bytes, estimate_kv_cache_bytes
 
 GPU_STAGES = ("rollout", "reward_model", "reference", "critic", "trainer")
 _GIB = 1 << 30
@@ -64,6 +64,7 @@ RESERVE_FRACTION = 0.1
 OWN_GPU_FRACTION = 0.9  # vLLM's share of a GPU it has to itself
 MIN_ROLLOUT_FRACTION = 0.05
 KV_HEADROOM = 1.25  # a colocated engine's KV cache over its sequences' tokens (vLLM's block slack)
+REFERENCE_CHUNK = 16  # the reference stage's samples per forward pass (stages/reference.py)
 
 
 class PlacementError(ConfigError):
@@ -136,9 +137,12 @@ def estimate_trainer_bytes_per_param(dtype: str) -> int:
     return low + low + 4 + 4 + 8
 
 
-def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, with_reference: bool) -> float:
+def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, with_reference: bool,
+                                pass_bytes: int = 0) -> float:
     """vLLM's share of one GPU that it shares with the trainer (and the reference):
-    ``1 - (trainer + reference) / total - RESERVE_FRACTION``, at most ``OWN_GPU_FRACTION``.
+    ``1 - (trainer + reference + pass_bytes) / total - RESERVE_FRACTION``, at most
+    ``OWN_GPU_FRACTION``; ``pass_bytes``: the largest forward/backward pass of the stages
+    beside vLLM (``estimate_pass_bytes``).
 
     Example: 0.5B params in bf16 on 80 GiB: trainer 0.5e9 x 20 B = 9.3 GiB, reference
     0.5e9 x 2 B = 0.93 GiB: 1 - 10.2 / 80 - 0.1 = 0.77.
@@ -146,7 +150,23 @@ def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, 
     resident = num_params * estimate_trainer_bytes_per_param(dtype)
     if with_reference:
         resident += num_params * DTYPE_BYTES[dtype]
-    return min(OWN_GPU_FRACTION, 1.0 - resident / gpu_bytes - RESERVE_FRACTION)
+    return min(OWN_GPU_FRACTION, 1.0 - (resident + pass_bytes) / gpu_bytes - RESERVE_FRACTION)
+
+
+def estimate_pass_bytes(cfg: ConveyorConfig, shape: ModelShape, with_reference: bool) -> tuple[int, int]:
+    """(trainer, reference) bytes of one forward pass at its largest: ``train.chunk_size``
+    samples of ``data.max_prompt_len + rollout.max_tokens`` tokens (the source refuses
+    longer prompts), activations and the logits the head holds at once
+    (``train.logit_chunk_tokens``, both stages; 0: all of them), with grad for the trainer; the
+    reference's 0 when it does not share the GPU. The trainer's pass and the reference's
+    can run at once on a streaming GPU, so both are reserved."""
+    seq = cfg.data.max_prompt_len + cfg.rollout.max_tokens
+    logit_tokens = cfg.train.logit_chunk_tokens or None
+    trainer = estimate_batch_bytes("trainer", shape, [seq] * cfg.train.chunk_size, chunk_size=cfg.train.chunk_size,
+                                   logit_tokens=logit_tokens)
+    reference = estimate_batch_bytes("reference", shape, [seq] * REFERENCE_CHUNK, chunk_size=REFERENCE_CHUNK,
+                                     logit_tokens=logit_tokens) if with_reference else 0
+    return trainer, reference
 
 
 def engines_per_gpu(plan: PlacementPlan) -> int:
@@ -219,12 +239,14 @@ def colocated_startup_fraction(shape: ModelShape, kv_bytes: int, gpu_bytes: int)
 
 
 def plan_placement(
-    cfg: ConveyorConfig, stages: list[str], available_gpus: int, *, num_params: int = 0, gpu_bytes: int = 0
+    cfg: ConveyorConfig, stages: list[str], available_gpus: int, *, num_params: int = 0, gpu_bytes: int = 0,
+    shape: ModelShape | None = None,
 ) -> PlacementPlan:
     """The run's plan (see the module guarantees); ``check_plan`` it before use.
 
     ``stages``: the graph's stage names; ``num_params`` and ``gpu_bytes`` (memory of one
-    GPU; 0 if unknown) size vLLM's share of a GPU it shares.
+    GPU; 0 if unknown) size vLLM's share of a GPU it shares; ``shape`` (the model's,
+    optional) adds the trainer's and the reference's largest pass to what is reserved.
     """
     entries = _entries(cfg)
     cpus = {name: (entries[name].num_cpus if name in entries else 0.0) for name in stages}
@@ -256,7 +278,9 @@ def plan_placement(
             entry = entries.get(name)
             count = by_count.get(name, entry.num_gpus if entry is not None else 0.0)
             placed[name] = StagePlacement(num_gpus=count, num_cpus=cpus[name])
-    fraction = _rollout_fraction(cfg, placed, num_params, gpu_bytes, notes)
+    if shape is not None:
+        num_params = num_params or shape.num_params
+    fraction = _rollout_fraction(cfg, placed, num_params, gpu_bytes, notes, shape)
     return PlacementPlan(available_gpus=available_gpus, stages=placed, rollout_memory_fraction=fraction, notes=notes)
 
 
@@ -320,7 +344,7 @@ def _plan_colocate(cfg: ConveyorConfig, on_gpu: list[str], available: int, notes
 
 
 def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], num_params: int, gpu_bytes: int,
-                      notes: list[str]) -> float | None:
+                      notes: list[str], shape: ModelShape | None = None) -> float | None:
     rollout = placed.get("rollout")
     if rollout is not None and not rollout.gpus and rollout.num_gpus > 1:
         # Tensor parallel, GPUs of its own.
@@ -341,11 +365,18 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
         notes.append("GPU memory or model size unknown: vLLM keeps rollout.gpu_memory_utilization")
         return chosen
     dtype = cfg.model.dtype
-    planned = estimate_colocated_fraction(num_params, dtype, gpu_bytes, with_reference="reference" in mates)
-    resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes
+    with_reference = "reference" in mates
+    trainer_pass, reference_pass = estimate_pass_bytes(cfg, shape, with_reference) if shape else (0, 0)
+    planned = estimate_colocated_fraction(num_params, dtype, gpu_bytes, with_reference=with_reference,
+                                          pass_bytes=trainer_pass + reference_pass)
+    resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - trainer_pass - reference_pass
+    passes = (f" + trainer pass ~{trainer_pass / _GIB:.1f} GiB (train.chunk_size {cfg.train.chunk_size}, "
+              f"train.logit_chunk_tokens {cfg.train.logit_chunk_tokens})" if shape else "")
+    passes += f" + reference pass ~{reference_pass / _GIB:.1f} GiB" if reference_pass else ""
     notes.append(
-        f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident of "
-        f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}), {RESERVE_FRACTION:.0%} reserve"
+        f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident{passes} of "
+        f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}), {RESERVE_FRACTION:.0%} reserve; "
+        f"vLLM ~{max(planned, 0) * gpu_bytes / _GIB:.1f} GiB"
     )
     planned = round(planned / engines, 3)
     if chosen is not None:
@@ -359,8 +390,9 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
     if planned < MIN_ROLLOUT_FRACTION:
         raise PlacementError(
             f"placement: the model ({num_params / 1e6:.0f}M params, {dtype}) does not fit trainer, reference and "
-            f"vLLM on one GPU of {gpu_bytes / _GIB:.0f} GiB (vLLM would get {max(planned, 0):.2f} of it); "
-            f"use more GPUs, a smaller model, or train.zero_stage with offload"
+            f"vLLM on one GPU of {gpu_bytes / _GIB:.0f} GiB (vLLM would get {max(planned, 0):.2f} of it; "
+            f"{notes[-1]}); lower train.chunk_size or train.logit_chunk_tokens, use more GPUs, a smaller model, "
+            f"or train.zero_stage with offload"
         )
     return planned
 

@@ -12,6 +12,8 @@ Guarantees:
   (what ``save_pretrained`` writes). It holds the same elements, so fingerprints agree.
   For a model without load-time conversions (the dense families) it is ``state``
   itself, in the same order.
+- ``drop_tied_aliases(model, state)`` keeps one name per tied parameter (the source
+  name, which the served model holds), whether or not the tensors still share storage.
 - ``CheckpointLayout(model)`` is the inverse, for a receiver that holds the module
   (``identity`` when there is nothing to invert): ``assemble(weights)`` puts
   checkpoint-named tensors back together under the module's names, and refuses,
@@ -42,6 +44,29 @@ def has_conversions(model: Any) -> bool:
         probe: dict[str, torch.Tensor] = {}
         _CONVERTS[model] = revert_weight_conversion(model, probe) is not probe
     return _CONVERTS[model]
+
+
+def find_tied_aliases(model: Any) -> dict[str, str]:
+    """Alias -> source of every parameter ``model`` ties (``lm_head.weight`` ->
+    ``model.embed_tokens.weight`` with tied embeddings): those transformers declares
+    (``all_tied_weights_keys``, only where the config ties them) and any parameter
+    reachable under two names. A rollout engine serving the model holds the source
+    alone (vLLM's tied families register no output head of their own)."""
+    aliases = {str(k): str(v) for k, v in (getattr(model, "all_tied_weights_keys", None) or {}).items()}
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases.setdefault(name, first[id(param)])
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def drop_tied_aliases(model: Any, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the aliases of tied parameters whose source it holds: each tied
+    tensor is sent once, under the name the served model holds."""
+    aliases = find_tied_aliases(model)
+    return {name: t for name, t in state.items() if aliases.get(name) not in state}
 
 
 def checkpoint_state_dict(model: Any, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

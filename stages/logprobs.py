@@ -6,8 +6,12 @@ Guarantees:
   completion_ids[i, :j])`` at the given temperature, and exactly 0 where ``j >=
   completion_lens[i]``. Padding never influences a real token: sequences are
   right-padded, so under the causal mask a real token attends only to real tokens.
-- Memory is bounded by ``chunk_size`` samples per forward pass, and only the logits of
-  completion positions are materialised when the model accepts ``logits_to_keep``.
+- Memory is bounded by ``chunk_size`` samples per forward pass, and never grows with the
+  vocabulary beyond one chunk of tokens: the output head is applied to the completion
+  positions only, ``chunk_tokens`` rows at a time, each chunk's ``[tokens, vocab]``
+  logits recomputed in backward rather than kept (``chunked_head``). Families whose
+  head does more than ``lm_head`` plus soft-capping, and ZeRO-3's partitioned head,
+  take the dense path, which holds the logits of the completion span of one pass.
 - Autograd is untouched: under ``torch.no_grad()`` it scores (reference stage), with
   grad enabled it is the trainer's differentiable forward pass.
 """
@@ -75,6 +79,100 @@ def accepts_logits_to_keep(model: Any) -> bool:
         return False
 
 
+# Model types whose causal-LM head is ``lm_head(hidden)``, then soft-capping where the
+# config sets ``final_logit_softcapping``: the chunked head reproduces them exactly.
+# Others (a logit scale, a multiplier) take the dense path.
+CHUNKED_HEAD_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+    "gemma3_text", "phi3", "olmo2", "smollm3",
+})
+LOGIT_CHUNK_TOKENS = 1024  # rows of [tokens, vocab] logits alive at once on the chunked path
+
+
+def find_chunkable_head(model: Any) -> torch.nn.Module | None:
+    """The output head the chunked path may take over, or None for the dense path: an
+    unlisted family, a head that is not a plain linear layer, or weights partitioned
+    across ranks (ZeRO 3: the head's weight exists whole only inside its own call)."""
+    module = getattr(model, "module", model)
+    config = getattr(module, "config", None)
+    if getattr(config, "model_type", None) not in CHUNKED_HEAD_TYPES:
+        return None
+    get_head = getattr(module, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Linear) or hasattr(head.weight, "ds_id"):
+        return None
+    return head
+
+
+def _head_chunk(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                temperature: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy) of ``n`` rows: hidden [n, H], targets [n] -> [n], [n] float32."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if softcap:  # as the model's own forward does it, in the head's dtype
+        logits = torch.tanh(logits / softcap) * softcap
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    return logp, entropy
+
+
+class chunked_head:
+    """Within the block, ``head`` (the model's output layer) returns, instead of
+    ``[s, k, vocab]`` logits, the ``[s, C]`` float32 log-probs of ``targets``: the one
+    predicted at input row ``(rows[n], cols[n])`` lands at ``(rows[n], slots[n])`` (zeros
+    elsewhere). The head runs on those rows only, ``chunk_tokens`` at a time
+    under activation checkpointing: a chunk's logits are freed after its forward and
+    recomputed in its backward. The model's own forward still runs the head (so a
+    DeepSpeed engine's hooks see a normal forward and backward); its soft-capping is
+    applied here and switched off in the config for the call. ``entropy`` receives the
+    rows' entropies ([s, C], detached)."""
+
+    def __init__(self, module: Any, head: torch.nn.Module, rows: torch.Tensor, cols: torch.Tensor,
+                 slots: torch.Tensor, targets: torch.Tensor, shape: tuple[int, int], temperature: float,
+                 chunk_tokens: int) -> None:
+        self.module, self.head, self.rows, self.cols, self.slots = module, head, rows, cols, slots
+        self.targets = targets
+        self.shape, self.temperature, self.chunk_tokens = shape, temperature, chunk_tokens
+        self.entropy: torch.Tensor | None = None
+        self._softcap: float | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        picked = hidden[self.rows, self.cols]  # [n, H]: completion positions only
+        logp, ent = [], []
+        for a in range(0, picked.shape[0], self.chunk_tokens):
+            args = (picked[a : a + self.chunk_tokens], self.targets[a : a + self.chunk_tokens], self.head.weight,
+                    self.head.bias, self.temperature, self._softcap)
+            if torch.is_grad_enabled():
+                lp, en = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
+            else:
+                lp, en = _head_chunk(*args)
+            logp.append(lp)
+            ent.append(en.detach())
+        out = torch.zeros(self.shape, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(self.shape, dtype=torch.float32, device=hidden.device)
+        if logp:
+            out = out.index_put((self.rows, self.slots), torch.cat(logp))
+            entropy[self.rows, self.slots] = torch.cat(ent)
+        self.entropy = entropy
+        return out
+
+    def __enter__(self) -> chunked_head:
+        config = self.module.config
+        self._softcap = getattr(config, "final_logit_softcapping", None)
+        if self._softcap is not None:
+            config.final_logit_softcapping = None
+        self.head.forward = self.forward  # an instance attribute: nn.Module.__call__ finds it first
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.head.forward
+        if self._softcap is not None:
+            self.module.config.final_logit_softcapping = self._softcap
+
+
 def forward_completion_logprobs(
     model: Any,
     input_ids: torch.Tensor,
@@ -85,6 +183,7 @@ def forward_completion_logprobs(
     use_logits_to_keep: bool | None = None,
     entropy_out: list[torch.Tensor] | None = None,
     router_loss_out: list[torch.Tensor] | None = None,
+    chunk_tokens: int = LOGIT_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """One forward pass over rows already cut from ``build_model_inputs``.
 
@@ -92,11 +191,14 @@ def forward_completion_logprobs(
     returns [s, C] float32 on the model's device (zeros where the mask is 0).
     ``entropy_out``: a list that receives the entropy of each completion position's
     next-token distribution at ``temperature``, [s, C] float32 detached (zeros where
-    the mask is 0), computed from the logits this pass already holds.
-    ``router_loss_out``: a list that receives a mixture of experts' load-balancing loss
-    over this pass's real tokens (a scalar with its graph; the model's own
-    ``aux_loss``, asked for with ``output_router_logits``).
+    the mask is 0). ``router_loss_out``: a list that receives a mixture of experts'
+    load-balancing loss over this pass's real tokens (a scalar with its graph; the
+    model's own ``aux_loss``, asked for with ``output_router_logits``).
+    ``chunk_tokens``: rows of logits alive at once (``chunked_head``); 0 takes the
+    dense path, as does a model ``find_chunkable_head`` refuses.
     """
+    if temperature <= 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature}")
     device = next(iter(getattr(model, "module", model).parameters())).device
     valid = completion_mask.to(device)
     if valid.numel() == 0 or input_ids.shape[1] < 2:
@@ -116,27 +218,39 @@ def forward_completion_logprobs(
         use_logits_to_keep = accepts_logits_to_keep(model)
     extra: dict[str, Any] = {"output_router_logits": True} if router_loss_out is not None else {}
     if use_logits_to_keep:
-        out = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=length - first, **extra)
-        logits = out.logits
+        extra["logits_to_keep"] = length - first
+    head = find_chunkable_head(model) if chunk_tokens > 0 else None
+    if head is not None:
+        # Row (sample, position in the head's input) of every real completion token.
+        offset = first if use_logits_to_keep else 0
+        rows, slots = torch.nonzero(valid > 0, as_tuple=True)
+        at = pos[rows, slots]  # the token's index in ids; its logits sit one position before
+        with chunked_head(getattr(model, "module", model), head, rows, at - 1 - offset, slots, ids[rows, at],
+                          tuple(completion_mask.shape), temperature, chunk_tokens) as chunked:
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
+        gathered, entropy = out.logits, chunked.entropy
     else:
         out = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
-        logits = out.logits[:, first:]
+        logits = out.logits if use_logits_to_keep else out.logits[:, first:]
+        # token_lp[:, t] = log p(ids[:, first + t + 1] | logits at position first + t)
+        token_lp = compute_token_logprobs(logits.float(), ids[:, first:], temperature=temperature)
+        index = (pos - 1 - first).clamp(min=0, max=token_lp.shape[1] - 1)
+        gathered = torch.gather(token_lp, 1, index)
+        entropy = None
+        if entropy_out is not None:
+            with torch.no_grad():  # only the completion positions' logits: [s, C, V], not [s, L, V]
+                rows_ = logits[:, :-1].detach()
+                picked = torch.gather(rows_, 1, index.unsqueeze(-1).expand(-1, -1, rows_.shape[-1]))
+                entropy = compute_token_entropy(picked, temperature)
     if router_loss_out is not None:
         aux = getattr(out, "aux_loss", None)
         if not isinstance(aux, torch.Tensor):
             raise ValueError(f"{type(getattr(model, 'module', model)).__name__} returned no router load-balancing loss "
                              f"(aux_loss) with output_router_logits: it is not a mixture of experts")
         router_loss_out.append(aux)
-    # token_lp[:, t] = log p(ids[:, first + t + 1] | logits at position first + t)
-    token_lp = compute_token_logprobs(logits.float(), ids[:, first:], temperature=temperature)
-    index = (pos - 1 - first).clamp(min=0, max=token_lp.shape[1] - 1)
-    gathered = torch.gather(token_lp, 1, index)
     if entropy_out is not None:
-        with torch.no_grad():  # only the completion positions' logits: [s, C, V], not [s, L, V]
-            rows = logits[:, :-1].detach()
-            picked = torch.gather(rows, 1, index.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
-            ent = compute_token_entropy(picked, temperature)
-        entropy_out.append(torch.where(valid > 0, ent, torch.zeros_like(ent)))
+        assert entropy is not None
+        entropy_out.append(torch.where(valid > 0, entropy, torch.zeros_like(entropy)))
     return torch.where(valid > 0, gathered, torch.zeros_like(gathered))
 
 
@@ -145,9 +259,11 @@ def compute_completion_logprobs(
     batch: RolloutBatch,
     temperature: float = 1.0,
     chunk_size: int = 16,
+    chunk_tokens: int = LOGIT_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """Log-prob of each completion token: [S, C] float32, aligned with
-    ``batch.completion_ids``, zeros where padded (see the module guarantees)."""
+    ``batch.completion_ids``, zeros where padded (see the module guarantees);
+    ``chunk_tokens`` as in ``forward_completion_logprobs``."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
     input_ids, attention_mask, completion_mask, positions = build_model_inputs(batch)
@@ -161,6 +277,7 @@ def compute_completion_logprobs(
             positions[start : start + chunk_size],
             temperature=temperature,
             use_logits_to_keep=keep,
+            chunk_tokens=chunk_tokens,
         )
         for start in range(0, batch.num_samples, chunk_size)
     ]

@@ -35,7 +35,7 @@ from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 from pipeline.types import RolloutBatch
-from stages.logprobs import compute_completion_logprobs
+from stages.logprobs import LOGIT_CHUNK_TOKENS, compute_completion_logprobs, find_chunkable_head
 
 
 def build_model_shape(model: Any, dtype: str) -> ModelShape:
@@ -64,6 +64,7 @@ class ReferenceModel:
         temperature: float = 1.0,
         chunk_size: int = 16,
         device: str | None = None,
+        logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -78,12 +79,16 @@ class ReferenceModel:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=resolve_dtype(dtype, "model.dtype", MODEL_DTYPES))
         model.requires_grad_(False)
         self.model = model.eval().to(self.device)
+        # Rows of logits alive at once (stages.logprobs); None: the dense head.
+        chunkable = logit_chunk_tokens and find_chunkable_head(self.model) is not None
+        self.logit_tokens = logit_chunk_tokens if chunkable else None
 
     def compute(self, batch: RolloutBatch) -> RolloutBatch:
         """``batch`` with ``ref_logprobs`` [S, C] float32 filled in."""
         with torch.no_grad():
             logprobs = compute_completion_logprobs(
-                self.model, batch, temperature=self.temperature, chunk_size=self.chunk_size
+                self.model, batch, temperature=self.temperature, chunk_size=self.chunk_size,
+                chunk_tokens=self.logit_tokens or 0,
             )
         ref = np.ascontiguousarray(logprobs.to("cpu", torch.float32).numpy(), dtype=np.float32)
         return msgspec.structs.replace(batch, ref_logprobs=ref)
@@ -101,7 +106,8 @@ class ReferenceStage:
         cfg = ctx.config
         path = Path(cfg.reference.path).expanduser() if cfg.reference.path else resolve_model_path(cfg.model)
         self.model = await asyncio.to_thread(
-            ReferenceModel, path, cfg.model.dtype, temperature=cfg.rollout.temperature
+            ReferenceModel, path, cfg.model.dtype, temperature=cfg.rollout.temperature,
+            logit_chunk_tokens=cfg.train.logit_chunk_tokens,
         )
         self.ctx = ctx
         self.shape = build_model_shape(self.model.model, cfg.model.dtype)
@@ -119,7 +125,8 @@ class ReferenceStage:
         return out
 
     def _estimate(self, piece: RolloutBatch) -> int:
-        return estimate_batch_bytes("reference", self.shape, count_seq_lens(piece), chunk_size=self.model.chunk_size)
+        return estimate_batch_bytes("reference", self.shape, count_seq_lens(piece), chunk_size=self.model.chunk_size,
+                                    logit_tokens=self.model.logit_tokens)
 
     async def _score_recovering(self, piece: RolloutBatch) -> RolloutBatch:
         if not self.guard.protected:

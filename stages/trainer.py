@@ -385,7 +385,8 @@ class TrainerStage:
 
     # ------------------------------------------------------------------ memory
     def _estimate(self, piece: RolloutBatch) -> int:
-        return estimate_batch_bytes("trainer", self.shape, count_seq_lens(piece), chunk_size=self.engine.chunk_size)
+        return estimate_batch_bytes("trainer", self.shape, count_seq_lens(piece), chunk_size=self.engine.chunk_size,
+                                    logit_tokens=self.engine.logit_tokens)
 
     async def _train(self, batch: RolloutBatch) -> list[tuple[RolloutBatch, dict[str, float]]]:
         """(piece, metrics) for each piece ``batch`` was trained as, in order."""

@@ -63,8 +63,8 @@ from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import build_policy_loss
-from stages.checkpoint_names import checkpoint_state_dict
-from stages.logprobs import accepts_logits_to_keep, build_model_inputs, forward_completion_logprobs
+from stages.checkpoint_names import checkpoint_state_dict, drop_tied_aliases
+from stages.logprobs import accepts_logits_to_keep, build_model_inputs, find_chunkable_head, forward_completion_logprobs
 from stages.lr_schedule import build_lr_scheduler
 
 _STATE_TAG = "conveyor"
@@ -390,6 +390,8 @@ class TrainerEngine:
         self.compiled_blocks, self.compile_skipped = compile_blocks(
             self.module, train.compile, self.weights_on_gpu, int(train.zero_stage))
         self._keep = accepts_logits_to_keep(self.module)
+        # Rows of logits alive at once (stages.logprobs); None: the dense head.
+        self.logit_tokens = train.logit_chunk_tokens if find_chunkable_head(self.module) is not None else None
         self._ipc: CudaIpcExporter | None = None  # made on the first cuda_ipc export
         self._loss = build_policy_loss(algo)
 
@@ -430,7 +432,7 @@ class TrainerEngine:
                 logprobs = forward_completion_logprobs(
                     self.engine, input_ids[a:b], attention_mask[a:b], completion_mask[a:b], positions[a:b],
                     temperature=self.temperature, use_logits_to_keep=self._keep, entropy_out=entropy,
-                    router_loss_out=router,
+                    router_loss_out=router, chunk_tokens=self.logit_tokens or 0,
                 )
                 device = logprobs.device
                 chunk_mask = completion_mask[a:b].to(device)
@@ -480,7 +482,7 @@ class TrainerEngine:
         for _ in range(count):
             logprobs = forward_completion_logprobs(
                 self.engine, input_ids[:1], attention_mask[:1], completion_mask[:1], positions[:1],
-                temperature=self.temperature, use_logits_to_keep=self._keep)
+                temperature=self.temperature, use_logits_to_keep=self._keep, chunk_tokens=self.logit_tokens or 0)
             self.engine.backward(logprobs.sum() * 0.0, scale_wrt_gas=False)
 
     def optimizer_step(self, grad_scale: float = 1.0, bump_version: bool = True) -> dict[str, float]:
@@ -589,7 +591,7 @@ class TrainerEngine:
     def _module_state_for_sync(self) -> dict[str, torch.Tensor]:
         """The module's names -> CPU copy in the rollout dtype; tied parameters once."""
         with self.gathered_parameters():
-            live = drop_tied_duplicates(self.module.state_dict())
+            live = drop_tied_aliases(self.module, drop_tied_duplicates(self.module.state_dict()))
             return {name: t.detach().to("cpu", self.sync_dtype, copy=True) for name, t in live.items()}
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
@@ -613,8 +615,8 @@ class TrainerEngine:
         if self._ipc is None:
             self._ipc = CudaIpcExporter(self.sync_dtype)
         with self.gathered_parameters():
-            data, fingerprint = self._ipc.export(checkpoint_state_dict(self.module, self.module.state_dict()),
-                                                 self.version)
+            state = drop_tied_aliases(self.module, drop_tied_duplicates(self.module.state_dict()))
+            data, fingerprint = self._ipc.export(checkpoint_state_dict(self.module, state), self.version)
         return data, compute_sha256(data), fingerprint
 
     def weights_sha256(self) -> str:

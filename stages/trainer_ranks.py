@@ -281,7 +281,7 @@ class DataParallelEngine:
 
     # Rank 0's state and weights stand for the stage's engine.
     def __getattr__(self, name: str) -> Any:
-        if name in ("version", "module", "chunk_size", "algo", "extra_state", "gradients_tainted",
+        if name in ("version", "module", "chunk_size", "logit_tokens", "algo", "extra_state", "gradients_tainted",
                     "weights_on_gpu", "sync_dtype", "get_rng_state", "set_rng_state", "compiled_blocks",
                     "compile_skipped"):
             return getattr(self.local, name)

@@ -7,7 +7,10 @@ where ``resident`` is what the stage holds with nothing in flight (weights, opti
 state, caches; re-measured whenever nothing is in flight) and ``in_flight`` the sum of
 admitted, unreleased estimates. A micro-batch that could never satisfy it (estimate >
 budget - resident) is split, never deferred forever; one that cannot be split (a single
-GRPO group) is admitted only when it runs alone. Deferral of one micro-batch is bounded by
+GRPO group) is admitted only when it runs alone. With nothing of the stage in flight, a
+micro-batch the device's free memory cannot hold (nothing of its own will free any) waits
+at most ``stall_timeout_s`` for a neighbour to let go, then is split to fit or, a single
+group, stops the stage naming what to lower. Deferral of one micro-batch is bounded by
 ``defer_timeout_s``, after which ``AdmissionTimeout`` says why with the numbers.
 Splitting itself (whole GRPO groups, every sample once) lives in ``pipeline/memory/splitting.py``.
 
@@ -102,7 +105,9 @@ def estimate_kv_cache_bytes(shape: ModelShape, num_tokens: int) -> int:
     return shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 * shape.dtype_bytes * num_tokens
 
 
-def estimate_forward_bytes(shape: ModelShape, num_sequences: int, seq_len: int, with_grad: bool) -> int:
+def estimate_forward_bytes(
+    shape: ModelShape, num_sequences: int, seq_len: int, with_grad: bool, logit_tokens: int | None = None
+) -> int:
     """Transient bytes of one forward pass over ``[num_sequences, seq_len]`` tokens.
 
     Counted, with T = num_sequences × seq_len, H hidden, I intermediate, K = kv heads ×
@@ -112,7 +117,9 @@ def estimate_forward_bytes(shape: ModelShape, num_sequences: int, seq_len: int, 
         up, activation and product (4·I); with grad every layer's stay alive for
         backward (× layers), without grad only one layer's are alive at a time;
       - logits [S, L, V] in float32 and their log_softmax (8 bytes each), plus their
-        float32 gradient with grad (12 bytes).
+        float32 gradient with grad (12 bytes); with ``logit_tokens`` (the chunked head of
+        ``stages.logprobs``) only that many rows at once, each in the head's dtype, in
+        float32, its softmax and, with grad, two gradients (16 bytes; 10 without).
     Not counted: weights, gradients and optimizer state (resident, measured by the
     reading); [S, heads, L, L] attention scores (a fused kernel never builds them).
     """
@@ -120,12 +127,16 @@ def estimate_forward_bytes(shape: ModelShape, num_sequences: int, seq_len: int, 
     inter = shape.intermediate_size or 4 * shape.hidden_size
     per_layer = (6 * shape.hidden_size + 2 * shape.num_kv_heads * shape.head_dim + 4 * inter) * shape.dtype_bytes
     activations = tokens * per_layer * (shape.num_layers if with_grad else 1)
-    logits = tokens * shape.vocab_size * (12 if with_grad else 8)
+    if logit_tokens is None:
+        logits = tokens * shape.vocab_size * (12 if with_grad else 8)
+    else:
+        logits = min(tokens, logit_tokens) * shape.vocab_size * (16 if with_grad else 10)
     return activations + logits
 
 
 def estimate_batch_bytes(
-    stage_kind: StageKind, shape: ModelShape, seq_lens: Sequence[int], *, chunk_size: int | None = None
+    stage_kind: StageKind, shape: ModelShape, seq_lens: Sequence[int], *, chunk_size: int | None = None,
+    logit_tokens: int | None = None,
 ) -> int:
     """Bytes one micro-batch adds to a stage; ``seq_lens`` has one total length per sample.
 
@@ -133,7 +144,8 @@ def estimate_batch_bytes(
     ``expand_rollout_seq_lens``) plus one decode step's float32 logits and probabilities
     per sequence. reference / trainer: the largest forward pass over chunks of
     ``chunk_size`` samples, each padded to its own longest (trainer: with grad, assuming
-    each chunk's backward runs before the next chunk's forward).
+    each chunk's backward runs before the next chunk's forward); ``logit_tokens``: rows
+    of logits alive at once (see ``estimate_forward_bytes``; None: the dense head).
     """
     lens = [int(n) for n in seq_lens]
     if not lens:
@@ -144,7 +156,8 @@ def estimate_batch_bytes(
         raise ValueError(f"stage_kind: expected 'rollout', 'reference' or 'trainer', got {stage_kind!r}")
     step = chunk_size or len(lens)
     return max(
-        estimate_forward_bytes(shape, len(chunk), max(chunk), with_grad=stage_kind == "trainer")
+        estimate_forward_bytes(shape, len(chunk), max(chunk), with_grad=stage_kind == "trainer",
+                               logit_tokens=logit_tokens)
         for chunk in (lens[i : i + step] for i in range(0, len(lens), step))
     )
 
@@ -290,6 +303,24 @@ class AdmissionController:
                 # it with the stage to itself and let OOM recovery have the last word.
                 return self._admit(est, key, "over budget, atomic: admitted alone")
             return self._defer(key, est, reading, budget, in_flight, resident)
+        if in_flight == 0 and est > reading.free_bytes:
+            # Nothing of this stage's will free memory: what is free is all it gets
+            # unless a neighbour on the device lets go. Wait ``stall_timeout_s`` for
+            # that, then split to fit, or stop (``_defer``).
+            since = self._deferred_since.get(key)
+            stalled = since is not None and self._now() - since >= self.config.stall_timeout_s
+            pieces = 1
+            while stalled and est > reading.free_bytes * pieces and pieces < (max_pieces or 1 << 20):
+                pieces *= 2
+            pieces = pieces if max_pieces is None else min(pieces, max_pieces)
+            if pieces > 1:
+                self.splits += 1
+                self._deferred_since.pop(key, None)
+                return Decision(
+                    kind=DecisionKind.SPLIT, bytes=est, pieces=pieces,
+                    reason=f"{est / MiB:.1f} MiB exceeds the {reading.free_bytes / MiB:.1f} MiB free on the device",
+                )
+            return self._defer(key, est, reading, budget, in_flight, resident, stalled=True)
         pending = max(0, resident + in_flight - reading.used_bytes)  # admitted, not yet allocated
         projected = max(reading.used_bytes, resident + in_flight) + est
         if projected <= budget and est + pending <= reading.free_bytes:
@@ -303,7 +334,8 @@ class AdmissionController:
         return Decision(kind=DecisionKind.ADMIT, bytes=est, reason=reason)
 
     def _defer(
-        self, key: Hashable, est: int, reading: MemoryReading, budget: int, in_flight: int, resident: int
+        self, key: Hashable, est: int, reading: MemoryReading, budget: int, in_flight: int, resident: int,
+        stalled: bool = False,
     ) -> Decision:
         now = self._now()
         since = self._deferred_since.get(key)
@@ -316,9 +348,22 @@ class AdmissionController:
             f"resident {resident / MiB:.1f} MiB"
         )
         waited = now - since
-        if waited >= self.config.defer_timeout_s:
+        limit = min(self.config.defer_timeout_s, self.config.stall_timeout_s) if stalled else self.config.defer_timeout_s
+        if waited >= limit:
             del self._deferred_since[key]
             section = _CONFIG_SECTION.get(self.stage)
+            if stalled:
+                # The stage holds nothing in flight and the device's free memory stayed
+                # below one group's estimate: only a smaller piece or a smaller
+                # neighbour can help.
+                knob = (f"{section}.chunk_size (samples per forward pass)" if section in ("train", "reference")
+                        else "rollout.max_tokens") + (", lower rollout.gpu_memory_utilization or "
+                                                      "rollout.kv_cache_gib (vLLM's share of a shared GPU)")
+                raise AdmissionTimeout(
+                    f"stage {self.stage!r}: a micro-batch of one group needs more memory than the device has free "
+                    f"with nothing of this stage in flight, for {waited:.1f} s (stall_timeout_s "
+                    f"{self.config.stall_timeout_s:g}): {numbers}. Lower {knob}, or free memory held by other "
+                    f"processes.")
             knob = f"{section}.memory.budget_bytes or max_memory_ratio" if section else "the stage's memory budget"
             raise AdmissionTimeout(
                 f"stage {self.stage!r}: a micro-batch waited {waited:.1f} s for memory "

@@ -217,14 +217,44 @@ def test_timeout_names_stage_and_numbers() -> None:
 def test_admission_restarts_deferral_clock() -> None:
     clock = FakeClock()
     ctl = make_controller(clock=clock)
-    # resident 100 + 900 <= 1000, but only 50 bytes are free.
-    assert ctl.decide(900, reading(used=100, free=50), key="a").kind is DecisionKind.DEFER
+    # resident 100 + 900 <= 1000, but only 50 bytes are free; one group (no split).
+    assert ctl.decide(900, reading(used=100, free=50), key="a", max_pieces=1).kind is DecisionKind.DEFER
     clock.t = 8.0
-    assert ctl.decide(900, reading(used=100, free=5000), key="a").kind is DecisionKind.ADMIT
+    assert ctl.decide(900, reading(used=100, free=5000), key="a", max_pieces=1).kind is DecisionKind.ADMIT
     ctl.release(900)
-    assert ctl.decide(900, reading(used=100, free=50), key="a").kind is DecisionKind.DEFER
+    assert ctl.decide(900, reading(used=100, free=50), key="a", max_pieces=1).kind is DecisionKind.DEFER
     clock.t = 17.0  # 9 s into the second deferral: no timeout
-    assert ctl.decide(900, reading(used=100, free=50), key="a").kind is DecisionKind.DEFER
+    assert ctl.decide(900, reading(used=100, free=50), key="a", max_pieces=1).kind is DecisionKind.DEFER
+
+
+def test_idle_stage_splits_what_free_memory_cannot_hold() -> None:
+    # Nothing in flight; 900 bytes fit the budget (100 + 900 <= 1000) but 300 are free,
+    # and nothing of this stage will free more. It waits stall_timeout_s (2 s) for a
+    # neighbour, then splits: 900 / 4 = 225 <= 300 (2 pieces: 450 > 300).
+    clock = FakeClock()
+    ctl = AdmissionController("trainer", MemoryConfig(budget_bytes=1000, defer_timeout_s=10.0, stall_timeout_s=2.0),
+                              now=clock)
+    assert ctl.decide(900, reading(used=100, free=300), key="a", max_pieces=8).kind is DecisionKind.DEFER
+    clock.t = 2.0
+    d = ctl.decide(900, reading(used=100, free=300), key="a", max_pieces=8)
+    assert (d.kind, d.pieces) == (DecisionKind.SPLIT, 4)
+    assert "free on the device" in d.reason
+
+
+def test_idle_stage_fails_fast_on_a_group_free_memory_cannot_hold() -> None:
+    # One group (max_pieces=1), nothing in flight, 50 bytes free: it waits
+    # stall_timeout_s (2 s here), not defer_timeout_s (10 s), then names what to lower.
+    clock = FakeClock()
+    ctl = AdmissionController("trainer", MemoryConfig(budget_bytes=1000, defer_timeout_s=10.0, stall_timeout_s=2.0),
+                              now=clock)
+    assert ctl.decide(900, reading(used=100, free=50), key="a", max_pieces=1).kind is DecisionKind.DEFER
+    clock.t = 1.9
+    assert ctl.decide(900, reading(used=100, free=50), key="a", max_pieces=1).kind is DecisionKind.DEFER
+    clock.t = 2.0
+    with pytest.raises(AdmissionTimeout) as err:
+        ctl.decide(900, reading(used=100, free=50), key="a", max_pieces=1)
+    for part in ("stall_timeout_s 2", "train.chunk_size", "rollout.gpu_memory_utilization", "estimate"):
+        assert part in str(err.value), part
 
 
 def test_protection_off_always_admits() -> None:
