@@ -78,6 +78,16 @@ class StageError(RuntimeError):
         return (StageError, (self.stage, self.message, self.remote_traceback, self.died))
 
 
+def core_error_message(exc: BaseException) -> str:
+    """``Type: message`` of a core's exception; assigning to a frozen wire value (an
+    ``AttributeError: immutable type``) also says how to derive a new one instead."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, AttributeError) and str(exc).startswith("immutable type"):
+        text += ("; wire types are frozen: return a changed copy, e.g. "
+                 "msgspec.structs.replace(batch, rewards=new_rewards) (docs/custom-nodes.md)")
+    return text
+
+
 class StageContext:
     """What a core may use: its identity, the config, the controller, spans and a logger."""
 
@@ -221,7 +231,7 @@ class StageActor:
             await self.ctx.controller.settle()  # what the core posted has taken effect
         except BaseException as exc:
             self._state = "failed"
-            raise StageError(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+            raise StageError(self.name, core_error_message(exc), traceback.format_exc()) from exc
         finally:
             for out in outs:
                 await out.close(self.ctx.worker_id)
