@@ -11,10 +11,10 @@ Runs ``configs/quickstart.yaml`` (launched in this process by ``pipeline.launch.
   every micro-batch of every stage splits down to single GRPO groups (vLLM generates a
   micro-batch as parts admitted one after another).
 
-For each: steps, trained samples/s over the runner's wall time (its clock starts once
+For each: steps, trained samples per s over the runner's wall time (its clock starts once
 every actor is set up, so engine start-up is out), the total time, splits, deferrals and
 OOM recoveries per stage, and whether the accounting reconciles; the ratios are each
-protected run's samples/s over the unconstrained run's. On this CPU the tiny model never
+protected run's samples per s over the unconstrained run's. On this CPU the tiny model never
 comes near running out of memory, so the unprotected run is the throughput baseline, not
 a crash: the figure is the price of splitting. Writes ``admission.json`` and ``admission.png``.
 """
@@ -85,7 +85,7 @@ def _attempt(name: str, steps: int, root: Path) -> dict[str, Any]:
     try:
         row = run_one(name, steps, root)
         row["status"] = "ok"
-        print(f"{name}: {row['samples_per_s']:.1f} samples/s, splits "
+        print(f"{name}: {row['samples_per_s']:.1f} samples per s, splits "
               f"{ {s: row['per_stage'][s]['admission/splits'] for s in STAGES} }", flush=True)
     except Exception as exc:
         row = {"run": name, "status": "error", "error": f"{type(exc).__name__}: {exc}",

@@ -11,7 +11,7 @@ Measures, for the quickstart (``configs/quickstart.yaml``, launched in this proc
   ``run.seed``), group size, completion length, temperature, learning rate, KL
   coefficient, clip, grad clip, token-mean loss and number of optimizer steps;
 
-and for each: trained samples/s over the training wall time (Conveyor's runner clock
+and for each: trained samples per s over the training wall time (Conveyor's runner clock
 starts after every actor's setup; TRL's at ``train()``), the total time including
 start-up, the wall time from launch until the reward's 5-step moving average first
 reaches each of ``REWARD_THRESHOLDS`` (also counted from the first logged step, start-up
@@ -143,7 +143,7 @@ def _version(dist: str) -> str | None:
 
 
 def _describe_run(row: dict[str, Any]) -> str:
-    return (f"{row['samples_per_s']:.1f} samples/s, final reward {row['reward_final']}, "
+    return (f"{row['samples_per_s']:.1f} samples per s, final reward {row['reward_final']}, "
             f"time to thresholds {row['time_to_threshold_s']}")
 
 

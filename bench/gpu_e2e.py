@@ -19,11 +19,11 @@ each ratio is also given round by round: a row against the first TRL row after i
 else the last one), and a Conveyor row may carry its own overrides
 (``colocate[train.chunk_size=256;rollout.max_inflight=2]``, on top of its mode's).
 
-Steady state: samples/s over the steps after the first ``WARMUP_STEPS`` (engine start,
+Steady state: samples per second over the steps after the first ``WARMUP_STEPS`` (engine start,
 compilation and the first updates set aside), per GPU used; also completion tokens/s,
 start-up time (launch to the first step), per-stage busy shares and the weight-sync
 share for Conveyor. ``bound_samples_per_s`` is the one-GPU bound of the GPU issue
-(engines alone, stages in sequence: 246 samples/s) where the config is that job's
+(engines alone, stages in sequence: ``ONE_GPU_BOUND``) where the config is that job's
 shape. Writes ``gpu_e2e.json`` and ``gpu_e2e.png``; needs a CUDA GPU (status "skipped"
 without one).
 """
@@ -48,7 +48,7 @@ from bench.e2e import _attempt, _version, build_trl_args, build_trl_dataset, sum
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 WARMUP_STEPS = 5
-ONE_GPU_BOUND = 246.0  # samples/s, engines alone in sequence on one H200 (issue 10)
+ONE_GPU_BOUND = 246.0  # samples per second, engines alone in sequence (docs/performance/gpu-e2e.md)
 
 
 def compute_steady_rate(times: list[float], samples_per_step: int, warmup: int) -> float | None:
@@ -184,7 +184,7 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
 
 def run_trl_isolated(steps: int, root: Path) -> dict[str, Any]:
     """``run_trl`` in a process of its own, its row read back: TRL's in-process vLLM
-    engine keeps its GPU memory (about 40 GiB on an H200) until its process exits, so a
+    engine keeps its GPU memory (tens of GiB) until its process exits, so a
     Conveyor row after it in this process found too little free memory to start vLLM."""
     root.mkdir(parents=True, exist_ok=True)
     out = root / "trl_row.json"
@@ -279,7 +279,7 @@ def run_rows(specs: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]]:
 
 
 def _row_rate(row: dict[str, Any]) -> float | None:
-    """A row's samples/s per GPU; None for a row that failed or was skipped."""
+    """A row's samples per second per GPU; None for a row that failed or was skipped."""
     return row.get("samples_per_s_per_gpu") if row.get("status") == "ok" else None
 
 
@@ -292,7 +292,7 @@ def rates_by_spec(rows: dict[str, dict[str, Any]]) -> dict[str, list[float | Non
 
 
 def over_trl_by_round(rows: dict[str, dict[str, Any]]) -> dict[str, list[float | None]]:
-    """Each Conveyor row's samples/s over its round's TRL row, by spec in order: the first
+    """Each Conveyor row's samples per second over its round's TRL row, by spec in order: the first
     TRL row after it, else (a row after the last TRL row) the last one; None where either
     failed. Empty without a TRL row."""
     ordered = list(rows.values())

@@ -12,7 +12,7 @@ may use (``CUDA_VISIBLE_DEVICES``), the same steps, prompts and samples per step
   (``rollout.num_workers=2``, ``train.num_ranks=2``): each GPU holds a replica and a
   rank (the ranks take every GPU, so the replicas share them).
 
-Reports steady-state samples/s (after ``gpu_e2e.WARMUP_STEPS``) per configuration, per
+Reports steady-state samples per s (after ``gpu_e2e.WARMUP_STEPS``) per configuration, per
 GPU, and the ratios of each two-GPU configuration to the one-GPU one (target 1.8, the
 GPU-scaling issue's). A configuration needing more GPUs than the machine has is a row
 marked skipped. Writes ``gpu_scale.json`` and ``gpu_scale.png``; the machine's GPUs are

@@ -6,14 +6,14 @@ on the other four (the reference beside rank 0), a 1.4B-parameter Llama built lo
 halved (``rollout.num_workers=1``, ``train.num_ranks=2``), on fewer it is skipped.
 
 Per run (async, then sync: ``dataflow.async_execution=false``, ``max_staleness=0``),
-beside ``gpu_e2e.run_conveyor``'s figures (samples/s and per GPU, tokens/s, stage busy
+beside ``gpu_e2e.run_conveyor``'s figures (samples per s and per GPU, tokens/s, stage busy
 shares, weight publish time):
 
 - every GPU's busy share and peak memory, sampled from ``nvidia-smi`` once a second;
 - each rollout replica's weight updates (count, mean seconds to apply);
 - the staleness histogram of the trained samples, summed over the steady steps.
 
-Ratios: async over sync, and samples/s per GPU against the one-GPU ``gpu_e2e`` async
+Ratios: async over sync, and samples per s per GPU against the one-GPU ``gpu_e2e`` async
 rate of ``bench/results/gpu_e2e.json`` when present (a different model: the scaling of
 the per-GPU rate, not a like-for-like speed-up). Writes ``gpu_scale_8.json`` and
 ``.png``; needs 4 or more CUDA GPUs (status "skipped" otherwise).

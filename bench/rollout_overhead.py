@@ -1,7 +1,7 @@
 """Rollout overhead: the rollout stage's generation throughput inside the pipeline,
 against the same vLLM backend driven directly, on the same prompts and sampling settings.
 
-Measures completion tokens/s and samples/s of
+Measures completion tokens/s and samples per s of
 - the pipeline: a DataFlow ``source`` (``stages.source:PromptSource``, the real one) ->
   ``rollout`` (``stages.rollout.stage:RolloutStage``, ``concurrency = rollout.max_inflight``)
   -> ``sink`` (``TokenSink``, counts tokens and tells the ledger they are done), run by
@@ -75,7 +75,7 @@ def build_config(run_dir: Path, prompts: int, max_tokens: int, quick: bool) -> A
 
 
 def summarize_arrivals(arrivals: list[tuple[float, int, int]], t_start: float, warm: int) -> dict[str, float]:
-    """Tokens/s and samples/s overall (from ``t_start``) and after the first ``warm`` arrivals."""
+    """Tokens/s and samples per s overall (from ``t_start``) and after the first ``warm`` arrivals."""
     arr = sorted(arrivals)
     t_end = arr[-1][0]
     tokens = sum(a[1] for a in arr)

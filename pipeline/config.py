@@ -242,16 +242,14 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # vLLM backend: "subprocess" runs vLLM's engine core in a process of its own
     # (AsyncLLM); "in_process" runs it in the rollout actor's process, stepped by a thread
     # (stages/rollout/vllm_inproc.py), without serialising every step's outputs. "auto":
-    # in_process without tensor parallelism (the quickstart: 15% faster steps and a start
-    # 8 s sooner on 2 cores, and since its model runs in the actor on CPU too, 7 s more;
-    # gpu_small colocated on an H200: 6.5% more samples/s), subprocess with it.
+    # in_process without tensor parallelism (faster steps and start-up, on CPU as on a
+    # GPU: docs/performance/vllm-engine.md), subprocess with it.
     engine_core: Literal["auto", "subprocess", "in_process"] = "auto"
     # The engine reports each sampled token's log-prob (the behaviour policy, PPO's ratio
     # anchor). false: it does not, and the trainer anchors the ratio on its own log-probs
     # of the same weights (detached): exact on-policy only, so false needs every sample
     # trained, in one update, by the weights that sampled it (check_sampler_logprobs).
-    # vLLM generates a step faster without them (gpu_small on an H200: 0.58 s against
-    # 0.70 s, vLLM alone).
+    # vLLM generates a step faster without them (docs/performance/vllm-engine.md).
     logprobs: bool = True
     # vLLM backend, engine core in_process on a GPU: "auto" takes those log-probs from
     # vLLM's sampler in the rollout's process (stages/rollout/vllm_sampler_tap.py), where
@@ -395,8 +393,7 @@ class TrainConfig(msgspec.Struct, **_section()):
     # compile_blocks): each block's elementwise ops (norms, rotary, SiLU gating) fused
     # into few kernels, forward and backward. auto: on a GPU below ZeRO 3 with a C
     # compiler for Triton on PATH; on: wherever (CPU needs a C++ compiler); off: eager.
-    # gpu_small's step on an H200 trained in 0.23 s instead of 0.33-0.35 (bench
-    # gpu_e2e); its first step compiles (about 15 s).
+    # The first step compiles (docs/performance/gpu-engines.md has the gain and cost).
     compile: Literal["auto", "on", "off"] = "auto"
     # Mixtures of experts: the routers' load-balancing loss (transformers'
     # load_balancing_loss_func, Switch Transformer's: the experts a token picks when

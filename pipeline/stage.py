@@ -1,43 +1,19 @@
 """The thin Ray actor shell every DataFlow node runs in.
 
-A node's ``node_class`` is a plain *core* object; the shell owns everything Ray:
-awaiting the input queue, storing outputs in the object store, putting references on
-the output queues, recording spans, taps and status. A core implements
-
-    async def setup(self, ctx: StageContext) -> None          # optional
-    async def generate(self) -> AsyncIterator[item]            # sources (input_from=None)
-    async def process(self, item) -> item | list[item] | None  # every other node
-    async def finish(self) -> list[item] | None                # optional, at end-of-stream
-    def status(self) -> dict                                   # optional
-    def result(self) -> Any                                    # optional, returned by run()
+A node's ``node_class`` is a plain *core* object (``setup``, ``generate`` for a source,
+``process``, ``finish``, ``status``, ``result``: docs/custom-nodes.md); the shell owns
+everything Ray: awaiting the input queue, storing outputs in the object store, putting
+references on the output queues, recording spans, taps and status.
 
 Guarantees:
-- lock-step (``run(..., step_items=n)``) is the same data path with a step barrier: a
-  source emits ``n`` items (one step), then waits until they have drained through the
-  graph (``QueueHandle.wait_drained`` on its outputs) before it makes the next step's;
-  every stage releases an input it emitted nothing for at once, so the drain is seen
-  as soon as the last stage is done;
-- with ``concurrency == 1`` outputs leave in input order, and the next input is fetched
-  and the previous outputs are put while the core works (queue hops hide behind
-  compute); with more, up to ``concurrency`` items run at once, outputs in completion order;
-- every input item is processed exactly once; an exception in a core ends ``run`` with
-  that exception (the runner stops the whole graph and reports the stage);
-- the event loop never runs heavy compute: cores hand it to a thread
-  (``asyncio.to_thread``), so control calls (telemetry, shutdown) are answered while
-  a core works;
-- telemetry stays here until the driver pulls it: spans and the core's ``status()``
-  leave in one ``telemetry`` call per driver tick, never one call per micro-batch; a
-  core reaches the controller only through ``ctx.controller``, a typed
-  ``ControllerClient``, and what it posted there has taken effect before ``run``
-  returns;
-- output queues are closed exactly once, at end-of-stream, so consumers drain and stop
-  (once per producer id: an actor restarted after a crash closes them again harmlessly);
-- inputs are leased (``pipeline/queue.py``): this shell tells its input queue which
-  items it is done with (piggybacked on its next ``lease`` call) and tags each output
-  with its input's ``Origin``, so that the items a dead actor held are delivered again
-  to its restarted self; an input whose object died with its producer is skipped (that
-  producer's input is delivered again); with ``dedup`` a micro-batch whose groups were
-  seen already is dropped (``pipeline/delivery.py``).
+- every input item is processed exactly once; an exception in a core ends ``run`` with a
+  ``StageError`` naming the stage (the runner stops the whole graph);
+- ``concurrency == 1``: outputs leave in input order; more: completion order;
+- the event loop never runs heavy compute, so control calls are answered while a core works;
+- telemetry leaves in one pull per driver tick; a core reaches the controller only
+  through ``ctx.controller``, and what it posted has taken effect before ``run`` returns;
+- output queues close exactly once; inputs are leased, so a dead actor's items are
+  delivered again to its restarted self (docs/architecture.md, "The stage shell").
 """
 
 from __future__ import annotations
@@ -76,6 +52,16 @@ class StageError(RuntimeError):
     def __reduce__(self) -> tuple[Any, ...]:
         # Exceptions pickle their ``args``; ours has more, so say how to rebuild it.
         return (StageError, (self.stage, self.message, self.remote_traceback, self.died))
+
+
+def core_error_message(exc: BaseException) -> str:
+    """``Type: message`` of a core's exception; assigning to a frozen wire value (an
+    ``AttributeError: immutable type``) also says how to derive a new one instead."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, AttributeError) and str(exc).startswith("immutable type"):
+        text += ("; wire types are frozen: return a changed copy, e.g. "
+                 "msgspec.structs.replace(batch, rewards=new_rewards) (docs/custom-nodes.md)")
+    return text
 
 
 class StageContext:
@@ -221,7 +207,7 @@ class StageActor:
             await self.ctx.controller.settle()  # what the core posted has taken effect
         except BaseException as exc:
             self._state = "failed"
-            raise StageError(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+            raise StageError(self.name, core_error_message(exc), traceback.format_exc()) from exc
         finally:
             for out in outs:
                 await out.close(self.ctx.worker_id)

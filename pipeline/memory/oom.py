@@ -72,9 +72,9 @@ def freeze_setup_heap() -> None:
     (``gc.freeze``), for a process whose set-up is done: what it built (modules, the
     model, the engine) lives as long as the process, and a full collection walks all of
     it each time. A colocated trainer collects twice a step (``free_cached_memory``,
-    before it hands its cached GPU memory to vLLM): on an H200 machine's CPU a full
-    collection over the trainer's ~585,000 objects took 0.3-0.7 s (``bench
-    trainer_gpu``). Objects made later are collected as before; frozen ones are still
+    before it hands its cached GPU memory to vLLM), and a full collection over the
+    trainer's set-up objects costs a large share of the handover
+    (docs/performance/colocate.md). Objects made later are collected as before; frozen ones are still
     freed when their last reference goes, only a cycle among them is not."""
     gc.collect()
     gc.freeze()

@@ -19,12 +19,11 @@ Guarantees (beyond ``stages.rollout.base``):
   guarantees hold for both, with versions from split points in-process. ``auto``
   (``resolve_engine_core``): in-process without tensor parallelism, else subprocess.
 - On a GPU the engine captures CUDA graphs unless ``rollout.enforce_eager`` says
-  otherwise (on the H200, 2.4x the eager decode rate: ``bench rollout_gpu``).
+  otherwise (``bench rollout_gpu`` measures the gain).
 - The engine is configured as vLLM configures its offline ``LLM`` (``batch_usage``):
   rollout is batch generation, and vLLM's server defaults (what ``AsyncLLM`` otherwise
   gets: 128 running sequences, 2,048 tokens a step) ran ``gpu_small``'s 256 sequences in
-  two waves, half the decode rate (on an H100/H200 the offline defaults are 1,024
-  sequences and 16,384 tokens a step). ``rollout.engine_kwargs`` overrides either
+  two waves, half the decode rate (docs/performance/vllm-engine.md). ``rollout.engine_kwargs`` overrides either
   (``max_num_seqs``, ``max_num_batched_tokens``).
 - Weight updates land between engine steps, in place, with generation paused
   (``pause_generation(mode="keep")``): requests in flight are kept, not aborted. The
@@ -182,9 +181,8 @@ def batch_usage() -> Any:
 
 def resolve_engine_core(engine_core: str, tensor_parallel_size: int) -> str:
     """``rollout.engine_core`` with ``auto`` decided: ``in_process`` with one worker, on
-    CPU (the quickstart's steps 0.147 s against 0.174 s, its engine up 8 s sooner, and 7 s
-    more since its model runs in the actor: ``vllm_inproc._build_llm_engine``) as on
-    a GPU (``gpu_small`` colocated on one H200: 105.6 samples/s against 99.1), and
+    CPU (its model then runs in the actor too: ``vllm_inproc._build_llm_engine``) as on
+    a GPU, faster on both (docs/performance/vllm-engine.md), and
     ``subprocess`` for tensor parallelism (vLLM's workers are processes then anyway)."""
     if engine_core != "auto":
         return engine_core
@@ -241,7 +239,7 @@ def build_sampling_params(
     if "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()):
         # Log-probs kept as flat lists, not a dict and a Logprob object per token: the
         # per-token objects cost the engine's frontend about a third of a GPU step's
-        # time (measured on an H200: 0.58 s a step without log-probs, 0.87 s with).
+        # time (docs/performance/vllm-engine.md).
         extra["flat_logprobs"] = True
     return SamplingParams(
         n=1,

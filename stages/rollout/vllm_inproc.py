@@ -2,9 +2,8 @@
 
 ``AsyncLLM`` runs the engine core in a process of its own: every engine step's outputs
 (the new token and its log-prob for every running request) are serialised, sent over
-ZMQ and decoded again in the rollout's process. On an H200, ``gpu_small`` colocated
-made 105.6 samples/s with the engine core here against 99.1 with ``AsyncLLM``
-(2026-12-02, ``bench gpu_e2e``), and its engine starts sooner.
+ZMQ and decoded again in the rollout's process. Here they are not, and the engine starts
+sooner (docs/performance/vllm-engine.md).
 
 ``InProcessEngine`` gives ``VLLMBackend`` the part of ``AsyncLLM``'s surface it uses
 (``add_request`` returning a collector, ``abort``, ``pause_generation(mode="keep")``,

@@ -4,9 +4,7 @@ own process, instead of from vLLM's outputs.
 Asked for ``logprobs=0``, vLLM computes the sampled token's log-prob on the GPU in one
 kernel, then spends Python on it for every request at every engine step: the scheduler
 slices a list per request, the output processor appends it to the request's log-probs.
-On an H200 that made ``gpu_small``'s 256 sequences x 128 tokens take 0.81-0.95 s a
-step against 0.60-0.67 s without log-probs (vLLM alone, 2026-12-02), and colocated
-Conveyor 183.7 samples/s against 241.4.
+That costs a large share of a step (docs/performance/vllm-engine.md).
 
 With the in-process engine (``vllm_inproc``) on vLLM's GPU model runner (V2), the model
 runs in this process, so ``install_sampler_tap`` wraps that runner's sampling: after

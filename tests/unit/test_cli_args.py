@@ -161,7 +161,7 @@ def test_the_eight_gpu_benchmark_reads_nvidia_smi_and_sums_staleness(tmp_path: P
     rows = [{"staleness/hist/0": 40, "staleness/hist/1": 24, "reward/mean": 0.1}, {"staleness/hist/1": 64}]
     assert b8.sum_staleness(rows) == {0: 40, 1: 88}
     # Fewer than four GPUs: skipped, saying why, exit 0.
-    monkeypatch.setattr(b8, "list_gpus", lambda: [("0", "NVIDIA H200")])
+    monkeypatch.setattr(b8, "list_gpus", lambda: [("0", "NVIDIA GPU (fake)")])
     assert bench_main(["gpu_scale_8", "--quick", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "gpu_scale_8.json").read_text())
     assert (doc["status"], doc["reason"], doc["gpus"]) == ("skipped", "needs 4 or more CUDA GPUs", 1)
