@@ -6,6 +6,8 @@ Guarantees of ``run_preflight``:
   ``data.path``, ``data.prompt_key``, ``data.chat_template``, ``reward.function``,
   ``reference.path``, ``rollout.backend``, ``dataflow.nodes[i].node_class``...), which
   the CLI turns into exit status 2.
+- First, Hugging Face Hub ids in ``model.path``, ``reference.path`` and ``data.path`` are
+  fetched into the user's Hub cache and replaced by local paths (``pipeline/hub.py``).
 - Checked, in order: the model directory (or ``tiny``, built locally) and its tokenizer;
   the reference checkpoint when a reference runs; the rollout backend and custom node
   classes named by ``module:attr`` (imported, not started) and the rollout's tools
@@ -35,6 +37,7 @@ from typing import Any
 import msgspec
 
 from pipeline.config import ConfigError, ConveyorConfig
+from pipeline.hub import resolve_hub_names
 from pipeline.plugins import import_object, load_builtin
 
 
@@ -62,6 +65,7 @@ class PreflightReport:
 def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]:
     """Run every check (see the module guarantees); return the config with absolute
     data and reward-file paths, and the report."""
+    cfg, hub_notes = resolve_hub_names(cfg)
     model_path, tokenizer = check_model(cfg)
     check_router_loss(cfg, model_path)
     check_reference(cfg)
@@ -70,7 +74,7 @@ def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]
     cfg = absolutise_paths(cfg)
     data = check_data(cfg, tokenizer, model_path)
     reward = check_reward(cfg)
-    return cfg, PreflightReport(model_path=str(model_path), reward_function=reward, data=data)
+    return cfg, PreflightReport(model_path=str(model_path), reward_function=reward, data=data, notes=hub_notes)
 
 
 def check_model(cfg: ConveyorConfig) -> tuple[Path, Any]:
