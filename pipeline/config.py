@@ -308,7 +308,8 @@ class RewardSourceConfig(msgspec.Struct, **_section()):
 
 
 class RewardConfig(msgspec.Struct, **_section()):
-    """``function``: ``task`` (the data task's own), ``module:attr``, or
+    """``function``: ``task`` (the data task's own), a built-in (``math``, ``gsm8k``,
+    ``format``, ``think_format``: ``stages/verifiable_rewards.py``), ``module:attr``, or
     ``path/to/file.py:name`` (a file, loaded by path); verl's spelling, ``path`` (a
     ``.py`` file) with ``name`` (default ``compute_score``), means the same.
     Plain or ``async def`` functions; each call may take at most ``timeout_s`` seconds
