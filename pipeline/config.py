@@ -592,7 +592,11 @@ class RunConfig(msgspec.Struct, **_section()):
     seed: NonNegInt = 0
     steps: PosInt = 100
     progress: bool = True
-    tensorboard: bool = True
+    # Experiment trackers (pipeline/trackers.py), any subset; each but TensorBoard is a pip
+    # extra (conveyor[mlflow]...): one not installed stops the launch.
+    trackers: list[Literal["tensorboard", "mlflow", "wandb", "swanlab", "trackio"]] = msgspec.field(
+        default_factory=lambda: ["tensorboard"])
+    tensorboard: bool = True  # false: no TensorBoard even where run.trackers names it
     address: str | None = None  # Ray address; default RAY_ADDRESS or a local cluster
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Print the first micro-batch on every edge (wire type, field shapes and dtypes) and

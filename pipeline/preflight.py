@@ -17,7 +17,8 @@ Guarantees of ``run_preflight``:
   (imported or loaded from its file, its signature recognised); with ``train.compile:
   on``, a compiler for torch.compile's kernels (``find_compiler``); with
   ``train.router_aux_loss_coef`` above 0, a router in the model (its ``config.json``
-  configures ``output_router_logits``, as transformers' mixtures of experts do).
+  configures ``output_router_logits``, as transformers' mixtures of experts do); the
+  trackers of ``run.trackers`` installed (``pipeline/trackers.py``).
 - The returned config has ``data.path``, a reward file's and a tools file's path made absolute, so
   actors started in another working directory read the same files.
 
@@ -39,6 +40,7 @@ import msgspec
 from pipeline.config import ConfigError, ConveyorConfig
 from pipeline.hub import resolve_hub_names
 from pipeline.plugins import import_object, load_builtin
+from pipeline.trackers import check_trackers
 
 
 @dataclass
@@ -71,6 +73,7 @@ def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]
     check_reference(cfg)
     check_imports(cfg)
     check_compile(cfg)
+    check_trackers(cfg.run.trackers if cfg.run.tensorboard else [t for t in cfg.run.trackers if t != "tensorboard"])
     cfg = absolutise_paths(cfg)
     data = check_data(cfg, tokenizer, model_path)
     reward = check_reward(cfg)
