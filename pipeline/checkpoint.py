@@ -43,7 +43,7 @@ STATE_FILE = "state.msgpack"
 TRAINER_DIR = "trainer"
 # Keys a resumed run may change: how long it runs and how it reports, not what it learns.
 SAFE_RESUME_KEYS = (
-    "run.steps", "run.progress", "run.tensorboard", "run.log_level", "run.address", "run.resume_from",
+    "run.steps", "run.progress", "run.tensorboard", "run.trackers", "run.log_level", "run.address", "run.resume_from",
     "run.overwrite", "run.dir", "run.max_restarts", "run.auto_resume",
     "train.checkpoint_every", "train.keep_checkpoints", "train.weight_sync_timeout_s", "train.save_checkpoint",
     "record.", "placement.",

@@ -63,9 +63,13 @@ class TinyModelConfig(msgspec.Struct, **_section()):
 
 
 class ModelConfig(msgspec.Struct, **_section()):
-    """``path: tiny`` builds the embedded default locally; any local HF checkpoint dir works."""
+    """``path: tiny`` builds the embedded default locally; any local HF checkpoint dir
+    works, and so does a Hub id (``Qwen/Qwen2.5-0.5B-Instruct``) at ``revision`` (a
+    branch, tag or commit; None: ``main``), fetched into the Hugging Face cache before
+    the run starts (``pipeline/hub.py``)."""
 
     path: str = "tiny"
+    revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     tiny: TinyModelConfig = TinyModelConfig()
     cache_dir: str = "~/.cache/conveyor"
@@ -109,10 +113,16 @@ class DataConfig(msgspec.Struct, **_section()):
     ``ground_truth``. ``chat_template``: ``auto`` renders chat rows with the tokenizer's
     template and the generation prompt (plain string prompts stay as written);
     ``none`` accepts plain prompts only. ``max_prompt_len`` counts the prompt's token
-    ids, template and special tokens included."""
+    ids, template and special tokens included. ``path`` may also be a Hub dataset id
+    (``openai/gsm8k``): the ``split`` of ``config_name`` (None: the default or only one)
+    at ``revision`` is fetched into the Hugging Face cache before the run starts
+    (``pipeline/hub.py``; ``split`` and ``config_name`` concern Hub ids only)."""
 
     task: str = "first_digit"
     path: str | None = None
+    split: Annotated[str, Meta(min_length=1)] = "train"
+    config_name: str | None = None
+    revision: str | None = None
     prompt_key: Annotated[str, Meta(min_length=1)] = "prompt"
     answer_key: Annotated[str, Meta(min_length=1)] = "ground_truth"
     chat_template: Literal["auto", "none"] = "auto"
@@ -302,7 +312,8 @@ class RewardSourceConfig(msgspec.Struct, **_section()):
 
 
 class RewardConfig(msgspec.Struct, **_section()):
-    """``function``: ``task`` (the data task's own), ``module:attr``, or
+    """``function``: ``task`` (the data task's own), a built-in (``math``, ``gsm8k``,
+    ``format``, ``think_format``: ``stages/verifiable_rewards.py``), ``module:attr``, or
     ``path/to/file.py:name`` (a file, loaded by path); verl's spelling, ``path`` (a
     ``.py`` file) with ``name`` (default ``compute_score``), means the same.
     Plain or ``async def`` functions; each call may take at most ``timeout_s`` seconds
@@ -590,7 +601,11 @@ class RunConfig(msgspec.Struct, **_section()):
     seed: NonNegInt = 0
     steps: PosInt = 100
     progress: bool = True
-    tensorboard: bool = True
+    # Experiment trackers (pipeline/trackers.py), any subset; each but TensorBoard is a pip
+    # extra (conveyor[mlflow]...): one not installed stops the launch.
+    trackers: list[Literal["tensorboard", "mlflow", "wandb", "swanlab", "trackio"]] = msgspec.field(
+        default_factory=lambda: ["tensorboard"])
+    tensorboard: bool = True  # false: no TensorBoard even where run.trackers names it
     address: str | None = None  # Ray address; default RAY_ADDRESS or a local cluster
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Print the first micro-batch on every edge (wire type, field shapes and dtypes) and

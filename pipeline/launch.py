@@ -50,7 +50,7 @@ from pipeline.dtypes import DTYPE_BYTES
 from pipeline.log import configure_logging, get_logger
 from pipeline.memory.admission import ModelShape
 from pipeline.memory.guard import merge_guard_metrics
-from pipeline.metrics import MetricsWriter, write_summary
+from pipeline.metrics import SUMMARY_FILE, MetricsWriter, write_summary
 from pipeline.placement import (
     RESERVE_FRACTION,
     PlacementPlan,
@@ -248,7 +248,9 @@ class Reporter:
     def __init__(self, cfg: ConveyorConfig, run_dir: Path) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.writer = MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard)
+        self.writer = MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard and "tensorboard" in cfg.run.trackers,
+                                    trackers=cfg.run.trackers, run_name=cfg.run.name)
+        self.writer.log_config(to_dict(cfg))
         # A long run's driver keeps no per-step history (every step is in metrics.jsonl):
         # a count, the first and the last step's metrics, and the latest weight syncs
         # (the trace's markers; the trace holds the latest spans only).
@@ -436,6 +438,14 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
     cfg = run_cfg
     taps = record_taps(cfg, df)
     reporter = Reporter(cfg, run_dir)
+    try:
+        return _drive(cfg, df, plan, run_dir, taps, reporter, checks, resumes)
+    finally:
+        reporter.writer.finish()  # trackers closed on every exit (a no-op after a summary)
+
+
+def _drive(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan, run_dir: Path, taps: dict[str, str],
+           reporter: Reporter, checks: PreflightReport, resumes: list[dict[str, Any]]) -> dict[str, Any]:
     log.info("launch", run_dir=str(run_dir), mode="async" if cfg.dataflow.async_execution else "sync",
              stages=df.topological_order(), placement=plan.describe() if plan.available_gpus else "cpu")
     ended = "failed"
@@ -472,6 +482,7 @@ def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter
                "wall_s": time.time() - reporter.started,
                "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None}
     write_summary(run_dir, summary)
+    reporter.writer.finish(summary, [run_dir / SUMMARY_FILE])
     log.warning("run_stopped", **{k: v for k, v in summary.items() if k != "run"})
     return summary
 
@@ -557,6 +568,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "admission": summarise_admission(result.reports),
     }
     write_summary(run_dir, summary)
+    reporter.writer.finish(summary, [run_dir / SUMMARY_FILE, run_dir / "timeline.png"])
     if agg:
         print(format_summary_table(agg))
     log.info("done", wall_s=round(result.wall_s, 1), steps=summary["steps"],

@@ -7,7 +7,9 @@ Guarantees:
   <metric>: float | null, ...}``; a non-finite value (NaN, inf) is written as ``null``
   because JSON has no NaN. The file is opened for append: a resumed run continues it.
 - TensorBoard is optional: tensorboard's event writer is imported lazily; when it does
-  not import, one warning is logged and the JSONL file is still written.
+  not import, one warning is logged and the JSONL file is still written. It receives
+  every row's scalars, the config and the summary as text and ``timeline.png`` as an
+  image; so do the trackers of ``run.trackers`` (``pipeline/trackers.py``).
 - ``read_metrics`` returns the logged rows in order; a torn last line (the process died
   mid-write) is skipped, a malformed line elsewhere raises ``ValueError`` with its number.
 - ``write_summary`` replaces ``summary.json`` atomically: readers see the old file or
@@ -19,9 +21,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self, TextIO
 
@@ -37,14 +40,26 @@ log = structlog.get_logger(__name__)
 
 class MetricsWriter:
     """Per-step scalars to ``<run_dir>/metrics.jsonl`` and, optionally, TensorBoard
-    (event files under ``<run_dir>/tensorboard``). Use as a context manager or ``close()``."""
+    (event files under ``<run_dir>/tensorboard``) and the trackers of ``run.trackers``
+    (``pipeline/trackers.py``). ``log_config`` once, ``log`` per row, ``close()`` the
+    JSONL file; ``finish(summary, files)`` sends the summary and pictures to TensorBoard
+    and the trackers and closes them (the context manager does both)."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, trackers: Sequence[str] = (),
+                 run_name: str = "conveyor") -> None:
+        from pipeline.trackers import open_trackers
+
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
         self._tb: _Scalars | None = _open_tensorboard(self.run_dir / TENSORBOARD_DIR) if tensorboard else None
+        self.trackers: list[Any] = ([self._tb] if self._tb else []) + open_trackers(trackers, self.run_dir, run_name)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """The run's resolved config, to every tracker."""
+        for tracker in self.trackers:
+            tracker.log_config(config)
 
     def log(self, step: int, metrics: Mapping[str, float], *, at: float | None = None) -> None:
         """One row; ``at``: its ``time`` (default now), e.g. when the step ended rather
@@ -61,20 +76,30 @@ class MetricsWriter:
         self._file.flush()
         if self._tb is not None:
             self._tb.write(int(step), values, row["time"])
+        for tracker in self.trackers:
+            if tracker is not self._tb:
+                tracker.log_metrics(int(step), values)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+
+    def finish(self, summary: Mapping[str, Any] | None = None, files: Sequence[Path] = ()) -> None:
+        """The summary and ``files`` (those that exist) to every tracker, then close them;
+        once (later calls do nothing)."""
+        trackers, self.trackers, self._tb = self.trackers, [], None
+        for tracker in trackers:
+            if summary is not None:
+                tracker.log_summary(summary, [f for f in files if f.is_file()])
+            tracker.close()
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+        self.finish()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -148,8 +173,36 @@ class _Scalars:
 
     def write(self, step: int, values: dict[str, float], at: float | None = None) -> None:
         value = [self._summary.Value(tag=k, simple_value=v) for k, v in values.items()]
-        self._writer.add_event(self._event(wall_time=time.time() if at is None else at, step=step,
-                                           summary=self._summary(value=value)))
+        self._add(self._summary(value=value), step, at)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self._add(self._text("config", json.dumps(_to_json(dict(config)), indent=2)), 0)
+
+    def log_summary(self, summary: Mapping[str, Any], files: Sequence[Path]) -> None:
+        """``summary.json`` as text, each PNG of ``files`` as an image."""
+        values = [self._text("summary", json.dumps(_to_json(dict(summary)), indent=2, allow_nan=False)).value[0]]
+        for file in files:
+            if file.suffix == ".png":
+                data = file.read_bytes()
+                width, height = struct.unpack(">II", data[16:24])  # the PNG header's IHDR chunk
+                image = self._summary.Image(height=height, width=width, colorspace=4, encoded_image_string=data)
+                values.append(self._summary.Value(tag=file.stem, image=image))
+        self._add(self._summary(value=values), 0)
+
+    def _text(self, tag: str, text: str) -> Any:
+        """A TensorBoard text-plugin summary of one string."""
+        from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+        from tensorboard.compat.proto.types_pb2 import DT_STRING
+
+        tensor = TensorProto(dtype=DT_STRING, string_val=[text.encode()],
+                             tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
+        meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text"))
+        return self._summary(value=[self._summary.Value(tag=tag, metadata=meta, tensor=tensor)])
+
+    def _add(self, summary: Any, step: int, at: float | None = None) -> None:
+        self._writer.add_event(self._event(wall_time=time.time() if at is None else at, step=step, summary=summary))
         self._writer.flush()
 
     def close(self) -> None:

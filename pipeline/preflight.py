@@ -6,6 +6,8 @@ Guarantees of ``run_preflight``:
   ``data.path``, ``data.prompt_key``, ``data.chat_template``, ``reward.function``,
   ``reference.path``, ``rollout.backend``, ``dataflow.nodes[i].node_class``...), which
   the CLI turns into exit status 2.
+- First, Hugging Face Hub ids in ``model.path``, ``reference.path`` and ``data.path`` are
+  fetched into the user's Hub cache and replaced by local paths (``pipeline/hub.py``).
 - Checked, in order: the model directory (or ``tiny``, built locally) and its tokenizer;
   the reference checkpoint when a reference runs; the rollout backend and custom node
   classes named by ``module:attr`` (imported, not started) and the rollout's tools
@@ -15,7 +17,8 @@ Guarantees of ``run_preflight``:
   (imported or loaded from its file, its signature recognised); with ``train.compile:
   on``, a compiler for torch.compile's kernels (``find_compiler``); with
   ``train.router_aux_loss_coef`` above 0, a router in the model (its ``config.json``
-  configures ``output_router_logits``, as transformers' mixtures of experts do).
+  configures ``output_router_logits``, as transformers' mixtures of experts do); the
+  trackers of ``run.trackers`` installed (``pipeline/trackers.py``).
 - The returned config has ``data.path``, a reward file's and a tools file's path made absolute, so
   actors started in another working directory read the same files.
 
@@ -35,7 +38,9 @@ from typing import Any
 import msgspec
 
 from pipeline.config import ConfigError, ConveyorConfig
+from pipeline.hub import resolve_hub_names
 from pipeline.plugins import import_object, load_builtin
+from pipeline.trackers import check_trackers
 
 
 @dataclass
@@ -62,15 +67,17 @@ class PreflightReport:
 def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]:
     """Run every check (see the module guarantees); return the config with absolute
     data and reward-file paths, and the report."""
+    cfg, hub_notes = resolve_hub_names(cfg)
     model_path, tokenizer = check_model(cfg)
     check_router_loss(cfg, model_path)
     check_reference(cfg)
     check_imports(cfg)
     check_compile(cfg)
+    check_trackers(cfg.run.trackers if cfg.run.tensorboard else [t for t in cfg.run.trackers if t != "tensorboard"])
     cfg = absolutise_paths(cfg)
     data = check_data(cfg, tokenizer, model_path)
     reward = check_reward(cfg)
-    return cfg, PreflightReport(model_path=str(model_path), reward_function=reward, data=data)
+    return cfg, PreflightReport(model_path=str(model_path), reward_function=reward, data=data, notes=hub_notes)
 
 
 def check_model(cfg: ConveyorConfig) -> tuple[Path, Any]:

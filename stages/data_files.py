@@ -183,21 +183,68 @@ class ArrowDirRows:
             yield int(i) + 1, table.slice(int(i), 1).to_pylist()[0]
 
 
-DataRows = JsonlRows | ParquetRows | ArrowDirRows
+class ShardedRows:
+    """Several JSONL or Parquet files of one split (``data.path`` a glob such as
+    ``train-*.parquet``, as a Hub dataset's shards are), read as one: row numbers run on
+    across the shards in name order; an epoch visits the shards in a seeded order and
+    each shard's rows in its own seeded order."""
+
+    def __init__(self, shards: list[JsonlRows | ParquetRows], name: str) -> None:
+        self.shards = shards
+        self.name = name
+        self.kind = shards[0].kind
+        self.columns: list[str] = shards[0].columns
+        self._starts: list[int] | None = None
+
+    def scan(self, columns: Sequence[str] | None = None) -> Iterator[tuple[int, Any]]:
+        start = 0
+        for shard in self.shards:
+            last = 0
+            for last, row in shard.scan(columns):
+                yield start + last, row
+            start += last
+
+    def index(self) -> int:
+        counts = [shard.index() for shard in self.shards]
+        self._starts = [sum(counts[:i]) for i in range(len(counts))]
+        return sum(counts)
+
+    def iter_epoch(
+        self, epoch: int, seed: int, shuffle: bool, columns: Sequence[str] | None = None
+    ) -> Iterator[tuple[int, Any]]:
+        if self._starts is None:
+            self.index()
+        assert self._starts is not None
+        for s in draw_order(len(self.shards), (seed, epoch), shuffle):
+            for number, row in self.shards[int(s)].iter_epoch(epoch, seed * len(self.shards) + int(s), shuffle, columns):
+                yield self._starts[int(s)] + number, row
+
+
+DataRows = JsonlRows | ParquetRows | ArrowDirRows | ShardedRows
 
 
 def open_data(path: str | Path) -> DataRows:
     """The reader for ``data.path``: a ``.parquet`` file, a ``save_to_disk`` directory,
-    or any other file as JSONL. Raises ``FileNotFoundError``/``ValueError`` naming ``data.path``."""
+    a glob over one split's shards (``train-*.parquet``), or any other file as JSONL.
+    Raises ``FileNotFoundError``/``ValueError`` naming ``data.path``."""
     p = Path(path).expanduser()
+    if "*" in p.name:
+        files = sorted(f for f in p.parent.glob(p.name) if f.is_file())
+        if not files:
+            raise FileNotFoundError(f"data.path: no file matches {str(path)!r}")
+        if len({f.suffix for f in files}) > 1:
+            raise ValueError(f"data.path: {str(path)!r} matches files of several kinds ({files[0].name}, ...)")
+        return ShardedRows([_open_file(f) for f in files], p.name)
     if p.is_dir():
         return ArrowDirRows(p)
     if not p.is_file():
         raise FileNotFoundError(f"data.path: {str(path)!r} does not exist (expected a JSONL or Parquet file, "
                                 f"or a directory written by datasets' save_to_disk)")
-    if p.suffix == ".parquet":
-        return ParquetRows(p)
-    return JsonlRows(p)
+    return _open_file(p)
+
+
+def _open_file(p: Path) -> JsonlRows | ParquetRows:
+    return ParquetRows(p) if p.suffix == ".parquet" else JsonlRows(p)
 
 
 def list_arrow_shards(path: Path) -> list[Path]:

@@ -1,7 +1,8 @@
 """Reward-function adapters: the pure core of the reward stage, and its actor shell.
 
 Where a function comes from (``reward.function``): ``task`` (the data task's own
-``compute_score``), ``module:attr`` (imported), or ``path/to/file.py:name`` (verl's
+``compute_score``), a built-in named in ``BUILTIN_REWARDS`` (``math``, ``gsm8k``,
+``format``, ``think_format``), ``module:attr`` (imported), or ``path/to/file.py:name`` (verl's
 ``custom_reward_function``: the file is loaded by path, no package needed; also spelt
 ``reward.path`` + ``reward.name``).
 
@@ -58,6 +59,15 @@ Signature = Literal["auto", "score", "batched"]
 _MAX_MESSAGE_CHARS = 300
 _SCORE_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 _COLUMNS = ("ground_truth", "data_source", "extra_info")
+
+# Built-in reward functions, by the name reward.function gives them (stages/verifiable_rewards.py
+# says what each checks and which columns it reads).
+BUILTIN_REWARDS: dict[str, str] = {
+    "math": "stages.verifiable_rewards:compute_math_score",
+    "gsm8k": "stages.verifiable_rewards:compute_gsm8k_score",
+    "format": "stages.verifiable_rewards:compute_format_score",
+    "think_format": "stages.verifiable_rewards:compute_think_format_score",
+}
 
 
 class RewardShapeError(ValueError):
@@ -246,19 +256,22 @@ def detect_signature(fn: Callable[..., Any], name: str) -> Literal["score", "bat
 
 def build_reward_fn(spec: str, task: Any = None, signature: Signature = "auto", on_error: float = 0.0,
                     timeout_s: float | None = None) -> RewardFn:
-    """``spec`` is ``"task"`` (the data task's ``compute_score``), ``"module:attr"`` or
+    """``spec`` is ``"task"`` (the data task's ``compute_score``), a ``BUILTIN_REWARDS`` name, ``"module:attr"`` or
     ``"path/to/file.py:name"``; errors are ValueErrors naming ``reward.function``."""
     file_spec = split_file_spec(spec)
     if spec == "task":
         if task is None or not callable(getattr(task, "compute_score", None)):
             raise ValueError("reward.function: 'task' needs a data task with compute_score(...)")
         fn, name = task.compute_score, f"{type(task).__name__}.compute_score"
+    elif spec in BUILTIN_REWARDS:
+        fn, name = import_attr(BUILTIN_REWARDS[spec], "reward.function"), spec
     elif file_spec is not None:
         fn, name = load_reward_file(*file_spec), spec
     elif ":" in spec:
         fn, name = import_attr(spec, "reward.function"), spec
     else:
-        raise ValueError(f"reward.function: expected 'task', 'module:attr' or 'path/to/file.py:name', got {spec!r}")
+        raise ValueError(f"reward.function: expected 'task', a built-in ({', '.join(BUILTIN_REWARDS)}), "
+                         f"'module:attr' or 'path/to/file.py:name', got {spec!r}")
     if not callable(fn):
         raise ValueError(f"reward.function: {spec!r} is a {type(fn).__name__}, not a function")
     if signature == "auto":

@@ -293,14 +293,15 @@ def _discard_directory(path: Path, root: Path) -> None:
 
 def resolve_model_path(model_cfg: ModelConfig) -> Path:
     """``model.path``: "tiny" -> the embedded checkpoint; otherwise an existing local
-    HF checkpoint directory containing ``config.json``."""
+    HF checkpoint directory containing ``config.json`` (a Hub id was replaced by its
+    cached snapshot in pre-flight)."""
     if model_cfg.path == "tiny":
         return ensure_tiny_checkpoint(model_cfg.tiny, model_cfg.cache_dir)
     path = Path(model_cfg.path).expanduser()
     if not path.is_dir():
         raise ValueError(
-            f"model.path: expected 'tiny' or a local Hugging Face checkpoint directory, "
-            f"got {model_cfg.path!r} (not a directory; nothing is downloaded)"
+            f"model.path: expected 'tiny', a local Hugging Face checkpoint directory or a Hub id (org/name, "
+            f"fetched by pre-flight: pipeline/hub.py), got {model_cfg.path!r} (not a directory)"
         )
     if not (path / "config.json").is_file():
         raise ValueError(

@@ -38,3 +38,12 @@ def ray_cluster():
     init_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """An empty, offline Hugging Face Hub cache under a fresh ``HF_HOME`` (``tests/hub_cache.py``
+    adds repositories to it)."""
+    from tests.hub_cache import use_hub_cache
+
+    return use_hub_cache(tmp_path / "hf_home", monkeypatch)

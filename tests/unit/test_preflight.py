@@ -65,7 +65,7 @@ def launch(config: Path, *overrides: str, command: str = "launch") -> int:
     ("override", "expected"),
     [
         ("data.path={tmp}/missing.jsonl", "data.path: '{tmp}/missing.jsonl' does not exist"),
-        ("model.path={tmp}/no_model", "model.path: expected 'tiny' or a local Hugging Face checkpoint directory"),
+        ("model.path={tmp}/no_model", "model.path: expected 'tiny', a local Hugging Face checkpoint directory or a Hub id"),
         ("reward.function=no_such_module_xyz:score", "reward.function: cannot import module 'no_such_module_xyz'"),
         ("reward.function={tmp}/missing.py:compute_score", "reward.function: '{tmp}/missing.py' does not exist"),
         ("reward.function={tmp}/my_reward.py:nope", "reward.function: '{tmp}/my_reward.py' defines no 'nope'"),

@@ -138,7 +138,8 @@ def test_completion_count_must_match_prompts_times_group():
 
 
 def test_build_errors_name_the_field():
-    with pytest.raises(ValueError, match="reward.function: expected 'task', 'module:attr' or 'path/to/file.py:name'"):
+    with pytest.raises(ValueError, match=r"reward.function: expected 'task', a built-in \(math, gsm8k, format, "
+                                         r"think_format\), 'module:attr' or 'path/to/file.py:name'"):
         build_reward_fn("exact_match")
     with pytest.raises(ValueError, match="reward.function: cannot import module"):
         build_reward_fn("no_such_module_xyz:f")
