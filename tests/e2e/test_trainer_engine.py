@@ -430,6 +430,8 @@ def test_a_lock_left_by_a_killed_build_does_not_stop_the_engine(tmp_path):
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONPATH": str(REPO)}
+    # This process's engines may hold the rendezvous port they chose: the probe picks its own.
+    env.pop("MASTER_PORT", None)
     done = subprocess.run([sys.executable, "-c", SHM_PROBE], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=600)  # a guard against the hang, not a speed bound
     assert done.returncode == 0, done.stderr[-3000:]
