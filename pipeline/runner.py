@@ -70,7 +70,7 @@ log = get_logger(stage="driver")
 MAX_TRACE_SPANS = 50_000
 PLACEMENT_TIMEOUT_S = 120.0
 RESTART_TIMEOUT_S = 300.0  # for Ray to bring a dead stage actor's process back
-SETUP_REPORT_S = 60.0  # how often the stages still starting or setting up are logged
+SETUP_REPORT_S = 15.0  # how often the stages still starting or setting up are logged
 QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",  # its per-update warnings (e.g. layerwise reload) are noise here
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' and the hub's tqdm bars
