@@ -32,12 +32,18 @@ def prepare_job(model: str, steps: int, root: Path, config: Path) -> tuple[str, 
 
     cfg = load_config(config)
     path = build_real_shape_checkpoint(model)
-    data = root / "prompts.jsonl"
-    root.mkdir(parents=True, exist_ok=True)
-    rows = build_job_rows(cfg, steps * cfg.train.prompts_per_step, chat=True)
-    data.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "ground_truth", "data_source")}) + "\n"
-                            for r in rows))
+    data = write_chat_rows(cfg, steps * cfg.train.prompts_per_step, root / "prompts.jsonl")
     return (f"model.path={path}", f"data.path={data}")
+
+
+def write_chat_rows(cfg: Any, count: int, path: Path) -> Path:
+    """``build_job_rows(cfg, count, chat=True)`` as a JSONL file at ``path`` (prompt,
+    ground_truth, data_source)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = build_job_rows(cfg, count, chat=True)
+    path.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "ground_truth", "data_source")}) + "\n"
+                            for r in rows))
+    return path
 
 
 def describe_shape(model: str | None, config: Path) -> dict[str, Any]:

@@ -21,6 +21,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -200,6 +201,8 @@ def write_real_shape_checkpoint(name: str, out: Path, dtype: torch.dtype, seed: 
     model = init_model(config, dtype, seed)
     model.save_pretrained(out, max_shard_size=SHARD_SIZE)
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the caller's GPU memory back, not kept in torch's cache
     tokenizer.save_pretrained(out)
     fam = shape.family
     stops = [tokenizer.convert_tokens_to_ids(s) for s in fam.stops] or tokenizer.eos_token_id
@@ -218,3 +221,12 @@ def init_model(config: Any, dtype: torch.dtype, seed: int) -> Any:
         with device:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+if __name__ == "__main__":  # python -m stages.model_shapes NAME [--out DIR]: builds it, prints its path
+    parser = argparse.ArgumentParser(prog="python -m stages.model_shapes", description=__doc__.splitlines()[0])
+    parser.add_argument("name", choices=sorted(REAL_SHAPES))
+    parser.add_argument("--out", default=None, help="checkpoint directory (default: ~/.cache/conveyor/shapes/NAME-...)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(build_real_shape_checkpoint(args.name, args.out, seed=args.seed), flush=True)
