@@ -28,10 +28,10 @@ def prepare_job(model: str, steps: int, root: Path, config: Path) -> tuple[str, 
     (built unless cached) and ``steps`` steps' task rows as chat messages in
     ``root/prompts.jsonl``."""
     from pipeline.config import load_config
-    from stages.model_shapes import build_real_shape_checkpoint
+    from stages.model_shapes import build_in_subprocess
 
     cfg = load_config(config)
-    path = build_real_shape_checkpoint(model)
+    path = build_in_subprocess(model)
     data = write_chat_rows(cfg, steps * cfg.train.prompts_per_step, root / "prompts.jsonl")
     return (f"model.path={path}", f"data.path={data}")
 

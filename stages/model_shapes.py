@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,6 +192,17 @@ def build_real_shape_checkpoint(name: str, out_dir: str | Path | None = None, dt
         write_checkpoint_atomically(final, lambda tmp: write_real_shape_checkpoint(name, tmp, dtype, seed, overrides),
                                     is_done)
     return final
+
+
+def build_in_subprocess(name: str, timeout_s: float = 900.0) -> Path:
+    """``build_real_shape_checkpoint(name)`` (its default directory) in a process of its
+    own, so that the caller never holds the CUDA context or cached memory of the init
+    (a launch's plan reads the GPU's free memory)."""
+    done = subprocess.run([sys.executable, "-m", "stages.model_shapes", name], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=Path(__file__).resolve().parent.parent)
+    if done.returncode != 0:
+        raise RuntimeError(f"building model shape {name} failed (status {done.returncode}): {done.stderr[-3000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
 
 
 def write_real_shape_checkpoint(name: str, out: Path, dtype: torch.dtype, seed: int,

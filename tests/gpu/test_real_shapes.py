@@ -28,6 +28,7 @@ from bench.shape_job import write_chat_rows
 from pipeline.config import load_config
 from pipeline.metrics import read_metrics
 from pipeline.weights import fingerprints_match
+from stages.model_shapes import REAL_SHAPES, build_in_subprocess
 from tests.gpu.test_pipeline_gpu import LOG_DIR, ROOT, _conveyor
 
 GPU_SMALL = ROOT / "configs" / "gpu_small.yaml"
@@ -40,15 +41,6 @@ JOB = ["rollout.max_tokens=64", "train.prompts_per_step=8", "dataflow.prompts_pe
        "run.tensorboard=false", f"run.steps={STEPS}"]
 
 
-def build_checkpoint(name: str) -> Path:
-    """The shape's checkpoint (cached in ~/.cache/conveyor/shapes), built in a process of
-    its own so that this one never holds a CUDA context (the runs' plans read free memory)."""
-    done = subprocess.run([sys.executable, "-m", "stages.model_shapes", name], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return Path(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def shape_runs(tmp_path_factory):
     """``run(name, placement)``: (run dir, summary) of that launch, run on first use."""
@@ -58,7 +50,7 @@ def shape_runs(tmp_path_factory):
     def run(name: str, placement: str) -> tuple[Path, dict]:
         if (name, placement) not in runs:
             if name not in ckpts:
-                ckpts[name] = build_checkpoint(name)
+                ckpts[name] = build_in_subprocess(name)  # this process holds no CUDA context
             root = tmp_path_factory.mktemp(f"{name}-{placement}")
             data = write_chat_rows(load_config(GPU_SMALL, JOB), 64, root / "prompts.jsonl")
             run_dir = root / "run"
@@ -96,8 +88,6 @@ def test_vllm_serves_each_exported_checkpoint(shape_runs, name):
     other (``tests/e2e/test_architectures.py``'s loader: its live fingerprint and a short
     generation), and serves exactly the weights its run served last; the checkpoint keeps
     the published vocabulary and tie."""
-    from stages.model_shapes import REAL_SHAPES
-
     runs = {p: shape_runs(name, p) for p in PLACEMENTS}
     ckpts = [str(run_dir / "checkpoint") for run_dir, _ in runs.values()]
     out = subprocess.run([sys.executable, "-m", "tests.e2e.test_architectures", *ckpts], cwd=ROOT,

@@ -97,7 +97,7 @@ def test_the_job_is_the_checkpoint_and_the_tasks_rows_as_chat(tmp_path: Path, mo
 
     # A scaled-down build stands in for the published shape (building that is the GPU's job).
     ckpt = build_real_shape_checkpoint("qwen3_0.6b", tmp_path / "ckpt", overrides=SCALED_DOWN)
-    monkeypatch.setattr(stages.model_shapes, "build_real_shape_checkpoint", lambda name: ckpt)
+    monkeypatch.setattr(stages.model_shapes, "build_in_subprocess", lambda name: ckpt)
     job = prepare_job("qwen3_0.6b", 2, tmp_path / "job", CONFIG)
     data = tmp_path / "job" / "prompts.jsonl"
     assert job == (f"model.path={ckpt}", f"data.path={data}")
