@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "a Conveyor row may carry overrides: colocate[train.chunk_size=256;run.seed=1]. "
                                      "gpu_scale: a subset of shared_1gpu,colocate_1gpu,disaggregated_2gpu,"
                                      "replicas_ranks_2gpu")
+    p.add_argument("--model", help="gpu_e2e: the job at a real shape built locally (stages/model_shapes.py: "
+                                   "qwen2.5_0.5b, qwen3_0.6b, qwen3_1.7b, qwen3_4b, qwen3_8b, llama3.2_1b, "
+                                   "llama3.1_8b, gemma3_1b); default rows engines,async,colocate,trl")
     return p
 
 
@@ -67,6 +70,15 @@ def default_out_dir(quick: bool, results_dir: Path = RESULTS_DIR, cwd: Path | No
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.model is not None:
+        from stages.model_shapes import get_shape
+
+        if args.name != "gpu_e2e":
+            parser.error(f"--model: only gpu_e2e runs at a chosen shape, not {args.name}")
+        try:
+            get_shape(args.model)
+        except ValueError as exc:
+            parser.error(f"--model: {exc}")
     if args.systems is not None:
         from bench.gpu_e2e import check_rows, parse_systems
         from bench.gpu_scale import parse_configs
@@ -92,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             extra = {"minutes": args.minutes} if args.minutes and name in SOAKS else {}
             if args.systems and name in ("gpu_e2e", "gpu_scale"):
                 extra["systems"] = args.systems
+            if args.model and name == "gpu_e2e":
+                extra["model"] = args.model
             payload = run(quick=args.quick, out_dir=args.out, **extra)
             ok = payload.get("status", "ok") in ("ok", "skipped")
             status = status or (0 if ok else 1)

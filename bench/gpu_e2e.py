@@ -19,6 +19,15 @@ each ratio is also given round by round: a row against the first TRL row after i
 else the last one), and a Conveyor row may carry its own overrides
 (``colocate[train.chunk_size=256;rollout.max_inflight=2]``, on top of its mode's).
 
+``--model NAME`` runs the job at a real shape of ``stages.model_shapes`` (built locally,
+reused from ``~/.cache/conveyor/shapes``): that checkpoint, the config's task rows as
+chat messages (``data.path``, rendered with the checkpoint's chat template by Conveyor
+and TRL alike) and the config's lengths; its default rows are ``SHAPE_SYSTEMS``, the
+first of which, ``engines``, measures vLLM and the trainer engine alone at that shape
+(``bench.engine_alone``), so that each Conveyor row's rollout and trainer tokens/s (per
+second each stage was busy) are also given as a fraction of its engine alone
+(``ratios.engine_fraction``). The result is ``gpu_e2e-NAME`` and names the shape.
+
 Steady state: samples per second over the steps after the first ``WARMUP_STEPS`` (engine start,
 compilation and the first updates set aside), per GPU used; also completion tokens/s,
 start-up time (launch to the first step), per-stage busy shares and the weight-sync
@@ -45,6 +54,7 @@ import numpy as np
 
 from bench.common import new_figure, publish_result, save_figure
 from bench.e2e import _attempt, _version, build_trl_args, build_trl_dataset, summarize_curve
+from bench.shape_job import build_job_rows, describe_shape, prepare_job
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 WARMUP_STEPS = 5
@@ -72,6 +82,22 @@ def mode_overrides(mode: str) -> list[str]:
     if base != mode:
         overrides += [f"rollout.engine_core={mode[len(base) + 1:]}"]
     return overrides
+
+
+def compute_stage_rates(rows: list[dict[str, Any]], samples_per_step: int) -> dict[str, float | None]:
+    """Tokens/s of the rollout and the trainer per second each was busy, the mean over
+    ``rows`` (steps): the rollout's completion tokens (mean length x samples) over its
+    busy seconds (``timing_s/rollout``), the trainer's prompt and completion tokens
+    (``throughput/tokens_per_s`` x ``time/step_s``) over its passes and update
+    (``timing_s/train`` + ``timing_s/update``). None where no step has the figures."""
+    rollout, trainer = [], []
+    for r in rows:
+        if r.get("timing_s/rollout") and r.get("response_length/mean") is not None:
+            rollout.append(r["response_length/mean"] * samples_per_step / r["timing_s/rollout"])
+        busy = (r.get("timing_s/train") or 0.0) + (r.get("timing_s/update") or 0.0)
+        if busy > 0 and r.get("throughput/tokens_per_s") and r.get("time/step_s"):
+            trainer.append(r["throughput/tokens_per_s"] * r["time/step_s"] / busy)
+    return {"rollout_tokens_per_busy_s": _mean(rollout), "trainer_tokens_per_busy_s": _mean(trainer)}
 
 
 def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
@@ -106,6 +132,7 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
         "completion_tokens_per_s": _mean([r.get("response_length/mean", 0) * per_step / r["time/step_s"]
                                           for r in rows[WARMUP_STEPS:] if r.get("time/step_s")]),
         "trainer_tokens_per_s": _mean(tokens),
+        **compute_stage_rates(rows[WARMUP_STEPS:], per_step),
         "weight_sync_share": _mean([r.get("perf/weight_sync_share") for r in rows[WARMUP_STEPS:]]),
         "gpu_util": _mean([r.get("perf/gpu_util") for r in rows[WARMUP_STEPS:]]),
         "busy_ratio": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
@@ -134,7 +161,7 @@ def _mean(values: list[Any]) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
-def run_trl(steps: int, root: Path) -> dict[str, Any]:
+def run_trl(steps: int, root: Path, job: tuple[str, ...] = ()) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -144,12 +171,13 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     from stages.tiny import resolve_model_path
 
     t0 = time.time()
-    cfg = load_config(CONFIG)
+    cfg = load_config(CONFIG, list(job))
     path = resolve_model_path(cfg.model)
     task = load_task(cfg.data.task, **cfg.data.task_kwargs)
     per_step, n = cfg.train.prompts_per_step, cfg.rollout.n
-    rows = task.generate_rows(cfg.run.seed, steps * per_step)
-    data = build_trl_dataset(rows)
+    # With a data file (prepare_job's), the same rows as chat messages: TRL renders them
+    # with the checkpoint's chat template.
+    data = build_trl_dataset(build_job_rows(cfg, steps * per_step, chat=cfg.data.path is not None))
 
     def reward(prompts: list[str], completions: list[str], ground_truth: list[str], data_source: list[str],
                **_: Any) -> list[float]:
@@ -182,21 +210,33 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     }
 
 
-def run_trl_isolated(steps: int, root: Path) -> dict[str, Any]:
+def run_trl_isolated(steps: int, root: Path, job: tuple[str, ...] = ()) -> dict[str, Any]:
     """``run_trl`` in a process of its own, its row read back: TRL's in-process vLLM
     engine keeps its GPU memory (tens of GiB) until its process exits, so a
     Conveyor row after it in this process found too little free memory to start vLLM."""
+    return _run_child("trl-row", str(steps), root, job)
+
+
+def run_engines_isolated(root: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``bench.engine_alone.measure_engines`` of the job in a process of its own (its
+    engines' GPU memory goes back when it exits), its row read back."""
+    return _run_child("engines-row", None, root, overrides)
+
+
+def _run_child(kind: str, steps: str | None, root: Path, overrides: tuple[str, ...]) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
-    out = root / "trl_row.json"
-    code = subprocess.run([sys.executable, "-m", "bench.gpu_e2e", "trl-row", str(steps), str(root), str(out)],
-                          check=False).returncode
+    out = root / f"{kind}.json"
+    argv = [sys.executable, "-m", "bench.gpu_e2e", kind, *([steps] if steps else []), str(root), str(out), *overrides]
+    code = subprocess.run(argv, check=False).returncode
     if code != 0 or not out.is_file():
-        raise RuntimeError(f"the TRL row's process exited with status {code} (its output is above)")
+        raise RuntimeError(f"the {kind} process exited with status {code} (its output is above)")
     return json.loads(out.read_text())
 
 
 SYSTEMS = ("async", "sync", "colocate", "trl")  # the default rows
-KNOWN_SYSTEMS = (*SYSTEMS, *(f"{m}_{core}" for core in ("in_process", "subprocess") for m in ("async", "sync", "colocate")))
+SHAPE_SYSTEMS = ("engines", "async", "colocate", "trl")  # the default rows with --model
+KNOWN_SYSTEMS = (*SYSTEMS, "engines",
+                 *(f"{m}_{core}" for core in ("in_process", "subprocess") for m in ("async", "sync", "colocate")))
 _ROW = re.compile(r"(?P<name>[a-z_]+)(?:\[(?P<overrides>[^\[\]]*)\])?")
 
 
@@ -216,11 +256,12 @@ def split_row(spec: str) -> tuple[str, tuple[str, ...]]:
     return found["name"], overrides
 
 
-def parse_systems(text: str | None) -> tuple[str, ...]:
-    """``--systems a,b[k=v;..],a,..`` (None: ``SYSTEMS``): the rows in order, repeats
-    kept, each written back as ``name`` or ``name[k=v;..]``; a bad one raises ``ValueError``."""
+def parse_systems(text: str | None, model: str | None = None) -> tuple[str, ...]:
+    """``--systems a,b[k=v;..],a,..`` (None: ``SYSTEMS``, or ``SHAPE_SYSTEMS`` with a
+    ``model``): the rows in order, repeats kept, each written back as ``name`` or
+    ``name[k=v;..]``; a bad one raises ``ValueError``."""
     if text is None:
-        return SYSTEMS
+        return SYSTEMS if model is None else SHAPE_SYSTEMS
     if text.count("[") != text.count("]"):
         raise ValueError(f"--systems: unbalanced brackets in {text!r}")
     # Commas split rows, except inside brackets (an override's value may hold one).
@@ -259,23 +300,42 @@ def row_labels(specs: tuple[str, ...]) -> list[str]:
     return labels
 
 
-def run_rows(specs: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]]:
-    """Each row in order, each in a fresh directory; a failing one is a row with its error."""
+def run_rows(specs: tuple[str, ...], steps: int, model: str | None = None) -> dict[str, dict[str, Any]]:
+    """Each row in order, each in a fresh directory (the job at shape ``model`` when one
+    is named); a failing one is a row with its error."""
     root = Path(tempfile.mkdtemp(prefix="conveyor-bench-gpu-e2e-"))
     rows: dict[str, dict[str, Any]] = {}
     try:
+        job = prepare_job(model, steps, root / "job", CONFIG) if model else ()
         for i, (spec, label) in enumerate(zip(specs, row_labels(specs), strict=True)):
             name, overrides = split_row(spec)
             where = root / str(i)
             if name == "trl":
-                rows[label] = (_attempt("trl-grpo", run_trl_isolated, steps, where) if _version("trl")
+                rows[label] = (_attempt("trl-grpo", run_trl_isolated, steps, where, job) if _version("trl")
                                else {"system": "trl-grpo", "status": "skipped", "error": "trl is not installed"})
+            elif name == "engines":
+                rows[label] = _attempt("engines-alone", run_engines_isolated, where, (*job, *overrides))
             else:
-                rows[label] = _attempt(f"conveyor-{spec}", run_conveyor, name, steps, where, overrides)
+                rows[label] = _attempt(f"conveyor-{spec}", run_conveyor, name, steps, where, (*job, *overrides))
             rows[label]["label"], rows[label]["spec"] = label, spec
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows
+
+
+def compute_engine_fractions(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Each Conveyor row's rollout and trainer tokens/s (per busy second) over the first
+    ``engines`` row's engine alone, by label; empty without an ``engines`` row that ran."""
+    engines = next((r for r in rows.values() if r["spec"].startswith("engines") and r.get("status") == "ok"), None)
+    if engines is None:
+        return {}
+
+    def frac(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    return {label: {"rollout": frac(r.get("rollout_tokens_per_busy_s"), engines.get("rollout_tokens_per_s")),
+                    "trainer": frac(r.get("trainer_tokens_per_busy_s"), engines.get("trainer_tokens_per_s"))}
+            for label, r in rows.items() if r.get("system", "").startswith("conveyor") and r.get("status") == "ok"}
 
 
 def _row_rate(row: dict[str, Any]) -> float | None:
@@ -301,7 +361,7 @@ def over_trl_by_round(rows: dict[str, dict[str, Any]]) -> dict[str, list[float |
     if not trl:
         return ratios
     for i, row in enumerate(ordered):
-        if row["spec"] == "trl":
+        if row["spec"] == "trl" or row["spec"].startswith("engines"):
             continue
         paired = ordered[next((t for t in trl if t > i), trl[-1])]
         a, b = _row_rate(row), _row_rate(paired)
@@ -309,30 +369,35 @@ def over_trl_by_round(rows: dict[str, dict[str, Any]]) -> dict[str, list[float |
     return ratios
 
 
-def result_name(specs: tuple[str, ...]) -> str:
-    """``gpu_e2e`` for the default rows, else ``gpu_e2e-<rows>`` (every row in order,
-    repeats too, brackets and ``=`` turned to ``_``): another choice never overwrites the
-    full comparison, nor a run of its rows once each."""
-    if specs == SYSTEMS:
-        return "gpu_e2e"
-    return "gpu_e2e-" + "-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_") for s in specs)
+def result_name(specs: tuple[str, ...], model: str | None = None) -> str:
+    """``gpu_e2e`` (``gpu_e2e-<model>`` at a shape) for the default rows, else that with
+    ``-<rows>`` (every row in order, repeats too, brackets and ``=`` turned to ``_``):
+    another choice never overwrites the full comparison, nor a run of its rows once each."""
+    base = "gpu_e2e" if model is None else f"gpu_e2e-{model}"
+    if specs == (SYSTEMS if model is None else SHAPE_SYSTEMS):
+        return base
+    return base + "-" + "-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_") for s in specs)
 
 
-def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | None = None) -> dict[str, Any]:
     """``systems``: the rows to run, in order (``--systems``, see ``parse_systems``;
-    default ``SYSTEMS``); a call limit of ten minutes holds about four. Where a spec
-    repeats, its figure is the mean of its rows, and the ratios' ``over_trl_by_round``
-    gives each row's ratio to its round's TRL row."""
+    default ``SYSTEMS``, ``SHAPE_SYSTEMS`` with a ``model``); a call limit of ten minutes
+    holds about four. ``model``: a name of ``stages.model_shapes.REAL_SHAPES`` (``--model``).
+    Where a spec repeats, its figure is the mean of its rows, and the ratios'
+    ``over_trl_by_round`` gives each row's ratio to its round's TRL row."""
     import torch
 
+    chosen = parse_systems(systems, model)
+    shape = describe_shape(model, CONFIG)
+    name = result_name(chosen, model)
     if not torch.cuda.is_available():
-        return publish_result(out_dir, "gpu_e2e", {"status": "skipped", "error": "no CUDA GPU", "ratios": {}},
-                              plot)
+        return publish_result(out_dir, name, {"status": "skipped", "error": "no CUDA GPU", "ratios": {},
+                                              "params": {"model": shape["name"]}},
+                              lambda p, d: plot(p, d, name))
     from pipeline.config import load_config
 
     steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
-    chosen = parse_systems(systems)
-    rows = run_rows(chosen, steps)
+    rows = run_rows(chosen, steps, model)
     rates = rates_by_spec(rows)
 
     def per_gpu(spec: str) -> float | None:
@@ -350,26 +415,30 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
         "colocate_samples_per_s_per_gpu": c,
         "async_over_sync": ratio(a, s), "async_over_trl": ratio(a, t),
         "colocate_over_trl": ratio(c, t), "colocate_over_sync": ratio(c, s), "colocate_over_async": ratio(c, a),
-        "async_over_one_gpu_bound": ratio(a, ONE_GPU_BOUND), "trl_over_one_gpu_bound": ratio(t, ONE_GPU_BOUND),
+        # The bound was measured for the config's own model, not for another shape.
+        "async_over_one_gpu_bound": ratio(a, ONE_GPU_BOUND) if model is None else None,
+        "trl_over_one_gpu_bound": ratio(t, ONE_GPU_BOUND) if model is None else None,
         **{f"{m}_in_process_samples_per_s_per_gpu": v for m, v in in_process.items() if v},
         **{f"{m}_in_process_over_subprocess": ratio(v, sub[m] or per_gpu(m)) for m, v in in_process.items() if v},
         **{f"{m}_subprocess_samples_per_s_per_gpu": v for m, v in sub.items() if v},
         "colocate_in_process_over_trl": ratio(in_process["colocate"], t),
         # Every row's spec: its mean, and row by row against its round's TRL row.
-        "samples_per_s_per_gpu": {spec: per_gpu(spec) for spec in rates},
-        "over_trl": {spec: ratio(per_gpu(spec), t) for spec in rates if spec != "trl"},
+        "samples_per_s_per_gpu": {spec: per_gpu(spec) for spec in rates if not spec.startswith("engines")},
+        "over_trl": {spec: ratio(per_gpu(spec), t) for spec in rates if spec != "trl" and not spec.startswith("engines")},
         "over_trl_by_round": over_trl_by_round(rows),
         "async_rollout_busy": (rows.get("async", {}).get("busy_ratio") or {}).get("rollout"),
         "async_weight_sync_share": rows.get("async", {}).get("weight_sync_share"),
         "colocate_gpu_free_gib_while_training": rows.get("colocate", {}).get("gpu_free_gib_while_training"),
+        # Rollout and trainer tokens/s per busy second over the engine alone (an engines row).
+        "engine_fraction": compute_engine_fractions(rows),
         "targets": {"async_over_sync": 1.8, "async_rollout_busy": 0.7, "async_over_trl": 1.5,
                     "colocate_over_trl": 1.5},
     }
     # A failing Conveyor row fails the bench; TRL's (a third party's, on this machine) does not.
     status = "ok" if all(r.get("status") == "ok" for r in rows.values() if r["spec"] != "trl") else "error"
-    name = result_name(chosen)
     payload = {"status": status, "quick": quick, "units": "samples = completions; seconds",
-               "params": {"config": str(CONFIG), "steps": steps, "warmup_steps": WARMUP_STEPS, "systems": list(chosen),
+               "params": {"config": str(CONFIG), "model": shape["name"], "shape": shape, "steps": steps,
+                          "warmup_steps": WARMUP_STEPS, "systems": list(chosen),
                           "one_gpu_bound_samples_per_s": ONE_GPU_BOUND},
                "runs": rows, "ratios": ratios}
     return publish_result(out_dir, name, payload, lambda p, d: plot(p, d, name))
@@ -381,10 +450,12 @@ def plot(payload: dict[str, Any], out_dir: Path, name: str = "gpu_e2e") -> Path:
     ax = axes[0][0]
     names = [r.get("label", r["system"]) for r in runs.values()]
     ax.bar(names, [r.get("samples_per_s_per_gpu") or 0.0 for r in runs.values()])
-    ax.axhline(ONE_GPU_BOUND, linestyle="--", color="grey", linewidth=0.8, label="one-GPU bound")
+    model = payload.get("params", {}).get("model", "tiny")
+    if model == "tiny":
+        ax.axhline(ONE_GPU_BOUND, linestyle="--", color="grey", linewidth=0.8, label="one-GPU bound")
+        ax.legend(fontsize=8)
     ax.set_ylabel("samples / s / GPU (steady state)")
-    ax.set_title(f"gpu_e2e on {payload.get('ratios', {}).get('device', '?')}")
-    ax.legend(fontsize=8)
+    ax.set_title(f"gpu_e2e ({model}) on {payload.get('ratios', {}).get('device', '?')}")
     ax = axes[0][1]
     for row in runs.values():
         if row.get("status") == "ok" and row.get("curve"):
@@ -398,7 +469,14 @@ def plot(payload: dict[str, Any], out_dir: Path, name: str = "gpu_e2e") -> Path:
     return save_figure(fig, out_dir, name)
 
 
-if __name__ == "__main__":  # ``run_trl_isolated``'s child: trl-row STEPS ROOT OUT_JSON
-    if len(sys.argv) != 5 or sys.argv[1] != "trl-row":
-        sys.exit("usage: python -m bench.gpu_e2e trl-row STEPS ROOT OUT_JSON")
-    Path(sys.argv[4]).write_text(json.dumps(run_trl(int(sys.argv[2]), Path(sys.argv[3]))))
+if __name__ == "__main__":  # the isolated rows' children (``_run_child``)
+    args = sys.argv[1:]
+    if len(args) >= 4 and args[0] == "trl-row":  # trl-row STEPS ROOT OUT_JSON [OVERRIDE...]
+        Path(args[3]).write_text(json.dumps(run_trl(int(args[1]), Path(args[2]), tuple(args[4:]))))
+    elif len(args) >= 3 and args[0] == "engines-row":  # engines-row ROOT OUT_JSON [OVERRIDE...]
+        from bench.engine_alone import measure_engines
+
+        Path(args[2]).write_text(json.dumps(measure_engines(CONFIG, args[3:])))
+    else:
+        sys.exit("usage: python -m bench.gpu_e2e trl-row STEPS ROOT OUT_JSON [OVERRIDE...] | "
+                 "engines-row ROOT OUT_JSON [OVERRIDE...]")

@@ -34,6 +34,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,10 +157,11 @@ def build_vocab(specials: tuple[str, ...] = SPECIAL_TOKENS, byte_level: bool = F
     return {tok: i for i, tok in enumerate(tokens)}
 
 
-def build_char_tokenizer(architecture: str = "llama") -> PreTrainedTokenizerFast:
-    """A char-level fast tokenizer with the family's special tokens and chat template;
-    see the module guarantees."""
-    fam = FAMILIES[architecture]
+def build_char_tokenizer(architecture: str | Family = "llama") -> PreTrainedTokenizerFast:
+    """A char-level fast tokenizer with the family's special tokens and chat template
+    (``architecture``: a ``FAMILIES`` key, or a ``Family`` of its own); see the module
+    guarantees."""
+    fam = FAMILIES[architecture] if isinstance(architecture, str) else architecture
     vocab = build_vocab(fam.specials, fam.byte_level)
     if fam.byte_level:
         # No merges: every byte stays its own token. transformers rebuilds some families'
@@ -232,7 +234,11 @@ def compute_config_hash(cfg: TinyModelConfig) -> str:
 
 
 def is_complete_checkpoint(path: Path) -> bool:
-    return path.is_dir() and all((path / name).is_file() for name in _REQUIRED_FILES)
+    """Config, tokenizer, generation config and weights: one ``model.safetensors`` or the
+    shards' index (shards are written before it)."""
+    required = [n for n in _REQUIRED_FILES if n != "model.safetensors"]
+    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    return path.is_dir() and weights and all((path / name).is_file() for name in required)
 
 
 def write_tiny_checkpoint(cfg: TinyModelConfig, out_dir: Path) -> None:
@@ -254,26 +260,33 @@ def write_tiny_checkpoint(cfg: TinyModelConfig, out_dir: Path) -> None:
 
 def ensure_tiny_checkpoint(cfg: TinyModelConfig, cache_dir: str | Path) -> Path:
     """Return ``<cache_dir>/tiny-<hash>``, writing it first if it is missing or incomplete."""
-    root = Path(cache_dir).expanduser()
-    final = root / f"tiny-{compute_config_hash(cfg)}"
-    if is_complete_checkpoint(final):
-        return final
+    final = Path(cache_dir).expanduser() / f"tiny-{compute_config_hash(cfg)}"
+    if not is_complete_checkpoint(final):
+        write_checkpoint_atomically(final, lambda tmp: write_tiny_checkpoint(cfg, tmp))
+    return final
+
+
+def write_checkpoint_atomically(final: Path, write: Callable[[Path], None],
+                                is_done: Callable[[Path], bool] = is_complete_checkpoint) -> Path:
+    """``write(tmp)`` into a private directory beside ``final``, then rename it into place
+    in one step (a damaged ``final``, one ``is_done`` rejects, is discarded first). A
+    concurrent caller that renamed its copy first wins: the copies are identical."""
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        write_tiny_checkpoint(cfg, tmp)
+        write(tmp)
         for _ in range(3):  # retries only matter when a damaged directory is being replaced
-            if final.exists() and not is_complete_checkpoint(final):
+            if final.exists() and not is_done(final):
                 _discard_directory(final, root)
             try:
                 os.rename(tmp, final)
                 break
             except OSError:
-                # A concurrent caller renamed its own copy first: theirs is identical.
-                if is_complete_checkpoint(final):
+                if is_done(final):
                     break
         else:
-            raise RuntimeError(f"could not move the tiny checkpoint into {final}")
+            raise RuntimeError(f"could not move the checkpoint into {final}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final

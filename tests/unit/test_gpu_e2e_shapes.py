@@ -1,0 +1,117 @@
+"""``bench gpu_e2e --model NAME``: the choice of shape and rows, the job it builds (chat
+rows of the config's task, the same for Conveyor, TRL and the engines alone), the
+stage rates and their fractions of the engines alone. No GPU: what runs on one is
+``bench/gpu_e2e.py``'s rows."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import stages.model_shapes
+from bench.__main__ import main as bench_main
+from bench.gpu_e2e import (
+    CONFIG,
+    SHAPE_SYSTEMS,
+    SYSTEMS,
+    compute_engine_fractions,
+    compute_stage_rates,
+    over_trl_by_round,
+    parse_systems,
+    result_name,
+)
+from bench.shape_job import build_job_rows, prepare_job
+from pipeline.config import load_config
+from stages.model_shapes import SCALED_DOWN, build_real_shape_checkpoint
+
+
+def test_model_picks_the_shape_rows_and_the_result_name():
+    assert parse_systems(None) == SYSTEMS == ("async", "sync", "colocate", "trl")  # gpu_small as before
+    assert result_name(SYSTEMS) == "gpu_e2e"
+    assert parse_systems(None, "qwen3_0.6b") == SHAPE_SYSTEMS == ("engines", "async", "colocate", "trl")
+    assert result_name(SHAPE_SYSTEMS, "qwen3_0.6b") == "gpu_e2e-qwen3_0.6b"
+    chosen = parse_systems("engines,colocate[train.chunk_size=16]", "qwen3_4b")
+    assert result_name(chosen, "qwen3_4b") == "gpu_e2e-qwen3_4b-engines-colocate_train.chunk_size_16"
+    assert result_name(SYSTEMS, "qwen3_4b") == "gpu_e2e-qwen3_4b-async-sync-colocate-trl"
+
+
+def test_a_bad_model_or_one_for_another_bench_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench_main(["gpu_e2e", "--model", "qwen9_1b"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--model: model shape: expected one of" in err and "qwen3_0.6b" in err
+    with pytest.raises(SystemExit) as info:
+        bench_main(["e2e", "--model", "qwen3_0.6b"])
+    assert info.value.code == 2 and "only gpu_e2e runs at a chosen shape" in capsys.readouterr().err
+
+
+def test_without_a_gpu_the_shape_result_is_skipped_under_its_name(tmp_path: Path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_main(["gpu_e2e", "--model", "gemma3_1b", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "gpu_e2e-gemma3_1b.json").read_text())
+    assert doc["status"] == "skipped" and doc["params"]["model"] == "gemma3_1b"
+    assert not (tmp_path / "gpu_e2e.json").exists()
+
+
+def test_stage_rates_per_busy_second():
+    rows = [
+        # rollout: 100 tokens x 256 samples / 2 s busy = 12,800/s; trainer: 1,000 tokens/s
+        # x 4 s step = 4,000 tokens over 1.5 + 0.5 s of passes and update = 2,000/s.
+        {"timing_s/rollout": 2.0, "response_length/mean": 100.0, "throughput/tokens_per_s": 1000.0,
+         "time/step_s": 4.0, "timing_s/train": 1.5, "timing_s/update": 0.5},
+        # rollout: 50 x 256 / 2 s = 6,400/s; trainer: 3,000 x 2 s / 1 s = 6,000/s.
+        {"timing_s/rollout": 2.0, "response_length/mean": 50.0, "throughput/tokens_per_s": 3000.0,
+         "time/step_s": 2.0, "timing_s/train": 1.0, "timing_s/update": 0.0},
+        {"response_length/mean": 80.0},  # no timings: left out of both means
+    ]
+    assert compute_stage_rates(rows, 256) == {"rollout_tokens_per_busy_s": (12800.0 + 6400.0) / 2,
+                                              "trainer_tokens_per_busy_s": (2000.0 + 6000.0) / 2}
+    assert compute_stage_rates([], 256) == {"rollout_tokens_per_busy_s": None, "trainer_tokens_per_busy_s": None}
+
+
+def test_engine_fractions_and_trl_ratios_leave_the_engines_row_out():
+    rows = {
+        "engines": {"spec": "engines", "system": "engines-alone", "status": "ok",
+                    "rollout_tokens_per_s": 20000.0, "trainer_tokens_per_s": 50000.0},
+        "async": {"spec": "async", "system": "conveyor-async", "status": "ok", "samples_per_s_per_gpu": 300.0,
+                  "rollout_tokens_per_busy_s": 15000.0, "trainer_tokens_per_busy_s": 40000.0},
+        "colocate": {"spec": "colocate", "system": "conveyor-colocate", "status": "error"},
+        "trl": {"spec": "trl", "system": "trl-grpo-vllm-colocate", "status": "ok", "samples_per_s_per_gpu": 150.0},
+    }
+    # 15,000 / 20,000 = 0.75 of vLLM alone; 40,000 / 50,000 = 0.8 of the trainer alone.
+    assert compute_engine_fractions(rows) == {"async": {"rollout": 0.75, "trainer": 0.8}}
+    assert over_trl_by_round(rows) == {"async": [2.0], "colocate": [None]}
+    rows["engines"]["status"] = "error"
+    assert compute_engine_fractions(rows) == {}
+
+
+def test_the_job_is_the_checkpoint_and_the_tasks_rows_as_chat(tmp_path: Path, monkeypatch):
+    """prepare_job's overrides name the shape's checkpoint and a JSONL of the task's rows as
+    one user message each; TRL's rows are the same; the engines alone render them as the
+    run does, through the checkpoint's chat template."""
+    from transformers import AutoTokenizer
+
+    from bench.engine_alone import build_prompt_ids
+
+    # A scaled-down build stands in for the published shape (building that is the GPU's job).
+    ckpt = build_real_shape_checkpoint("qwen3_0.6b", tmp_path / "ckpt", overrides=SCALED_DOWN)
+    monkeypatch.setattr(stages.model_shapes, "build_in_subprocess", lambda name: ckpt)
+    job = prepare_job("qwen3_0.6b", 2, tmp_path / "job", CONFIG)
+    data = tmp_path / "job" / "prompts.jsonl"
+    assert job == (f"model.path={ckpt}", f"data.path={data}")
+    cfg = load_config(CONFIG, list(job))
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert len(rows) == 2 * cfg.train.prompts_per_step  # two steps of 32 prompts
+    trl_rows = build_job_rows(cfg, len(rows), chat=True)
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in trl_rows]
+    plain = build_job_rows(cfg, 1, chat=False)[0]  # gpu_small's copy task: "<digits>=" -> "<digits>"
+    assert rows[0]["prompt"] == [{"role": "user", "content": plain["prompt"]}]
+    assert rows[0]["ground_truth"] == plain["ground_truth"] == plain["prompt"].removesuffix("=")
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    ids = build_prompt_ids(cfg, tok, ckpt, 4)
+    text = f"<|im_start|>user\n{plain['prompt']}<|im_end|>\n<|im_start|>assistant\n"  # ChatML
+    assert ids[0] == tok(text, add_special_tokens=False).input_ids
+    with pytest.raises(ValueError, match="64 usable prompts, the engines' step needs 65"):
+        build_prompt_ids(cfg, tok, ckpt, 65)
