@@ -62,6 +62,14 @@ def find_tied_aliases(model: Any) -> dict[str, str]:
     return aliases
 
 
+def find_split_ties(model: Any) -> list[str]:
+    """``alias -> source`` of the ties transformers declares whose two names are not one
+    parameter (an engine that copied one of them): empty for a sound model."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return [f"{alias} -> {source}" for alias, source in find_tied_aliases(model).items()
+            if alias in params and source in params and params[alias] is not params[source]]
+
+
 def drop_tied_aliases(model: Any, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` without the aliases of tied parameters whose source it holds: each tied
     tensor is sent once, under the name the served model holds."""

@@ -63,7 +63,7 @@ from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import build_policy_loss
-from stages.checkpoint_names import checkpoint_state_dict, drop_tied_aliases
+from stages.checkpoint_names import checkpoint_state_dict, drop_tied_aliases, find_split_ties
 from stages.logprobs import accepts_logits_to_keep, build_model_inputs, find_chunkable_head, forward_completion_logprobs
 from stages.lr_schedule import build_lr_scheduler
 
@@ -390,6 +390,11 @@ class TrainerEngine:
         self.compiled_blocks, self.compile_skipped = compile_blocks(
             self.module, train.compile, self.weights_on_gpu, int(train.zero_stage))
         self._keep = accepts_logits_to_keep(self.module)
+        split = find_split_ties(self.module)
+        if split:
+            # The served model holds one tensor for both names; training two would serve
+            # a model other than the one trained.
+            raise RuntimeError(f"tied parameters are separate tensors in the trainer: {split}")
         # Rows of logits alive at once (stages.logprobs); None: the dense head.
         self.logit_tokens = train.logit_chunk_tokens if find_chunkable_head(self.module) is not None else None
         self._ipc: CudaIpcExporter | None = None  # made on the first cuda_ipc export

@@ -8,7 +8,7 @@ import torch
 
 from pipeline.config import TinyModelConfig
 from pipeline.weights import build_payload, read_checkpoint_shapes, read_payload_shapes
-from stages.checkpoint_names import drop_tied_aliases, find_tied_aliases
+from stages.checkpoint_names import drop_tied_aliases, find_split_ties, find_tied_aliases
 
 
 def build(architecture: str):
@@ -53,3 +53,10 @@ def test_a_payload_without_the_source_keeps_the_alias():
     model = build("qwen3")
     head = {"lm_head.weight": torch.zeros(3)}
     assert drop_tied_aliases(model, head) == head
+
+
+def test_a_tie_split_into_two_parameters_is_found():
+    model = build("qwen3")
+    assert find_split_ties(model) == []
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    assert find_split_ties(model) == ["lm_head.weight -> model.embed_tokens.weight"]
