@@ -419,9 +419,11 @@ class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
 
     - ``clip_ratio_c``: dual-clip bound for tokens with a negative advantage (> 1;
       null: off). ``kl_estimator`` k3 is clamped to +-10 per token.
-    - ``loss_agg``: ``token-mean`` is exact over a streaming step (token sums, rescaled by
-      the step's token count before clipping); ``seq-mean-token-sum-norm`` divides by the
-      constant ``samples * loss_norm_tokens`` (default ``rollout.max_tokens``).
+    - ``loss_agg``: every mode is exact over a streaming step (sums rescaled before
+      clipping by the step's count): ``token-mean`` divides by the step's loss tokens,
+      ``seq-mean-token-mean`` / ``seq-mean-token-sum`` by its rows with at least one loss
+      token, ``seq-mean-token-sum-norm`` by the constant ``samples * loss_norm_tokens``
+      (default ``rollout.max_tokens``).
     - ``off_policy``: ``off`` (PPO ratio against the sampler), ``truncate`` or ``reject``
       (decoupled objective: importance weight current/behaviour, truncated at or
       rejected above ``behav_imp_weight_cap``).

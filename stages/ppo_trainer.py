@@ -8,8 +8,8 @@ Guarantees:
   applied as soon as its micro-batches are in, so the first epoch streams like the plain
   trainer; the further epochs run when the step's last micro-batch is in, over the same
   mini-batches in the same order.
-- Each update is the exact aggregated loss of its mini-batch (``compute_update_grad_scale``:
-  token-mean over its loss tokens, or the seq-mean modes over its samples), with the
+- Each update is the exact aggregated loss of its mini-batch (``compute_step_grad_scale``
+  over its micro-batches: their loss tokens, non-empty rows or rows), with the
   registry's policy loss; the old policy of every epoch is the sampler
   (``behaviour_logprobs``), so the ratio and its clip measure the drift from the
   weights that generated the data, across all the updates of a step.
@@ -28,19 +28,7 @@ import time
 from typing import Any
 
 from pipeline.types import RolloutBatch
-from stages.trainer import TrainerStage, compute_micro_batch_scale
-
-
-def compute_update_grad_scale(batches: list[RolloutBatch], step_samples: int, loss_agg: str) -> float:
-    """``grad_scale`` of one update over ``batches`` whose micro-batches were trained with
-    the step's scales (``compute_micro_batch_scale(b, step_samples, ...)``): token-mean:
-    step samples / their loss tokens; other modes: step samples / their samples. Over a
-    whole step it equals ``compute_step_grad_scale``."""
-    if loss_agg == "token-mean":
-        tokens = sum(b.loss_tokens for b in batches)
-        return step_samples / tokens if tokens else 0.0
-    samples = sum(b.num_samples for b in batches)
-    return step_samples / samples if samples else 0.0
+from stages.trainer import TrainerStage, compute_micro_batch_scale, compute_step_grad_scale
 
 
 class PPOTrainerStage(TrainerStage):
@@ -69,7 +57,7 @@ class PPOTrainerStage(TrainerStage):
 
     def _update(self, batches: list[RolloutBatch], bump_version: bool) -> dict[str, float]:
         self.updates += 1
-        scale = compute_update_grad_scale(batches, self.step_samples, self.cfg.algorithm.loss_agg)
+        scale = compute_step_grad_scale(batches, self.step_samples, self.cfg.algorithm.loss_agg)
         return self.engine.optimizer_step(scale, bump_version=bump_version)
 
     def _apply_step_update(self, batches: list[RolloutBatch]) -> dict[str, float]:

@@ -10,11 +10,12 @@ Guarantees:
   (``stages.algorithms.assign_advantages``) and is trained on as it arrives (gradients
   accumulate) and the optimizer steps once a step's ``train.prompts_per_step`` groups
   are in: one optimizer step = one policy version. The step's gradient is the gradient
-  of the loss aggregated over the whole step as if it were one batch: under
-  ``token-mean`` micro-batches add token sums (scale = loss tokens / step samples) and
-  the optimizer step rescales by step samples / the step's loss tokens before clipping
-  (``compute_step_grad_scale``); under the seq-mean modes the step's sample count is
-  known up front and each micro-batch weighs its sample share;
+  of the loss aggregated over the whole step as if it were one batch: micro-batches
+  add sums over their loss units (``count_loss_units``: loss tokens under
+  ``token-mean``, non-empty rows under ``seq-mean-token-mean`` / ``-token-sum``, rows
+  under ``seq-mean-token-sum-norm``; scale = units / step samples) and the optimizer
+  step rescales by step samples / the step's units before clipping
+  (``compute_step_grad_scale``);
 - with ``train.num_ranks`` > 1 the engine is ``stages.trainer_ranks.DataParallelEngine``:
   each micro-batch is split by whole groups over the ranks, which step together; the
   update equals the one-rank update up to float rounding; an error on any rank stops
@@ -77,26 +78,35 @@ from stages.trainer_metrics import summarise_batch_rewards, summarise_rollout_ex
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
 
 
-def compute_micro_batch_scale(batch: RolloutBatch, step_samples: int, loss_agg: str = "seq-mean-token-mean") -> float:
-    """Gradient scale of one micro-batch before the step's rescale.
-
-    ``token-mean``: its loss tokens / the step's samples, so that scale x token-mean is
-    the micro-batch's token sum over a constant (streaming cannot know the step's token
-    count before its last micro-batch; ``compute_step_grad_scale`` divides by it at the
-    step). Other modes: its share of the step's samples (a constant known up front)."""
+def count_loss_units(batch: RolloutBatch, loss_agg: str) -> int:
+    """What ``loss_agg`` divides by, counted in ``batch``: ``token-mean`` its loss tokens;
+    ``seq-mean-token-sum-norm`` its samples (the constant normaliser counts every row);
+    the other seq-mean modes its samples with at least one loss token (a row that
+    ``overlong_mask`` emptied counts in no mean)."""
     if loss_agg == "token-mean":
-        return batch.loss_tokens / step_samples
-    return batch.num_samples / step_samples
+        return batch.loss_tokens
+    if loss_agg == "seq-mean-token-sum-norm":
+        return batch.num_samples
+    return batch.loss_rows
+
+
+def compute_micro_batch_scale(batch: RolloutBatch, step_samples: int, loss_agg: str = "seq-mean-token-mean") -> float:
+    """Gradient scale of one micro-batch before the step's rescale: its loss units
+    (``count_loss_units``) / the step's samples, so that scale x its aggregated loss is
+    its sum over those units divided by a constant (streaming cannot know the step's
+    count before its last micro-batch; ``compute_step_grad_scale`` divides by it at the
+    step)."""
+    return count_loss_units(batch, loss_agg) / step_samples
 
 
 def compute_step_grad_scale(batches: list[RolloutBatch], step_samples: int, loss_agg: str) -> float:
-    """The ``grad_scale`` of the optimizer step: ``token-mean``: step samples / the step's
-    loss tokens (0 when it has none), which turns the accumulated token sums into the
-    exact one-big-batch token mean; other modes 1."""
-    if loss_agg != "token-mean":
-        return 1.0
-    tokens = sum(b.loss_tokens for b in batches)
-    return step_samples / tokens if tokens else 0.0
+    """The ``grad_scale`` of an optimizer update over ``batches`` (a step, or one of PPO's
+    mini-batches): step samples / their loss units (0 when they have none), which turns
+    the accumulated sums into the exact one-big-batch aggregate: the token mean over
+    their loss tokens, the mean over their non-empty sequences, or the constant
+    ``samples * loss_norm_tokens`` normaliser."""
+    units = sum(count_loss_units(b, loss_agg) for b in batches)
+    return step_samples / units if units else 0.0
 
 
 def compute_step_loss(piece_losses: list[float], batches: list[RolloutBatch], step_samples: int,

@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.memory.splitting import split_rollout_batch_at
-from stages.ppo_trainer import PPOTrainerStage, compute_update_grad_scale
+from stages.ppo_trainer import PPOTrainerStage
 from stages.trainer import TrainerStage, compute_micro_batch_scale, compute_step_grad_scale
 from tests.e2e.test_trainer_engine import build_engine, make_batch, on_policy, rewarded_gap
 from tests.unit.test_admission import make_batch as make_small_batch
@@ -18,12 +18,12 @@ def test_update_grad_scale_hand_derived():
     # make_small_batch(1 group) has 3 loss tokens (lens 1, 2); (3 groups) 13 tokens, 6 samples.
     a, b = make_small_batch(num_groups=1, batch_id=1), make_small_batch(num_groups=3, batch_id=2)
     # token-mean, step of 8 samples: mini-batch [a] -> 8 / 3; [b] -> 8 / 13; both = the step's 8 / 16
-    assert compute_update_grad_scale([a], 8, "token-mean") == 8 / 3
-    assert compute_update_grad_scale([b], 8, "token-mean") == 8 / 13
-    assert compute_update_grad_scale([a, b], 8, "token-mean") == compute_step_grad_scale([a, b], 8, "token-mean")
-    # seq modes: step samples / the mini-batch's samples: [a] 8 / 2 = 4; whole step 1
-    assert compute_update_grad_scale([a], 8, "seq-mean-token-mean") == 4.0
-    assert compute_update_grad_scale([a, b], 8, "seq-mean-token-mean") == 1.0
+    assert compute_step_grad_scale([a], 8, "token-mean") == 8 / 3
+    assert compute_step_grad_scale([b], 8, "token-mean") == 8 / 13
+    assert compute_step_grad_scale([a, b], 8, "token-mean") == 8 / 16
+    # seq modes: step samples / the mini-batch's non-empty rows: [a] 8 / 2 = 4; whole step 1
+    assert compute_step_grad_scale([a], 8, "seq-mean-token-mean") == 4.0
+    assert compute_step_grad_scale([a, b], 8, "seq-mean-token-mean") == 1.0
 
 
 def _stage(engine, epochs: int, minis: int) -> PPOTrainerStage:

@@ -92,15 +92,42 @@ def _policy_logprobs(weight: torch.Tensor, batch, seed: int) -> torch.Tensor:
     return torch.log_softmax(feats @ weight, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_streaming_gradient_equals_the_one_big_batch_gradient(loss_agg):
+def test_seq_mean_scales_count_the_steps_non_empty_rows():
+    # overlong_mask empties rows: A (2 samples) keeps both, B (6 samples) keeps 2 of 6
+    # (4 cut by the length limit). The step's seq-mean runs over its 4 non-empty rows:
+    # scales 2/8 and 2/8, step rescale 8/4 = 2; losses 2 (A's mean over 2 rows) and 4
+    # (B's over 2 rows) -> (2*2 + 2*4) / 4 = 3.0 (sample shares 2/8, 6/8 gave 3.5).
+    a, b = _overlong_batches(GrpoConfig(loss_agg="seq-mean-token-mean", overlong_mask=True))
+    assert (a.loss_rows, b.loss_rows) == (2, 2)
+    assert compute_micro_batch_scale(a, 8, "seq-mean-token-mean") == 2 / 8
+    assert compute_micro_batch_scale(b, 8, "seq-mean-token-sum") == 2 / 8
+    assert compute_step_grad_scale([a, b], 8, "seq-mean-token-mean") == 2.0
+    assert compute_step_loss([2.0, 4.0], [a, b], 8, "seq-mean-token-mean") == pytest.approx(3.0, abs=1e-12)
+    # seq-mean-token-sum-norm counts every row: 2/8, 6/8, rescale 8/8 -> 3.5
+    assert compute_step_loss([2.0, 4.0], [a, b], 8, "seq-mean-token-sum-norm") == pytest.approx(3.5, abs=1e-12)
+
+
+def _overlong_batches(cfg):
+    """A: 1 group, both samples stopped; B: 3 groups, samples 0-3 cut by the length limit."""
+    a = msgspec.structs.replace(make_batch(num_groups=1, batch_id=1), finish_reasons=["stop"] * 2)
+    b = msgspec.structs.replace(make_batch(num_groups=3, batch_id=2), finish_reasons=["length"] * 4 + ["stop"] * 2)
+    return [assign_advantages(x, cfg) for x in (a, b)]
+
+
+@pytest.mark.parametrize("loss_agg,overlong", [
+    ("token-mean", False), ("seq-mean-token-mean", False), ("seq-mean-token-sum-norm", False),
+    ("token-mean", True), ("seq-mean-token-mean", True), ("seq-mean-token-sum", True),
+    ("seq-mean-token-sum-norm", True)])
+def test_streaming_gradient_equals_the_one_big_batch_gradient(loss_agg, overlong):
     """Uneven micro-batches (3 and 13 tokens, B split again in two pieces as an OOM
     split would) accumulated with the trainer's scales give the gradient of the loss
-    over all 8 samples as one batch."""
-    cfg = GrpoConfig(loss_agg=loss_agg, loss_norm_tokens=4)
+    over all 8 samples as one batch; also when ``overlong_mask`` empties rows unevenly
+    (A keeps 2 of 2 rows, B 2 of 6)."""
+    cfg = GrpoConfig(loss_agg=loss_agg, loss_norm_tokens=4, overlong_mask=overlong)
     torch.manual_seed(0)
     weight = torch.randn(5, 7, requires_grad=True)
-    batches = [assign_advantages(make_batch(num_groups=g, batch_id=i), cfg) for i, g in ((1, 1), (2, 3))]
+    batches = (_overlong_batches(cfg) if overlong else
+               [assign_advantages(make_batch(num_groups=g, batch_id=i), cfg) for i, g in ((1, 1), (2, 3))])
     behaviour = {b.batch_id: _policy_logprobs(weight, b, b.batch_id).detach() + 0.1 for b in batches}
 
     def piece_loss(piece, whole):
