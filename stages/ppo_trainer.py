@@ -10,9 +10,13 @@ Guarantees:
   mini-batches in the same order.
 - Each update is the exact aggregated loss of its mini-batch (``compute_step_grad_scale``
   over its micro-batches: their loss tokens, non-empty rows or rows), with the
-  registry's policy loss; the old policy of every epoch is the sampler
-  (``behaviour_logprobs``), so the ratio and its clip measure the drift from the
-  weights that generated the data, across all the updates of a step.
+  registry's policy loss. With ``algorithm.off_policy: off`` the old policy of every
+  epoch is the sampler (``behaviour_logprobs``), so the ratio and its clip measure the
+  drift from the weights that generated the data, across all the updates of a step;
+  with ``truncate`` / ``reject`` it is the log-probs of the sample's first pass in the
+  step (the engine holds them by sample id until the step's last update), so from the
+  second epoch on the ratio and its clip bound the drift since (a trust region), and
+  the importance weight first pass / sampler corrects the staleness.
 - The policy version moves once per step (the last update), so staleness, weight
   publication and checkpoints count steps exactly as without epochs; the updates inside a
   step do not publish weights. Advantages are assigned once per micro-batch, before the

@@ -150,8 +150,10 @@ def merge_piece_metrics(metrics: list[dict[str, float]], weights: list[float]) -
     def pooled(key: str) -> float:
         return sum(m[key] * k for m, k in zip(metrics, n, strict=True)) / total
 
-    out: dict[str, float] = {}
+    out: dict[str, float] = {**pool_logp_mismatch(metrics)}
     for key in metrics[0]:
+        if key.startswith("logp_mismatch"):
+            continue
         values = [m[key] for m in metrics]
         if key.endswith("_max"):
             out[key] = max(values)
@@ -166,6 +168,17 @@ def merge_piece_metrics(metrics: list[dict[str, float]], weights: list[float]) -
         second = sum((m["reward_std"] ** 2 + m["reward_mean"] ** 2) * k for m, k in zip(metrics, n, strict=True))
         out["reward_std"] = math.sqrt(max(0.0, second / total - mean**2))
     return out
+
+
+def pool_logp_mismatch(metrics: list[Mapping[str, float]]) -> dict[str, float]:
+    """``logp_mismatch`` over the pieces that measured one, weighted by their
+    ``logp_mismatch_tokens`` (summed); empty when none did (no token came from the
+    weights being trained: absent, never a 0 that reads as a perfect match)."""
+    counted = [(m["logp_mismatch"], m["logp_mismatch_tokens"]) for m in metrics if m.get("logp_mismatch_tokens")]
+    tokens = sum(n for _, n in counted)
+    if not tokens:
+        return {}
+    return {"logp_mismatch": sum(v * n for v, n in counted) / tokens, "logp_mismatch_tokens": tokens}
 
 
 def encode_piece_layout(layouts: Mapping[int, list[int]]) -> dict[str, float]:
@@ -507,10 +520,11 @@ class TrainerStage:
             **self.checkpoints.step_curriculum(batches),
             **{f"actor/{k}": float(np.average([p[k] for p in pieces], weights=weight))
                for k in ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_upper", "clip_frac_lower", "clip_frac_dual",
-                         "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean", "logp_mismatch",
+                         "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean",
                          "entropy", "router_aux_loss", "preference_accuracy", "reward_margin", "chosen_reward",
                          "rejected_reward")
                if all(k in p for p in pieces)},
+            **{f"actor/{k}": float(v) for k, v in pool_logp_mismatch(pieces).items()},
             **{f"actor/{k}": float(max(p[k] for p in pieces))
                for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},
             **{f"actor/{k}": float(v) for k, v in step_out.items()},
