@@ -346,7 +346,9 @@ class CriticConfig(msgspec.Struct, **_section()):
 
 
 class TrainConfig(msgspec.Struct, **_section()):
-    lr: PosFloat = 3e-4
+    # The order verl and TRL use for a pretrained checkpoint; the embedded tiny model
+    # learns at a far higher rate, which its configs (configs/quickstart.yaml) set.
+    lr: PosFloat = 1e-6
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 0
@@ -369,9 +371,10 @@ class TrainConfig(msgspec.Struct, **_section()):
     # memory is bounded by one chunk; larger chunks launch fewer kernels per sample (the
     # GPU's win on a small model). Admission (train.memory) estimates with it.
     chunk_size: PosInt = 16
-    # Learning-rate schedule (stages/lr_schedule.py): step k < warmup_steps uses
+    # Learning-rate schedule (stages/lr_schedule.py), counted in optimizer updates
+    # (run.steps * ppo_epochs * ppo_mini_batches): update k < warmup_steps uses
     # lr * (k + 1) / warmup_steps, then constant, or linear / cosine decay towards
-    # lr * min_lr_ratio at run.steps.
+    # lr * min_lr_ratio at the run's last update.
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: NonNegInt = 0
     min_lr_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.0
@@ -875,10 +878,12 @@ def check_config(cfg: ConveyorConfig) -> None:
     if tr.num_ranks > 1 and any(e.endswith("->trainer") for e in cfg.record.edges):
         raise ConfigError(f"record.edges: replay retrains a recorded step on one rank; record with "
                           f"train.num_ranks 1, got {tr.num_ranks}")
-    if tr.lr_scheduler != "constant" and tr.warmup_steps >= cfg.run.steps:
+    updates = cfg.run.steps * tr.ppo_epochs * tr.ppo_mini_batches
+    if tr.lr_scheduler != "constant" and tr.warmup_steps >= updates:
         raise ConfigError(
-            f"train.warmup_steps: expected < run.steps ({cfg.run.steps}) for a decaying "
-            f"{tr.lr_scheduler} schedule, got {tr.warmup_steps}"
+            f"train.warmup_steps: expected < the run's optimizer updates ({updates}: run.steps x "
+            f"train.ppo_epochs x train.ppo_mini_batches) for a decaying {tr.lr_scheduler} schedule, "
+            f"got {tr.warmup_steps}"
         )
     if ro.n < 2 and cfg.algorithm.group_baseline:
         raise ConfigError(f"rollout.n: expected >= 2 for {cfg.algorithm.name} (group baseline), got {ro.n}")
