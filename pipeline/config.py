@@ -436,13 +436,14 @@ class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
     - ``use_kl_in_reward``: ``kl_ctrl.kl_coef * kl_penalty`` (behaviour vs reference,
       per token) is subtracted from the reward before advantages; ``kl_ctrl.type:
       adaptive`` steers the coefficient towards ``kl_ctrl.target_kl``.
-    - ``drop_zero_variance_groups``: the reward stage drops groups whose samples all got
-      the same reward (no learning signal; DAPO's dynamic sampling); the source
-      replaces them and summary.json counts them (``zero_variance``).
+    - ``drop_zero_variance_groups``: the stage that sets the final reward (the reward
+      model's when ``reward.sources`` wires one, else the reward stage) drops groups whose
+      samples all got the same reward (no learning signal; DAPO's dynamic sampling); the
+      source replaces them and summary.json counts them (``zero_variance``).
     - ``overlong_mask``: completions cut by ``rollout.max_tokens`` (finish reason
       ``length``) leave the loss; ``overlong_buffer_len`` > 0: DAPO's soft overlong
       penalty, ``-factor * (length - (max_tokens - buffer)) / buffer`` when positive,
-      added to the reward.
+      added to the final reward (after a reward model's combination).
     """
 
     kl_coef: NonNegFloat = 0.04

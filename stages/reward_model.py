@@ -23,6 +23,11 @@ Guarantees:
   groups, an out-of-memory error halves the failing piece, pieces merge back with every
   sample once (``pipeline/memory/guard.py``). The running statistics live in the actor:
   a restarted or resumed run starts them again.
+- DAPO's overlong penalty and dynamic sampling (``algorithm.overlong_buffer_len``,
+  ``drop_zero_variance_groups``) run here, on the combined reward, and not in the
+  reward stage before it (``stages.reward_shaping.shapes_rewards``): the penalty is
+  added after the combination (a rule weight of 0 does not erase it) and groups are
+  dropped on the reward the trainer sees.
 """
 
 from __future__ import annotations
@@ -221,8 +226,12 @@ class RewardModelStage:
             "reference", self.shape, count_seq_lens(piece), chunk_size=self.model.chunk_size)
         self.moments = {n: RunningMoments() for n, s in self.sources.items() if s.normalize == "running"}
         self.batches = 0
+        from stages.reward_shaping import RewardShaper, shapes_rewards
 
-    async def process(self, batch: RolloutBatch) -> RolloutBatch:
+        # This score replaces the reward stage's: DAPO's shaping runs here, on the final reward.
+        self.shaper = RewardShaper(cfg) if shapes_rewards(cfg) == "reward_model" else None
+
+    async def process(self, batch: RolloutBatch) -> RolloutBatch | list[RolloutBatch]:
         from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 
         if batch.num_samples == 0:  # it only carries prompts dropped upstream to the trainer
@@ -240,7 +249,11 @@ class RewardModelStage:
         rewards = combine_reward_sources(raw, self.sources, self.moments)
         extras = {**scored.reward_extras, **{n: [float(v) for v in r] for n, r in raw.items()}}
         self.batches += 1
-        return msgspec.structs.replace(scored, rewards=rewards, reward_extras=extras)
+        out = msgspec.structs.replace(scored, rewards=rewards, reward_extras=extras)
+        return out if self.shaper is None else await self.shaper.shape(out, self.ctx)
+
+    async def finish(self) -> list[RolloutBatch] | None:
+        return self.shaper.flush() if self.shaper is not None else None
 
     def _score(self, piece: RolloutBatch) -> RolloutBatch:
         scores = self.model.score(piece)
@@ -262,4 +275,5 @@ class RewardModelStage:
         )
 
     def status(self) -> dict[str, Any]:
-        return {"state": "scoring", "batches": self.batches, **self.guard.status()}
+        return {"state": "scoring", "batches": self.batches, **self.guard.status(),
+                **(self.shaper.status() if self.shaper is not None else {})}
