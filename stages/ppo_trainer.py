@@ -44,8 +44,7 @@ class PPOTrainerStage(TrainerStage):
         self._groups: list[tuple[int, int]] = []  # the step's applied mini-batches (index ranges)
         self.updates = 0
 
-    async def process(self, batch: RolloutBatch) -> None:
-        await super().process(batch)
+    async def _micro_batch_trained(self) -> None:
         pending = self._step_batches[self._applied:]
         if pending and sum(b.num_samples for b in pending) >= self.mini_samples:
             # A first-epoch mini-batch complete inside the step: apply it now.
@@ -57,7 +56,6 @@ class PPOTrainerStage(TrainerStage):
             # Only the pieces since this update remain to re-accumulate after an OOM.
             self._step_pieces = []
             self._step_rng = self.engine.get_rng_state()
-        return None
 
     def _update(self, batches: list[RolloutBatch], bump_version: bool) -> dict[str, float]:
         self.updates += 1

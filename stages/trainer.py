@@ -215,14 +215,28 @@ def train_recorded_step(engine: Any, batches: list[RolloutBatch], step_samples: 
     """One recorded step trained again as the trainer trained it (``conveyor replay``):
     each micro-batch through ``train_as_recorded`` with the pieces and KL-in-reward
     coefficient the step record's ``metrics`` name, then the optimizer step with the
-    step's grad scale. Returns the step's loss (as ``StepRecord.loss``) and what
-    ``optimizer_step`` returned."""
+    step's grad scale. Advantages are assigned over the whole step first, as the trainer
+    does for an algorithm that whitens over it. Returns the step's loss (as
+    ``StepRecord.loss``) and what ``optimizer_step`` returned."""
+    from stages.algorithms import assign_step_advantages
+
     kl_coef = float(metrics.get("kl_reward_coef", 0.0))
+    batches = assign_step_advantages(batches, engine.algo, kl_reward_coef=kl_coef)
     losses = [train_as_recorded(engine, b, step_samples, read_piece_layout(metrics, b.batch_id), kl_coef)["loss"]
               for b in batches]
     loss_agg = engine.algo.loss_agg
     step_out = engine.optimizer_step(compute_step_grad_scale(batches, step_samples, loss_agg))
     return compute_step_loss(losses, batches, step_samples, loss_agg), step_out
+
+
+def holds_whole_step(cfg: Any) -> bool:
+    """Whether the trainer holds a step's micro-batches until the step is whole before it
+    trains any: colocated (the GPU is the rollout's meanwhile), or for advantages
+    whitened over the whole step (REINFORCE++: ``Algorithm.whitens_step``)."""
+    from stages.algorithms.registry import get_algorithm  # imports torch: not at module level
+
+    return cfg.placement.mode == "colocate" or get_algorithm(cfg.algorithm.name).whitens_step
+
 
 def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
     """The ``TrainerEngine`` of a run (the trainer stage and ``conveyor replay`` share it)."""
@@ -271,6 +285,7 @@ class TrainerStage:
         # placement: colocate: the step's micro-batches (with their staleness) held until
         # the whole step is in, and the GPU handoff's figures for the step's metrics.
         self.colocated = False
+        self.holds_step = False  # set in setup: colocated, or advantages over the whole step
         self._held: list[tuple[RolloutBatch, int]] = []
         self._colocate_metrics: dict[str, float] = {}
 
@@ -282,6 +297,7 @@ class TrainerStage:
         self.cfg = cfg
         self.max_staleness = cfg.dataflow.max_staleness
         self.colocated = cfg.placement.mode == "colocate"
+        self.holds_step = holds_whole_step(cfg)
         self.step_samples = cfg.train.prompts_per_step * cfg.rollout.n
         if cfg.train.num_ranks > 1:
             from stages.trainer_ranks import build_data_parallel_engine
@@ -331,19 +347,19 @@ class TrainerStage:
             return None
         if batch.rewards is None and batch.advantages is None:
             raise ValueError(f"batch {batch.batch_id}: reaches the trainer without rewards (is a reward stage wired?)")
-        batch, kl = await asyncio.to_thread(self._assign_advantages, batch)
-        if kl is not None:
-            self._step_kl.append((kl, batch.num_samples))
-        if not self.colocated:
+        if not self.holds_step:
+            (batch,) = await asyncio.to_thread(self._assign_advantages, [batch])
             await self._train_into_step(batch, staleness)
             return None
         if not self._held:
             self._step_started = time.time()
         self._held.append((batch, staleness))
         if sum(b.num_samples for b, _ in self._held) >= self.step_samples:
-            await self._take_gpus()
+            if self.colocated:
+                await self._take_gpus()
             held, self._held = self._held, []
-            for b, s in held:
+            assigned = await asyncio.to_thread(self._assign_advantages, [b for b, _ in held])
+            for b, (_, s) in zip(assigned, held, strict=True):
                 await self._train_into_step(b, s)
         return None
 
@@ -364,7 +380,7 @@ class TrainerStage:
     async def _train_into_step(self, batch: RolloutBatch, staleness: int) -> None:
         """Train ``batch`` into the current step; the optimizer steps once the step is whole."""
         if not self._step_batches:
-            if not self.colocated:  # colocated: the step started when its first micro-batch was held
+            if not self.holds_step:  # held: the step started when its first micro-batch was held
                 self._step_started = time.time()
             self._step_rng = self.engine.get_rng_state()
             self._step_pieces, self._step_layouts = [], {}
@@ -381,19 +397,29 @@ class TrainerStage:
         self._step_staleness += [staleness] * batch.num_samples
         if sum(b.num_samples for b in self._step_batches) >= self.step_samples:
             await self._optimizer_step()
+        else:
+            await self._micro_batch_trained()
 
-    def _assign_advantages(self, batch: RolloutBatch) -> tuple[RolloutBatch, float | None]:
-        """The batch with its advantages, and the KL-in-reward penalty measured on it
-        (None when ``use_kl_in_reward`` is off)."""
-        from stages.algorithms import assign_advantages  # imports torch: not at module level
+    async def _micro_batch_trained(self) -> None:
+        """After a micro-batch that did not complete its step (``PPOTrainerStage`` applies
+        a complete first-epoch mini-batch here)."""
+        return None
+
+    def _assign_advantages(self, batches: list[RolloutBatch]) -> list[RolloutBatch]:
+        """``batches`` (one micro-batch, or a held step's) with their advantages
+        (``assign_step_advantages``: a step-wide whitening sees them all); with
+        ``use_kl_in_reward`` the penalty measured on each joins the step's KL record."""
+        from stages.algorithms import assign_step_advantages  # imports torch: not at module level
         from stages.algorithms.registry import build_loss_mask, compute_kl_reward_penalty, summarise_kl_penalty
 
         algo = self.cfg.algorithm
         if not algo.use_kl_in_reward:
-            return assign_advantages(batch, algo), None
-        mask = build_loss_mask(batch)
-        kl = summarise_kl_penalty(compute_kl_reward_penalty(batch, algo, mask), mask)
-        return assign_advantages(batch, algo, kl_reward_coef=self.kl_ctrl.coef), kl
+            return assign_step_advantages(batches, algo)
+        for batch in batches:
+            mask = build_loss_mask(batch)
+            self._step_kl.append((summarise_kl_penalty(compute_kl_reward_penalty(batch, algo, mask), mask),
+                                  batch.num_samples))
+        return assign_step_advantages(batches, algo, kl_reward_coef=self.kl_ctrl.coef)
 
     def _record_upstream_drops(self, batch: RolloutBatch) -> None:
         """Prompts an upstream stage dropped (it told the ledger already): into this
