@@ -642,6 +642,13 @@ class ConveyorConfig(msgspec.Struct, **_section()):
         return self.reference.enabled == "on"
 
     @property
+    def scoring_temperature(self) -> float:
+        """The temperature the trainer and the reference take log-probs at: the rollout's
+        (the distribution the sampler drew from), or 1 for offline data (``dpo``'s pairs
+        were sampled by no rollout: its log-ratios are the model's own)."""
+        return 1.0 if self.algorithm.offline else float(self.rollout.temperature)
+
+    @property
     def reward_model_enabled(self) -> bool:
         return bool(self.reward.sources)
 

@@ -90,7 +90,8 @@ class ReferenceModel:
 
 
 class ReferenceStage:
-    """Actor shell: ``reference.path`` (default ``model.path``) scored at the rollout temperature."""
+    """Actor shell: ``reference.path`` (default ``model.path``) scored at the rollout temperature
+    (``scoring_temperature``: 1 for offline pairs)."""
 
     takes = gives = RolloutBatch  # pipeline/contracts.py
     gives_fields = ("ref_logprobs",)
@@ -101,7 +102,7 @@ class ReferenceStage:
         cfg = ctx.config
         path = Path(cfg.reference.path).expanduser() if cfg.reference.path else resolve_model_path(cfg.model)
         self.model = await asyncio.to_thread(
-            ReferenceModel, path, cfg.model.dtype, temperature=cfg.rollout.temperature
+            ReferenceModel, path, cfg.model.dtype, temperature=cfg.scoring_temperature
         )
         self.ctx = ctx
         self.shape = build_model_shape(self.model.model, cfg.model.dtype)

@@ -243,7 +243,7 @@ def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
     from stages.tiny import resolve_model_path
     from stages.trainer_engine import TrainerEngine
 
-    return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature,
+    return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.scoring_temperature,
                          dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads,
                          # The lr schedule counts optimizer updates: several per step with PPO epochs.
                          total_steps=cfg.run.steps * cfg.train.ppo_epochs * cfg.train.ppo_mini_batches)

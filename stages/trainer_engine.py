@@ -172,6 +172,15 @@ def compute_chunk_weights(completion_mask: torch.Tensor, bounds: list[tuple[int,
     return [c / total if total > 0 else 0.0 for c in counts]
 
 
+def align_chunk_size(chunk_size: int, algo: AlgorithmConfig) -> int:
+    """Samples per forward/backward pass for ``algo``: ``chunk_size``, except that an
+    offline algorithm's loss (``dpo``) compares rows in (chosen, rejected) pairs, so its
+    chunks hold whole pairs: an odd size is rounded down to even (2 at least)."""
+    if not algo.offline:
+        return chunk_size
+    return max(2, chunk_size - chunk_size % 2)
+
+
 def encode_rng_state() -> bytes:
     """torch (CPU and CUDA), numpy and python RNG states as msgpack (no pickle)."""
     np_state = np.random.get_state()
@@ -355,6 +364,7 @@ class TrainerEngine:
         chunk_size = train.chunk_size if chunk_size is None else chunk_size
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
+        chunk_size = align_chunk_size(chunk_size, algo)
         if temperature <= 0:
             # Log-probs at temperature 0 (greedy rollouts) are undefined: no ratio exists.
             raise ValueError(f"temperature: expected > 0 (the rollout sampling temperature), got {temperature}")
