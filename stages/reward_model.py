@@ -5,10 +5,11 @@ Guarantees:
 - ``RewardModel`` loads any local ``AutoModelForSequenceClassification`` checkpoint with
   exactly one logit (``num_labels == 1``; anything else is refused, naming the path) and
   its tokenizer, frozen, in eval mode. ``score`` returns float32 [S]: for sample ``i`` the
-  logit a direct transformers forward gives for ``prompt.text + completions[i]``, the
-  prompt exactly as the policy saw it (the source applied the chat template) followed by
-  the completion text, tokenized by the reward model's tokenizer (special tokens added
-  unless the prompt already starts with its BOS). Chunks of ``chunk_size`` samples are
+  logit a direct transformers forward gives for the sample's text: a chat prompt's
+  messages and the completion as the assistant's reply under the reward model's own
+  chat template (when its tokenizer has one), else ``prompt.text + completions[i]`` (the
+  prompt exactly as the policy saw it) tokenized by the reward model's tokenizer
+  (special tokens added unless the prompt already starts with its BOS). Chunks of ``chunk_size`` samples are
   right-padded with a token id that occurs in none of the chunk's sequences, so padding
   never moves the position the classifier pools (its last non-pad token): a padded
   forward scores what an unpadded one would.
@@ -145,13 +146,22 @@ class RewardModel:
         self.model = model.eval().to(self.device)
 
     def encode(self, batch: RolloutBatch) -> list[list[int]]:
-        """Token ids of each sample's prompt (as the policy saw it) + completion."""
+        """Token ids of each sample: a chat prompt (``Prompt.messages``) and its completion
+        as the assistant's reply rendered by the reward model's own chat template when its
+        tokenizer has one (the policy's template may not be the one it was trained on);
+        otherwise the prompt as the policy saw it + the completion."""
         bos = self.tokenizer.bos_token
+        templated = getattr(self.tokenizer, "chat_template", None) is not None
         out = []
         for i, completion in enumerate(batch.completions):
-            prompt = batch.prompts[i // batch.group_size].text
-            special = not (bos and prompt.startswith(bos))
-            ids = self.tokenizer(prompt + completion, add_special_tokens=special)["input_ids"]
+            prompt = batch.prompts[i // batch.group_size]
+            if prompt.messages and templated:
+                text = self.tokenizer.apply_chat_template(
+                    [*prompt.messages, {"role": "assistant", "content": completion}], tokenize=False)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                special = not (bos and prompt.text.startswith(bos))
+                ids = self.tokenizer(prompt.text + completion, add_special_tokens=special)["input_ids"]
             out.append(list(ids[-self.max_length:]) if self.max_length else list(ids))
         return out
 

@@ -150,3 +150,23 @@ def test_dapo_shaping_runs_on_the_reward_models_final_reward(rm_path, tmp_path):
     (rest,) = asyncio.run(stage.finish())
     assert rest.sample_ids == batch.sample_ids[2:] and rest.dropped_prompts == {"zero_variance": [-1]}
     assert stage.status()["groups_dropped_zero_variance"] == 1
+
+
+def test_a_chat_prompt_is_scored_under_the_reward_models_own_template():
+    # The policy rendered "1=" with its template ("<policy>" marks it here); the reward
+    # model's tokenizer (qwen2-style, with a chat template) renders the messages plus the
+    # completion as the assistant's reply itself. A plain prompt keeps text + completion.
+    from pipeline.types import Prompt
+
+    tok = build_char_tokenizer("qwen2")
+    assert tok.chat_template is not None
+    rm = RewardModel.__new__(RewardModel)  # encode only: no model weights needed
+    rm.tokenizer, rm.max_length = tok, None
+    messages = [{"role": "user", "content": "1="}]
+    batch = make_batch(num_groups=2, group_size=2)
+    prompts = [Prompt(prompt_id="c", text="<policy>1=", messages=messages), Prompt(prompt_id="p", text="2=")]
+    batch = msgspec.structs.replace(batch, prompts=prompts, completions=["1", "11", "2", "22"])
+    got = rm.encode(batch)
+    own = tok.apply_chat_template([*messages, {"role": "assistant", "content": "11"}], tokenize=False)
+    assert "<policy>" not in own and got[1] == tok(own, add_special_tokens=False)["input_ids"]
+    assert got[2] == tok("2=2")["input_ids"]
