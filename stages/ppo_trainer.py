@@ -21,6 +21,8 @@ Guarantees:
   publication and checkpoints count steps exactly as without epochs; the updates inside a
   step do not publish weights. Advantages are assigned once per micro-batch, before the
   first epoch.
+- The step's metrics add ``actor/later_epochs_ratio_mean`` and ``_clip_frac`` (the
+  epochs after the first, where the anchor is held: the trust region at work).
 - Later epochs train each micro-batch whole (no admission split); a micro-batch that
   needed splitting in the first epoch can run out of memory there, which stops the run.
 """
@@ -33,6 +35,18 @@ from typing import Any
 
 from pipeline.types import RolloutBatch
 from stages.trainer import TrainerStage, compute_micro_batch_scale, compute_step_grad_scale
+
+
+def summarise_later_epochs(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """``later_epochs_ratio_mean`` and ``later_epochs_clip_frac``: the policy ratio and the
+    clipped fraction of the epochs after the first, averaged over their micro-batches by
+    tokens (step metrics ``actor/...``); empty with one epoch."""
+    if not metrics:
+        return {}
+    tokens = [m["num_tokens"] for m in metrics]
+    total = sum(tokens) or 1.0
+    return {f"later_epochs_{key}": sum(m[key] * n for m, n in zip(metrics, tokens, strict=True)) / total
+            for key in ("ratio_mean", "clip_frac")}
 
 
 class PPOTrainerStage(TrainerStage):
@@ -67,13 +81,15 @@ class PPOTrainerStage(TrainerStage):
         self._groups, self._applied = [], 0
         agg = self.cfg.algorithm.loss_agg
         out = self._update(batches[groups[-1][0]:], bump_version=self.epochs == 1)
+        later: list[dict[str, float]] = []
         for epoch in range(1, self.epochs):
             for k, (a, b) in enumerate(groups):
                 for mb in batches[a:b]:
-                    self.engine.train_micro_batch(mb, compute_micro_batch_scale(mb, self.step_samples, agg))
+                    later.append(self.engine.train_micro_batch(mb, compute_micro_batch_scale(mb, self.step_samples,
+                                                                                             agg)))
                 last = epoch == self.epochs - 1 and k == len(groups) - 1
                 out = self._update(batches[a:b], bump_version=last)
-        return {**out, "updates": float(self.epochs * len(groups))}
+        return {**out, "updates": float(self.epochs * len(groups)), **summarise_later_epochs(later)}
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), "updates": self.updates}

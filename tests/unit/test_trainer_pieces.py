@@ -79,3 +79,14 @@ def test_logp_mismatch_pools_over_the_pieces_that_measured_it() -> None:
     out = merge_piece_metrics(pieces, [0.5, 0.25, 0.25])
     assert out["logp_mismatch"] == pytest.approx(0.2, abs=1e-15) and out["logp_mismatch_tokens"] == 3.0
     assert "logp_mismatch" not in merge_piece_metrics([dict(base), dict(base)], [0.5, 0.5])
+
+
+def test_later_epochs_metrics_are_token_weighted() -> None:
+    from stages.ppo_trainer import summarise_later_epochs
+
+    # Two micro-batches of the second epoch: ratio 1.1 on 10 tokens, 0.8 on 30 tokens ->
+    # (11 + 24) / 40 = 0.875; clip 0.5 and 0.1 -> (5 + 3) / 40 = 0.2. One epoch: nothing.
+    out = summarise_later_epochs([{"num_tokens": 10.0, "ratio_mean": 1.1, "clip_frac": 0.5},
+                                  {"num_tokens": 30.0, "ratio_mean": 0.8, "clip_frac": 0.1}])
+    assert out == pytest.approx({"later_epochs_ratio_mean": 0.875, "later_epochs_clip_frac": 0.2}, abs=1e-12)
+    assert summarise_later_epochs([]) == {}
