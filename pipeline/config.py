@@ -428,8 +428,9 @@ class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
       token, ``seq-mean-token-sum-norm`` by the constant ``samples * loss_norm_tokens``
       (default ``rollout.max_tokens``).
     - ``off_policy``: ``off`` (PPO ratio against the sampler), ``truncate`` or ``reject``
-      (decoupled objective: importance weight current/behaviour, truncated at or
-      rejected above ``behav_imp_weight_cap``).
+      (decoupled objective: the ratio is anchored on the weights that first trained the
+      sample in its step, held across ``train.ppo_epochs``; the importance weight that
+      anchor / behaviour is truncated at or rejected above ``behav_imp_weight_cap``).
     - ``ratio_level``: ``token`` (PPO/GRPO) or ``sequence`` (GSPO: the geometric mean of
       a sample's token ratios, clipped per sequence).
     - ``kl_estimator`` ``k3+`` / ``k1+``: k3's (k1's) value with k2's gradient.
