@@ -179,9 +179,11 @@ def run_trl(steps: int, root: Path, job: tuple[str, ...] = ()) -> dict[str, Any]
     # with the checkpoint's chat template.
     data = build_trl_dataset(build_job_rows(cfg, steps * per_step, chat=cfg.data.path is not None))
 
-    def reward(prompts: list[str], completions: list[str], ground_truth: list[str], data_source: list[str],
+    def reward(prompts: list[Any], completions: list[Any], ground_truth: list[str], data_source: list[str],
                **_: Any) -> list[float]:
-        return [float(task.compute_score(ds, c, gt)) for c, gt, ds in zip(completions, ground_truth, data_source, strict=True)]
+        # A conversational dataset's completions are message lists: score the reply's text.
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(task.compute_score(ds, c, gt)) for c, gt, ds in zip(texts, ground_truth, data_source, strict=True)]
 
     times: list[float] = []
     curve: list[tuple[float, float | None]] = []

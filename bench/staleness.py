@@ -8,7 +8,10 @@ Runs the quickstart (``configs/quickstart.yaml``, launched in this process by
   the baseline;
 - streaming with ``dataflow.max_staleness`` η in ``ETAS``, each with
   ``algorithm.off_policy=off`` (PPO ratio against the sampler) and ``truncate``
-  (decoupled objective, importance weights truncated at ``behav_imp_weight_cap``).
+  (decoupled objective, importance weights truncated at ``behav_imp_weight_cap``);
+- at η ``EPOCH_ETA`` with ``train.ppo_epochs`` 2, the decoupled corrections
+  (``truncate``, ``reject``): the second epoch's ratio is anchored on the first pass's
+  log-probs, so its clip bounds the drift within the step (``later_epochs_*``).
 
 For each run: the reward curve against trained samples and against wall time, the
 final reward (mean of the last 10 steps), the samples and seconds until the reward's
@@ -35,6 +38,7 @@ from bench.e2e import SMOOTH_STEPS, _attempt, summarize_curve
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 ETAS = (0, 1, 2, 4)
 CORRECTIONS = ("off", "truncate")
+EPOCH_ETA, EPOCH_CORRECTIONS, EPOCHS = 2, ("truncate", "reject"), 2
 REWARD_THRESHOLDS = (0.2, 0.5)
 
 
@@ -50,15 +54,17 @@ def first_samples_reaching(curve: list[tuple[int, float]], threshold: float, win
 
 def build_cases(quick: bool) -> list[dict[str, Any]]:
     """(name, overrides) of every run: the lock-step baseline, then η x correction."""
-    cases = [{"name": "sync", "eta": 0, "off_policy": "off",
+    cases = [{"name": "sync", "eta": 0, "off_policy": "off", "ppo_epochs": 1,
               "overrides": ["dataflow.async_execution=false", "dataflow.max_staleness=0"]}]
     etas, corrections = ((2,), ("truncate",)) if quick else (ETAS, CORRECTIONS)
-    for eta in etas:
-        for corr in corrections:
-            cases.append({"name": f"eta{eta}-{corr}", "eta": eta, "off_policy": corr,
-                          "overrides": ["dataflow.async_execution=true", f"dataflow.max_staleness={eta}",
-                                        # quoted: YAML reads a bare off as false
-                                        f"algorithm.off_policy='{corr}'"]})
+    runs = [(eta, corr, 1) for eta in etas for corr in corrections]
+    runs += [(EPOCH_ETA, corr, EPOCHS) for corr in (EPOCH_CORRECTIONS[:1] if quick else EPOCH_CORRECTIONS)]
+    for eta, corr, epochs in runs:
+        cases.append({"name": f"eta{eta}-{corr}" + (f"-epochs{epochs}" if epochs > 1 else ""), "eta": eta,
+                      "off_policy": corr, "ppo_epochs": epochs,
+                      "overrides": ["dataflow.async_execution=true", f"dataflow.max_staleness={eta}",
+                                    # quoted: YAML reads a bare off as false
+                                    f"algorithm.off_policy='{corr}'", f"train.ppo_epochs={epochs}"]})
     return cases
 
 
@@ -78,7 +84,8 @@ def run_case(case: dict[str, Any], steps: int, root: Path, extra: list[str]) -> 
     by_samples = [((i + 1) * per_step, float(r["reward/mean"])) for i, r in enumerate(rows) if "reward/mean" in r]
     trained = summary["samples"]["trained"]
     out = {
-        "system": case["name"], "eta": case["eta"], "off_policy": case["off_policy"], "overrides": overrides,
+        "system": case["name"], "eta": case["eta"], "off_policy": case["off_policy"],
+        "ppo_epochs": case["ppo_epochs"], "overrides": overrides,
         "steps": summary["steps"], "train_wall_s": summary["wall_s"], "total_s": total,
         "samples_trained": trained, "samples_dropped": summary["samples"]["dropped"],
         "samples_per_s": trained / summary["wall_s"] if summary["wall_s"] else None,
@@ -87,6 +94,10 @@ def run_case(case: dict[str, Any], steps: int, root: Path, extra: list[str]) -> 
         "is_weight_mean": float(np.mean([r.get("actor/is_weight_mean", 1.0) for r in rows])) if rows else None,
         "is_weight_capped_frac": float(np.mean([r.get("actor/is_weight_capped_frac", 0.0) for r in rows]))
         if rows else None,
+        # The later PPO epochs' ratio and clip (their anchor: the step's first pass); None with one epoch.
+        **{key: (float(np.mean([r[f"actor/{key}"] for r in rows]))
+                 if rows and all(f"actor/{key}" in r for r in rows) else None)
+           for key in ("later_epochs_ratio_mean", "later_epochs_clip_frac")},
         "samples_to_threshold": {str(th): first_samples_reaching(by_samples, th, SMOOTH_STEPS)
                                  for th in REWARD_THRESHOLDS},
         "curve_samples": [[s, r] for s, r in by_samples],
@@ -132,6 +143,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "quick": quick,
         "units": "samples = completions (prompts x group size); seconds",
         "params": {"config": str(QUICKSTART), "steps": steps, "etas": list(ETAS), "corrections": list(CORRECTIONS),
+                   "epoch_runs": {"eta": EPOCH_ETA, "corrections": list(EPOCH_CORRECTIONS), "ppo_epochs": EPOCHS},
                    "reward_thresholds": list(REWARD_THRESHOLDS), "smooth_steps": SMOOTH_STEPS, "extra": extra,
                    "note": "one seed per configuration; reward_final = mean reward of the last 10 steps"},
         "runs": rows,
@@ -160,22 +172,24 @@ def build_table(rows: dict[str, dict[str, Any]]) -> list[str]:
 
 def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     fig, axes = new_figure(1, 2, size=(13, 4.8))
-    styles = {"off": "--", "truncate": "-"}
+    styles = {"off": "--", "truncate": "-", "reject": "-."}
     for row in payload["runs"].values():
         if row.get("status") != "ok" or not row.get("curve_samples"):
             continue
         style = ":" if row["system"] == "sync" else styles[row["off_policy"]]
         colour = "black" if row["system"] == "sync" else f"C{ETAS.index(row['eta'])}"
         samples, rewards = np.array(row["curve_samples"], dtype=float).T
-        axes[0][0].plot(samples, _smooth(rewards), style, color=colour, label=row["system"], linewidth=1.2)
+        width = 2.2 if row.get("ppo_epochs", 1) > 1 else 1.2  # thick: two PPO epochs
+        axes[0][0].plot(samples, _smooth(rewards), style, color=colour, label=row["system"], linewidth=width)
         ts = np.array([t for t, r in row["curve"] if r is not None], dtype=float)
-        axes[0][1].plot(ts, _smooth(rewards[: len(ts)]), style, color=colour, label=row["system"], linewidth=1.2)
+        axes[0][1].plot(ts, _smooth(rewards[: len(ts)]), style, color=colour, label=row["system"], linewidth=width)
     axes[0][0].set_xlabel("trained samples")
     axes[0][1].set_xlabel("seconds since launch (start-up included)")
     for ax in axes[0]:
         ax.set_ylabel(f"mean reward ({SMOOTH_STEPS}-step moving average)")
         ax.legend(fontsize=7, ncol=2)
-    axes[0][0].set_title("quickstart: reward vs samples (dashed: no correction, solid: truncate)")
+    axes[0][0].set_title("quickstart: reward vs samples (dashed: no correction, solid: truncate, dash-dot: "
+                         "reject; thick: 2 PPO epochs)")
     axes[0][1].set_title("reward vs wall time")
     return save_figure(fig, out_dir, "staleness")
 

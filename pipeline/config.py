@@ -361,7 +361,9 @@ class CriticConfig(msgspec.Struct, **_section()):
 
 
 class TrainConfig(msgspec.Struct, **_section()):
-    lr: PosFloat = 3e-4
+    # The order verl and TRL use for a pretrained checkpoint; the embedded tiny model
+    # learns at a far higher rate, which its configs (configs/quickstart.yaml) set.
+    lr: PosFloat = 1e-6
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 0
@@ -390,9 +392,10 @@ class TrainConfig(msgspec.Struct, **_section()):
     # with the vocabulary.
     # 0: the dense head (all of a pass's logits at once).
     logit_chunk_tokens: NonNegInt = 1024
-    # Learning-rate schedule (stages/lr_schedule.py): step k < warmup_steps uses
+    # Learning-rate schedule (stages/lr_schedule.py), counted in optimizer updates
+    # (run.steps * ppo_epochs * ppo_mini_batches): update k < warmup_steps uses
     # lr * (k + 1) / warmup_steps, then constant, or linear / cosine decay towards
-    # lr * min_lr_ratio at run.steps.
+    # lr * min_lr_ratio at the run's last update.
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: NonNegInt = 0
     min_lr_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.0
@@ -439,25 +442,29 @@ class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
 
     - ``clip_ratio_c``: dual-clip bound for tokens with a negative advantage (> 1;
       null: off). ``kl_estimator`` k3 is clamped to +-10 per token.
-    - ``loss_agg``: ``token-mean`` is exact over a streaming step (token sums, rescaled by
-      the step's token count before clipping); ``seq-mean-token-sum-norm`` divides by the
-      constant ``samples * loss_norm_tokens`` (default ``rollout.max_tokens``).
+    - ``loss_agg``: every mode is exact over a streaming step (sums rescaled before
+      clipping by the step's count): ``token-mean`` divides by the step's loss tokens,
+      ``seq-mean-token-mean`` / ``seq-mean-token-sum`` by its rows with at least one loss
+      token, ``seq-mean-token-sum-norm`` by the constant ``samples * loss_norm_tokens``
+      (default ``rollout.max_tokens``).
     - ``off_policy``: ``off`` (PPO ratio against the sampler), ``truncate`` or ``reject``
-      (decoupled objective: importance weight current/behaviour, truncated at or
-      rejected above ``behav_imp_weight_cap``).
+      (decoupled objective: the ratio is anchored on the weights that first trained the
+      sample in its step, held across ``train.ppo_epochs``; the importance weight that
+      anchor / behaviour is truncated at or rejected above ``behav_imp_weight_cap``).
     - ``ratio_level``: ``token`` (PPO/GRPO) or ``sequence`` (GSPO: the geometric mean of
       a sample's token ratios, clipped per sequence).
     - ``kl_estimator`` ``k3+`` / ``k1+``: k3's (k1's) value with k2's gradient.
     - ``use_kl_in_reward``: ``kl_ctrl.kl_coef * kl_penalty`` (behaviour vs reference,
       per token) is subtracted from the reward before advantages; ``kl_ctrl.type:
       adaptive`` steers the coefficient towards ``kl_ctrl.target_kl``.
-    - ``drop_zero_variance_groups``: the reward stage drops groups whose samples all got
-      the same reward (no learning signal; DAPO's dynamic sampling); the source
-      replaces them and summary.json counts them (``zero_variance``).
+    - ``drop_zero_variance_groups``: the stage that sets the final reward (the reward
+      model's when ``reward.sources`` wires one, else the reward stage) drops groups whose
+      samples all got the same reward (no learning signal; DAPO's dynamic sampling); the
+      source replaces them and summary.json counts them (``zero_variance``).
     - ``overlong_mask``: completions cut by ``rollout.max_tokens`` (finish reason
       ``length``) leave the loss; ``overlong_buffer_len`` > 0: DAPO's soft overlong
       penalty, ``-factor * (length - (max_tokens - buffer)) / buffer`` when positive,
-      added to the reward.
+      added to the final reward (after a reward model's combination).
     """
 
     kl_coef: NonNegFloat = 0.04
@@ -658,6 +665,13 @@ class ConveyorConfig(msgspec.Struct, **_section()):
         if self.reference.enabled == "auto":
             return self.algorithm.kl_coef > 0 or self.algorithm.use_kl_in_reward or self.algorithm.offline
         return self.reference.enabled == "on"
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature the trainer and the reference take log-probs at: the rollout's
+        (the distribution the sampler drew from), or 1 for offline data (``dpo``'s pairs
+        were sampled by no rollout: its log-ratios are the model's own)."""
+        return 1.0 if self.algorithm.offline else float(self.rollout.temperature)
 
     @property
     def reward_model_enabled(self) -> bool:
@@ -897,10 +911,12 @@ def check_config(cfg: ConveyorConfig) -> None:
     if tr.num_ranks > 1 and any(e.endswith("->trainer") for e in cfg.record.edges):
         raise ConfigError(f"record.edges: replay retrains a recorded step on one rank; record with "
                           f"train.num_ranks 1, got {tr.num_ranks}")
-    if tr.lr_scheduler != "constant" and tr.warmup_steps >= cfg.run.steps:
+    updates = cfg.run.steps * tr.ppo_epochs * tr.ppo_mini_batches
+    if tr.lr_scheduler != "constant" and tr.warmup_steps >= updates:
         raise ConfigError(
-            f"train.warmup_steps: expected < run.steps ({cfg.run.steps}) for a decaying "
-            f"{tr.lr_scheduler} schedule, got {tr.warmup_steps}"
+            f"train.warmup_steps: expected < the run's optimizer updates ({updates}: run.steps x "
+            f"train.ppo_epochs x train.ppo_mini_batches) for a decaying {tr.lr_scheduler} schedule, "
+            f"got {tr.warmup_steps}"
         )
     if ro.n < 2 and cfg.algorithm.group_baseline:
         raise ConfigError(f"rollout.n: expected >= 2 for {cfg.algorithm.name} (group baseline), got {ro.n}")

@@ -112,8 +112,10 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
             if name == "rollout":
                 extra = {"replicas": cfg.rollout.num_workers, "concurrency": cfg.rollout.max_inflight}
             if name in RESTARTABLE_STAGES and not (
-                    # Regrouping, the reward holds groups across micro-batches: a restart would lose them.
-                    name == "reward" and getattr(cfg.algorithm, "drop_zero_variance_groups", False)) and not (
+                    # Regrouping, the stage that shapes the reward holds groups across micro-batches:
+                    # a restart would lose them.
+                    name == ("reward_model" if cfg.reward_model_enabled else "reward")
+                    and getattr(cfg.algorithm, "drop_zero_variance_groups", False)) and not (
                     # Running normalisation: the statistics live in the actor.
                     name == "reward_model" and any(s.normalize == "running" for s in cfg.reward.sources.values())
             ) and not (

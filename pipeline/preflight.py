@@ -77,7 +77,46 @@ def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]
     cfg = absolutise_paths(cfg)
     data = check_data(cfg, tokenizer, model_path)
     reward = check_reward(cfg)
-    return cfg, PreflightReport(model_path=str(model_path), reward_function=reward, data=data, notes=hub_notes)
+    return cfg, PreflightReport(model_path=str(model_path), reward_function=reward, data=data,
+                                notes=hub_notes + check_learning_settings(cfg, model_path))
+
+
+# Above this rate a pretrained checkpoint is usually wrecked by RL (verl and TRL default
+# to 1e-6); models at least this wide are not the embedded tiny ones.
+LR_WARN_ABOVE = 1e-4
+TINY_HIDDEN_BELOW = 512
+
+
+def check_learning_settings(cfg: ConveyorConfig, model_path: Path) -> list[str]:
+    """Warnings (the report's notes) for settings that run but are rarely meant: a
+    learning rate above ``LR_WARN_ABOVE`` on a model at least ``TINY_HIDDEN_BELOW`` wide,
+    and a KL penalty both in the reward and in the loss."""
+    notes = []
+    hidden = read_hidden_size(model_path)
+    if cfg.train.lr > LR_WARN_ABOVE and hidden >= TINY_HIDDEN_BELOW:
+        notes.append(f"warning: train.lr {cfg.train.lr:g} is above {LR_WARN_ABOVE:g} for the model at {model_path} "
+                     f"(hidden size {hidden}); RL on a pretrained checkpoint runs at about 1e-6 (verl's and TRL's "
+                     f"default, and Conveyor's): set train.lr to that order")
+    algo = cfg.algorithm
+    if algo.use_kl_in_reward and algo.kl_coef > 0:
+        notes.append(f"warning: algorithm.use_kl_in_reward subtracts a KL penalty from the reward and "
+                     f"algorithm.kl_coef {algo.kl_coef:g} adds another to the loss: KL is applied twice; set "
+                     f"algorithm.kl_coef=0 to keep only the reward's")
+    return notes
+
+
+def read_hidden_size(model_path: Path) -> int:
+    """The model's hidden size from its ``config.json`` (a multimodal one's text
+    config); 0 when it names none."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    config = config.get("text_config", config)
+    for key in ("hidden_size", "d_model", "n_embd"):
+        if isinstance(config.get(key), int):
+            return int(config[key])
+    return 0
 
 
 def check_model(cfg: ConveyorConfig) -> tuple[Path, Any]:

@@ -28,12 +28,15 @@ class Prompt(msgspec.Struct, **_wire):
     ``token_ids`` is the prompt exactly as the model sees it, tokenized once by the
     source (special tokens and chat template applied); ``text`` is the same prompt as
     text (for rewards and logs). An empty ``token_ids`` (a custom source) means the
-    rollout tokenizes ``text`` itself with the tokenizer's special tokens.
+    rollout tokenizes ``text`` itself with the tokenizer's special tokens. ``messages``:
+    the chat messages ``text`` was rendered from (empty for a plain string prompt); a
+    reward model renders them under its own chat template.
     """
 
     prompt_id: str
     text: str
     token_ids: list[int] = []
+    messages: list[dict[str, str]] = []
     ground_truth: Any = None
     data_source: str = ""
     extra_info: dict[str, Any] = {}

@@ -95,7 +95,8 @@ class ReferenceModel:
 
 
 class ReferenceStage:
-    """Actor shell: ``reference.path`` (default ``model.path``) scored at the rollout temperature."""
+    """Actor shell: ``reference.path`` (default ``model.path``) scored at the rollout temperature
+    (``scoring_temperature``: 1 for offline pairs)."""
 
     takes = gives = RolloutBatch  # pipeline/contracts.py
     gives_fields = ("ref_logprobs",)
@@ -106,7 +107,7 @@ class ReferenceStage:
         cfg = ctx.config
         path = Path(cfg.reference.path).expanduser() if cfg.reference.path else resolve_model_path(cfg.model)
         self.model = await asyncio.to_thread(
-            ReferenceModel, path, cfg.model.dtype, temperature=cfg.rollout.temperature,
+            ReferenceModel, path, cfg.model.dtype, temperature=cfg.scoring_temperature,
             logit_chunk_tokens=cfg.train.logit_chunk_tokens,
         )
         self.ctx = ctx

@@ -437,13 +437,11 @@ class RewardStage:
         self.scored = 0
         self.failed = 0
         self.first_error: str | None = None
-        # DAPO's overlong penalty and dynamic sampling (stages/reward_shaping.py).
-        from stages.reward_shaping import GroupFilter
+        # DAPO's overlong penalty and dynamic sampling (stages/reward_shaping.py), here
+        # unless a reward model replaces this score downstream.
+        from stages.reward_shaping import RewardShaper, shapes_rewards
 
-        algo = cfg.algorithm
-        self.overlong = (cfg.rollout.max_tokens, algo.overlong_buffer_len, algo.overlong_penalty_factor)
-        self.filter = (GroupFilter(cfg.dataflow.prompts_per_micro_batch, cfg.train.prompts_per_step)
-                       if algo.drop_zero_variance_groups else None)
+        self.shaper = RewardShaper(cfg) if shapes_rewards(cfg) == "reward" else None
 
     async def process(self, batch: Any) -> Any:
         import msgspec
@@ -465,33 +463,15 @@ class RewardStage:
                 f"reward function {self.fn.name} failed on every sample of step {batch.step} "
                 f"({self.tracker.samples_per_step} samples); first error: {errors[0]}"
             )
-        rewards, extras = res.rewards, res.extras
-        max_tokens, buffer_len, factor = self.overlong
-        if buffer_len > 0:
-            from stages.reward_shaping import compute_overlong_penalty
-
-            penalty = compute_overlong_penalty(batch.completion_lens, max_tokens, buffer_len, factor)
-            rewards = (rewards + penalty).astype(np.float32)
-            extras = {**extras, "overlong_penalty": penalty.tolist()}
-        out = msgspec.structs.replace(batch, rewards=rewards, reward_errors=errors, reward_extras=extras)
-        if self.filter is None:
-            return out
-        from stages.reward_shaping import ZERO_VARIANCE
-
-        emitted, dropped = self.filter.add(out)
-        if dropped:
-            # Reported now, so the source replaces them while the kept groups wait.
-            await self.ctx.controller.record_dropped(dropped, ZERO_VARIANCE)
-            self.ctx.log.debug("groups_dropped", reason=ZERO_VARIANCE, groups=dropped, batch_id=batch.batch_id,
-                               policy_version=batch.policy_version)
-        return emitted
+        out = msgspec.structs.replace(batch, rewards=res.rewards, reward_errors=errors, reward_extras=res.extras)
+        return out if self.shaper is None else await self.shaper.shape(out, self.ctx)
 
     async def finish(self) -> Any:
-        return self.filter.flush() if self.filter is not None else None
+        return self.shaper.flush() if self.shaper is not None else None
 
     def status(self) -> dict[str, Any]:
         return {"state": "scoring", "samples": self.scored, "failed": self.failed, "first_error": self.first_error,
-                **({"groups_dropped_zero_variance": self.filter.dropped_groups} if self.filter is not None else {})}
+                **(self.shaper.status() if self.shaper is not None else {})}
 
     def result(self) -> dict[str, Any]:
         return self.status()

@@ -5,10 +5,11 @@ Guarantees:
 - ``RewardModel`` loads any local ``AutoModelForSequenceClassification`` checkpoint with
   exactly one logit (``num_labels == 1``; anything else is refused, naming the path) and
   its tokenizer, frozen, in eval mode. ``score`` returns float32 [S]: for sample ``i`` the
-  logit a direct transformers forward gives for ``prompt.text + completions[i]``, the
-  prompt exactly as the policy saw it (the source applied the chat template) followed by
-  the completion text, tokenized by the reward model's tokenizer (special tokens added
-  unless the prompt already starts with its BOS). Chunks of ``chunk_size`` samples are
+  logit a direct transformers forward gives for the sample's text: a chat prompt's
+  messages and the completion as the assistant's reply under the reward model's own
+  chat template (when its tokenizer has one), else ``prompt.text + completions[i]`` (the
+  prompt exactly as the policy saw it) tokenized by the reward model's tokenizer
+  (special tokens added unless the prompt already starts with its BOS). Chunks of ``chunk_size`` samples are
   right-padded with a token id that occurs in none of the chunk's sequences, so padding
   never moves the position the classifier pools (its last non-pad token): a padded
   forward scores what an unpadded one would.
@@ -23,6 +24,11 @@ Guarantees:
   groups, an out-of-memory error halves the failing piece, pieces merge back with every
   sample once (``pipeline/memory/guard.py``). The running statistics live in the actor:
   a restarted or resumed run starts them again.
+- DAPO's overlong penalty and dynamic sampling (``algorithm.overlong_buffer_len``,
+  ``drop_zero_variance_groups``) run here, on the combined reward, and not in the
+  reward stage before it (``stages.reward_shaping.shapes_rewards``): the penalty is
+  added after the combination (a rule weight of 0 does not erase it) and groups are
+  dropped on the reward the trainer sees.
 """
 
 from __future__ import annotations
@@ -140,13 +146,22 @@ class RewardModel:
         self.model = model.eval().to(self.device)
 
     def encode(self, batch: RolloutBatch) -> list[list[int]]:
-        """Token ids of each sample's prompt (as the policy saw it) + completion."""
+        """Token ids of each sample: a chat prompt (``Prompt.messages``) and its completion
+        as the assistant's reply rendered by the reward model's own chat template when its
+        tokenizer has one (the policy's template may not be the one it was trained on);
+        otherwise the prompt as the policy saw it + the completion."""
         bos = self.tokenizer.bos_token
+        templated = getattr(self.tokenizer, "chat_template", None) is not None
         out = []
         for i, completion in enumerate(batch.completions):
-            prompt = batch.prompts[i // batch.group_size].text
-            special = not (bos and prompt.startswith(bos))
-            ids = self.tokenizer(prompt + completion, add_special_tokens=special)["input_ids"]
+            prompt = batch.prompts[i // batch.group_size]
+            if prompt.messages and templated:
+                text = self.tokenizer.apply_chat_template(
+                    [*prompt.messages, {"role": "assistant", "content": completion}], tokenize=False)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                special = not (bos and prompt.text.startswith(bos))
+                ids = self.tokenizer(prompt.text + completion, add_special_tokens=special)["input_ids"]
             out.append(list(ids[-self.max_length:]) if self.max_length else list(ids))
         return out
 
@@ -221,8 +236,12 @@ class RewardModelStage:
             "reference", self.shape, count_seq_lens(piece), chunk_size=self.model.chunk_size)
         self.moments = {n: RunningMoments() for n, s in self.sources.items() if s.normalize == "running"}
         self.batches = 0
+        from stages.reward_shaping import RewardShaper, shapes_rewards
 
-    async def process(self, batch: RolloutBatch) -> RolloutBatch:
+        # This score replaces the reward stage's: DAPO's shaping runs here, on the final reward.
+        self.shaper = RewardShaper(cfg) if shapes_rewards(cfg) == "reward_model" else None
+
+    async def process(self, batch: RolloutBatch) -> RolloutBatch | list[RolloutBatch]:
         from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 
         if batch.num_samples == 0:  # it only carries prompts dropped upstream to the trainer
@@ -240,7 +259,11 @@ class RewardModelStage:
         rewards = combine_reward_sources(raw, self.sources, self.moments)
         extras = {**scored.reward_extras, **{n: [float(v) for v in r] for n, r in raw.items()}}
         self.batches += 1
-        return msgspec.structs.replace(scored, rewards=rewards, reward_extras=extras)
+        out = msgspec.structs.replace(scored, rewards=rewards, reward_extras=extras)
+        return out if self.shaper is None else await self.shaper.shape(out, self.ctx)
+
+    async def finish(self) -> list[RolloutBatch] | None:
+        return self.shaper.flush() if self.shaper is not None else None
 
     def _score(self, piece: RolloutBatch) -> RolloutBatch:
         scores = self.model.score(piece)
@@ -262,4 +285,5 @@ class RewardModelStage:
         )
 
     def status(self) -> dict[str, Any]:
-        return {"state": "scoring", "batches": self.batches, **self.guard.status()}
+        return {"state": "scoring", "batches": self.batches, **self.guard.status(),
+                **(self.shaper.status() if self.shaper is not None else {})}

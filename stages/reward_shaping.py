@@ -22,6 +22,9 @@ Guarantees:
   end of a stream ``flush`` emits what is left (a stopped run), an empty batch when
   only drops are left (the reference passes it on, the trainer only records its drops),
   so none is lost.
+- Both run on the final reward: ``shapes_rewards`` names the stage (the reward model's
+  when one is wired, since it replaces the reward stage's score) and ``RewardShaper``
+  is what that stage runs.
 - A run whose groups never vary would replace them forever: after
   ``MAX_CONSECUTIVE_DROPS_PER_STEP * prompts_per_step`` dropped groups in a row
   ``add`` raises ``NoLearningSignalError``.
@@ -30,6 +33,7 @@ Guarantees:
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -140,3 +144,52 @@ class GroupFilter:
         drops[ZERO_VARIANCE] = [*drops.get(ZERO_VARIANCE, []), *self.pending]
         self.pending = []
         return msgspec.structs.replace(batch, dropped_prompts=drops)
+
+
+def shapes_rewards(cfg: Any) -> str:
+    """The stage that shapes the run's rewards: the last one to set them, ``reward_model``
+    when ``reward.sources`` wires one (it replaces the reward stage's score), else
+    ``reward``. Shaping an earlier score would lose the penalty to the overwrite and
+    filter groups on a score that is not the one trained on."""
+    return "reward_model" if cfg.reward_model_enabled else "reward"
+
+
+class RewardShaper:
+    """DAPO's overlong penalty, then dynamic sampling (``GroupFilter``), on the final
+    reward of each micro-batch; run by the stage ``shapes_rewards`` names."""
+
+    def __init__(self, cfg: Any) -> None:
+        algo = cfg.algorithm
+        self.max_tokens, self.buffer_len, self.factor = (
+            cfg.rollout.max_tokens, algo.overlong_buffer_len, algo.overlong_penalty_factor)
+        self.filter = (GroupFilter(cfg.dataflow.prompts_per_micro_batch, cfg.train.prompts_per_step)
+                       if algo.drop_zero_variance_groups else None)
+
+    def penalise(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch`` with the overlong penalty added to its rewards (and logged as
+        ``reward_extras["overlong_penalty"]``); unchanged when ``overlong_buffer_len`` is 0."""
+        if self.buffer_len <= 0:
+            return batch
+        penalty = compute_overlong_penalty(batch.completion_lens, self.max_tokens, self.buffer_len, self.factor)
+        return msgspec.structs.replace(batch, rewards=(np.asarray(batch.rewards) + penalty).astype(np.float32),
+                                       reward_extras={**batch.reward_extras, "overlong_penalty": penalty.tolist()})
+
+    async def shape(self, batch: RolloutBatch, ctx: Any) -> RolloutBatch | list[RolloutBatch]:
+        """The penalised batch, or (dynamic sampling) the batches to emit now; dropped
+        groups are reported to the controller's ledger at once, so the source replaces
+        them while the kept groups wait."""
+        out = self.penalise(batch)
+        if self.filter is None:
+            return out
+        emitted, dropped = self.filter.add(out)
+        if dropped:
+            await ctx.controller.record_dropped(dropped, ZERO_VARIANCE)
+            ctx.log.debug("groups_dropped", reason=ZERO_VARIANCE, groups=dropped, batch_id=batch.batch_id,
+                          policy_version=batch.policy_version)
+        return emitted
+
+    def flush(self) -> list[RolloutBatch] | None:
+        return self.filter.flush() if self.filter is not None else None
+
+    def status(self) -> dict[str, int]:
+        return {"groups_dropped_zero_variance": self.filter.dropped_groups} if self.filter is not None else {}

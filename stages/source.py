@@ -180,8 +180,9 @@ class PromptSource:
 
     def _to_prompt(self, index: int, where: str, row: dict[str, Any], extra: dict[str, Any]) -> Prompt:
         """A rendered row as a ``Prompt`` (``RowError``: the row is skipped with its reason)."""
+        chat = row["prompt"] if isinstance(row.get("prompt"), list) else []
         return Prompt(prompt_id=f"p{index}", index=index, text=row["text"], token_ids=row["token_ids"],
-                      ground_truth=row["ground_truth"], data_source=row["data_source"],
+                      messages=chat, ground_truth=row["ground_truth"], data_source=row["data_source"],
                       extra_info={**row["extra_info"], **extra})
 
     def _rendered_now(self) -> tuple[Iterator[tuple[int, str, Any]], dict[str, Any]]:

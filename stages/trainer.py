@@ -10,11 +10,12 @@ Guarantees:
   (``stages.algorithms.assign_advantages``) and is trained on as it arrives (gradients
   accumulate) and the optimizer steps once a step's ``train.prompts_per_step`` groups
   are in: one optimizer step = one policy version. The step's gradient is the gradient
-  of the loss aggregated over the whole step as if it were one batch: under
-  ``token-mean`` micro-batches add token sums (scale = loss tokens / step samples) and
-  the optimizer step rescales by step samples / the step's loss tokens before clipping
-  (``compute_step_grad_scale``); under the seq-mean modes the step's sample count is
-  known up front and each micro-batch weighs its sample share;
+  of the loss aggregated over the whole step as if it were one batch: micro-batches
+  add sums over their loss units (``count_loss_units``: loss tokens under
+  ``token-mean``, non-empty rows under ``seq-mean-token-mean`` / ``-token-sum``, rows
+  under ``seq-mean-token-sum-norm``; scale = units / step samples) and the optimizer
+  step rescales by step samples / the step's units before clipping
+  (``compute_step_grad_scale``);
 - with ``train.num_ranks`` > 1 the engine is ``stages.trainer_ranks.DataParallelEngine``:
   each micro-batch is split by whole groups over the ranks, which step together; the
   update equals the one-rank update up to float rounding; an error on any rank stops
@@ -77,26 +78,35 @@ from stages.trainer_metrics import summarise_batch_rewards, summarise_rollout_ex
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
 
 
-def compute_micro_batch_scale(batch: RolloutBatch, step_samples: int, loss_agg: str = "seq-mean-token-mean") -> float:
-    """Gradient scale of one micro-batch before the step's rescale.
-
-    ``token-mean``: its loss tokens / the step's samples, so that scale x token-mean is
-    the micro-batch's token sum over a constant (streaming cannot know the step's token
-    count before its last micro-batch; ``compute_step_grad_scale`` divides by it at the
-    step). Other modes: its share of the step's samples (a constant known up front)."""
+def count_loss_units(batch: RolloutBatch, loss_agg: str) -> int:
+    """What ``loss_agg`` divides by, counted in ``batch``: ``token-mean`` its loss tokens;
+    ``seq-mean-token-sum-norm`` its samples (the constant normaliser counts every row);
+    the other seq-mean modes its samples with at least one loss token (a row that
+    ``overlong_mask`` emptied counts in no mean)."""
     if loss_agg == "token-mean":
-        return batch.loss_tokens / step_samples
-    return batch.num_samples / step_samples
+        return batch.loss_tokens
+    if loss_agg == "seq-mean-token-sum-norm":
+        return batch.num_samples
+    return batch.loss_rows
+
+
+def compute_micro_batch_scale(batch: RolloutBatch, step_samples: int, loss_agg: str = "seq-mean-token-mean") -> float:
+    """Gradient scale of one micro-batch before the step's rescale: its loss units
+    (``count_loss_units``) / the step's samples, so that scale x its aggregated loss is
+    its sum over those units divided by a constant (streaming cannot know the step's
+    count before its last micro-batch; ``compute_step_grad_scale`` divides by it at the
+    step)."""
+    return count_loss_units(batch, loss_agg) / step_samples
 
 
 def compute_step_grad_scale(batches: list[RolloutBatch], step_samples: int, loss_agg: str) -> float:
-    """The ``grad_scale`` of the optimizer step: ``token-mean``: step samples / the step's
-    loss tokens (0 when it has none), which turns the accumulated token sums into the
-    exact one-big-batch token mean; other modes 1."""
-    if loss_agg != "token-mean":
-        return 1.0
-    tokens = sum(b.loss_tokens for b in batches)
-    return step_samples / tokens if tokens else 0.0
+    """The ``grad_scale`` of an optimizer update over ``batches`` (a step, or one of PPO's
+    mini-batches): step samples / their loss units (0 when they have none), which turns
+    the accumulated sums into the exact one-big-batch aggregate: the token mean over
+    their loss tokens, the mean over their non-empty sequences, or the constant
+    ``samples * loss_norm_tokens`` normaliser."""
+    units = sum(count_loss_units(b, loss_agg) for b in batches)
+    return step_samples / units if units else 0.0
 
 
 def compute_step_loss(piece_losses: list[float], batches: list[RolloutBatch], step_samples: int,
@@ -140,8 +150,10 @@ def merge_piece_metrics(metrics: list[dict[str, float]], weights: list[float]) -
     def pooled(key: str) -> float:
         return sum(m[key] * k for m, k in zip(metrics, n, strict=True)) / total
 
-    out: dict[str, float] = {}
+    out: dict[str, float] = {**pool_logp_mismatch(metrics)}
     for key in metrics[0]:
+        if key.startswith("logp_mismatch"):
+            continue
         values = [m[key] for m in metrics]
         if key.endswith("_max"):
             out[key] = max(values)
@@ -156,6 +168,17 @@ def merge_piece_metrics(metrics: list[dict[str, float]], weights: list[float]) -
         second = sum((m["reward_std"] ** 2 + m["reward_mean"] ** 2) * k for m, k in zip(metrics, n, strict=True))
         out["reward_std"] = math.sqrt(max(0.0, second / total - mean**2))
     return out
+
+
+def pool_logp_mismatch(metrics: list[Mapping[str, float]]) -> dict[str, float]:
+    """``logp_mismatch`` over the pieces that measured one, weighted by their
+    ``logp_mismatch_tokens`` (summed); empty when none did (no token came from the
+    weights being trained: absent, never a 0 that reads as a perfect match)."""
+    counted = [(m["logp_mismatch"], m["logp_mismatch_tokens"]) for m in metrics if m.get("logp_mismatch_tokens")]
+    tokens = sum(n for _, n in counted)
+    if not tokens:
+        return {}
+    return {"logp_mismatch": sum(v * n for v, n in counted) / tokens, "logp_mismatch_tokens": tokens}
 
 
 def encode_piece_layout(layouts: Mapping[int, list[int]]) -> dict[str, float]:
@@ -192,21 +215,35 @@ def train_recorded_step(engine: Any, batches: list[RolloutBatch], step_samples: 
     """One recorded step trained again as the trainer trained it (``conveyor replay``):
     each micro-batch through ``train_as_recorded`` with the pieces and KL-in-reward
     coefficient the step record's ``metrics`` name, then the optimizer step with the
-    step's grad scale. Returns the step's loss (as ``StepRecord.loss``) and what
-    ``optimizer_step`` returned."""
+    step's grad scale. Advantages are assigned over the whole step first, as the trainer
+    does for an algorithm that whitens over it. Returns the step's loss (as
+    ``StepRecord.loss``) and what ``optimizer_step`` returned."""
+    from stages.algorithms import assign_step_advantages
+
     kl_coef = float(metrics.get("kl_reward_coef", 0.0))
+    batches = assign_step_advantages(batches, engine.algo, kl_reward_coef=kl_coef)
     losses = [train_as_recorded(engine, b, step_samples, read_piece_layout(metrics, b.batch_id), kl_coef)["loss"]
               for b in batches]
     loss_agg = engine.algo.loss_agg
     step_out = engine.optimizer_step(compute_step_grad_scale(batches, step_samples, loss_agg))
     return compute_step_loss(losses, batches, step_samples, loss_agg), step_out
 
+
+def holds_whole_step(cfg: Any) -> bool:
+    """Whether the trainer holds a step's micro-batches until the step is whole before it
+    trains any: colocated (the GPU is the rollout's meanwhile), or for advantages
+    whitened over the whole step (REINFORCE++: ``Algorithm.whitens_step``)."""
+    from stages.algorithms.registry import get_algorithm  # imports torch: not at module level
+
+    return cfg.placement.mode == "colocate" or get_algorithm(cfg.algorithm.name).whitens_step
+
+
 def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
     """The ``TrainerEngine`` of a run (the trainer stage and ``conveyor replay`` share it)."""
     from stages.tiny import resolve_model_path
     from stages.trainer_engine import TrainerEngine
 
-    return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature,
+    return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.scoring_temperature,
                          dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads,
                          # The lr schedule counts optimizer updates: several per step with PPO epochs.
                          total_steps=cfg.run.steps * cfg.train.ppo_epochs * cfg.train.ppo_mini_batches)
@@ -248,6 +285,7 @@ class TrainerStage:
         # placement: colocate: the step's micro-batches (with their staleness) held until
         # the whole step is in, and the GPU handoff's figures for the step's metrics.
         self.colocated = False
+        self.holds_step = False  # set in setup: colocated, or advantages over the whole step
         self._held: list[tuple[RolloutBatch, int]] = []
         self._colocate_metrics: dict[str, float] = {}
 
@@ -259,6 +297,7 @@ class TrainerStage:
         self.cfg = cfg
         self.max_staleness = cfg.dataflow.max_staleness
         self.colocated = cfg.placement.mode == "colocate"
+        self.holds_step = holds_whole_step(cfg)
         self.step_samples = cfg.train.prompts_per_step * cfg.rollout.n
         if cfg.train.num_ranks > 1:
             from stages.trainer_ranks import build_data_parallel_engine
@@ -308,19 +347,19 @@ class TrainerStage:
             return None
         if batch.rewards is None and batch.advantages is None:
             raise ValueError(f"batch {batch.batch_id}: reaches the trainer without rewards (is a reward stage wired?)")
-        batch, kl = await asyncio.to_thread(self._assign_advantages, batch)
-        if kl is not None:
-            self._step_kl.append((kl, batch.num_samples))
-        if not self.colocated:
+        if not self.holds_step:
+            (batch,) = await asyncio.to_thread(self._assign_advantages, [batch])
             await self._train_into_step(batch, staleness)
             return None
         if not self._held:
             self._step_started = time.time()
         self._held.append((batch, staleness))
         if sum(b.num_samples for b, _ in self._held) >= self.step_samples:
-            await self._take_gpus()
+            if self.colocated:
+                await self._take_gpus()
             held, self._held = self._held, []
-            for b, s in held:
+            assigned = await asyncio.to_thread(self._assign_advantages, [b for b, _ in held])
+            for b, (_, s) in zip(assigned, held, strict=True):
                 await self._train_into_step(b, s)
         return None
 
@@ -341,7 +380,7 @@ class TrainerStage:
     async def _train_into_step(self, batch: RolloutBatch, staleness: int) -> None:
         """Train ``batch`` into the current step; the optimizer steps once the step is whole."""
         if not self._step_batches:
-            if not self.colocated:  # colocated: the step started when its first micro-batch was held
+            if not self.holds_step:  # held: the step started when its first micro-batch was held
                 self._step_started = time.time()
             self._step_rng = self.engine.get_rng_state()
             self._step_pieces, self._step_layouts = [], {}
@@ -358,19 +397,29 @@ class TrainerStage:
         self._step_staleness += [staleness] * batch.num_samples
         if sum(b.num_samples for b in self._step_batches) >= self.step_samples:
             await self._optimizer_step()
+        else:
+            await self._micro_batch_trained()
 
-    def _assign_advantages(self, batch: RolloutBatch) -> tuple[RolloutBatch, float | None]:
-        """The batch with its advantages, and the KL-in-reward penalty measured on it
-        (None when ``use_kl_in_reward`` is off)."""
-        from stages.algorithms import assign_advantages  # imports torch: not at module level
+    async def _micro_batch_trained(self) -> None:
+        """After a micro-batch that did not complete its step (``PPOTrainerStage`` applies
+        a complete first-epoch mini-batch here)."""
+        return None
+
+    def _assign_advantages(self, batches: list[RolloutBatch]) -> list[RolloutBatch]:
+        """``batches`` (one micro-batch, or a held step's) with their advantages
+        (``assign_step_advantages``: a step-wide whitening sees them all); with
+        ``use_kl_in_reward`` the penalty measured on each joins the step's KL record."""
+        from stages.algorithms import assign_step_advantages  # imports torch: not at module level
         from stages.algorithms.registry import build_loss_mask, compute_kl_reward_penalty, summarise_kl_penalty
 
         algo = self.cfg.algorithm
         if not algo.use_kl_in_reward:
-            return assign_advantages(batch, algo), None
-        mask = build_loss_mask(batch)
-        kl = summarise_kl_penalty(compute_kl_reward_penalty(batch, algo, mask), mask)
-        return assign_advantages(batch, algo, kl_reward_coef=self.kl_ctrl.coef), kl
+            return assign_step_advantages(batches, algo)
+        for batch in batches:
+            mask = build_loss_mask(batch)
+            self._step_kl.append((summarise_kl_penalty(compute_kl_reward_penalty(batch, algo, mask), mask),
+                                  batch.num_samples))
+        return assign_step_advantages(batches, algo, kl_reward_coef=self.kl_ctrl.coef)
 
     def _record_upstream_drops(self, batch: RolloutBatch) -> None:
         """Prompts an upstream stage dropped (it told the ledger already): into this
@@ -498,10 +547,11 @@ class TrainerStage:
             **self.checkpoints.step_curriculum(batches),
             **{f"actor/{k}": float(np.average([p[k] for p in pieces], weights=weight))
                for k in ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_upper", "clip_frac_lower", "clip_frac_dual",
-                         "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean", "logp_mismatch",
+                         "ratio_mean", "is_weight_mean", "is_weight_capped_frac", "adv_abs_mean",
                          "entropy", "router_aux_loss", "preference_accuracy", "reward_margin", "chosen_reward",
                          "rejected_reward")
                if all(k in p for p in pieces)},
+            **{f"actor/{k}": float(v) for k, v in pool_logp_mismatch(pieces).items()},
             **{f"actor/{k}": float(max(p[k] for p in pieces))
                for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},
             **{f"actor/{k}": float(v) for k, v in step_out.items()},

@@ -172,6 +172,15 @@ def compute_chunk_weights(completion_mask: torch.Tensor, bounds: list[tuple[int,
     return [c / total if total > 0 else 0.0 for c in counts]
 
 
+def align_chunk_size(chunk_size: int, algo: AlgorithmConfig) -> int:
+    """Samples per forward/backward pass for ``algo``: ``chunk_size``, except that an
+    offline algorithm's loss (``dpo``) compares rows in (chosen, rejected) pairs, so its
+    chunks hold whole pairs: an odd size is rounded down to even (2 at least)."""
+    if not algo.offline:
+        return chunk_size
+    return max(2, chunk_size - chunk_size % 2)
+
+
 def encode_rng_state() -> bytes:
     """torch (CPU and CUDA), numpy and python RNG states as msgpack (no pickle)."""
     np_state = np.random.get_state()
@@ -355,6 +364,7 @@ class TrainerEngine:
         chunk_size = train.chunk_size if chunk_size is None else chunk_size
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
+        chunk_size = align_chunk_size(chunk_size, algo)
         if temperature <= 0:
             # Log-probs at temperature 0 (greedy rollouts) are undefined: no ratio exists.
             raise ValueError(f"temperature: expected > 0 (the rollout sampling temperature), got {temperature}")
@@ -370,6 +380,11 @@ class TrainerEngine:
         # controller's coefficient): saved and restored by save_state / load_state.
         self.extra_state: dict[str, float] = {}
         self.gradients_tainted = False  # a failed call accumulated part of its piece
+        # PPO's later epochs with a decoupled objective (algorithm.off_policy truncate or
+        # reject): sample id -> the log-probs of its completion tokens when this step first
+        # trained it, the ratio's anchor in every later pass (see ``_proximal``).
+        self.keeps_anchor = algo.off_policy != "off" and train.ppo_epochs > 1
+        self._anchors: dict[str, np.ndarray] = {}
 
         random.seed(seed)
         np.random.seed(seed)
@@ -429,6 +444,7 @@ class TrainerEngine:
         weights = compute_chunk_weights(completion_mask, bounds, self.algo.loss_agg)
         totals: dict[str, float] = {}
         loss_total = 0.0
+        fresh_tokens, mismatch_sum = 0.0, 0.0
         began = False  # set before a backward: one that fails midway has already written part
         try:
             for (a, b), weight in zip(bounds, weights, strict=True):
@@ -441,11 +457,15 @@ class TrainerEngine:
                 )
                 device = logprobs.device
                 chunk_mask = completion_mask[a:b].to(device)
+                prox = self._proximal(batch, a, logprobs) if self.keeps_anchor else None
                 loss, metrics = self._loss(
                     logprobs, old[a:b].to(device), advantages[a:b].to(device), chunk_mask,
                     ref_logprobs=None if ref is None else ref[a:b].to(device), kl_coef=kl_coef,
-                    fresh_mask=fresh[a:b].to(device),
+                    fresh_mask=fresh[a:b].to(device), **({} if prox is None else {"prox_logprobs": prox}),
                 )
+                mismatch = (metrics.pop("logp_mismatch", 0.0), metrics.pop("logp_mismatch_tokens", 0.0))
+                fresh_tokens += mismatch[1]
+                mismatch_sum += mismatch[0] * mismatch[1]
                 # Mean entropy of the loss tokens' distributions (from the logits in hand).
                 metrics["entropy"] = float((entropy[0] * chunk_mask).sum() / chunk_mask.sum().clamp(min=1.0))
                 if router:
@@ -466,6 +486,8 @@ class TrainerEngine:
             self.gradients_tainted = self.gradients_tainted or began
             raise
         self._pieces += 1
+        if fresh_tokens:  # absent, not 0, when no token came from these weights
+            totals.update(logp_mismatch=mismatch_sum / fresh_tokens, logp_mismatch_tokens=fresh_tokens)
         return {
             "loss": loss_total,
             **totals,
@@ -476,6 +498,22 @@ class TrainerEngine:
             "adv_abs_mean": float((advantages.abs() * completion_mask).sum() / completion_mask.sum().clamp(min=1.0)),
             "scale": float(scale),
         }
+
+    def _proximal(self, batch: RolloutBatch, start: int, logprobs: torch.Tensor) -> torch.Tensor:
+        """The anchor [rows, C] of the chunk of ``batch`` from row ``start`` whose current
+        log-probs are ``logprobs``: per sample, the log-probs its step's first pass
+        computed (kept here by sample id until the step's last update); a sample seen for
+        the first time keeps its own, detached. Positions past a completion keep the
+        current values (the loss masks them)."""
+        out = logprobs.detach().clone()
+        for row in range(logprobs.shape[0]):
+            sid, length = batch.sample_ids[start + row], int(batch.completion_lens[start + row])
+            kept = self._anchors.get(sid)
+            if kept is None:
+                self._anchors[sid] = out[row, :length].float().cpu().numpy()
+            else:
+                out[row, :length] = torch.as_tensor(kept, dtype=out.dtype, device=out.device)
+        return out
 
     def pad_backwards(self, batch: RolloutBatch, count: int) -> None:
         """``count`` forward/backward passes of ``batch``'s first sample with weight 0:
@@ -533,6 +571,8 @@ class TrainerEngine:
         grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
         pieces, self._pieces = self._pieces, 0
         self.version += int(bump_version)
+        if bump_version:
+            self._anchors.clear()  # a new step: its samples are first trained by new weights
         return {
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "lr": lr,
@@ -661,6 +701,7 @@ class TrainerEngine:
         """
         client_state = load_engine_state(self.engine, path)
         self._discard_gradients()
+        self._anchors.clear()
         self.version = int(client_state["conveyor_version"])
         self.extra_state = {k: float(v) for k, v in client_state.get("conveyor_extra", {}).items()}
         self.set_rng_state(client_state["conveyor_rng"])

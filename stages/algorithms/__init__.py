@@ -16,6 +16,7 @@ from stages.algorithms.advantages import (
     compute_reinforce_pp_baseline_advantages,
     compute_rloo_advantages,
     compute_token_rewards,
+    compute_whiten_stats,
     whiten_masked,
 )
 from stages.algorithms.losses import (
@@ -27,13 +28,21 @@ from stages.algorithms.losses import (
     compute_token_entropy,
     compute_token_logprobs,
 )
-from stages.algorithms.registry import ALGORITHMS, Algorithm, assign_advantages, build_loss_mask, build_policy_loss
+from stages.algorithms.registry import (
+    ALGORITHMS,
+    Algorithm,
+    assign_advantages,
+    assign_step_advantages,
+    build_loss_mask,
+    build_policy_loss,
+)
 
 __all__ = [
     "ALGORITHMS", "KL_VALUE_CLAMP", "LOG_RATIO_CLAMP", "Algorithm", "aggregate_loss", "assign_advantages",
+    "assign_step_advantages",
     "build_loss_mask", "build_policy_loss", "compute_discounted_returns", "compute_gae_advantages",
     "compute_grpo_advantages", "compute_kl", "compute_policy_loss", "compute_reinforce_pp_advantages",
     "compute_reinforce_pp_baseline_advantages", "compute_rloo_advantages", "compute_token_entropy",
     "compute_token_logprobs", "compute_token_rewards",
-    "whiten_masked",
+    "compute_whiten_stats", "whiten_masked",
 ]

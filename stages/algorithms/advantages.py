@@ -7,12 +7,15 @@ Guarantees:
   sample; token-level estimators (``reinforce_plus_plus*``, ``gae``) return [S, C] and are
   exactly 0 wherever ``mask`` is 0. ``gae`` also returns the critic's targets
   (``returns = advantages + values``, before any whitening).
-- Whitening statistics (REINFORCE++) run over the valid tokens of the batch they are
-  given: in Conveyor that is one streaming micro-batch, computed before any split, so an
-  admission or OOM split never changes an advantage.
+- Whitening statistics (REINFORCE++) run over the valid tokens of what they are given:
+  the registry gives them every micro-batch of a step (``compute_whiten_stats``), before
+  any split, so the batch is the step's (as verl's) and an admission or OOM split never
+  changes an advantage. The estimators return their values unwhitened.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -77,22 +80,35 @@ def compute_discounted_returns(scores: Tensor, mask: Tensor, gamma: float = 1.0)
     return torch.where(valid, returns, torch.zeros_like(returns))
 
 
-def whiten_masked(values: Tensor, mask: Tensor, eps: float = 1e-8, shift_mean: bool = True) -> Tensor:
+def compute_whiten_stats(values: Sequence[Tensor], masks: Sequence[Tensor]) -> tuple[Tensor, Tensor, int]:
+    """(mean, unbiased variance, count) of the positions where ``masks`` are set, pooled
+    over every ``values[k]`` [S_k, C_k] (a step's micro-batches); the variance is 0 below
+    two positions."""
+    valid = [m > 0 for m in masks]
+    n = int(sum(int(v.sum()) for v in valid))
+    xs = [torch.where(v, x.float(), torch.zeros_like(x, dtype=torch.float32)) for x, v in zip(values, valid, strict=True)]
+    mean = sum((x.sum() for x in xs), torch.tensor(0.0)) / max(n, 1)
+    sq = sum((torch.where(v, x - mean, torch.zeros_like(x)).square().sum() for x, v in zip(xs, valid, strict=True)),
+             torch.tensor(0.0))
+    return mean, sq / (n - 1) if n >= 2 else torch.tensor(0.0), n
+
+
+def whiten_masked(values: Tensor, mask: Tensor, eps: float = 1e-8, shift_mean: bool = True,
+                  stats: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the positions where ``mask`` is set; 0 elsewhere.
 
     The variance is unbiased (Bessel's correction over the valid positions, as verl's
-    ``masked_whiten``); fewer than two valid positions give 0 everywhere.
+    ``masked_whiten``); fewer than two valid positions give 0 everywhere. ``stats``:
+    ``compute_whiten_stats`` of a larger batch this one belongs to (default: its own).
     ``shift_mean=False`` adds the mean back: ``x / std``-like scaling that keeps the sign
     of a batch whose advantages are all positive.
     """
     valid = mask > 0
-    n = valid.sum()
+    mean, var, n = stats if stats is not None else compute_whiten_stats([values], [mask])
     if n < 2:
         return torch.zeros_like(values, dtype=torch.float32)
     x = torch.where(valid, values.float(), torch.zeros_like(values, dtype=torch.float32))
-    mean = x.sum() / n
     centred = torch.where(valid, x - mean, torch.zeros_like(x))
-    var = centred.square().sum() / (n - 1)
     out = centred * torch.rsqrt(var + eps)
     return out if shift_mean else torch.where(valid, out + mean, out)
 
@@ -117,8 +133,9 @@ def compute_token_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.
 
 
 def compute_reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0,
-                                    token_penalty: Tensor | None = None) -> Tensor:
-    """REINFORCE++: discounted outcome returns whitened over the batch's valid tokens.
+                                    token_penalty: Tensor | None = None, whiten: bool = True) -> Tensor:
+    """REINFORCE++: discounted outcome returns whitened over the batch's valid tokens
+    (``whiten=False``: unwhitened, for the caller to whiten over a larger batch).
 
     ``rewards`` [S], ``mask`` [S, C] -> [S, C] float32 (0 where ``mask`` is 0).
     ``token_penalty`` [S, C] (KL in the reward): subtracted from each token's reward
@@ -128,17 +145,19 @@ def compute_reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float 
     returns = compute_discounted_returns(rewards, mask, gamma)
     if token_penalty is not None:
         returns = returns - compute_token_returns(token_penalty, mask, gamma)
-    return whiten_masked(returns, mask)
+    return whiten_masked(returns, mask) if whiten else returns
 
 
-def compute_reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
+def compute_reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_size: int,
+                                             whiten: bool = True) -> Tensor:
     """REINFORCE++ with a group baseline: ``r - group mean`` per sample, broadcast to its
-    tokens, then whitened over the batch's valid tokens. ``rewards`` [S], ``mask`` [S, C]."""
+    tokens, then whitened over the batch's valid tokens (``whiten=False``: not).
+    ``rewards`` [S], ``mask`` [S, C]."""
     _check_groups(rewards, group_size)
     centred = compute_grpo_advantages(rewards, group_size, norm_by_std=False)
     valid = mask > 0
     per_token = torch.where(valid, centred.unsqueeze(1).expand(mask.shape), torch.zeros(mask.shape))
-    return whiten_masked(per_token, mask)
+    return whiten_masked(per_token, mask) if whiten else per_token
 
 
 def compute_token_rewards(scores: Tensor, mask: Tensor, token_penalty: Tensor | None = None) -> Tensor:

@@ -114,6 +114,7 @@ def compute_policy_loss(
     behav_imp_weight_cap: float = 2.0,
     fresh_mask: Tensor | None = None,
     ratio_level: RatioLevel = "token",
+    prox_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with dual-clip, optional off-policy correction and KL penalty.
 
@@ -128,13 +129,14 @@ def compute_policy_loss(
     ``off_policy``:
     - ``off``: anchor = behaviour log-probs, ``w = 1`` (PPO against the sampler).
     - ``truncate`` / ``reject`` (AReaL's decoupled objective): the anchor is the proximal
-      policy, which here is the current weights (detached): every sample is trained in
-      exactly one optimizer step, so the weights that score it are the last policy before
-      the update. The trust region to it holds by construction (ratio 1, clipping never
-      binds); the staleness is corrected by the importance weight ``iw = pi / behaviour``
-      (detached): ``truncate`` uses ``w = min(iw, cap)`` (TIS), ``reject`` uses
-      ``w = iw`` where ``iw <= cap`` and 0 elsewhere (the token still counts in the
-      normaliser).
+      policy ``prox_logprobs`` [S, C] (detached), the weights that first scored the
+      sample in this step: None (the first pass over it) means the current weights, so
+      the ratio is 1 there; PPO's later epochs pass the first pass's log-probs, so the
+      ratio measures the drift since and the clip bounds it (verl, TRL and AReaL hold
+      the old log-probs fixed the same way). The staleness is corrected by the
+      importance weight ``iw = prox / behaviour`` (detached): ``truncate`` uses
+      ``w = min(iw, cap)`` (TIS), ``reject`` uses ``w = iw`` where ``iw <= cap`` and 0
+      elsewhere (the token still counts in the normaliser).
     ``ratio_level``: ``token`` (PPO / GRPO: one ratio per token) or ``sequence`` (GSPO,
     arXiv 2507.18071): every token of sample i carries the sequence ratio
     ``s_i = exp(mean over its valid tokens of (logp - anchor))``, the geometric mean of
@@ -151,8 +153,9 @@ def compute_policy_loss(
     ``is_weight_capped_frac`` (``iw > cap``, whether or not a correction is on) and
     ``logp_mismatch`` (mean ``|logp - behaviour|`` over the valid tokens where
     ``fresh_mask`` [S, C] is set: tokens sampled by the very weights being trained, where
-    any difference is sampler-vs-trainer numerics, not staleness; 0 without such tokens,
-    and tokens without a sampler log-prob are not such tokens).
+    any difference is sampler-vs-trainer numerics, not staleness; tokens without a
+    sampler log-prob are not such tokens) with ``logp_mismatch_tokens``, their count:
+    both absent when there is none (a 0 would read as a perfect match).
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(
@@ -186,6 +189,8 @@ def compute_policy_loss(
     adv = _zero_where_invalid(adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, valid)
 
     anchor = behaviour if off_policy == "off" else logp.detach()
+    if off_policy != "off" and prox_logprobs is not None:
+        anchor = _zero_where_invalid(prox_logprobs.to(logp.dtype), valid).detach()
     log_ratio = logp - anchor
     if ratio_level == "sequence":
         seq_log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
@@ -202,7 +207,8 @@ def compute_policy_loss(
         pg_tokens = torch.where(dual_binds, dual, pg_tokens)
 
     with torch.no_grad():
-        is_weight = torch.exp((logp.detach() - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        weighed = logp.detach() if off_policy == "off" else anchor
+        is_weight = torch.exp((weighed - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     if off_policy == "truncate":
         pg_tokens = pg_tokens * is_weight.clamp(max=behav_imp_weight_cap)
     elif off_policy == "reject":
@@ -232,11 +238,12 @@ def compute_policy_loss(
             "is_weight_mean": _masked_mean(is_weight, m),
             "is_weight_max": float(is_weight[valid].max()) if n_valid > 0 else 0.0,
             "is_weight_capped_frac": _masked_mean((is_weight > behav_imp_weight_cap).float(), m),
-            "logp_mismatch": 0.0,
         }
         if fresh_mask is not None:
             fresh = m * _as_float_mask(fresh_mask, m) * (~unreported).to(m.dtype)
-            metrics["logp_mismatch"] = _masked_mean((logp.detach() - behaviour).abs(), fresh)
+            if fresh.sum() > 0:
+                metrics["logp_mismatch"] = _masked_mean((logp.detach() - behaviour).abs(), fresh)
+                metrics["logp_mismatch_tokens"] = float(fresh.sum())
     return loss, metrics
 
 

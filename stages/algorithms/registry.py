@@ -11,7 +11,9 @@ Guarantees:
   in replay, on the same recorded micro-batch), never inside the engine: the engine
   only turns ``advantages`` and ``loss_mask`` into gradients. It runs on the whole
   micro-batch before any admission or OOM split, so pieces carry the advantages of the
-  whole. A batch whose ``advantages`` are already set (an upstream stage assigned them)
+  whole. An entry that ``whitens_step`` (REINFORCE++) is assigned once per step, over
+  all its micro-batches (``assign_step_advantages``): the trainer holds them until the
+  step is whole. A batch whose ``advantages`` are already set (an upstream stage assigned them)
   keeps them; an upstream ``loss_mask`` (multi-turn tool output) is kept and narrowed to
   the completion lengths.
 """
@@ -36,6 +38,7 @@ from stages.algorithms.advantages import (
     compute_reinforce_pp_baseline_advantages,
     compute_rloo_advantages,
     compute_token_rewards,
+    compute_whiten_stats,
     whiten_masked,
 )
 from stages.algorithms.losses import compute_dpo_loss, compute_kl, compute_policy_loss
@@ -66,6 +69,10 @@ class Algorithm:
     # The config fields bound into ``loss`` (``build_policy_loss``).
     loss_options: tuple[str, ...] = ("clip_eps_low", "clip_eps_high", "clip_ratio_c", "loss_agg", "loss_norm_tokens",
                                      "kl_estimator", "off_policy", "behav_imp_weight_cap", "ratio_level")
+    # The estimate is whitened over the valid tokens of the whole step (REINFORCE++, as
+    # verl whitens over its train batch): ``estimate`` returns it unwhitened and
+    # ``assign_step_advantages`` whitens with the statistics of every micro-batch of the step.
+    whitens_step: bool = False
 
     @property
     def needs_values(self) -> bool:
@@ -94,12 +101,12 @@ def _rloo(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, penalty: Ten
 
 
 def _reinforce_pp(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, penalty: Tensor | None) -> Tensor:
-    return compute_reinforce_pp_advantages(rewards, mask, gamma=cfg.gamma, token_penalty=penalty)
+    return compute_reinforce_pp_advantages(rewards, mask, gamma=cfg.gamma, token_penalty=penalty, whiten=False)
 
 
 def _reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any,
                            penalty: Tensor | None) -> Tensor:
-    return compute_reinforce_pp_baseline_advantages(_outcome(rewards, mask, penalty), mask, group_size)
+    return compute_reinforce_pp_baseline_advantages(_outcome(rewards, mask, penalty), mask, group_size, whiten=False)
 
 
 def _gae(rewards: Tensor, values: Tensor, mask: Tensor, cfg: Any, penalty: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -119,8 +126,9 @@ def _no_advantage(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, pena
 ALGORITHMS: dict[str, Algorithm] = {
     "grpo": Algorithm("grpo", _grpo, needs_group=True),
     "rloo": Algorithm("rloo", _rloo, needs_group=True),
-    "reinforce_plus_plus": Algorithm("reinforce_plus_plus", _reinforce_pp, needs_group=False),
-    "reinforce_plus_plus_baseline": Algorithm("reinforce_plus_plus_baseline", _reinforce_pp_baseline, needs_group=True),
+    "reinforce_plus_plus": Algorithm("reinforce_plus_plus", _reinforce_pp, needs_group=False, whitens_step=True),
+    "reinforce_plus_plus_baseline": Algorithm("reinforce_plus_plus_baseline", _reinforce_pp_baseline,
+                                              needs_group=True, whitens_step=True),
     "ppo": Algorithm("ppo", None, needs_group=False, estimate_with_values=_gae),
     # Offline preference pairs: no advantage, the loss compares each pair's log-ratios.
     "dpo": Algorithm("dpo", _no_advantage, needs_group=False, needs_reference=True, loss=compute_dpo_loss,
@@ -177,42 +185,69 @@ def build_overlong_mask(batch: RolloutBatch) -> np.ndarray:
 
 def assign_advantages(batch: RolloutBatch, cfg: Any, kl_reward_coef: float = 0.0) -> RolloutBatch:
     """``batch`` with ``loss_mask`` [S, C] bool and ``advantages`` [S, C] float32 set by
-    the algorithm ``cfg.name`` (see the module guarantees); a new value, never mutated.
+    the algorithm ``cfg.name``: ``assign_step_advantages`` of a step of this one batch."""
+    return assign_step_advantages([batch], cfg, kl_reward_coef)[0]
+
+
+def assign_step_advantages(batches: list[RolloutBatch], cfg: Any, kl_reward_coef: float = 0.0) -> list[RolloutBatch]:
+    """Each of a step's ``batches`` with ``loss_mask`` [S, C] bool and ``advantages``
+    [S, C] float32 set by the algorithm ``cfg.name`` (see the module guarantees); new
+    values, never mutated. An entry that ``whitens_step`` whitens over the valid tokens
+    of all of them (the step's batch); the others estimate each batch on its own.
 
     ``kl_reward_coef`` > 0 (``use_kl_in_reward``; the trainer's KL controller chooses it
     per step): ``kl_reward_coef * compute_kl_reward_penalty`` is subtracted from the
     reward before advantages: from each token's reward (REINFORCE++'s returns) or, for
     outcome estimators, the sample's sum from its score. ``cfg.overlong_mask``: samples
     cut by the length limit leave the loss mask after advantages are computed (they
-    still count in their group's baseline, as in DAPO's overlong filtering).
-    An entry with ``estimate_with_values`` (``ppo``) reads ``batch.values`` and also sets
-    ``returns`` [S, C] float32 (the critic's targets)."""
-    mask = build_loss_mask(batch)
+    still count in their group's baseline and the whitening, as in DAPO's overlong
+    filtering). An entry with ``estimate_with_values`` (``ppo``) reads ``batch.values``
+    and also sets ``returns`` [S, C] float32 (the critic's targets)."""
+    algo = get_algorithm(cfg.name)
+    estimated = [_estimate(b, algo, cfg, kl_reward_coef) for b in batches]
+    todo = [e for e in estimated if e[1] is not None]
+    if algo.whitens_step and todo:
+        stats = compute_whiten_stats([adv for _, adv, mask, _ in todo], [mask for _, adv, mask, _ in todo])
+        estimated = [(b, None if adv is None else whiten_masked(adv, mask, stats=stats), mask, ret)
+                     for b, adv, mask, ret in estimated]
+    return [_finish(b, adv, mask, ret, cfg) for b, adv, mask, ret in estimated]
+
+
+def _estimate(batch: RolloutBatch, algo: Algorithm, cfg: Any,
+              kl_reward_coef: float) -> tuple[RolloutBatch, Tensor | None, Tensor, np.ndarray | None]:
+    """(batch, its advantages [S, C] before any step-wide whitening or None when it came
+    with its own, loss mask [S, C] bool, critic returns or None)."""
+    mask = torch.from_numpy(build_loss_mask(batch))
     if batch.advantages is not None:
-        return msgspec.structs.replace(batch, loss_mask=_mask_overlong(batch, mask, cfg))
+        return batch, None, mask, None
     if batch.rewards is None:
         raise ValueError(f"batch {batch.batch_id}: no rewards; the reward stage must run first")
-    algo = get_algorithm(cfg.name)
     rewards = torch.as_tensor(np.array(batch.rewards, dtype=np.float32))
-    penalty = kl_reward_coef * compute_kl_reward_penalty(batch, cfg, mask) if kl_reward_coef > 0 else None
-    returns = None
-    if algo.estimate_with_values is not None:
-        if batch.values is None:
-            raise ValueError(f"batch {batch.batch_id}: algorithm {cfg.name!r} needs critic values [S, C] "
-                             f"(is a critic stage wired before the trainer?)")
-        values = torch.as_tensor(np.asarray(batch.values, dtype=np.float32))
-        if values.shape != mask.shape:
-            raise ValueError(f"batch {batch.batch_id}: values: expected shape {mask.shape} (samples, completion "
-                             f"positions), got {tuple(values.shape)}")
-        adv, ret = algo.estimate_with_values(rewards, values, torch.from_numpy(mask), cfg, penalty)
-        returns = ret.numpy().astype(np.float32)
-    else:
+    penalty = (kl_reward_coef * compute_kl_reward_penalty(batch, cfg, mask.numpy())
+               if kl_reward_coef > 0 else None)
+    if algo.estimate_with_values is None:
         assert algo.estimate is not None
-        adv = algo.estimate(rewards, torch.from_numpy(mask), batch.group_size, cfg, penalty)
-    mask = _mask_overlong(batch, mask, cfg)
-    adv = torch.where(torch.from_numpy(mask), adv, torch.zeros_like(adv))
+        return batch, algo.estimate(rewards, mask, batch.group_size, cfg, penalty), mask, None
+    if batch.values is None:
+        raise ValueError(f"batch {batch.batch_id}: algorithm {cfg.name!r} needs critic values [S, C] "
+                         f"(is a critic stage wired before the trainer?)")
+    values = torch.as_tensor(np.asarray(batch.values, dtype=np.float32))
+    if values.shape != mask.shape:
+        raise ValueError(f"batch {batch.batch_id}: values: expected shape {tuple(mask.shape)} (samples, completion "
+                         f"positions), got {tuple(values.shape)}")
+    adv, ret = algo.estimate_with_values(rewards, values, mask, cfg, penalty)
+    return batch, adv, mask, ret.numpy().astype(np.float32)
+
+
+def _finish(batch: RolloutBatch, adv: Tensor | None, mask: Tensor, returns: np.ndarray | None,
+            cfg: Any) -> RolloutBatch:
+    """The batch with its loss mask (overlong samples removed) and advantages (0 outside it)."""
+    loss_mask = _mask_overlong(batch, mask.numpy(), cfg)
+    if adv is None:  # assigned upstream: kept
+        return msgspec.structs.replace(batch, loss_mask=loss_mask)
+    adv = torch.where(torch.from_numpy(loss_mask), adv, torch.zeros_like(adv))
     extra = {} if returns is None else {"returns": returns}
-    return msgspec.structs.replace(batch, loss_mask=mask, advantages=adv.numpy().astype(np.float32), **extra)
+    return msgspec.structs.replace(batch, loss_mask=loss_mask, advantages=adv.numpy().astype(np.float32), **extra)
 
 
 def _mask_overlong(batch: RolloutBatch, mask: np.ndarray, cfg: Any) -> np.ndarray:

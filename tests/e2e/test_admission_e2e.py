@@ -95,7 +95,10 @@ def test_trainer_oom_mid_step_trains_every_sample_once(tmp_path, monkeypatch, ca
                        "MASTER_PORT": str(find_free_port())}.items():
         monkeypatch.setenv(key, value)
     cfg = load_config(None, [
-        f"run.dir={tmp_path / 'run'}", "train.threads=1", "train.save_checkpoint=false", "train.sync_interval=100",
+        # The tiny model's rate (the default suits a pretrained checkpoint): updates large
+        # enough that a wrong recovery shows in the weights.
+        f"run.dir={tmp_path / 'run'}", "train.lr=3e-4", "train.threads=1", "train.save_checkpoint=false",
+        "train.sync_interval=100",
         "rollout.n=8", "train.prompts_per_step=8", "dataflow.prompts_per_micro_batch=4", "algorithm.kl_coef=0",
         "dataflow.async_execution=false", "dataflow.max_staleness=99",
     ])

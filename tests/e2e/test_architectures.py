@@ -148,8 +148,10 @@ async def serve_checkpoints(ckpts: list[str]) -> dict[str, tuple[list, list[int]
     served = {}
     for ckpt in ckpts:
         tok = AutoTokenizer.from_pretrained(ckpt)
-        backend = build_backend("vllm", Path(ckpt), RolloutConfig(kv_cache_gib=0.25, seed=0, engine_core="in_process"),
-                                "float32")
+        # A quarter GiB of cache holds 8 x 8 short sequences, not one of a real model's
+        # published context length (tens of thousands of tokens): the serving length is the job's.
+        backend = build_backend("vllm", Path(ckpt), RolloutConfig(kv_cache_gib=0.25, seed=0, engine_core="in_process",
+                                                                  max_model_len=256), "float32")
         await backend.start()
         try:
             live = await backend.live_fingerprint()

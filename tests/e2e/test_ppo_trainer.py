@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.memory.splitting import split_rollout_batch_at
-from stages.ppo_trainer import PPOTrainerStage, compute_update_grad_scale
+from stages.ppo_trainer import PPOTrainerStage
 from stages.trainer import TrainerStage, compute_micro_batch_scale, compute_step_grad_scale
 from tests.e2e.test_trainer_engine import build_engine, make_batch, on_policy, rewarded_gap
 from tests.unit.test_admission import make_batch as make_small_batch
@@ -18,12 +18,12 @@ def test_update_grad_scale_hand_derived():
     # make_small_batch(1 group) has 3 loss tokens (lens 1, 2); (3 groups) 13 tokens, 6 samples.
     a, b = make_small_batch(num_groups=1, batch_id=1), make_small_batch(num_groups=3, batch_id=2)
     # token-mean, step of 8 samples: mini-batch [a] -> 8 / 3; [b] -> 8 / 13; both = the step's 8 / 16
-    assert compute_update_grad_scale([a], 8, "token-mean") == 8 / 3
-    assert compute_update_grad_scale([b], 8, "token-mean") == 8 / 13
-    assert compute_update_grad_scale([a, b], 8, "token-mean") == compute_step_grad_scale([a, b], 8, "token-mean")
-    # seq modes: step samples / the mini-batch's samples: [a] 8 / 2 = 4; whole step 1
-    assert compute_update_grad_scale([a], 8, "seq-mean-token-mean") == 4.0
-    assert compute_update_grad_scale([a, b], 8, "seq-mean-token-mean") == 1.0
+    assert compute_step_grad_scale([a], 8, "token-mean") == 8 / 3
+    assert compute_step_grad_scale([b], 8, "token-mean") == 8 / 13
+    assert compute_step_grad_scale([a, b], 8, "token-mean") == 8 / 16
+    # seq modes: step samples / the mini-batch's non-empty rows: [a] 8 / 2 = 4; whole step 1
+    assert compute_step_grad_scale([a], 8, "seq-mean-token-mean") == 4.0
+    assert compute_step_grad_scale([a, b], 8, "seq-mean-token-mean") == 1.0
 
 
 def _stage(engine, epochs: int, minis: int) -> PPOTrainerStage:
@@ -92,3 +92,27 @@ def test_mini_batches_must_split_a_step_into_whole_micro_batches():
         load_config("configs/quickstart.yaml", ["train.ppo_mini_batches=4"])
     with pytest.raises(ConfigError, match=r"record.edges: a recorded trainer input replays one optimizer update"):
         load_config("configs/quickstart.yaml", ["train.ppo_epochs=2", "record.edges=[reference->trainer]"])
+
+
+def test_decoupled_objective_keeps_the_first_pass_anchor_across_epochs(tmp_path):
+    """algorithm.off_policy truncate with train.ppo_epochs 2: the second pass over a batch
+    measures its ratio against the first pass's log-probs (held by sample id), so after
+    an update it is no longer 1 and the clip binds (a trust region, as verl, TRL and AReaL
+    keep); the step's last update (the version bump) drops them: the next step's first
+    pass is anchored on its own weights again (ratio exactly 1)."""
+    from pipeline.config import GrpoConfig, TrainConfig
+    from stages.trainer_engine import TrainerEngine
+    from tests.e2e.test_trainer_engine import make_batch, on_policy
+
+    train = TrainConfig(lr=1e-2, grad_clip=1.0, threads=1, ppo_epochs=2)
+    engine = TrainerEngine(_checkpoint(tmp_path), train, GrpoConfig(kl_coef=0.0, off_policy="truncate"),
+                           temperature=1.0, dtype="float32", seed=0, chunk_size=24)
+    batch = on_policy(engine, make_batch(seed=3))
+    first = engine.train_micro_batch(batch, 1.0)
+    engine.optimizer_step(bump_version=False)  # an update inside the step
+    second = engine.train_micro_batch(batch, 1.0)
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-12) and first["clip_frac"] == 0.0
+    assert abs(second["ratio_mean"] - 1.0) > 1e-3 and second["clip_frac"] > 0.0, second
+    engine.optimizer_step()  # the step's last update
+    third = engine.train_micro_batch(batch, 1.0)
+    assert third["ratio_mean"] == pytest.approx(1.0, abs=1e-12) and third["clip_frac"] == 0.0

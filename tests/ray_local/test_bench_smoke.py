@@ -62,12 +62,16 @@ def test_queue_hop_quick_writes_result(ray_cluster, tmp_path):
 
 
 def test_staleness_quick_writes_result(ray_cluster, tmp_path):
-    """Two 3-step quickstart runs (lock-step, and η 2 with truncated importance weights)
-    on the HF rollout backend, which starts in seconds."""
+    """Three 3-step quickstart runs (lock-step, η 2 with truncated importance weights,
+    and the same with two PPO epochs) on the HF rollout backend, which starts in seconds."""
     assert main(["staleness", "--quick", "--out", str(tmp_path)]) == 0
     doc = _load(tmp_path / "staleness.json")
     assert (tmp_path / "staleness.png").stat().st_size > 0
-    assert set(doc["runs"]) == {"sync", "eta2-truncate"} and len(doc["table"]) == 2 + len(doc["runs"])
+    assert set(doc["runs"]) == {"sync", "eta2-truncate", "eta2-truncate-epochs2"}
+    assert len(doc["table"]) == 2 + len(doc["runs"])
+    # The second epoch is anchored on the first pass: its ratio has moved off 1.
+    epochs2 = doc["runs"]["eta2-truncate-epochs2"]
+    assert epochs2["later_epochs_ratio_mean"] != 1.0 and doc["runs"]["sync"]["later_epochs_ratio_mean"] is None
     for row in doc["runs"].values():
         assert row["status"] == "ok", row.get("error")
         assert row["steps"] == 3 and len(row["curve_samples"]) == 3

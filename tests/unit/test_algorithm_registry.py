@@ -3,6 +3,7 @@ aggregation (the trainer's scales, stages/trainer.py) on a tiny torch policy."""
 
 from __future__ import annotations
 
+import math
 import typing
 
 import msgspec
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from pipeline.config import ALGORITHM_NAMES, AlgorithmConfig, GrpoConfig, ReinforcePlusPlusConfig, RlooConfig
 from pipeline.memory.splitting import split_rollout_batch_at
-from stages.algorithms import ALGORITHMS, assign_advantages, compute_policy_loss
+from stages.algorithms import ALGORITHMS, assign_advantages, assign_step_advantages, compute_policy_loss
 from stages.trainer import (
     compute_micro_batch_scale,
     compute_piece_weight,
@@ -92,15 +93,42 @@ def _policy_logprobs(weight: torch.Tensor, batch, seed: int) -> torch.Tensor:
     return torch.log_softmax(feats @ weight, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_streaming_gradient_equals_the_one_big_batch_gradient(loss_agg):
+def test_seq_mean_scales_count_the_steps_non_empty_rows():
+    # overlong_mask empties rows: A (2 samples) keeps both, B (6 samples) keeps 2 of 6
+    # (4 cut by the length limit). The step's seq-mean runs over its 4 non-empty rows:
+    # scales 2/8 and 2/8, step rescale 8/4 = 2; losses 2 (A's mean over 2 rows) and 4
+    # (B's over 2 rows) -> (2*2 + 2*4) / 4 = 3.0 (sample shares 2/8, 6/8 gave 3.5).
+    a, b = _overlong_batches(GrpoConfig(loss_agg="seq-mean-token-mean", overlong_mask=True))
+    assert (a.loss_rows, b.loss_rows) == (2, 2)
+    assert compute_micro_batch_scale(a, 8, "seq-mean-token-mean") == 2 / 8
+    assert compute_micro_batch_scale(b, 8, "seq-mean-token-sum") == 2 / 8
+    assert compute_step_grad_scale([a, b], 8, "seq-mean-token-mean") == 2.0
+    assert compute_step_loss([2.0, 4.0], [a, b], 8, "seq-mean-token-mean") == pytest.approx(3.0, abs=1e-12)
+    # seq-mean-token-sum-norm counts every row: 2/8, 6/8, rescale 8/8 -> 3.5
+    assert compute_step_loss([2.0, 4.0], [a, b], 8, "seq-mean-token-sum-norm") == pytest.approx(3.5, abs=1e-12)
+
+
+def _overlong_batches(cfg):
+    """A: 1 group, both samples stopped; B: 3 groups, samples 0-3 cut by the length limit."""
+    a = msgspec.structs.replace(make_batch(num_groups=1, batch_id=1), finish_reasons=["stop"] * 2)
+    b = msgspec.structs.replace(make_batch(num_groups=3, batch_id=2), finish_reasons=["length"] * 4 + ["stop"] * 2)
+    return [assign_advantages(x, cfg) for x in (a, b)]
+
+
+@pytest.mark.parametrize("loss_agg,overlong", [
+    ("token-mean", False), ("seq-mean-token-mean", False), ("seq-mean-token-sum-norm", False),
+    ("token-mean", True), ("seq-mean-token-mean", True), ("seq-mean-token-sum", True),
+    ("seq-mean-token-sum-norm", True)])
+def test_streaming_gradient_equals_the_one_big_batch_gradient(loss_agg, overlong):
     """Uneven micro-batches (3 and 13 tokens, B split again in two pieces as an OOM
     split would) accumulated with the trainer's scales give the gradient of the loss
-    over all 8 samples as one batch."""
-    cfg = GrpoConfig(loss_agg=loss_agg, loss_norm_tokens=4)
+    over all 8 samples as one batch; also when ``overlong_mask`` empties rows unevenly
+    (A keeps 2 of 2 rows, B 2 of 6)."""
+    cfg = GrpoConfig(loss_agg=loss_agg, loss_norm_tokens=4, overlong_mask=overlong)
     torch.manual_seed(0)
     weight = torch.randn(5, 7, requires_grad=True)
-    batches = [assign_advantages(make_batch(num_groups=g, batch_id=i), cfg) for i, g in ((1, 1), (2, 3))]
+    batches = (_overlong_batches(cfg) if overlong else
+               [assign_advantages(make_batch(num_groups=g, batch_id=i), cfg) for i, g in ((1, 1), (2, 3))])
     behaviour = {b.batch_id: _policy_logprobs(weight, b, b.batch_id).detach() + 0.1 for b in batches}
 
     def piece_loss(piece, whole):
@@ -137,3 +165,49 @@ def test_streaming_gradient_equals_the_one_big_batch_gradient(loss_agg):
         for batch in batches:
             (piece_loss(batch, batch) * batch.num_samples / 8).backward()
         assert not torch.allclose(weight.grad, streamed, rtol=1e-3, atol=1e-6)
+
+
+def _step_of_two():
+    # Two micro-batches of one group of 2 (lens 1, 2): A rewards 0, 1; B rewards 4, 4.
+    a = make_batch(num_groups=1, batch_id=1)
+    b = msgspec.structs.replace(make_batch(num_groups=1, batch_id=2), rewards=np.array([4.0, 4.0], np.float32))
+    return a, b
+
+
+def test_reinforce_pp_whitens_over_the_step_not_the_micro_batch():
+    # gamma 1: every token carries its sample's reward. Step tokens: A 0 | 1 1, B 4 | 4 4
+    # -> mean 14/6 = 7/3, squared deviations 49/9 + 2 * 16/9 + 3 * 25/9 = 156/9, unbiased
+    # var 156/9 / 5 = 52/15, std 1.8618987 -> A: -7/3 / std = -1.2532, -4/3 / std = -0.7161;
+    # B: 5/3 / std = 0.8951. (Per micro-batch B would be constant: all 0.)
+    a, b = assign_step_advantages(list(_step_of_two()), ReinforcePlusPlusConfig())
+    std = math.sqrt(52 / 15)
+    np.testing.assert_allclose(a.advantages, [[-7 / 3 / std, 0.0], [-4 / 3 / std, -4 / 3 / std]], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(b.advantages, [[5 / 3 / std, 0.0], [5 / 3 / std, 5 / 3 / std]], rtol=0, atol=1e-5)
+
+
+def test_trainer_holds_a_reinforce_pp_step_and_whitens_it_whole():
+    import asyncio
+    from types import SimpleNamespace
+
+    from pipeline.config import load_config
+    from stages.trainer import TrainerStage, holds_whole_step
+
+    cfg = load_config(None, ["algorithm.name=reinforce_plus_plus", "algorithm.kl_coef=0", "rollout.n=2",
+                             "train.prompts_per_step=2", "dataflow.prompts_per_micro_batch=1"])
+    assert holds_whole_step(cfg) and not holds_whole_step(load_config(None, []))  # grpo streams
+    stage = TrainerStage()
+    stage.cfg, stage.engine, stage.max_staleness = cfg, SimpleNamespace(version=5), 0  # make_batch: version 5
+    stage.holds_step, stage.step_samples = True, 4
+    trained = []
+
+    async def train_into_step(batch, staleness):  # the engine's part, recorded
+        trained.append(batch)
+
+    stage._train_into_step = train_into_step
+    a, b = _step_of_two()
+    asyncio.run(stage.process(a))
+    assert trained == []  # held: the step's whitening needs B too
+    asyncio.run(stage.process(b))
+    std = math.sqrt(52 / 15)  # as derived above
+    assert [t.batch_id for t in trained] == [1, 2]
+    assert trained[1].advantages[0, 0] == pytest.approx(5 / 3 / std, abs=1e-5)

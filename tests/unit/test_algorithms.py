@@ -110,6 +110,9 @@ def test_policy_loss_without_sampler_logprobs_anchors_on_the_trained_weights():
     loss, grad, metrics = run(torch.full((2, 3), math.nan))
     ref_loss, ref_grad, ref_metrics = run(current.clone())
     assert loss == ref_loss and torch.equal(grad, ref_grad)
+    # No token has a sampler log-prob: the mismatch is not measured (the reference run's is 0).
+    assert "logp_mismatch" not in metrics and ref_metrics.pop("logp_mismatch") == 0.0
+    ref_metrics.pop("logp_mismatch_tokens")
     assert metrics == ref_metrics and metrics["ratio_mean"] == 1.0 and metrics["clip_frac"] == 0.0
     assert math.isfinite(loss) and grad.abs().sum() > 0
     # Row 0 reported by the sampler, row 1 not: row 0 keeps its own ratio.
@@ -256,6 +259,26 @@ def test_truncated_importance_weights():
     assert metrics["ratio_mean"] == 1.0 and metrics["clip_frac"] == 0.0
 
 
+def test_decoupled_ratio_is_anchored_on_the_proximal_log_probs():
+    # A later PPO epoch: the weights moved since the first pass (prox), which moved from
+    # the sampler (behaviour). truncate, cap 2, A = 1, clip 0.2:
+    #   token 0: ratio = exp(-1 - (-1 - ln 2)) = 2 -> clipped to 1.2 (no gradient);
+    #            iw = exp(prox - behaviour) = 1.5 -> w 1.5, term -1.5 * 1.2 = -1.8
+    #   token 1: ratio 1; iw = 3 -> w = min(3, 2) = 2, term -2, d/dlogp = -2 / 2 = -1
+    #   loss (-1.8 - 2) / 2 = -1.9; grad [0, -1]; ratio mean 1.5, clip_frac 0.5,
+    #   iw mean (1.5 + 3) / 2 = 2.25 (anchored on the current weights: ratio 1, no clip)
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    prox = torch.tensor([[-1.0 - math.log(2.0), -2.0]])
+    old = torch.tensor([[-1.0 - math.log(2.0) - math.log(1.5), -2.0 - math.log(3.0)]])
+    loss, metrics = compute_policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), off_policy="truncate",
+                                        behav_imp_weight_cap=2.0, clip_ratio_c=None, prox_logprobs=prox)
+    assert loss.item() == pytest.approx(-1.9, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.0]]), atol=1e-6, rtol=0)
+    assert metrics["ratio_mean"] == pytest.approx(1.5, abs=1e-6) and metrics["clip_frac"] == 0.5
+    assert metrics["is_weight_mean"] == pytest.approx(2.25, abs=1e-6)
+
+
 def test_rejected_importance_weights_zero_the_token_but_keep_the_count():
     # same tokens, reject: w = [0 (3 > cap 2), 1] -> loss (0 - 1)/2 = -0.5, grad [0, -0.5]
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
@@ -296,5 +319,10 @@ def test_logp_mismatch_is_measured_on_fresh_tokens_only():
     fresh = torch.tensor([[1, 1, 0, 1]], dtype=torch.bool)
     _, metrics = compute_policy_loss(logp, old, torch.tensor([1.0]), mask, fresh_mask=fresh)
     assert metrics["logp_mismatch"] == pytest.approx(0.2, abs=1e-6)
+    assert metrics["logp_mismatch_tokens"] == 2.0
+    # No fresh token (none given, or every fresh one masked or unreported): absent, not
+    # a 0 that would read as a perfect sampler/trainer match.
     _, metrics = compute_policy_loss(logp, old, torch.tensor([1.0]), mask)
-    assert metrics["logp_mismatch"] == 0.0
+    assert "logp_mismatch" not in metrics and "logp_mismatch_tokens" not in metrics
+    _, metrics = compute_policy_loss(logp, old, torch.tensor([1.0]), mask, fresh_mask=torch.tensor([[0, 0, 0, 1]]))
+    assert "logp_mismatch" not in metrics

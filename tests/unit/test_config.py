@@ -9,7 +9,8 @@ import pytest
 from pipeline.cli import main
 from pipeline.config import ConfigError, apply_overrides, load_config
 
-CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+CONFIGS_DIR = Path(__file__).parents[2] / "configs"
+CONFIGS = sorted(CONFIGS_DIR.glob("*.yaml"))
 
 
 @pytest.mark.parametrize(
@@ -74,7 +75,11 @@ def test_engine_kwargs_reach_the_config_and_need_the_vllm_backend():
         (["algorithm.name=rloo", "rollout.n=1"], "rollout.n: expected >= 2 for rloo (group baseline), got 1"),
         (["train.lr_scheduler=step"], "train.lr_scheduler: expected one of ['constant', 'linear', 'cosine'], got 'step'"),
         (["train.lr_scheduler=cosine", "train.warmup_steps=100", "run.steps=100"],
-         "train.warmup_steps: expected < run.steps (100) for a decaying cosine schedule, got 100"),
+         "train.warmup_steps: expected < the run's optimizer updates (100: run.steps x train.ppo_epochs x "
+         "train.ppo_mini_batches) for a decaying cosine schedule, got 100"),
+        # 10 steps x 2 epochs x 2 mini-batches = 40 updates: warmup 40 is refused ...
+        (["train.lr_scheduler=linear", "train.warmup_steps=40", "run.steps=10", "train.ppo_epochs=2",
+          "train.ppo_mini_batches=2"], "(40: run.steps x train.ppo_epochs x train.ppo_mini_batches)"),
         (["train.min_lr_ratio=1.5"], "train.min_lr_ratio: expected float <= 1.0, got 1.5"),
     ],
 )
@@ -82,6 +87,20 @@ def test_per_algorithm_fields_are_validated(overrides, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert message in str(info.value)
+
+
+def test_warmup_counts_optimizer_updates_not_steps():
+    # 10 steps x 2 epochs x 2 mini-batches = 40 updates: a warmup of 39 updates still
+    # leaves one to decay over (run.steps alone would refuse anything from 10 on).
+    cfg = load_config(None, ["train.lr_scheduler=linear", "train.warmup_steps=39", "run.steps=10",
+                             "train.ppo_epochs=2", "train.ppo_mini_batches=2"])
+    assert cfg.train.warmup_steps == 39
+
+
+def test_default_learning_rate_suits_a_pretrained_checkpoint():
+    # verl's actor and TRL's GRPO default to 1e-6; the tiny model's configs set their own.
+    assert load_config(None, []).train.lr == 1e-6
+    assert load_config(CONFIGS_DIR / "quickstart.yaml", []).train.lr == 5e-4
 
 
 def test_algorithm_name_picks_its_fields():

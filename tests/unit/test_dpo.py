@@ -147,3 +147,16 @@ def test_preflight_report_counts_bad_pair_rows_and_refuses_a_file_without_a_good
     with pytest.raises(ConfigError, match=r"^data\.path: no usable row in (.|\n)*rows 1, 2\); first: pairs\.jsonl row 1: "
                                           r"field 'chosen' must be a string"):
         check_data_file(data, build_char_tokenizer("llama"), "m")
+
+
+def test_dpo_scores_at_temperature_one_and_trains_whole_pairs_per_chunk():
+    from stages.trainer_engine import align_chunk_size
+
+    # Offline pairs were sampled by no rollout: trainer and reference take the model's
+    # own log-probs (temperature 1), whatever rollout.temperature says; GRPO keeps it.
+    dpo = load_config(None, [*PAIRS, "rollout.temperature=0.7"])
+    assert dpo.scoring_temperature == 1.0
+    assert load_config(None, ["rollout.temperature=0.7"]).scoring_temperature == 0.7
+    # chunks of whole (chosen, rejected) pairs: 3 -> 2, 1 -> 2, 4 stays; grpo keeps 3
+    assert [align_chunk_size(c, dpo.algorithm) for c in (3, 1, 4)] == [2, 2, 4]
+    assert align_chunk_size(3, load_config(None, []).algorithm) == 3

@@ -13,7 +13,7 @@ import yaml
 
 from pipeline.cli import main
 from pipeline.config import load_config
-from pipeline.preflight import run_preflight
+from pipeline.preflight import check_learning_settings, run_preflight
 from stages.tiny import build_char_tokenizer
 
 REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
@@ -208,3 +208,24 @@ def test_a_router_loss_needs_a_model_with_a_router(setup, models, capsys, ray_st
     cfg = load_config(config, [f"model.path={moe}", "train.router_aux_loss_coef=0.01"])
     assert run_preflight(cfg)[0].train.router_aux_loss_coef == 0.01
     assert ray_starts == []
+
+
+def test_a_high_learning_rate_on_a_wide_model_is_warned_naming_train_lr(tmp_path):
+    # hidden size 896 (a 0.5B-class model) at the old default 3e-4 (> 1e-4): warned;
+    # at 1e-6, or the embedded tiny width 128 at 3e-4: nothing to say.
+    wide, tiny = tmp_path / "wide", tmp_path / "tiny"
+    for path, hidden in ((wide, 896), (tiny, 128)):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": hidden}))
+    (note,) = check_learning_settings(load_config(None, ["train.lr=3e-4"]), wide)
+    assert note.startswith("warning: train.lr 0.0003 is above 0.0001") and "hidden size 896" in note
+    assert check_learning_settings(load_config(None, ["train.lr=1e-6"]), wide) == []
+    assert check_learning_settings(load_config(None, ["train.lr=3e-4"]), tiny) == []
+
+
+def test_kl_in_the_reward_and_in_the_loss_is_warned(tmp_path):
+    # use_kl_in_reward with the default algorithm.kl_coef (0.04 > 0): the KL twice.
+    (note,) = check_learning_settings(load_config(None, ["algorithm.use_kl_in_reward=true"]), tmp_path)
+    assert "algorithm.use_kl_in_reward" in note and "algorithm.kl_coef 0.04" in note and "twice" in note
+    cfg = load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0"])
+    assert check_learning_settings(cfg, tmp_path) == []

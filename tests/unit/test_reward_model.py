@@ -108,3 +108,65 @@ def test_reward_sources_config_and_graph(rm_path):
     with pytest.raises(ConfigError, match=r"reward\.sources\[\.\.\.\]\.normalize: invalid enum value .zscore."):
         load_config("configs/quickstart.yaml", [f"reward.sources={{rm: {{kind: model, path: {rm_path}, "
                                                 f"normalize: zscore}}}}"])
+
+
+def test_dapo_shaping_runs_on_the_reward_models_final_reward(rm_path, tmp_path):
+    """With a reward model the overlong penalty and zero-variance filtering apply to the
+    combined reward (rule weight 0, as configs/ppo.yaml), not to the rule score the
+    reward stage sets and the reward model replaces."""
+    import asyncio
+
+    from stages.reward_model import RewardModelStage
+    from stages.reward_shaping import shapes_rewards
+    from tests.ray_local.fakes import FakeStageContext
+
+    cfg = load_config("configs/quickstart.yaml", [
+        f"run.dir={tmp_path}", "rollout.n=2", "rollout.max_tokens=4", "train.prompts_per_step=2",
+        "dataflow.prompts_per_micro_batch=2", "algorithm.overlong_buffer_len=1",
+        "reward.sources={rule: {kind: function, weight: 0.0}, rm: {kind: model, path: " + str(rm_path) + "}}"])
+    assert shapes_rewards(cfg) == "reward_model"  # the reward stage leaves its score unshaped
+    ctx = FakeStageContext("reward_model", cfg)
+    stage = RewardModelStage()
+    asyncio.run(stage.setup(ctx))
+    # completion lengths 1 2 3 4 (make_batch); max_tokens 4, buffer 1: only length 4 is
+    # penalised, by -(4 - 3) / 1 = -1; the rule score (0 1 2 3) counts with weight 0.
+    out = asyncio.run(stage.process(_texts_batch()))
+    raw = np.asarray(out.reward_extras["rm"], dtype=np.float32)
+    np.testing.assert_allclose(out.rewards, raw + np.array([0, 0, 0, -1], np.float32), rtol=0, atol=1e-6)
+    assert out.reward_extras["overlong_penalty"] == [0.0, 0.0, 0.0, -1.0]
+
+    # Dynamic sampling: group 0's two completions are the same text, so the same model
+    # score (their lengths 1 and 2 get no penalty) while their rule scores (0, 1)
+    # differ: dropped on the final reward, reported at once; group 1 waits for a whole
+    # micro-batch and leaves at the end carrying the drop.
+    cfg = msgspec.structs.replace(cfg, algorithm=msgspec.structs.replace(cfg.algorithm,
+                                                                         drop_zero_variance_groups=True))
+    ctx = FakeStageContext("reward_model", cfg)
+    stage = RewardModelStage()
+    asyncio.run(stage.setup(ctx))
+    batch = msgspec.structs.replace(_texts_batch(), completions=["15", "15", "56 ok", ""])
+    assert asyncio.run(stage.process(batch)) == []
+    assert ctx.controller.calls == [("record_dropped", (1, "zero_variance"))]
+    (rest,) = asyncio.run(stage.finish())
+    assert rest.sample_ids == batch.sample_ids[2:] and rest.dropped_prompts == {"zero_variance": [-1]}
+    assert stage.status()["groups_dropped_zero_variance"] == 1
+
+
+def test_a_chat_prompt_is_scored_under_the_reward_models_own_template():
+    # The policy rendered "1=" with its template ("<policy>" marks it here); the reward
+    # model's tokenizer (qwen2-style, with a chat template) renders the messages plus the
+    # completion as the assistant's reply itself. A plain prompt keeps text + completion.
+    from pipeline.types import Prompt
+
+    tok = build_char_tokenizer("qwen2")
+    assert tok.chat_template is not None
+    rm = RewardModel.__new__(RewardModel)  # encode only: no model weights needed
+    rm.tokenizer, rm.max_length = tok, None
+    messages = [{"role": "user", "content": "1="}]
+    batch = make_batch(num_groups=2, group_size=2)
+    prompts = [Prompt(prompt_id="c", text="<policy>1=", messages=messages), Prompt(prompt_id="p", text="2=")]
+    batch = msgspec.structs.replace(batch, prompts=prompts, completions=["1", "11", "2", "22"])
+    got = rm.encode(batch)
+    own = tok.apply_chat_template([*messages, {"role": "assistant", "content": "11"}], tokenize=False)
+    assert "<policy>" not in own and got[1] == tok(own, add_special_tokens=False)["input_ids"]
+    assert got[2] == tok("2=2")["input_ids"]

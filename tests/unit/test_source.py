@@ -60,6 +60,7 @@ def test_chat_rows_are_rendered_once_by_the_source(tmp_path):
     assert prompt.text == "<|im_start|>user\n7=<|im_end|>\n<|im_start|>assistant\n"
     assert prompt.token_ids[0] == 1 and prompt.token_ids[-1] == 67  # <|im_start|> ... "\n"
     assert prompt.ground_truth == "7"
+    assert prompt.messages == [{"role": "user", "content": "7="}]  # for a reward model's own template
 
 
 def test_task_rows_over_length_are_skipped_with_a_warning():

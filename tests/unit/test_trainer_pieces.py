@@ -67,3 +67,26 @@ def test_piece_layout_round_trips_through_step_metrics() -> None:
     assert read_piece_layout(metrics, 12) == [3, 3]
     assert read_piece_layout(metrics, 1) is None  # trained whole
     assert read_piece_layout(encode_piece_layout({1: [1] * 12}), 1) == [1] * 12  # keys sort as numbers
+
+
+def test_logp_mismatch_pools_over_the_pieces_that_measured_it() -> None:
+    # Pieces: mismatch 0.1 on 2 fresh tokens, none measured, 0.4 on 1 token ->
+    # (0.1 * 2 + 0.4 * 1) / 3 = 0.2 over 3 tokens, whatever the loss weights; with no
+    # piece measuring it the merged metrics have no logp_mismatch at all.
+    base = {"loss": 1.0, "num_samples": 2.0, "num_tokens": 4.0, "scale": 0.1, "reward_mean": 0.0, "reward_std": 0.0}
+    pieces = [{**base, "logp_mismatch": 0.1, "logp_mismatch_tokens": 2.0}, dict(base),
+              {**base, "logp_mismatch": 0.4, "logp_mismatch_tokens": 1.0}]
+    out = merge_piece_metrics(pieces, [0.5, 0.25, 0.25])
+    assert out["logp_mismatch"] == pytest.approx(0.2, abs=1e-15) and out["logp_mismatch_tokens"] == 3.0
+    assert "logp_mismatch" not in merge_piece_metrics([dict(base), dict(base)], [0.5, 0.5])
+
+
+def test_later_epochs_metrics_are_token_weighted() -> None:
+    from stages.ppo_trainer import summarise_later_epochs
+
+    # Two micro-batches of the second epoch: ratio 1.1 on 10 tokens, 0.8 on 30 tokens ->
+    # (11 + 24) / 40 = 0.875; clip 0.5 and 0.1 -> (5 + 3) / 40 = 0.2. One epoch: nothing.
+    out = summarise_later_epochs([{"num_tokens": 10.0, "ratio_mean": 1.1, "clip_frac": 0.5},
+                                  {"num_tokens": 30.0, "ratio_mean": 0.8, "clip_frac": 0.1}])
+    assert out == pytest.approx({"later_epochs_ratio_mean": 0.875, "later_epochs_clip_frac": 0.2}, abs=1e-12)
+    assert summarise_later_epochs([]) == {}
