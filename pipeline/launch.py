@@ -50,7 +50,7 @@ from pipeline.dtypes import DTYPE_BYTES
 from pipeline.log import configure_logging, get_logger
 from pipeline.memory.admission import ModelShape
 from pipeline.memory.guard import merge_guard_metrics
-from pipeline.metrics import MetricsWriter, write_summary
+from pipeline.metrics import MetricsWriter, accumulate_totals, launch_totals, read_summary, write_summary
 from pipeline.placement import (
     RESERVE_FRACTION,
     PlacementPlan,
@@ -262,6 +262,8 @@ class Reporter:
         self._recent: list[Any] = []
         self._gpu = GpuSampler()
         self.started = time.time()
+        self.launched = self.started  # the launch's start (pre-flight's), set by the launch
+        self.previous_summary: dict[str, Any] | None = None  # the summary a resumed run's last launch left
         self.processes: dict[str, list[Any]] = {}
         self.restarts: dict[str, int] = {}
         self._object_store = _ObjectStoreGauge()
@@ -423,6 +425,7 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
 
 
 def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str, Any]:
+    launched = time.time()
     cfg, checks = run_preflight(cfg)  # a bad path, import or data file: ConfigError, before Ray
     print(checks.describe(), flush=True)
     run_cfg, plan = plan_run_placement(cfg)
@@ -436,6 +439,9 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
     cfg = run_cfg
     taps = record_taps(cfg, df)
     reporter = Reporter(cfg, run_dir)
+    reporter.launched = launched
+    # Read before this launch writes its own: the run's totals so far (a resume continues them).
+    reporter.previous_summary = read_summary(run_dir) if cfg.run.resume_from else None
     log.info("launch", run_dir=str(run_dir), mode="async" if cfg.dataflow.async_execution else "sync",
              stages=df.topological_order(), placement=plan.describe() if plan.available_gpus else "cpu")
     ended = "failed"
@@ -470,9 +476,19 @@ def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter
                # Only where there is something to resume from.
                "resume": f"conveyor launch --resume {run_dir}" if found is not None else None,
                "wall_s": time.time() - reporter.started,
-               "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None}
-    write_summary(run_dir, summary)
+               "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
+               "samples_trained": int((reporter.last_step or {}).get("samples/trained", 0))}
+    write_summary(run_dir, add_run_totals(summary, reporter))
     log.warning("run_stopped", **{k: v for k, v in summary.items() if k != "run"})
+    return summary
+
+
+def add_run_totals(summary: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
+    """``summary`` with this launch's wall time (``launch_wall_s``: from the launch's
+    start, pre-flight included) and the run's ``totals`` across its launches
+    (``pipeline.metrics.accumulate_totals``)."""
+    summary["launch_wall_s"] = time.time() - reporter.launched
+    summary["totals"] = accumulate_totals(reporter.previous_summary, launch_totals(summary))
     return summary
 
 
@@ -556,7 +572,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
         "admission": summarise_admission(result.reports),
     }
-    write_summary(run_dir, summary)
+    write_summary(run_dir, add_run_totals(summary, reporter))
     if agg:
         print(format_summary_table(agg))
     log.info("done", wall_s=round(result.wall_s, 1), steps=summary["steps"],
