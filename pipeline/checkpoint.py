@@ -46,6 +46,7 @@ SAFE_RESUME_KEYS = (
     "run.steps", "run.progress", "run.tensorboard", "run.log_level", "run.address", "run.resume_from",
     "run.overwrite", "run.dir", "run.max_restarts", "run.auto_resume",
     "train.checkpoint_every", "train.keep_checkpoints", "train.weight_sync_timeout_s", "train.save_checkpoint",
+    "train.on_checkpoint_error", "train.max_bad_steps",
     "record.", "placement.",
     # Where vLLM's memory goes, not what is learned (runs saved before the planned KV
     # cache hold kv_cache_gib: 1.0; resume them with rollout.kv_cache_gib=null).

@@ -475,6 +475,7 @@ def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter
     summary = {"run": cfg.run.name, "status": status, **detail, "steps": reporter.step_count,
                # Only where there is something to resume from.
                "resume": f"conveyor launch --resume {run_dir}" if found is not None else None,
+               "checkpoint": str(found[0]) if found is not None else None,  # the last good one
                "wall_s": time.time() - reporter.started,
                "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
                "samples_trained": int((reporter.last_step or {}).get("samples/trained", 0))}

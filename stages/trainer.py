@@ -42,6 +42,11 @@ Guarantees:
   store with their sha256 and fingerprint; rollout workers pull and confirm them. The
   transport is ``pipeline.transport.select_transport``'s: on a one-GPU cluster the
   weights stay on the GPU and only a ``cuda_ipc`` descriptor travels;
+- a step whose loss or gradient norm is not finite is not applied (the engine's
+  guarantee) nor published: its micro-batches are dropped as ``nonfinite`` (the
+  source replaces them, the ledger stays exact), a ``nonfinite_step`` warning names its
+  step, and ``actor/skipped_nonfinite`` counts such steps; ``train.max_bad_steps`` of
+  them in a row stop the run (``NonFiniteSteps``), naming the last good checkpoint;
 - when the run records the trainer's input, a ``StepRecord`` (batch ids, loss, grad
   norm, weights sha after the step, RNG state before it, the groups of each piece of a
   split micro-batch) is written per step, plus the trainer state at step 0 and every
@@ -75,6 +80,11 @@ from stages.trainer_checkpoint import TrainerCheckpoints
 from stages.trainer_metrics import summarise_batch_rewards, summarise_rollout_extras, summarise_step_batches
 
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
+NONFINITE = "nonfinite"  # the drop reason of a step's samples when its loss or gradient was not finite
+
+
+class NonFiniteSteps(RuntimeError):
+    """``train.max_bad_steps`` steps in a row had a non-finite loss or gradient norm."""
 
 
 def compute_micro_batch_scale(batch: RolloutBatch, step_samples: int, loss_agg: str = "seq-mean-token-mean") -> float:
@@ -228,6 +238,7 @@ class TrainerStage:
         self.trained_samples = 0
         self.steps_done = 0
         self.publishes, self.publish_s_total = 0, 0.0  # running totals: a long run keeps no list
+        self.skipped_nonfinite, self._bad_in_a_row = 0, 0  # steps not applied: in all, and since the last good one
         self._step_batches: list[RolloutBatch] = []
         self._step_metrics: list[dict[str, float]] = []
         self._step_staleness: list[int] = []
@@ -456,8 +467,13 @@ class TrainerStage:
         staleness, self._step_staleness = self._step_staleness, []
         train_s, self._step_train_s = self._step_train_s, 0.0
         t0 = time.time()
+        before = self.engine.version
         step_out = await asyncio.to_thread(self._apply_step_update, batches)
         update_s, self._step_update_s = self._step_update_s + time.time() - t0, 0.0
+        if step_out.get("skipped_nonfinite") and self.engine.version == before:
+            await self._skip_bad_step(batches, pieces, step_out)
+            return
+        self._bad_in_a_row = 0
         version = self.engine.version
         step = version - 1
         samples = sum(b.num_samples for b in batches)
@@ -504,6 +520,7 @@ class TrainerStage:
             **{f"actor/{k}": float(max(p[k] for p in pieces))
                for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},
             **{f"actor/{k}": float(v) for k, v in step_out.items()},
+            "actor/skipped_nonfinite": self.skipped_nonfinite,  # steps not applied so far in this launch
             **self._colocate_metrics,
         }
 
@@ -528,6 +545,28 @@ class TrainerStage:
         await self.ctx.controller.finish_step(sum(len(b.prompts) for b in batches), version, metrics, update, payload)
         if not self.colocated:
             await record()
+
+    async def _skip_bad_step(self, batches: list[RolloutBatch], pieces: list[dict[str, float]],
+                             step_out: dict[str, float]) -> None:
+        """The step the engine did not apply (see the module guarantees)."""
+        from pipeline.checkpoint import find_latest_checkpoint
+
+        self.skipped_nonfinite += 1
+        self._bad_in_a_row += 1
+        self._step_kl = []
+        loss = compute_step_loss([p["loss"] for p in pieces], batches, self.step_samples, self.cfg.algorithm.loss_agg)
+        limit = self.cfg.train.max_bad_steps
+        self.ctx.log.warning("nonfinite_step", step=self.engine.version, policy_version=self.engine.version,
+                             loss=loss, grad_norm=step_out.get("grad_norm"), in_a_row=self._bad_in_a_row,
+                             max_bad_steps=limit)
+        for b in batches:
+            await self._drop(b, NONFINITE)
+        if self._bad_in_a_row >= limit:
+            found = await asyncio.to_thread(find_latest_checkpoint, self.run_dir)
+            last = (f"the last good checkpoint is {found[0]} (conveyor launch --resume {self.run_dir})"
+                    if found else "no checkpoint was written yet")
+            raise NonFiniteSteps(f"train.max_bad_steps: {limit} steps in a row at step {self.engine.version} had "
+                                 f"a non-finite loss or gradient norm and were not applied; {last}")
 
     def _apply_step_update(self, batches: list[RolloutBatch]) -> dict[str, float]:
         """The step's optimizer update on the gradients its micro-batches accumulated
@@ -636,6 +675,7 @@ class TrainerStage:
             "samples_trained": self.trained_samples,
             "samples_dropped": dict(self.dropped),
             "weight_transport": self.transport,
+            "skipped_nonfinite": self.skipped_nonfinite,
             # GPUs each data-parallel rank saw (CUDA_VISIBLE_DEVICES), rank 0 first.
             "rank_devices": getattr(self.engine, "devices", None),
             "weight_publish_s": {"count": self.publishes,
