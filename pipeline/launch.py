@@ -415,6 +415,8 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
             found = find_latest_checkpoint(cfg.run_dir) if exc.died else None
             if not (cfg.run.auto_resume and found is not None and len(resumes) < AUTO_RESUME_ATTEMPTS):
                 raise
+            for message in found[2]:  # damaged checkpoints passed over for an older one
+                log.warning("checkpoint_skipped", detail=message)
             resumes.append({"stage": exc.stage, "error": exc.message, "from": str(found[0]),
                             "restarts": getattr(exc, "restarts", {})})
             log.warning("auto_resume", stage=exc.stage, attempt=len(resumes), max_attempts=AUTO_RESUME_ATTEMPTS,

@@ -592,6 +592,10 @@ class TrainerStage:
 
     async def _write_checkpoint(self) -> None:
         path = await asyncio.to_thread(self.checkpoints.write)
+        if path is None:  # train.on_checkpoint_error: continue
+            self.ctx.log.warning("checkpoint_failed", detail=self.checkpoints.last_error,
+                                 policy_version=self.engine.version)
+            return
         self.ctx.log.info("checkpoint_written", path=str(path), policy_version=self.engine.version)
 
     async def _export(self, version: int) -> tuple[WeightUpdate, Any, float]:
@@ -676,6 +680,7 @@ class TrainerStage:
             "samples_dropped": dict(self.dropped),
             "weight_transport": self.transport,
             "skipped_nonfinite": self.skipped_nonfinite,
+            "checkpoint_write_failures": self.checkpoints.failed_writes,
             # GPUs each data-parallel rank saw (CUDA_VISIBLE_DEVICES), rank 0 first.
             "rank_devices": getattr(self.engine, "devices", None),
             "weight_publish_s": {"count": self.publishes,
