@@ -74,13 +74,14 @@ from pipeline.profiler import (
     plot_timeline,
     write_chrome_trace,
 )
-from pipeline.runner import Graph, RunInterrupted, RunResult, run_dataflow
+from pipeline.runner import STOP_SIGNALS, Graph, RunInterrupted, RunResult, run_dataflow
 from pipeline.stage import StageError
 
 log = get_logger(stage="driver")
 RESTARTABLE_STAGES = ("rollout", "reward", "reward_model", "reference")
 MAX_SYNC_MARKERS = 10_000
 AUTO_RESUME_ATTEMPTS = 3  # resumes of one launch after deaths it could not restart
+NOTHING_TO_RESUME = "stopped before its first checkpoint: nothing to resume; launch the run again"
 
 
 def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> DataFlow:
@@ -407,6 +408,14 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
     With ``run.auto_resume`` a stage death the runner could not restart (the trainer's)
     resumes the run from its newest checkpoint, at most ``AUTO_RESUME_ATTEMPTS`` times."""
     configure_logging(cfg.run.log_level)
+    STOP_SIGNALS.install()  # from here on a stop leaves a summary (see pipeline/runner.py)
+    try:
+        return _launch_with_resumes(cfg)
+    finally:
+        STOP_SIGNALS.uninstall()
+
+
+def _launch_with_resumes(cfg: ConveyorConfig) -> dict[str, Any]:
     resumes: list[dict[str, Any]] = []
     while True:
         try:
@@ -428,9 +437,14 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
 
 def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str, Any]:
     launched = time.time()
-    cfg, checks = run_preflight(cfg)  # a bad path, import or data file: ConfigError, before Ray
-    print(checks.describe(), flush=True)
-    run_cfg, plan = plan_run_placement(cfg)
+    try:
+        cfg, checks = run_preflight(cfg)  # a bad path, import or data file: ConfigError, before Ray
+        print(checks.describe(), flush=True)
+        STOP_SIGNALS.check()
+        run_cfg, plan = plan_run_placement(cfg)
+        STOP_SIGNALS.check()
+    except RunInterrupted as exc:
+        return write_early_stop_summary(cfg, exc.signal_name, launched)
     df = build_dataflow(run_cfg, plan)
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, cfg.run.resume_from, cfg.run.overwrite)  # refuses to clobber a run
@@ -477,6 +491,7 @@ def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter
     summary = {"run": cfg.run.name, "status": status, **detail, "steps": reporter.step_count,
                # Only where there is something to resume from.
                "resume": f"conveyor launch --resume {run_dir}" if found is not None else None,
+               **({} if found is not None else {"resume_why": NOTHING_TO_RESUME}),
                "checkpoint": str(found[0]) if found is not None else None,  # the last good one
                "wall_s": time.time() - reporter.started,
                "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
@@ -492,6 +507,27 @@ def add_run_totals(summary: dict[str, Any], reporter: Reporter) -> dict[str, Any
     (``pipeline.metrics.accumulate_totals``)."""
     summary["launch_wall_s"] = time.time() - reporter.launched
     summary["totals"] = accumulate_totals(reporter.previous_summary, launch_totals(summary))
+    return summary
+
+
+def write_early_stop_summary(cfg: ConveyorConfig, signal_name: str, launched: float) -> dict[str, Any]:
+    """``summary.json`` of a launch stopped before its run directory was prepared (in
+    pre-flight or placement): written only where it replaces nothing of another run
+    (a resumed run's own directory, or one that holds no run)."""
+    from pipeline.checkpoint import RUN_FILES
+
+    run_dir = cfg.run_dir
+    found = find_latest_checkpoint(run_dir) if cfg.run.resume_from else None
+    summary: dict[str, Any] = {
+        "run": cfg.run.name, "status": "interrupted", "signal": signal_name, "forced": True, "steps": 0,
+        "resume": f"conveyor launch --resume {run_dir}" if found is not None else None,
+        **({} if found is not None else {"resume_why": NOTHING_TO_RESUME}),
+        "wall_s": 0.0, "launch_wall_s": time.time() - launched}
+    previous = read_summary(run_dir) if cfg.run.resume_from else None
+    summary["totals"] = accumulate_totals(previous, launch_totals(summary))
+    if cfg.run.resume_from or not any((Path(run_dir) / name).exists() for name in RUN_FILES):
+        write_summary(run_dir, summary)
+    log.warning("run_stopped", **{k: v for k, v in summary.items() if k != "run"})
     return summary
 
 
