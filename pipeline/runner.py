@@ -189,18 +189,23 @@ def run_dataflow(
     async_mode = True if async_execution is None else bool(async_execution)
     if not async_mode and len(df.sources) != 1:
         raise ValueError(f"lock-step mode needs one source node (its steps are the barrier), not {sorted(df.sources)}")
+    owner = not STOP_SIGNALS.installed  # called outside a launch (a test, a bench): restore the handlers after
     STOP_SIGNALS.install()  # again: ray.init replaces the SIGTERM handler with its own
-    STOP_SIGNALS.check()
-    coro = _run(
-        df, config, async_mode, micro_batches_per_step or 1,
-        target_prompts, prompts_per_step, taps or {}, on_tick, tick_s,
-    )
     try:
-        import uvloop
+        STOP_SIGNALS.check()
+        coro = _run(
+            df, config, async_mode, micro_batches_per_step or 1,
+            target_prompts, prompts_per_step, taps or {}, on_tick, tick_s,
+        )
+        try:
+            import uvloop
 
-        return uvloop.run(coro)
-    except ImportError:  # pragma: no cover - uvloop is a dependency; keep plain asyncio working
-        return asyncio.run(coro)
+            return uvloop.run(coro)
+        except ImportError:  # pragma: no cover - uvloop is a dependency; keep plain asyncio working
+            return asyncio.run(coro)
+    finally:
+        if owner:
+            STOP_SIGNALS.uninstall()
 
 
 async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: dict[str, str],
@@ -468,6 +473,10 @@ class StopSignals:
                 previous = signal.signal(sig, self._on_signal)
                 if previous != self._on_signal:
                     self._previous.setdefault(sig, previous)
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
 
     def uninstall(self) -> None:
         """The handlers from before the first ``install``, and no signal recorded."""
