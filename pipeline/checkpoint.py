@@ -5,14 +5,18 @@ state (``trainer/``: model, optimizer, RNG, version, written by the trainer engi
 ``state.msgpack`` (``ResumeState``: the ledger's counters and which prompts are done).
 
 Guarantees:
-- ``write_checkpoint`` builds the directory under a temporary name and renames it into
-  place in one step, ``state.msgpack`` last: a directory under a final name is complete.
+- ``write_checkpoint`` builds the directory under a temporary name, ``state.msgpack``
+  and then ``manifest.json`` (every file's size) last, fsyncs every file and the
+  directory, and renames it into place in one step: a directory under a final name is
+  complete. A write that fails (a full disk: ``OSError``) removes its temporary
+  directory and raises, leaving the checkpoints already there as they were.
   It keeps the newest ``keep`` checkpoints and removes older ones after the new one is
   in place, so a crash at any moment leaves at least one complete checkpoint once one
   was written.
-- ``find_latest_checkpoint`` returns the newest checkpoint whose state decodes and whose
-  trainer state exists; a damaged or half-written one is skipped, with a message naming
-  it, for the one before.
+- ``find_latest_checkpoint`` returns the newest checkpoint whose state decodes, whose
+  trainer state exists and whose files match its manifest (checkpoints written before
+  manifests existed have none to check); a damaged, truncated or half-written one is
+  skipped, with a message naming it, for the one before.
 - Exactly once: ``ConsumedPrompts`` is the set of prompt indices trained or dropped (with
   a reason) up to the checkpoint, as a frontier (every index below it) plus the few
   above it. A resumed source skips exactly those, so prompts trained before the
@@ -40,12 +44,14 @@ from pipeline.config import ConfigError
 SCHEMA_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "state.msgpack"
+MANIFEST_FILE = "manifest.json"  # {"files": {relative path: size in bytes}}, written last
 TRAINER_DIR = "trainer"
 # Keys a resumed run may change: how long it runs and how it reports, not what it learns.
 SAFE_RESUME_KEYS = (
     "run.steps", "run.progress", "run.tensorboard", "run.trackers", "run.log_level", "run.address", "run.resume_from",
     "run.overwrite", "run.dir", "run.max_restarts", "run.auto_resume",
     "train.checkpoint_every", "train.keep_checkpoints", "train.weight_sync_timeout_s", "train.save_checkpoint",
+    "train.on_checkpoint_error", "train.max_bad_steps",
     "record.", "placement.",
     # Where vLLM's memory goes, not what is learned (runs saved before the planned KV
     # cache hold kv_cache_gib: 1.0; resume them with rollout.kv_cache_gib=null).
@@ -113,12 +119,13 @@ def write_checkpoint(run_dir: Path, state: ResumeState, save_trainer: Callable[[
     try:
         save_trainer(tmp / TRAINER_DIR)
         (tmp / STATE_FILE).write_bytes(msgspec.msgpack.encode(state))
-        _fsync_dir(tmp)
+        write_manifest(tmp)
         old = None
         if final.exists():  # the same version again (drops recorded since): moved aside first,
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=root))  # removed once replaced
             os.replace(final, old / "step")
         os.rename(tmp, final)
+        _fsync_dir(root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:
@@ -126,6 +133,41 @@ def write_checkpoint(run_dir: Path, state: ResumeState, save_trainer: Callable[[
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep or None]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_manifest(directory: Path) -> None:
+    """fsync every file under ``directory`` and its folders, then write and fsync
+    ``manifest.json`` listing their sizes."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        with path.open("rb") as f:  # fsync needs no write access on Linux
+            os.fsync(f.fileno())
+        files[path.relative_to(directory).as_posix()] = path.stat().st_size
+    with (directory / MANIFEST_FILE).open("w", encoding="utf-8") as f:
+        json.dump({"files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    for folder in {p.parent for p in directory.rglob("*")} | {directory}:
+        _fsync_dir(folder)
+
+
+def check_manifest(directory: Path) -> str | None:
+    """Why ``directory``'s files do not match its manifest (a file missing or of another
+    size), or None when they do or it has no manifest."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its {MANIFEST_FILE} is damaged ({exc})"
+    for name, size in files.items():
+        f = Path(directory) / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} holds {f.stat().st_size} bytes, its manifest says {size} (truncated?)"
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -152,6 +194,10 @@ def find_latest_checkpoint(run_dir: Path) -> tuple[Path, ResumeState, list[str]]
             continue
         if state.schema != SCHEMA_VERSION or not (path / TRAINER_DIR).is_dir():
             skipped.append(f"{path}: skipped, schema {state.schema} or no {TRAINER_DIR}/ directory")
+            continue
+        damage = check_manifest(path)
+        if damage is not None:
+            skipped.append(f"{path}: skipped, it fails its manifest check: {damage}")
             continue
         return path, state, skipped
     return None

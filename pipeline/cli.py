@@ -71,6 +71,9 @@ def _load_resume(args: argparse.Namespace) -> ConveyorConfig:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from pipeline.runner import STOP_SIGNALS
+
+    STOP_SIGNALS.install()  # a stop from here on leaves a summary.json (pipeline/runner.py)
     if args.script:
         args.overrides = [*args.overrides, f"run.script={Path(args.script).expanduser().resolve()}"]
     if args.resume:

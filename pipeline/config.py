@@ -381,6 +381,14 @@ class TrainConfig(msgspec.Struct, **_section()):
     # done) every k steps (0: none) and at the end of every run, interrupted ones included.
     checkpoint_every: NonNegInt = 50
     keep_checkpoints: PosInt = 2
+    # A checkpoint that cannot be written (a full disk): stop the run, status failed and
+    # the last good checkpoint named (at most checkpoint_every steps to redo), or
+    # continue and try again at the next interval.
+    on_checkpoint_error: Literal["stop", "continue"] = "stop"
+    # A step whose loss or gradient norm is NaN or infinite is not applied nor published
+    # (its samples are dropped as nonfinite and replaced); this many in a row stop the
+    # run, status failed, with the last good checkpoint named.
+    max_bad_steps: PosInt = 3
     threads: NonNegInt = 0  # torch threads in the trainer; 0 = leave default
     # Samples per forward/backward pass (verl's ppo_micro_batch_size_per_gpu): activation
     # memory is bounded by one chunk; larger chunks launch fewer kernels per sample (the

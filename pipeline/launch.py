@@ -50,7 +50,7 @@ from pipeline.dtypes import DTYPE_BYTES
 from pipeline.log import configure_logging, get_logger
 from pipeline.memory.admission import ModelShape
 from pipeline.memory.guard import merge_guard_metrics
-from pipeline.metrics import SUMMARY_FILE, MetricsWriter, write_summary
+from pipeline.metrics import SUMMARY_FILE, MetricsWriter, accumulate_totals, launch_totals, read_summary, write_summary
 from pipeline.placement import (
     RESERVE_FRACTION,
     PlacementPlan,
@@ -74,13 +74,14 @@ from pipeline.profiler import (
     plot_timeline,
     write_chrome_trace,
 )
-from pipeline.runner import Graph, RunInterrupted, RunResult, run_dataflow
+from pipeline.runner import STOP_SIGNALS, Graph, RunInterrupted, RunResult, run_dataflow
 from pipeline.stage import StageError
 
 log = get_logger(stage="driver")
 RESTARTABLE_STAGES = ("rollout", "reward", "reward_model", "reference")
 MAX_SYNC_MARKERS = 10_000
 AUTO_RESUME_ATTEMPTS = 3  # resumes of one launch after deaths it could not restart
+NOTHING_TO_RESUME = "stopped before its first checkpoint: nothing to resume; launch the run again"
 
 
 def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> DataFlow:
@@ -266,6 +267,8 @@ class Reporter:
         self._recent: list[Any] = []
         self._gpu = GpuSampler()
         self.started = time.time()
+        self.launched = self.started  # the launch's start (pre-flight's), set by the launch
+        self.previous_summary: dict[str, Any] | None = None  # the summary a resumed run's last launch left
         self.processes: dict[str, list[Any]] = {}
         self.restarts: dict[str, int] = {}
         self._object_store = _ObjectStoreGauge()
@@ -409,6 +412,14 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
     With ``run.auto_resume`` a stage death the runner could not restart (the trainer's)
     resumes the run from its newest checkpoint, at most ``AUTO_RESUME_ATTEMPTS`` times."""
     configure_logging(cfg.run.log_level)
+    STOP_SIGNALS.install()  # from here on a stop leaves a summary (see pipeline/runner.py)
+    try:
+        return _launch_with_resumes(cfg)
+    finally:
+        STOP_SIGNALS.uninstall()
+
+
+def _launch_with_resumes(cfg: ConveyorConfig) -> dict[str, Any]:
     resumes: list[dict[str, Any]] = []
     while True:
         try:
@@ -417,6 +428,8 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
             found = find_latest_checkpoint(cfg.run_dir) if exc.died else None
             if not (cfg.run.auto_resume and found is not None and len(resumes) < AUTO_RESUME_ATTEMPTS):
                 raise
+            for message in found[2]:  # damaged checkpoints passed over for an older one
+                log.warning("checkpoint_skipped", detail=message)
             resumes.append({"stage": exc.stage, "error": exc.message, "from": str(found[0]),
                             "restarts": getattr(exc, "restarts", {})})
             log.warning("auto_resume", stage=exc.stage, attempt=len(resumes), max_attempts=AUTO_RESUME_ATTEMPTS,
@@ -427,9 +440,15 @@ def launch_run(cfg: ConveyorConfig) -> dict[str, Any]:
 
 
 def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str, Any]:
-    cfg, checks = run_preflight(cfg)  # a bad path, import or data file: ConfigError, before Ray
-    print(checks.describe(), flush=True)
-    run_cfg, plan = plan_run_placement(cfg)
+    launched = time.time()
+    try:
+        cfg, checks = run_preflight(cfg)  # a bad path, import or data file: ConfigError, before Ray
+        print(checks.describe(), flush=True)
+        STOP_SIGNALS.check()
+        run_cfg, plan = plan_run_placement(cfg)
+        STOP_SIGNALS.check()
+    except RunInterrupted as exc:
+        return write_early_stop_summary(cfg, exc.signal_name, launched)
     df = build_dataflow(run_cfg, plan)
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, cfg.run.resume_from, cfg.run.overwrite)  # refuses to clobber a run
@@ -440,6 +459,9 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
     cfg = run_cfg
     taps = record_taps(cfg, df)
     reporter = Reporter(cfg, run_dir)
+    reporter.launched = launched
+    # Read before this launch writes its own: the run's totals so far (a resume continues them).
+    reporter.previous_summary = read_summary(run_dir) if cfg.run.resume_from else None
     try:
         return _drive(cfg, df, plan, run_dir, taps, reporter, checks, resumes)
     finally:
@@ -481,10 +503,43 @@ def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter
     summary = {"run": cfg.run.name, "status": status, **detail, "steps": reporter.step_count,
                # Only where there is something to resume from.
                "resume": f"conveyor launch --resume {run_dir}" if found is not None else None,
+               **({} if found is not None else {"resume_why": NOTHING_TO_RESUME}),
+               "checkpoint": str(found[0]) if found is not None else None,  # the last good one
                "wall_s": time.time() - reporter.started,
-               "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None}
-    write_summary(run_dir, summary)
+               "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
+               "samples_trained": int((reporter.last_step or {}).get("samples/trained", 0))}
+    write_summary(run_dir, add_run_totals(summary, reporter))
     reporter.writer.finish(summary, [run_dir / SUMMARY_FILE])
+    log.warning("run_stopped", **{k: v for k, v in summary.items() if k != "run"})
+    return summary
+
+
+def add_run_totals(summary: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
+    """``summary`` with this launch's wall time (``launch_wall_s``: from the launch's
+    start, pre-flight included) and the run's ``totals`` across its launches
+    (``pipeline.metrics.accumulate_totals``)."""
+    summary["launch_wall_s"] = time.time() - reporter.launched
+    summary["totals"] = accumulate_totals(reporter.previous_summary, launch_totals(summary))
+    return summary
+
+
+def write_early_stop_summary(cfg: ConveyorConfig, signal_name: str, launched: float) -> dict[str, Any]:
+    """``summary.json`` of a launch stopped before its run directory was prepared (in
+    pre-flight or placement): written only where it replaces nothing of another run
+    (a resumed run's own directory, or one that holds no run)."""
+    from pipeline.checkpoint import RUN_FILES
+
+    run_dir = cfg.run_dir
+    found = find_latest_checkpoint(run_dir) if cfg.run.resume_from else None
+    summary: dict[str, Any] = {
+        "run": cfg.run.name, "status": "interrupted", "signal": signal_name, "forced": True, "steps": 0,
+        "resume": f"conveyor launch --resume {run_dir}" if found is not None else None,
+        **({} if found is not None else {"resume_why": NOTHING_TO_RESUME}),
+        "wall_s": 0.0, "launch_wall_s": time.time() - launched}
+    previous = read_summary(run_dir) if cfg.run.resume_from else None
+    summary["totals"] = accumulate_totals(previous, launch_totals(summary))
+    if cfg.run.resume_from or not any((Path(run_dir) / name).exists() for name in RUN_FILES):
+        write_summary(run_dir, summary)
     log.warning("run_stopped", **{k: v for k, v in summary.items() if k != "run"})
     return summary
 
@@ -569,7 +624,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
         "admission": summarise_admission(result.reports),
     }
-    write_summary(run_dir, summary)
+    write_summary(run_dir, add_run_totals(summary, reporter))
     reporter.writer.finish(summary, [run_dir / SUMMARY_FILE, run_dir / "timeline.png"])
     if agg:
         print(format_summary_table(agg))

@@ -14,6 +14,9 @@ Guarantees:
   mid-write) is skipped, a malformed line elsewhere raises ``ValueError`` with its number.
 - ``write_summary`` replaces ``summary.json`` atomically: readers see the old file or
   the new one, never a partial one.
+- ``accumulate_totals``: a run's ``totals`` across its launches (a resume is a new
+  launch) are the previous ``summary.json``'s totals plus this launch's figures; a
+  summary written before totals existed counts as one launch of its own figures.
 """
 
 from __future__ import annotations
@@ -217,3 +220,34 @@ def _open_tensorboard(logdir: Path) -> _Scalars | None:
         log.warning("tensorboard_unavailable", reason=str(exc), logdir=str(logdir),
                     note="metrics go to metrics.jsonl only")
         return None
+
+
+TOTAL_KEYS = ("launches", "steps", "samples_trained", "wall_s")
+
+
+def launch_totals(summary: Mapping[str, Any]) -> dict[str, float]:
+    """One launch's figures for ``totals``: its steps, the samples its trainer trained
+    and its wall time (``launch_wall_s``, else ``wall_s``)."""
+    trained = (summary.get("trainer") or {}).get("samples_trained", summary.get("samples_trained", 0))
+    return {"launches": 1, "steps": int(summary.get("steps") or 0), "samples_trained": int(trained or 0),
+            "wall_s": float(summary.get("launch_wall_s", summary.get("wall_s")) or 0.0)}
+
+
+def accumulate_totals(previous: Mapping[str, Any] | None, launch: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's ``totals`` after ``launch`` (``launch_totals``), given the summary the
+    run's previous launch left (None for a first launch). ``steps`` counts steps each
+    launch took, so a step redone after a resume from an older checkpoint counts again;
+    ``policy_version`` says how many the run's weights hold."""
+    before = {k: 0 for k in TOTAL_KEYS}
+    if previous:
+        before = dict(previous.get("totals") or launch_totals(previous))
+    return {k: before.get(k, 0) + launch[k] for k in TOTAL_KEYS}
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
+    """``<run_dir>/summary.json`` as written, or None when there is none (or it does not parse)."""
+    try:
+        data = json.loads((Path(run_dir) / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

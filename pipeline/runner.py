@@ -21,10 +21,14 @@ Guarantees:
   single-GPU bundle per index, created (and removed at the end) by the runner; a group
   Ray cannot place within ``PLACEMENT_TIMEOUT_S`` stops the run before any stage starts;
 - at a clean end-of-stream every stage has drained, closed its outputs and reported;
-- the first SIGINT or SIGTERM stops admitting prompts: what is in flight drains through
-  the stages as at a normal end (the trainer drops a step left incomplete), and the
-  run ends with ``RunResult.interrupted`` set to the signal; a second one tears the
-  graph down at once and raises ``RunInterrupted``;
+- the first SIGINT or SIGTERM once the stages run stops admitting prompts: what is in
+  flight drains through the stages as at a normal end (the trainer drops a step left
+  incomplete), and the run ends with ``RunResult.interrupted`` set to the signal; a
+  second one tears the graph down at once and raises ``RunInterrupted``. One that
+  arrives earlier (``STOP_SIGNALS``, installed by the launch before anything starts:
+  while Ray starts, which would swallow a ``KeyboardInterrupt``, or while the stages
+  start and set up) stops at once: nothing has been trained, so nothing drains; what
+  was started is torn down and ``RunInterrupted`` raised;
 - on every exit path the processes the stage actors spawned on this host (the vLLM
   engine core and its workers) are gone when ``run_dataflow`` returns or raises: they
   are listed before the actors are killed and killed after them;
@@ -48,6 +52,7 @@ import collections
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -184,16 +189,23 @@ def run_dataflow(
     async_mode = True if async_execution is None else bool(async_execution)
     if not async_mode and len(df.sources) != 1:
         raise ValueError(f"lock-step mode needs one source node (its steps are the barrier), not {sorted(df.sources)}")
-    coro = _run(
-        df, config, async_mode, micro_batches_per_step or 1,
-        target_prompts, prompts_per_step, taps or {}, on_tick, tick_s,
-    )
+    owner = not STOP_SIGNALS.installed  # called outside a launch (a test, a bench): restore the handlers after
+    STOP_SIGNALS.install()  # again: ray.init replaces the SIGTERM handler with its own
     try:
-        import uvloop
+        STOP_SIGNALS.check()
+        coro = _run(
+            df, config, async_mode, micro_batches_per_step or 1,
+            target_prompts, prompts_per_step, taps or {}, on_tick, tick_s,
+        )
+        try:
+            import uvloop
 
-        return uvloop.run(coro)
-    except ImportError:  # pragma: no cover - uvloop is a dependency; keep plain asyncio working
-        return asyncio.run(coro)
+            return uvloop.run(coro)
+        except ImportError:  # pragma: no cover - uvloop is a dependency; keep plain asyncio working
+            return asyncio.run(coro)
+    finally:
+        if owner:
+            STOP_SIGNALS.uninstall()
 
 
 async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: dict[str, str],
@@ -380,8 +392,13 @@ async def _run(
     interrupts = _Interrupts(controller)
     try:
         try:
+            STOP_SIGNALS.check()
             graph = await _start(df, config, controller, taps, async_mode)  # tears down what it made if it fails
+            interrupts.running = True
         except BaseException as exc:
+            if isinstance(exc, RunInterrupted):
+                ray.kill(controller.actor, no_restart=True)
+                raise
             ray.kill(controller.actor, no_restart=True)
             if interrupts.forced:
                 raise RunInterrupted(interrupts.received or "signal") from exc
@@ -439,21 +456,75 @@ class RunInterrupted(RuntimeError):
         self.signal_name = signal_name
 
 
+class StopSignals:
+    """The launch's SIGINT/SIGTERM handler before and between the driver loop's: the
+    first signal is recorded (and logged) for ``check`` to raise at the next safe point.
+    Nothing else: an exception raised inside ``ray.init`` is swallowed by it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                previous = signal.signal(sig, self._on_signal)
+                if previous != self._on_signal:
+                    self._previous.setdefault(sig, previous)
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def uninstall(self) -> None:
+        """The handlers from before the first ``install``, and no signal recorded."""
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)
+        self._previous.clear()
+        self.received = None
+
+    def record(self, sig: signal.Signals) -> None:
+        if self.received is None:
+            self.received = sig.name
+            log.warning("stopping", signal=sig.name, detail="before the stages run: stopping now")
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.record(signal.Signals(signum))
+
+    def check(self) -> None:
+        """Raise ``RunInterrupted`` if a signal came."""
+        if self.received is not None:
+            raise RunInterrupted(self.received)
+
+
+STOP_SIGNALS = StopSignals()
+
+
 class _Interrupts:
     """SIGINT/SIGTERM handlers of the driver's loop (see the module guarantees)."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = StopSignals.SIGNALS
 
     def __init__(self, controller: ControllerClient) -> None:
         self.controller = controller
         self.received: str | None = None
         self.forced = False
+        self.running = False  # the stages are set up and run: a first signal drains them
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         for sig in self.SIGNALS:
             self._loop.add_signal_handler(sig, self._on_signal, sig)
 
     def _on_signal(self, sig: signal.Signals) -> None:
+        if not self.running:  # the stages still start: nothing to drain, stop now
+            STOP_SIGNALS.record(sig)
+            self.received, self.forced = sig.name, True
+            if self._task is not None:
+                self._task.cancel()
+            return
         if self.received is None:
             self.received = sig.name
             log.warning("stopping", signal=sig.name,
@@ -471,6 +542,7 @@ class _Interrupts:
     def remove(self) -> None:
         for sig in self.SIGNALS:
             self._loop.remove_signal_handler(sig)
+        STOP_SIGNALS.install()  # not the default handlers: the summary is still to be written
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -5,7 +5,8 @@ Column mapping (``data.prompt_key``, ``data.answer_key``, as in verl):
 - The prompt is ``row[prompt_key]``: a string (a plain prompt) or a list of
   ``{"role": str, "content": str}`` messages (the OpenAI chat format). When
   ``prompt_key`` is left at ``prompt`` and the data has no such column, a ``messages``
-  column is used.
+  column is used. A column named ``messages`` is the chat format's: a row holding
+  anything but a list there (a string, say) is a ``malformed`` row, not a plain prompt.
 - The answer (``Prompt.ground_truth``) is ``row[answer_key]``; a dotted key reads into a
   nested object (``reward_model.ground_truth``, verl's layout). Left at
   ``ground_truth`` and absent, ``reward_model.ground_truth`` is used when the data has
@@ -46,6 +47,7 @@ from stages.data_files import SCAN_BATCH_ROWS, DataRows, RowError, open_data
 # Row numbers kept per skip reason in the report (the first ones met).
 FIRST_ROWS_SHOWN = 5
 DATA_SOURCE, EXTRA_INFO = "data_source", "extra_info"
+CHAT_COLUMN = "messages"  # the OpenAI chat format's column: it holds lists of messages only
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,8 @@ def resolve_columns(available: Sequence[str], prompt_key: str, answer_key: str, 
     listed = ", ".join(available) if available else "none found"
     if prompt_key in available:
         prompt = prompt_key
-    elif prompt_key == "prompt" and "messages" in available:
-        prompt = "messages"
+    elif prompt_key == "prompt" and CHAT_COLUMN in available:
+        prompt = CHAT_COLUMN
     else:
         raise ConfigError(
             f"data.prompt_key: {name} has no column {prompt_key!r} (its columns: {listed}); set "
@@ -103,6 +105,9 @@ def extract_row(row: Any, cmap: ColumnMap, where: str) -> dict[str, Any]:
     if cmap.prompt not in row:
         raise RowError("malformed", f"{where}: no field {cmap.prompt!r} (fields: {', '.join(map(str, row)) or 'none'})")
     prompt = row[cmap.prompt]
+    if cmap.prompt == CHAT_COLUMN and not isinstance(prompt, list):
+        raise RowError("malformed", f"{where}: field {cmap.prompt!r} must be a list of chat messages (the chat "
+                                    f"format's column), got {type(prompt).__name__} {_short(prompt)}")
     if isinstance(prompt, str):
         if not prompt.strip():
             raise RowError("empty", f"{where}: field {cmap.prompt!r} is empty")

@@ -43,6 +43,11 @@ Guarantees:
   store with their sha256 and fingerprint; rollout workers pull and confirm them. The
   transport is ``pipeline.transport.select_transport``'s: on a one-GPU cluster the
   weights stay on the GPU and only a ``cuda_ipc`` descriptor travels;
+- a step whose loss or gradient norm is not finite is not applied (the engine's
+  guarantee) nor published: its micro-batches are dropped as ``nonfinite`` (the
+  source replaces them, the ledger stays exact), a ``nonfinite_step`` warning names its
+  step, and ``actor/skipped_nonfinite`` counts such steps; ``train.max_bad_steps`` of
+  them in a row stop the run (``NonFiniteSteps``), naming the last good checkpoint;
 - when the run records the trainer's input, a ``StepRecord`` (batch ids, loss, grad
   norm, weights sha after the step, RNG state before it, the groups of each piece of a
   split micro-batch) is written per step, plus the trainer state at step 0 and every
@@ -76,6 +81,11 @@ from stages.trainer_checkpoint import TrainerCheckpoints
 from stages.trainer_metrics import summarise_batch_rewards, summarise_rollout_extras, summarise_step_batches
 
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
+NONFINITE = "nonfinite"  # the drop reason of a step's samples when its loss or gradient was not finite
+
+
+class NonFiniteSteps(RuntimeError):
+    """``train.max_bad_steps`` steps in a row had a non-finite loss or gradient norm."""
 
 
 def count_loss_units(batch: RolloutBatch, loss_agg: str) -> int:
@@ -265,6 +275,7 @@ class TrainerStage:
         self.trained_samples = 0
         self.steps_done = 0
         self.publishes, self.publish_s_total = 0, 0.0  # running totals: a long run keeps no list
+        self.skipped_nonfinite, self._bad_in_a_row = 0, 0  # steps not applied: in all, and since the last good one
         self._step_batches: list[RolloutBatch] = []
         self._step_metrics: list[dict[str, float]] = []
         self._step_staleness: list[int] = []
@@ -506,8 +517,13 @@ class TrainerStage:
         staleness, self._step_staleness = self._step_staleness, []
         train_s, self._step_train_s = self._step_train_s, 0.0
         t0 = time.time()
+        before = self.engine.version
         step_out = await asyncio.to_thread(self._apply_step_update, batches)
         update_s, self._step_update_s = self._step_update_s + time.time() - t0, 0.0
+        if step_out.get("skipped_nonfinite") and self.engine.version == before:
+            await self._skip_bad_step(batches, pieces, step_out)
+            return
+        self._bad_in_a_row = 0
         version = self.engine.version
         step = version - 1
         samples = sum(b.num_samples for b in batches)
@@ -555,6 +571,7 @@ class TrainerStage:
             **{f"actor/{k}": float(max(p[k] for p in pieces))
                for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},
             **{f"actor/{k}": float(v) for k, v in step_out.items()},
+            "actor/skipped_nonfinite": self.skipped_nonfinite,  # steps not applied so far in this launch
             **self._colocate_metrics,
         }
 
@@ -580,6 +597,28 @@ class TrainerStage:
         if not self.colocated:
             await record()
 
+    async def _skip_bad_step(self, batches: list[RolloutBatch], pieces: list[dict[str, float]],
+                             step_out: dict[str, float]) -> None:
+        """The step the engine did not apply (see the module guarantees)."""
+        from pipeline.checkpoint import find_latest_checkpoint
+
+        self.skipped_nonfinite += 1
+        self._bad_in_a_row += 1
+        self._step_kl = []
+        loss = compute_step_loss([p["loss"] for p in pieces], batches, self.step_samples, self.cfg.algorithm.loss_agg)
+        limit = self.cfg.train.max_bad_steps
+        self.ctx.log.warning("nonfinite_step", step=self.engine.version, policy_version=self.engine.version,
+                             loss=loss, grad_norm=step_out.get("grad_norm"), in_a_row=self._bad_in_a_row,
+                             max_bad_steps=limit)
+        for b in batches:
+            await self._drop(b, NONFINITE)
+        if self._bad_in_a_row >= limit:
+            found = await asyncio.to_thread(find_latest_checkpoint, self.run_dir)
+            last = (f"the last good checkpoint is {found[0]} (conveyor launch --resume {self.run_dir})"
+                    if found else "no checkpoint was written yet")
+            raise NonFiniteSteps(f"train.max_bad_steps: {limit} steps in a row at step {self.engine.version} had "
+                                 f"a non-finite loss or gradient norm and were not applied; {last}")
+
     def _apply_step_update(self, batches: list[RolloutBatch]) -> dict[str, float]:
         """The step's optimizer update on the gradients its micro-batches accumulated
         (``PPOTrainerStage`` runs its further mini-batches and epochs here)."""
@@ -604,6 +643,10 @@ class TrainerStage:
 
     async def _write_checkpoint(self) -> None:
         path = await asyncio.to_thread(self.checkpoints.write)
+        if path is None:  # train.on_checkpoint_error: continue
+            self.ctx.log.warning("checkpoint_failed", detail=self.checkpoints.last_error,
+                                 policy_version=self.engine.version)
+            return
         self.ctx.log.info("checkpoint_written", path=str(path), policy_version=self.engine.version)
 
     async def _export(self, version: int) -> tuple[WeightUpdate, Any, float]:
@@ -687,6 +730,8 @@ class TrainerStage:
             "samples_trained": self.trained_samples,
             "samples_dropped": dict(self.dropped),
             "weight_transport": self.transport,
+            "skipped_nonfinite": self.skipped_nonfinite,
+            "checkpoint_write_failures": self.checkpoints.failed_writes,
             # GPUs each data-parallel rank saw (CUDA_VISIBLE_DEVICES), rank 0 first.
             "rank_devices": getattr(self.engine, "devices", None),
             "weight_publish_s": {"count": self.publishes,

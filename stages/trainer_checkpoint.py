@@ -7,6 +7,10 @@ Guarantees:
 - A checkpoint is written every ``train.checkpoint_every`` versions and at the end of
   every run (an interrupted one too), each atomically, the newest
   ``train.keep_checkpoints`` kept.
+- A write that fails (``OSError``: a full disk) leaves the checkpoints already written
+  as they were; under ``train.on_checkpoint_error: stop`` it raises
+  ``CheckpointWriteError`` naming the last good checkpoint, under ``continue`` it
+  returns None and the next interval (or the run's end) writes again.
 - ``restore`` loads the trainer engine's state (model, optimizer, RNG, version) and the
   counters from ``run.resume_from``; the resumed run continues from that version. It
   refuses a checkpoint written by another ``train.num_ranks`` before loading anything.
@@ -21,7 +25,14 @@ from typing import Any
 
 import msgspec
 
-from pipeline.checkpoint import TRAINER_DIR, ConsumedPrompts, ResumeState, load_resume_state, write_checkpoint
+from pipeline.checkpoint import (
+    TRAINER_DIR,
+    ConsumedPrompts,
+    ResumeState,
+    find_latest_checkpoint,
+    load_resume_state,
+    write_checkpoint,
+)
 from pipeline.types import RolloutBatch
 from stages.curriculum import (
     CurriculumState,
@@ -30,6 +41,10 @@ from stages.curriculum import (
     start_curriculum,
     summarise_curriculum,
 )
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written and ``train.on_checkpoint_error`` is ``stop``."""
 
 
 class TrainerCheckpoints:
@@ -45,6 +60,7 @@ class TrainerCheckpoints:
         self.recent_metrics: list[dict[str, Any]] = []  # steps since the last checkpoint
         self.last_written = -1
         self.dirty = False  # something was recorded since the last write
+        self.failed_writes, self.last_error = 0, ""  # writes that failed (on_checkpoint_error: continue)
         self.curriculum_cfg = cfg.data.curriculum
         self.curriculum = start_curriculum(self.curriculum_cfg) if self.curriculum_cfg else None
 
@@ -99,8 +115,22 @@ class TrainerCheckpoints:
     def due(self) -> bool:
         return bool(self.every) and self.engine.version % self.every == 0 and self.engine.version != self.last_written
 
-    def write(self) -> Path:
-        """A checkpoint of the engine's current version (call from a thread)."""
+    def write(self) -> Path | None:
+        """A checkpoint of the engine's current version (call from a thread); None when
+        it failed and ``train.on_checkpoint_error`` is ``continue``."""
+        try:
+            return self._write()
+        except OSError as exc:
+            found = find_latest_checkpoint(self.run_dir)
+            last = f"the last good checkpoint is {found[0]}" if found else "no checkpoint was written yet"
+            message = f"checkpoint of version {self.engine.version} could not be written ({exc}); {last}"
+            if self.train_cfg.on_checkpoint_error == "stop":
+                raise CheckpointWriteError(f"train.on_checkpoint_error: stop: {message}") from exc
+            self.failed_writes += 1
+            self.last_error = message
+            return None
+
+    def _write(self) -> Path:
         state = ResumeState(version=self.engine.version, trained_prompts=self.trained_prompts,
                             dropped=dict(self.dropped), consumed=self.consumed, recent_metrics=self.recent_metrics,
                             curriculum=msgspec.to_builtins(self.curriculum) if self.curriculum else None,

@@ -22,6 +22,14 @@ Guarantees:
   ``optimizer_step`` refuses to apply them until ``discard_gradients`` (after which the
   caller re-accumulates the step's pieces). A call that raises before any backward
   leaves the gradients as they were.
+- A step whose loss or gradient norm is not finite is not applied: ``optimizer_step``
+  zeroes its gradients, leaves weights, optimizer moments, lr schedule and ``version``
+  as they were and reports ``skipped_nonfinite`` 1. Under ZeRO 0 (torch AdamW, which
+  would apply NaN) the engine checks the norm itself before stepping; DeepSpeed's ZeRO
+  and bf16 optimizers check it inside ``step()`` and skip the update themselves
+  (``bf16.check_grad_overflow`` is pinned on). With several ranks the decision is
+  all-reduced, so every rank skips or none does. Under fp16 a skip is the dynamic loss
+  scaler's (``skipped``), not a non-finite step.
 - Weights leave the engine under their Hugging Face checkpoint names (a mixture of
   experts' 3D expert tensors split one expert at a time, ``stages.checkpoint_names``), in the
   rollout dtype, tied parameters once, whole (under ZeRO 3 gathered from the ranks'
@@ -146,7 +154,8 @@ def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dic
         },
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": bf16},
+        # A non-finite gradient norm skips the step inside the optimizer (see the module guarantees).
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
         **({"data_types": {"grad_accum_dtype": "fp32"}} if fp32_accum else {}),
         "fp16": {"enabled": has_gpu and dtype == "float16"},
         "steps_per_print": 1 << 62,
@@ -385,6 +394,7 @@ class TrainerEngine:
         # trained it, the ratio's anchor in every later pass (see ``_proximal``).
         self.keeps_anchor = algo.off_policy != "off" and train.ppo_epochs > 1
         self._anchors: dict[str, np.ndarray] = {}
+        self._nonfinite_loss = False  # a piece of the current step had a NaN or infinite loss
 
         random.seed(seed)
         np.random.seed(seed)
@@ -488,6 +498,7 @@ class TrainerEngine:
         self._pieces += 1
         if fresh_tokens:  # absent, not 0, when no token came from these weights
             totals.update(logp_mismatch=mismatch_sum / fresh_tokens, logp_mismatch_tokens=fresh_tokens)
+        self._nonfinite_loss = self._nonfinite_loss or not math.isfinite(loss_total)
         return {
             "loss": loss_total,
             **totals,
@@ -551,6 +562,8 @@ class TrainerEngine:
             self._scale_gradients(grad_scale)
         own_norm = None if optimizer_reports_grad_norm(self.engine.optimizer) else compute_grad_norm(self.module)
         lr = float(self.engine.get_lr()[0])
+        if self._any_rank(self._nonfinite_loss or (own_norm is not None and not math.isfinite(own_norm))):
+            return self._skip_nonfinite(own_norm, lr)
         skipped_before = self.engine.skipped_steps
         if zero_scaled:
             # ZeRO reduces gradients into its own partitions inside step() (stage 2: per
@@ -570,15 +583,38 @@ class TrainerEngine:
             self.engine.step()
         grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
         pieces, self._pieces = self._pieces, 0
-        self.version += int(bump_version)
+        skipped = self.engine.skipped_steps - skipped_before
+        # DeepSpeed's optimizer found the norm invalid and left everything as it was
+        # (under fp16 that is the loss scaler's routine, not a bad step).
+        nonfinite = bool(skipped) and not self.engine.fp16_enabled()
+        self.version += int(bump_version and not nonfinite)
         if bump_version:
             self._anchors.clear()  # a new step: its samples are first trained by new weights
         return {
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "lr": lr,
             "num_pieces": float(pieces),
-            "skipped": float(self.engine.skipped_steps - skipped_before),
+            "skipped": float(skipped),
+            "skipped_nonfinite": float(nonfinite),
         }
+
+    def _skip_nonfinite(self, grad_norm: float | None, lr: float) -> dict[str, float]:
+        """The step not taken: its gradients dropped, nothing else touched."""
+        pieces = self._pieces
+        self._discard_gradients()
+        return {"grad_norm": math.nan if grad_norm is None else float(grad_norm), "lr": lr,
+                "num_pieces": float(pieces), "skipped": 0.0, "skipped_nonfinite": 1.0}
+
+    def _any_rank(self, flag: bool) -> bool:
+        """``flag`` or-ed over the data-parallel ranks (one collective when there are
+        several), so that they all skip a step or all take it."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=next(self.module.parameters()).device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def release_cached_memory(self) -> tuple[int, int]:
         """Hand the CUDA allocator's cached blocks back (another process on this GPU
@@ -602,6 +638,7 @@ class TrainerEngine:
             self.engine.zero_grad()
         self._pieces = 0
         self.gradients_tainted = False
+        self._nonfinite_loss = False
 
     def _scale_gradients(self, factor: float) -> None:
         """Multiply the accumulated gradients where ``step()`` will read them: the fp32

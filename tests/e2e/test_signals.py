@@ -68,3 +68,37 @@ def test_signal_stops_the_run_cleanly(tmp_path, sig, code):
     assert summary["resume"] == f"conveyor launch --resume {run_dir}"
     alive = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]
+
+
+def test_ctrl_c_while_ray_and_the_stages_start_stops_the_launch(tmp_path):
+    """Ctrl-C as a terminal sends it (to the whole process group) right after the
+    `launch` line, while Ray starts (``ray.init`` swallows a KeyboardInterrupt) or the
+    stages set up: the launch stops there, exit 130, with a summary saying there is
+    nothing to resume, and no process behind."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "launch", "--config", "configs/quickstart.yaml", "run.steps=500",
+         f"run.dir={run_dir}", "run.progress=false", "run.tensorboard=false"],
+        cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        lines = []
+        for line in proc.stdout:  # the driver logs to stdout
+            lines.append(line)
+            if " launch " in line:
+                break
+        time.sleep(1.0)
+        spawned = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, "".join(lines)[-2000:] + out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT" and summary["steps"] == 0
+    assert summary["resume"] is None and "nothing to resume" in summary["resume_why"]
+    assert summary["totals"]["launches"] == 1
+    alive = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]

@@ -8,6 +8,7 @@ the others ran in.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import subprocess
@@ -437,3 +438,46 @@ def test_a_lock_left_by_a_killed_build_does_not_stop_the_engine(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "shm_comm_op: None" in done.stdout, done.stdout[-2000:]
     assert sorted(p.name for p in build_dir.iterdir()) == ["lock"]  # nothing was built there
+
+
+def _optimizer_moments(engine: TrainerEngine) -> list[torch.Tensor]:
+    """Every tensor of the optimizer's state (Adam's moments and step counts), copied."""
+    opt = getattr(engine.engine.optimizer, "optimizer", engine.engine.optimizer)
+    return [v.detach().clone() for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def _poison(engine: TrainerEngine, batch: RolloutBatch, where: str) -> dict[str, float]:
+    """Train ``batch`` with a non-finite loss (a NaN advantage) or, its loss finite, an
+    infinite gradient (written into one parameter's accumulated gradient)."""
+    if where == "loss":
+        advantages = np.array(batch.advantages, dtype=np.float32)
+        advantages[0, 0] = np.nan
+        return engine.train_micro_batch(msgspec.structs.replace(batch, advantages=advantages), 1.0)
+    metrics = engine.train_micro_batch(batch, 1.0)
+    next(p for p in engine.module.parameters() if p.grad is not None).grad.view(-1)[0] = math.inf
+    return metrics
+
+
+@pytest.mark.parametrize(("zero_stage", "where"), [(0, "loss"), (0, "gradient"), (1, "loss")])
+def test_a_nonfinite_step_is_not_applied(checkpoint, zero_stage, where):
+    engine = build_engine(checkpoint, zero_stage=zero_stage)
+    batch = on_policy(engine, make_batch(seed=5))
+    engine.train_micro_batch(batch, 1.0)
+    engine.optimizer_step()  # a first step: Adam's moments exist and are not zero
+    batch = on_policy(engine, batch)
+    version, ds_steps, sha, lr = engine.version, engine.engine.global_steps, engine.weights_sha256(), engine.engine.get_lr()
+    moments = _optimizer_moments(engine)
+
+    metrics = _poison(engine, batch, where)
+    out = engine.optimizer_step()
+    assert out["skipped_nonfinite"] == 1.0 and not math.isfinite(metrics["loss"] if where == "loss" else out["grad_norm"])
+    # Nothing moved: weights (bit for bit), version, DeepSpeed's step count, lr, Adam's moments.
+    assert (engine.version, engine.engine.global_steps, engine.weights_sha256()) == (version, ds_steps, sha)
+    assert engine.engine.get_lr() == lr
+    assert all(torch.equal(a, b) for a, b in zip(moments, _optimizer_moments(engine), strict=True))
+
+    # The next step starts from clean gradients: finite, applied, version + 1.
+    engine.train_micro_batch(batch, 1.0)
+    out = engine.optimizer_step()
+    assert out["skipped_nonfinite"] == 0.0 and math.isfinite(out["grad_norm"]) and engine.version == version + 1
+    assert engine.weights_sha256() != sha

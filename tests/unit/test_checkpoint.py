@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 
 import msgspec
@@ -160,3 +161,52 @@ def test_a_checkpoint_is_loaded_only_by_as_many_ranks_as_wrote_it(tmp_path):
     path = write_checkpoint(tmp_path, ResumeState(version=2, trained_prompts=16, num_ranks=2), _save("2"), keep=1)
     with pytest.raises(ValueError, match=r"train.num_ranks: .* written by 2 trainer ranks.*got 3"):
         TrainerCheckpoints(cfg, engine=None).restore(path)
+
+
+def test_a_truncated_checkpoint_fails_its_manifest_and_is_skipped(tmp_path):
+    write_checkpoint(tmp_path, ResumeState(version=3, trained_prompts=24), _save("3"), keep=5)
+    newest = write_checkpoint(tmp_path, ResumeState(version=5, trained_prompts=40), _save("55555"), keep=5)
+    # The manifest lists every file with its size: trainer/weights holds "55555", 5 bytes.
+    assert json.loads((newest / "manifest.json").read_text())["files"]["trainer/weights"] == 5
+    (newest / "trainer" / "weights").write_text("55")  # cut short, as a full disk or a crash leaves it
+    found, state, skipped = find_latest_checkpoint(tmp_path)
+    assert found.name == "step-00000003" and state.version == 3
+    assert skipped == [f"{newest}: skipped, it fails its manifest check: trainer/weights holds 2 bytes, "
+                       f"its manifest says 5 (truncated?)"]
+
+
+class FakeFullDisk:
+    """A trainer state writer that writes part of a file, then fails as a full disk does."""
+
+    def __call__(self, path):
+        path.mkdir(parents=True)
+        (path / "weights").write_text("part")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class FakeEngine:
+    """The version and ``save_state`` a ``TrainerCheckpoints`` needs of an engine."""
+
+    def __init__(self, version: int, save_state) -> None:
+        self.version, self.save_state = version, save_state
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_full_disk_fails_the_write_cleanly(tmp_path, policy):
+    from pipeline.config import load_config
+    from stages.trainer_checkpoint import CheckpointWriteError, TrainerCheckpoints
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", f"train.on_checkpoint_error={policy}"])
+    good = TrainerCheckpoints(cfg, FakeEngine(2, _save("2"))).write()
+    checkpoints = TrainerCheckpoints(cfg, FakeEngine(4, FakeFullDisk()))
+    checkpoints.dirty = True
+    if policy == "stop":
+        with pytest.raises(CheckpointWriteError, match=rf"version 4 could not be written .*No space left.*"
+                                                       rf"the last good checkpoint is {good}"):
+            checkpoints.write()
+    else:
+        assert checkpoints.write() is None and checkpoints.failed_writes == 1
+        assert checkpoints.dirty and checkpoints.last_written == -1  # written again at the next chance
+    # Nothing half-written left: the good checkpoint alone, and found.
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [good.name]
+    assert find_latest_checkpoint(tmp_path)[0] == good

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from pipeline.metrics import MetricsWriter, read_metrics, write_summary
+from pipeline.metrics import MetricsWriter, accumulate_totals, launch_totals, read_metrics, read_summary, write_summary
 
 
 def test_metrics_jsonl_round_trip(tmp_path):
@@ -114,3 +114,29 @@ def test_write_summary_is_atomic_and_converts_values(tmp_path):
         "trace": str(tmp_path / "trace.json"), "stages": {"rollout": {"busy_ratio": 0.75}},
     }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_totals_add_each_launch_to_the_previous_summary():
+    first = {"steps": 40, "wall_s": 100.0, "launch_wall_s": 130.0, "trainer": {"samples_trained": 2560}}
+    one = accumulate_totals(None, launch_totals(first))
+    # a first launch: its own figures, wall time from the launch's start (130 s, not the graph's 100 s)
+    assert one == {"launches": 1, "steps": 40, "samples_trained": 2560, "wall_s": 130.0}
+    # resumed from step 30: 80 more steps (10 of them redone) and 5120 samples in 200 s
+    second = {"steps": 80, "launch_wall_s": 200.0, "samples_trained": 5120}
+    two = accumulate_totals({**first, "totals": one}, launch_totals(second))
+    assert two == {"launches": 2, "steps": 120, "samples_trained": 7680, "wall_s": 330.0}
+
+
+def test_a_summary_without_totals_counts_as_one_launch():
+    old = {"steps": 10, "wall_s": 50.0, "trainer": {"samples_trained": 640}}
+    # 10 + 5 steps, 640 + 320 samples, 50 + 20 s over 2 launches
+    assert accumulate_totals(old, launch_totals({"steps": 5, "wall_s": 20.0, "samples_trained": 320})) == {
+        "launches": 2, "steps": 15, "samples_trained": 960, "wall_s": 70.0}
+
+
+def test_read_summary_is_none_without_a_readable_file(tmp_path):
+    assert read_summary(tmp_path) is None
+    (tmp_path / "summary.json").write_text("{torn")
+    assert read_summary(tmp_path) is None
+    write_summary(tmp_path, {"steps": 3})
+    assert read_summary(tmp_path) == {"steps": 3}

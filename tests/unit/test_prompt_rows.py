@@ -165,6 +165,28 @@ def test_report_counts_every_row_by_reason_with_first_row_numbers(tmp_path, toke
     assert "skipped 1 over_length (row 8)" in text
 
 
+def test_a_chat_column_holding_a_string_is_a_malformed_row_not_a_plain_prompt():
+    chat = ColumnMap(prompt="messages")
+    with pytest.raises(RowError) as info:
+        extract_row({"messages": "1="}, chat, "c.jsonl row 2")
+    assert info.value.reason == "malformed"
+    assert str(info.value).startswith("c.jsonl row 2: field 'messages' must be a list of chat messages")
+    # A column of another name may mix plain and chat prompts, as before.
+    assert extract_row({"prompt": "1="}, ColumnMap(), "r")["prompt"] == "1="
+
+
+def test_report_names_a_chat_row_holding_a_string(tmp_path, tokenizers):
+    chat = {"messages": [{"role": "user", "content": "1="}], "ground_truth": "1"}
+    rows = [chat, {"messages": "1=", "ground_truth": "1"}, chat]
+    data = open_data(_jsonl(tmp_path / "c.jsonl", rows))
+    cmap = resolve_columns(data.columns, "prompt", "ground_truth", data.name)
+    report = scan_data(data, cmap, PromptRenderer(tokenizers["qwen2"], "auto", "m", 32))
+    # rows 1 and 3 usable; row 2 holds a string where the chat format holds a list
+    assert (report.rows_total, report.rows_usable, report.chat_rows) == (3, 2, 2)
+    assert report.skipped == {"malformed": 1} and report.first_rows == {"malformed": [2]}
+    assert "first: c.jsonl row 2: field 'messages' must be a list of chat messages" in report.describe()
+
+
 def test_report_keeps_the_first_five_row_numbers(tmp_path, tokenizers):
     data = open_data(_jsonl(tmp_path / "d.jsonl", [{"prompt": "1"}] + [{"prompt": ""}] * 7))
     report = scan_data(data, ColumnMap(), PromptRenderer(tokenizers["llama"], "auto", "m", 8))
