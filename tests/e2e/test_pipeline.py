@@ -240,7 +240,7 @@ def test_staleness_2_with_truncated_importance_weights_learns_like_sync(ray_clus
     at 2) learns the quickstart task in the same number of samples as the on-policy
     lock-step run. A trend, not a race: one seed each, and on this task two runs of one
     configuration differ by up to ~0.2 in reward after 100 steps (bench/results/
-    staleness.json); five runs of this test on one day rose 0.24 to 0.52 (lock-step 0.43
+    staleness/); five runs of this test on one day rose 0.24 to 0.52 (lock-step 0.43
     to 0.57), so the rise must be at least 0.4 of the lock-step rise (and 0.15)."""
     _, rows = _launch(tmp_path, f"run.steps={STEPS}", "dataflow.max_staleness=2", "algorithm.off_policy=truncate")
     _, sync_rows = lockstep_run

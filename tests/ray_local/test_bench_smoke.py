@@ -13,22 +13,27 @@ from __future__ import annotations
 import json
 
 from bench.__main__ import main
+from bench.common import result_files
 
 
-def _load(path) -> dict:
+def _load(out_dir, bench: str) -> dict:
+    """The one result ``bench`` wrote under ``out_dir`` (``<bench>/<date>_<sha7>_quick``),
+    with its PNG beside it and its provenance."""
+    [path] = result_files(out_dir, bench)
+    assert path.name.endswith("_quick.json") and path.with_suffix(".png").stat().st_size > 0
     doc = json.loads(path.read_text())
-    assert {"benchmark", "machine", "quick", "params", "ratios"} <= doc.keys()
+    assert {"benchmark", "label", "provenance", "machine", "quick", "params", "ratios"} <= doc.keys()
     machine = doc["machine"]
-    assert machine["cpu_count"] >= 1 and machine["cpu_model"]
+    assert machine["cpu_count"] >= 1 and machine["cpu_model"] and machine["hostname"]
     assert {"torch", "vllm", "ray"} <= machine["versions"].keys()
+    assert len(doc["provenance"]["commit"]) == 40 and path.name[11:18] == doc["provenance"]["commit"][:7]
     assert doc["quick"] is True
     return doc
 
 
 def test_overlap_quick_writes_result(ray_cluster, tmp_path):
     assert main(["overlap", "--quick", "--out", str(tmp_path)]) == 0
-    doc = _load(tmp_path / "overlap.json")
-    assert (tmp_path / "overlap.png").stat().st_size > 0
+    doc = _load(tmp_path, "overlap")
     assert {"async", "sync", "ideal", "efficiency", "staleness_sweep", "balanced", "cases"} <= doc.keys()
     assert {"async_throughput_per_s", "sync_throughput_per_s", "ideal_throughput_per_s", "async_over_sync",
             "efficiency"} <= doc["ratios"].keys()
@@ -49,8 +54,7 @@ def test_overlap_quick_writes_result(ray_cluster, tmp_path):
 
 def test_queue_hop_quick_writes_result(ray_cluster, tmp_path):
     assert main(["queue_hop", "--quick", "--out", str(tmp_path)]) == 0
-    doc = _load(tmp_path / "queue_hop.json")
-    assert (tmp_path / "queue_hop.png").stat().st_size > 0
+    doc = _load(tmp_path, "queue_hop")
     assert {"call_rtt_s", "rows"} <= doc.keys()
     assert {"small_hop_median_ms", "actor_call_rtt_median_ms", "largest_hop_bandwidth_gb_s",
             "memcpy_bandwidth_gb_s", "consumer_zero_copy"} <= doc["ratios"].keys()
@@ -65,8 +69,7 @@ def test_staleness_quick_writes_result(ray_cluster, tmp_path):
     """Two 3-step quickstart runs (lock-step, and η 2 with truncated importance weights)
     on the HF rollout backend, which starts in seconds."""
     assert main(["staleness", "--quick", "--out", str(tmp_path)]) == 0
-    doc = _load(tmp_path / "staleness.json")
-    assert (tmp_path / "staleness.png").stat().st_size > 0
+    doc = _load(tmp_path, "staleness")
     assert set(doc["runs"]) == {"sync", "eta2-truncate"} and len(doc["table"]) == 2 + len(doc["runs"])
     for row in doc["runs"].values():
         assert row["status"] == "ok", row.get("error")
@@ -84,8 +87,7 @@ def test_soak_quick_writes_result(tmp_path):
     killed (restarted by Ray) and the driver killed with its cluster (then resumed);
     its own Ray cluster, in a subprocess (~90 s)."""
     assert main(["soak", "--quick", "--out", str(tmp_path)]) == 0
-    doc = _load(tmp_path / "soak.json")
-    assert (tmp_path / "soak.png").stat().st_size > 0
+    doc = _load(tmp_path, "soak")
     assert doc["status"] == "ok", doc["error"]
     growth = doc["phase1"]["growth"]
     for stage in ("source:0", "rollout:0", "reward:0", "reference:0", "trainer:0", "driver"):
@@ -107,8 +109,7 @@ def test_soak_memory_quick_writes_result(tmp_path):
     first two of three in quick mode): 15 s of memory samples each, their own Ray
     clusters, in subprocesses."""
     assert main(["soak_memory", "--quick", "--out", str(tmp_path)]) == 0
-    doc = _load(tmp_path / "soak_memory.json")
-    assert (tmp_path / "soak_memory.png").stat().st_size > 0
+    doc = _load(tmp_path, "soak_memory")
     assert doc["status"] == "ok", doc["error"]
     assert doc["params"]["variants"]["arena_max_2"] == {"env": {"MALLOC_ARENA_MAX": "2"},
                                                         "overrides": ["rollout.host_memory_trim_s=0"]}
