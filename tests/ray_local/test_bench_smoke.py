@@ -6,11 +6,17 @@ runs must have whatever the machine: exact accounting, the staleness bound, zero
 delivery of arrays. weight_sync, rollout_overhead and e2e start vLLM engines or whole
 training jobs (a minute or more each on a 2-core CPU) and are left out; staleness runs
 its two quick jobs on the HF rollout backend (about a minute).
+
+overlap and queue_hop run in every run; staleness and the two soaks (minutes, their own
+Ray clusters) are ``slow`` (``pytest -m slow``): what they check of a run, the staleness
+bound and exact accounting across kills, the e2e tier checks in every run too.
 """
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from bench.__main__ import main
 from bench.common import result_files
@@ -65,6 +71,7 @@ def test_queue_hop_quick_writes_result(ray_cluster, tmp_path):
     assert doc["ratios"]["consumer_zero_copy"] is True
 
 
+@pytest.mark.slow
 def test_staleness_quick_writes_result(ray_cluster, tmp_path):
     """Two 3-step quickstart runs (lock-step, and η 2 with truncated importance weights)
     on the HF rollout backend, which starts in seconds."""
@@ -82,6 +89,7 @@ def test_staleness_quick_writes_result(ray_cluster, tmp_path):
         doc["ratios"].keys()
 
 
+@pytest.mark.slow
 def test_soak_quick_writes_result(tmp_path):
     """The soak on the HF rollout backend: 15 s of memory samples, then a reward actor
     killed (restarted by Ray) and the driver killed with its cluster (then resumed);
@@ -104,6 +112,7 @@ def test_soak_quick_writes_result(tmp_path):
     assert doc["ratios"]["samples_lost"] == 0 and doc["ratios"]["samples_duplicated"] == 0
 
 
+@pytest.mark.slow
 def test_soak_memory_quick_writes_result(tmp_path):
     """The memory soak's allocator settings side by side on the HF rollout backend (the
     first two of three in quick mode): 15 s of memory samples each, their own Ray
