@@ -116,7 +116,7 @@ def _run_mode(mode: str, steps: int, root: Path, extra: tuple[str, ...], gpus: i
 
 
 def one_gpu_rate(results_dir: Path = RESULTS_DIR) -> float | None:
-    """The async samples/s per GPU of the newest full ``gpu_e2e`` result, if any."""
+    """The async rate per GPU (``async_samples_per_s_per_gpu``) of the newest full ``gpu_e2e`` result, if any."""
     paths = result_files(results_dir, "gpu_e2e", "default")
     return json.loads(paths[-1].read_text())["ratios"].get("async_samples_per_s_per_gpu") if paths else None
 

@@ -235,6 +235,7 @@ def reward_rise(rows: list[dict]) -> tuple[float, float]:
     return float(rewards[:10].mean()), float(rewards[-20:].mean())
 
 
+@pytest.mark.slow  # a third 100-step run; streaming at staleness 1 learns in every run (test_reward_rises)
 def test_staleness_2_with_truncated_importance_weights_learns_like_sync(ray_cluster, tmp_path, lockstep_run):
     """eta = 2 with the decoupled objective (importance weights current/behaviour truncated
     at 2) learns the quickstart task in the same number of samples as the on-policy

@@ -91,3 +91,17 @@ def test_the_catalogue_shows_headlines_and_the_machine_of_old_and_new_results() 
     new = {"ratios": {}, "machine": {"cpu_count": 2, "memory_gib": 23.5, "gpu": None, "gpu_count": 0}}
     assert describe_host(new) == "2 CPUs, 24 GiB"
     assert headline("gpu_e2e", {"status": "skipped", "error": "no CUDA GPU"}) == "skipped: no CUDA GPU"
+
+
+def test_gpu_scale_8_compares_with_the_newest_full_gpu_e2e_result(tmp_path) -> None:
+    from bench.common import write_json
+    from bench.gpu_scale_8 import one_gpu_rate
+
+    assert one_gpu_rate(tmp_path) is None  # none yet
+    for name, date, rate in (("2026-01-02_aaaaaaa_default", "2026-01-02T10:00:00+00:00", 2.0),
+                             ("2026-01-02_bbbbbbb_default", "2026-01-02T09:00:00+00:00", 1.0),
+                             ("2026-01-03_ccccccc_colocate-trl", "2026-01-03T09:00:00+00:00", 9.0)):
+        write_json(tmp_path / "gpu_e2e" / f"{name}.json",
+                   {"machine": {"date": date}, "ratios": {"async_samples_per_s_per_gpu": rate}})
+    # Both full results are of one day: the later one by its recorded time; a subset's is not full.
+    assert one_gpu_rate(tmp_path) == 2.0
