@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import fit_line, new_figure, publish_result
+from bench.common import fit_line, new_figure, note_config, publish_result
+from pipeline.config import load_config
 from pipeline.runner import reap_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,6 +213,7 @@ class _Soak:
         self.samples: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.jobs = 0
+        note_config(load_config(QUICKSTART, self.args))  # as the launched job resolves it
         self.job = self._launch(["--config", str(QUICKSTART), *self.args])
         self.t0 = time.time()
         self.started = False  # phase 1's clock runs
