@@ -1,7 +1,8 @@
 """``python -m bench NAME [--quick] [--out DIR]`` (and ``conveyor bench NAME [--quick]``).
 
 Each benchmark measures its baseline in the same run, prints its ratios and writes
-``DIR/NAME.json`` and ``DIR/NAME.png`` (default ``bench/results``). ``--quick`` runs tiny
+``DIR/NAME/<date>_<sha7>_<label>.json`` and ``.png`` (default ``bench/results``);
+``catalogue`` rewrites ``bench/results/README.md`` from those files. ``--quick`` runs tiny
 sizes in seconds, for smoke tests; its figures are not meant to be read. ``all`` runs
 every benchmark in turn. Benchmarks never fail on time: the exit status is 0 when the
 benchmark ran, 1 when it could not (the JSON then says why, where it got that far).
@@ -40,7 +41,7 @@ SOAKS = ("soak", "soak_memory")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("name", choices=[*BENCHMARKS, "all"])
+    p.add_argument("name", choices=[*BENCHMARKS, "all", "catalogue"])
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds (smoke test)")
     p.add_argument("--out", type=Path, default=None,
                    help=f"result directory (default: {RESULTS_DIR} in a source checkout, else ./bench-results; "
@@ -89,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
             check_rows(parse_systems(args.systems)) if args.name == "gpu_e2e" else parse_configs(args.systems)
         except ValueError as exc:
             parser.error(str(exc))
+    if args.name == "catalogue":
+        from bench.catalogue import write_catalogue
+
+        print(write_catalogue())
+        return 0
     if args.out is None:
         args.out = default_out_dir(args.quick)
     # "all" leaves the long soaks out: they are run on their own.

@@ -16,7 +16,7 @@ every actor is set up, so engine start-up is out), the total time, splits, defer
 OOM recoveries per stage, and whether the accounting reconciles; the ratios are each
 protected run's samples per s over the unconstrained run's. On this CPU the tiny model never
 comes near running out of memory, so the unprotected run is the throughput baseline, not
-a crash: the figure is the price of splitting. Writes ``admission.json`` and ``admission.png``.
+a crash: the figure is the price of splitting. Writes ``bench/results/admission/`` (JSON and PNG).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import new_figure, note_config, publish_result
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 STAGES = ("rollout", "reference", "trainer")
@@ -63,6 +63,7 @@ def run_one(name: str, steps: int, root: Path) -> dict[str, Any]:
 
     overrides = build_overrides(name, steps, root)
     cfg = load_config(QUICKSTART, overrides)
+    note_config(cfg)
     t0 = time.time()
     summary = launch_run(cfg)
     total = time.time() - t0
@@ -126,7 +127,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "admission", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 2, size=(12, 4.5))
     runs = [r for r in payload["runs"].values() if r.get("status") == "ok"]
     ax = axes[0][0]
@@ -145,4 +146,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.set_ylabel("split decisions (whole run)")
     ax.set_title("admission splits per stage")
     ax.legend(fontsize=8)
-    return save_figure(fig, out_dir, "admission")
+    return fig

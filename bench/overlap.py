@@ -21,8 +21,8 @@ ledger and version board, weight-sync messages) with the fake cores of
   object fetch, ``put`` call, blocked on a full queue, waiting for an item, and time in no
   span at all (``ray.put`` of the output, the shell's own bookkeeping).
 
-Writes ``overlap.json`` and ``overlap.png`` (throughput vs staleness, efficiency vs
-micro-batch time, the time breakdown).
+Writes ``bench/results/overlap/`` (JSON, and a PNG of throughput vs staleness, efficiency
+vs micro-batch time and the time breakdown).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import CpuMeter, new_figure, publish_result, save_figure
+from bench.common import CpuMeter, new_figure, publish_result
 from bench.fake_cores import FakeRolloutCore, FakeScorerCore, FakeSourceCore, FakeTrainerCore, GenerationLengths
 from pipeline.dataflow import DataFlow
 from pipeline.profiler import aggregate_spans, compute_efficiency, compute_ideal_throughput
@@ -264,7 +264,7 @@ def _scenario_dict(sc: Scenario) -> dict[str, Any]:
     return d
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 3, size=(18, 4.8))
     ax = axes[0][0]
     sweep = payload["staleness_sweep"]
@@ -309,4 +309,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.set_ylabel("share of the bottleneck's time per micro-batch")
     ax.set_title("where the bottleneck stage's time goes")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return save_figure(fig, out_dir, "overlap")
+    return fig

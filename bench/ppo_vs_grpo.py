@@ -10,7 +10,7 @@ task's correctness (GRPO: ``reward/mean``; PPO: ``reward/rule``) and, for PPO, t
 model's score (``reward/mean``, what PPO maximises). Figures: correctness of the first and
 last 10 steps, and the samples after which the 5-step moving average of the correctness
 first reaches each of ``THRESHOLDS``. Nothing is timed against a bound; the wall times
-are reported for reading. Writes ``ppo_vs_grpo.json`` and ``ppo_vs_grpo.png``.
+are reported for reading. Writes ``bench/results/ppo_vs_grpo/`` (JSON and PNG).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import new_figure, note_config, publish_result
 from bench.e2e import QUICKSTART, SMOOTH_STEPS, _attempt, first_time_reaching
 
 PPO = QUICKSTART.parent / "ppo.yaml"
@@ -45,6 +45,7 @@ def run_config(name: str, steps: int, root: Path) -> dict[str, Any]:
     overrides = [f"run.dir={root / name}", f"run.steps={steps}", "run.progress=false",
                  "run.tensorboard=false", f"run.name=bench-ppo-vs-grpo-{name}"]
     cfg = load_config(path, overrides)
+    note_config(cfg)
     t0 = time.time()
     summary = launch_run(cfg)
     total = time.time() - t0
@@ -107,7 +108,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "ppo_vs_grpo", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 2, size=(12, 4.5))
     ax, rm = axes[0][0], axes[0][1]
     for name, row in payload["runs"].items():
@@ -129,4 +130,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     rm.set_xlabel("trained samples")
     rm.set_ylabel("reward-model score (PPO's reward/mean)")
     rm.set_title("what PPO maximises")
-    return save_figure(fig, out_dir, "ppo_vs_grpo")
+    return fig

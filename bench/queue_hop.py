@@ -23,7 +23,7 @@ Baselines measured in the same run:
 copied once (into the object store) and mapped, not copied, by the consumer. ``zero_copy``
 says whether the consumer received a read-only view of the store's memory.
 
-Writes ``queue_hop.json`` and ``queue_hop.png``. Target: <= 2 ms median for small payloads.
+Writes ``bench/results/queue_hop/`` (JSON and PNG). Target: <= 2 ms median for small payloads.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from bench.common import measure_memcpy_bandwidth, new_figure, publish_result, save_figure, summarize
+from bench.common import measure_memcpy_bandwidth, new_figure, publish_result, summarize
 from pipeline.queue import INLINE_MAX_BYTES, Origin, QueueHandle, create_queue, fits_inline
 from pipeline.runner import init_ray
 
@@ -265,7 +265,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "queue_hop", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     rows = payload["rows"]
     xs = np.array([r["bytes"] for r in rows], dtype=float)
     fig, axes = new_figure(1, 2, size=(12, 4.5))
@@ -294,4 +294,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.set_ylabel("GB/s")
     ax.set_title("effective bandwidth (bytes / latency)")
     ax.legend(fontsize=8)
-    return save_figure(fig, out_dir, "queue_hop")
+    return fig

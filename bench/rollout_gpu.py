@@ -19,7 +19,7 @@ engine per ``enforce_eager`` setting, measured in this process:
 Each variant runs one warm-up step and then ``ROUNDS`` timed steps; the figure is
 completion tokens/s of the best round (completion lengths are sampled, EOS can end one
 early). Ratios: backend / bare per mode, and CUDA graphs / eager. Writes
-``rollout_gpu.json`` and ``.png``; needs a CUDA GPU (status "skipped" without one).
+``bench/results/rollout_gpu/`` (JSON and PNG); needs a CUDA GPU (status "skipped" without one).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from bench.common import cuda_device_name, new_figure, publish_result, publish_skipped_without_gpu, save_figure
+from bench.common import cuda_device_name, new_figure, note_config, publish_result, publish_skipped_without_gpu
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 ROUNDS = 3
@@ -112,6 +112,7 @@ async def measure(quick: bool, variants: tuple[tuple[bool, str | None, str], ...
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
     cfg = load_config(CONFIG, [])
+    note_config(cfg)
     model_path = resolve_model_path(cfg.model)
     prompts_per_step = 8 if quick else cfg.train.prompts_per_step
     n, max_tokens = cfg.rollout.n, (16 if quick else cfg.rollout.max_tokens)
@@ -171,7 +172,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "rollout_gpu", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     rows = payload["rows"]
     names = list(rows)
     fig, axes = new_figure(1, 1, size=(8, 4.5))
@@ -180,4 +181,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
     ax.set_ylabel("completion tokens/s (best round)")
     ax.set_title(f"rollout on {payload['ratios']['device']}: backend vs bare vLLM")
-    return save_figure(fig, out_dir, "rollout_gpu")
+    return fig

@@ -19,7 +19,7 @@ lengths are sampled (EOS can end a sample early), so tokens/s is the fair unit.
 Both modes meter CPU seconds by process group while they generate (``CpuMeter``: the
 vLLM engine's processes, the stage, queue and controller actors, Ray's daemons, the
 driver), since on a CPU-only machine every CPU-second the control plane spends is one the
-engine does not get. Target: pipeline / direct >= 0.9. Writes ``rollout_overhead.json`` and ``.png``.
+engine does not get. Target: pipeline / direct >= 0.9. Writes ``bench/results/rollout_overhead/`` (JSON and PNG).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import CpuMeter, new_figure, publish_result, save_figure
+from bench.common import CpuMeter, new_figure, note_config, publish_result
 
 
 class TokenSink:
@@ -167,6 +167,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="conveyor-bench-rollout-"))
     try:
         cfg = build_config(tmp, prompts, max_tokens, quick)
+        note_config(cfg)
         runs: list[dict[str, Any]] = []
         for i in range(rounds):
             for mode in ("pipeline", "direct"):
@@ -213,7 +214,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "rollout_overhead", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 1, size=(8, 4.5))
     ax = axes[0][0]
     runs = payload["runs"]
@@ -225,4 +226,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.set_ylabel("completion tokens / s")
     ax.set_title(f"rollout in the pipeline vs vLLM alone: ratio {payload['ratios']['pipeline_over_direct']:.2f}")
     ax.legend(fontsize=8)
-    return save_figure(fig, out_dir, "rollout_overhead")
+    return fig

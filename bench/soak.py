@@ -22,8 +22,8 @@ its own (``RAY_ADDRESS=local``) and with a step count it will not reach, then:
   counts the samples lost and duplicated. Target: 0.
 
 ``--quick`` (the smoke test): the HF rollout backend, phases of seconds, one stage kill
-and the driver kill. Writes ``soak.json`` (its ``minutes`` is what ran, which may be
-less than asked) and ``soak.png``.
+and the driver kill. Writes ``bench/results/soak/`` (its ``minutes`` is what ran,
+which may be less than asked).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import fit_line, new_figure, publish_result, save_figure
+from bench.common import fit_line, new_figure, note_config, publish_result
+from pipeline.config import load_config
 from pipeline.runner import reap_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,6 +213,7 @@ class _Soak:
         self.samples: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.jobs = 0
+        note_config(load_config(QUICKSTART, self.args))  # as the launched job resolves it
         self.job = self._launch(["--config", str(QUICKSTART), *self.args])
         self.t0 = time.time()
         self.started = False  # phase 1's clock runs
@@ -365,7 +367,7 @@ def run(quick: bool, out_dir: Path, minutes: float = 60.0) -> dict[str, Any]:
     return publish_result(out_dir, "soak", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 3, size=(16.0, 4.5))
     samples = payload["samples"]
     kills = payload["phase2"]["events"]
@@ -394,4 +396,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.set(title=f"queue depths (dotted: bounds); lost {r['samples_lost']}, duplicated {r['samples_duplicated']}",
            xlabel="minutes", ylabel="items")
     ax.legend(fontsize=7)
-    return save_figure(fig, out_dir, "soak")
+    return fig

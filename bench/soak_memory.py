@@ -20,8 +20,8 @@ workers; the vLLM engine processes inherit it):
 Each variant reports the slopes over the whole fit and over its two halves apart
 (growth that levels off has a second-half slope near 0), the same per 1,000 trained
 steps, and its steps per minute (the runs share the cores, so each runs at a fraction
-of the speed of a run alone). No faults are injected. Writes ``soak_memory.json`` and
-``soak_memory.png``; ``--quick``: the HF rollout backend, 15 s, and the first two
+of the speed of a run alone). No faults are injected. Writes ``bench/results/soak_memory/`` (JSON
+and PNG); ``--quick``: the HF rollout backend, 15 s, and the first two
 variants only (three clusters at once on two cores took 165 s of the test suite).
 """
 
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import new_figure, publish_result
 from bench.soak import WARMUP_FRACTION, _Soak, compute_growth, summarise_queues
 
 MEMORY_SAMPLE_S = 30.0
@@ -131,7 +131,7 @@ def run(quick: bool, out_dir: Path, minutes: float = 20.0) -> dict[str, Any]:
     return publish_result(out_dir, "soak_memory", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     names = list(payload["variants"])
     fig, axes = new_figure(1, max(1, len(names)), size=(7.0 * max(1, len(names)), 4.5))
     for ax, name in zip(axes[0], names, strict=False):
@@ -142,4 +142,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
             ax.plot([t for t, _ in pts], [m - base for _, m in pts], marker=".", label=proc)
         ax.set(title=f"{name}: RSS change per process", xlabel="minutes after the first step", ylabel="MiB")
         ax.legend(fontsize=7)
-    return save_figure(fig, out_dir, "soak_memory")
+    return fig

@@ -18,8 +18,8 @@ final reward (mean of the last 10 steps), the samples and seconds until the rewa
 ``SMOOTH_STEPS``-step moving average first reaches each of ``REWARD_THRESHOLDS``, the
 mean and max staleness actually trained on, the samples dropped as stale, and the
 importance-weight statistics. One seed per configuration: differences of a few
-hundredths in final reward are within run-to-run noise. Writes ``staleness.json`` and
-``staleness.png``.
+hundredths in final reward are within run-to-run noise. Writes ``bench/results/staleness/`` (JSON
+and PNG).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import new_figure, note_config, publish_result
 from bench.e2e import SMOOTH_STEPS, _attempt, summarize_curve
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
@@ -76,6 +76,7 @@ def run_case(case: dict[str, Any], steps: int, root: Path, extra: list[str]) -> 
     overrides = [f"run.dir={root / case['name']}", f"run.steps={steps}", "run.progress=false",
                  "run.tensorboard=false", f"run.name=bench-staleness-{case['name']}", *case["overrides"], *extra]
     cfg = load_config(QUICKSTART, overrides)
+    note_config(cfg)
     t0 = time.time()
     summary = launch_run(cfg)
     total = time.time() - t0
@@ -170,7 +171,7 @@ def build_table(rows: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 2, size=(13, 4.8))
     styles = {"off": "--", "truncate": "-", "reject": "-."}
     for row in payload["runs"].values():
@@ -191,7 +192,7 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     axes[0][0].set_title("quickstart: reward vs samples (dashed: no correction, solid: truncate, dash-dot: "
                          "reject; thick: 2 PPO epochs)")
     axes[0][1].set_title("reward vs wall time")
-    return save_figure(fig, out_dir, "staleness")
+    return fig
 
 
 def _smooth(values: np.ndarray) -> np.ndarray:

@@ -15,8 +15,8 @@ metrics:
 the share of calls answered without an error and the share of final answers taken from
 the tool rise: the prompts open every call, so the tool-use rate alone is above zero by
 construction; curriculum advances at least two levels); nothing is timed against a
-bound, wall times are reported for reading. Writes ``templates.json`` and
-``templates.png``; ``summarise_runs`` derives every summary from the stored series.
+bound, wall times are reported for reading. Writes ``bench/results/templates/`` (JSON
+and PNG); ``summarise_runs`` derives every summary from the stored series.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import new_figure, publish_result, save_figure
+from bench.common import new_figure, publish_result
 
 STEPS = {"dpo": 60, "tool_rl": 300, "curriculum": 400}
 EDGE_STEPS = 10
@@ -152,7 +152,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "templates", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> None:
+def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 3, size=(15.0, 4.2))
     s = payload["series"]
     ax = axes[0][0]
@@ -170,4 +170,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> None:
     for ax in axes[0]:
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-    save_figure(fig, out_dir, "templates")
+    return fig

@@ -17,7 +17,7 @@ Also the process's garbage collector: a full collection and a young-generation o
 (``gc.collect(1)``) timed with the engine built, and ``gpu_busy_share``: the kernels'
 own time over the wall time of one micro-batch at the default chunk size (torch
 profiler): well under 1 means the passes wait on the CPU launching them. Writes
-``trainer_gpu.json`` and ``.png``; needs a CUDA GPU (status "skipped" without one).
+``bench/results/trainer_gpu/`` (JSON and PNG); needs a CUDA GPU (status "skipped" without one).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import cuda_device_name, new_figure, publish_result, publish_skipped_without_gpu, save_figure
+from bench.common import cuda_device_name, new_figure, note_config, publish_result, publish_skipped_without_gpu
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 ROUNDS = 3
@@ -106,6 +106,7 @@ def measure(quick: bool) -> dict[str, Any]:
     # Eager: these rows measure the passes as launched op by op (train.compile's fused
     # blocks are measured end to end by bench gpu_e2e, colocate[train.compile=off]).
     cfg = load_config(CONFIG, ["train.compile=off", *(["train.prompts_per_step=8"] if quick else [])])
+    note_config(cfg)
     engine = build_trainer_engine(cfg)
     vocab = int(engine.module.config.vocab_size)
     batches = [assign_advantages(b, cfg.algorithm) for b in build_step_batches(
@@ -152,7 +153,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "trainer_gpu", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     rows = payload["rows"]
     names = list(rows)
     parts = ("train_s", "update_s", "export_s", "release_s")
@@ -167,4 +168,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.set_ylabel("seconds per step (best round)")
     ax.set_title(f"trainer step on {payload['ratios']['device']} by chunk size")
     ax.legend()
-    return save_figure(fig, out_dir, "trainer_gpu")
+    return fig

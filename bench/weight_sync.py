@@ -23,12 +23,12 @@ cost (its intercept: pause/resume, calls, process hops) and the per-byte cost as
 number of one-copy equivalents (slope x memcpy bandwidth). Target: within 3x of the bound
 plus a fixed cost, i.e. ``copies_per_byte <= 3``.
 
-Writes ``weight_sync.json`` and ``weight_sync.png``.
+Writes ``bench/results/weight_sync/`` (JSON and PNG).
 
 On a machine with a GPU it measures instead the 268.7M-parameter bf16 Llama (hidden 1024,
 16 layers) over both transports of ``pipeline.transport`` side by side, ``shm`` and
 ``cuda_ipc``, with the time generation stays paused per update, and writes
-``weight_sync_gpu.json`` / ``.png`` (targets: publish + apply <= 100 ms, paused <= 50 ms).
+``bench/results/weight_sync_gpu/`` (targets: publish + apply <= 100 ms, paused <= 50 ms).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import fit_line, measure_memcpy_bandwidth, new_figure, publish_result, save_figure, summarize
+from bench.common import fit_line, measure_memcpy_bandwidth, new_figure, publish_result, summarize
 from pipeline.config import RolloutConfig, TinyModelConfig
 from stages.rollout.vllm_worker_ext import WeightSyncExtension
 
@@ -281,7 +281,7 @@ def run_gpu(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "weight_sync_gpu", payload, plot_gpu)
 
 
-def plot_gpu(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot_gpu(payload: dict[str, Any]) -> Any:
     row = payload["row"]
     fig, axes = new_figure(1, 1, size=(8, 4.5))
     ax = axes[0][0]
@@ -294,7 +294,7 @@ def plot_gpu(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.set_ylabel("ms (median)")
     ax.set_title(f"weight sync, {row['params'] / 1e6:.1f}M bf16, {payload['ratios']['device']}")
     ax.legend(fontsize=8)
-    return save_figure(fig, out_dir, "weight_sync_gpu")
+    return fig
 
 
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
@@ -346,7 +346,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return publish_result(out_dir, "weight_sync", payload, plot)
 
 
-def plot(payload: dict[str, Any], out_dir: Path) -> Path:
+def plot(payload: dict[str, Any]) -> Any:
     rows = payload["rows"]
     fig, axes = new_figure(1, 2, size=(14, 4.5))
     ax = axes[0][0]
@@ -382,4 +382,4 @@ def plot(payload: dict[str, Any], out_dir: Path) -> Path:
     ax.set_ylabel("share of publish + apply (median)")
     ax.set_title("where publish + apply go")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return save_figure(fig, out_dir, "weight_sync")
+    return fig

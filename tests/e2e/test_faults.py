@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from bench.soak import count_steps, read_status
 
@@ -66,6 +67,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 900) -> str:
     return err
 
 
+@pytest.mark.slow  # ~2 min; every run kills a trainer here (below), resumes (test_resume) and restarts fakes (ray_local)
 def test_killed_trainer_resumes_and_killed_stage_actors_restart(tmp_path):
     # 40 steps: the tiny model steps in ~0.2 s and the driver sees each restart on its
     # tick, so the last kill must come well before the stages run out of work (a stage

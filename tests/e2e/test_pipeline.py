@@ -19,6 +19,7 @@ from pipeline.metrics import read_metrics
 
 QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
 STEPS = 100
+LOCKSTEP_STEPS = 20  # on-policy at every step needs no learning curve
 
 
 def _launch(run_dir: Path, *overrides: str) -> tuple[dict, list[dict]]:
@@ -138,18 +139,21 @@ def test_run_outputs_are_written(streaming_run):
 
 
 @pytest.fixture(scope="module")
-def lockstep_run(ray_cluster, tmp_path_factory):
-    """Lock-step, η = 0: exactly on-policy, and the baseline the staleness test compares to."""
+def lockstep_run(ray_cluster, tmp_path_factory, request):
+    """Lock-step, η = 0: exactly on-policy, and the baseline the staleness test compares
+    to; ``STEPS`` long where that (slow) test is selected, else ``LOCKSTEP_STEPS``."""
     # Updates are not read back during this run (weight_sync_monitor off): the worker
     # still checks its engine once at the end, which confirms the final version.
-    return _launch(tmp_path_factory.mktemp("lockstep"), f"run.steps={STEPS}", "dataflow.async_execution=false",
+    compared = any(item.name.startswith("test_staleness_2_") for item in request.session.items)
+    steps = STEPS if compared else LOCKSTEP_STEPS
+    return _launch(tmp_path_factory.mktemp("lockstep"), f"run.steps={steps}", "dataflow.async_execution=false",
                    "dataflow.max_staleness=0", "train.weight_sync_monitor=false")
 
 
 def test_lockstep_is_exactly_on_policy(lockstep_run):
     summary, rows = lockstep_run
     (served,) = summary["served"].values()
-    assert served["version"] == STEPS and served["verified"]
+    assert served["version"] == summary["steps"] == len(rows) in (STEPS, LOCKSTEP_STEPS) and served["verified"]
     assert summary["mode"] == "sync"
     assert [r["host_memory_trims"] for r in summary["rollout"]] == [0]  # off by default
     assert all(r["staleness/max"] == 0 for r in rows)
@@ -236,12 +240,13 @@ def reward_rise(rows: list[dict]) -> tuple[float, float]:
     return float(rewards[:10].mean()), float(rewards[-20:].mean())
 
 
+@pytest.mark.slow  # a third 100-step run; streaming at staleness 1 learns in every run (test_reward_rises)
 def test_staleness_2_with_truncated_importance_weights_learns_like_sync(ray_cluster, tmp_path, lockstep_run):
     """eta = 2 with the decoupled objective (importance weights current/behaviour truncated
     at 2) learns the quickstart task in the same number of samples as the on-policy
     lock-step run. A trend, not a race: one seed each, and on this task two runs of one
     configuration differ by up to ~0.2 in reward after 100 steps (bench/results/
-    staleness.json); five runs of this test on one day rose 0.24 to 0.52 (lock-step 0.43
+    staleness/); five runs of this test on one day rose 0.24 to 0.52 (lock-step 0.43
     to 0.57), so the rise must be at least 0.4 of the lock-step rise (and 0.15)."""
     _, rows = _launch(tmp_path, f"run.steps={STEPS}", "dataflow.max_staleness=2", "algorithm.off_policy=truncate")
     _, sync_rows = lockstep_run

@@ -76,7 +76,7 @@ def single(ray_cluster, tmp_path_factory):
     return EngineHost.remote(_config(tmp_path_factory.mktemp("one"), 1, 0))
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+@pytest.mark.parametrize("zero_stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_two_ranks_update_the_weights_as_one_rank(ray_cluster, single, tmp_path, zero_stage):
     """A step of three micro-batches of 3, 1 and 4 groups (the 1-group one leaves rank 1
     a zero-weight filler; 3 groups split 2 + 1; token counts differ per group) under
@@ -117,7 +117,7 @@ def test_two_ranks_update_the_weights_as_one_rank(ray_cluster, single, tmp_path,
     ray.kill(pair)
 
 
-@pytest.mark.parametrize("zero_stage", [1, 3])
+@pytest.mark.parametrize("zero_stage", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_two_ranks_save_and_load_their_state(ray_cluster, single, tmp_path, zero_stage):
     """A two-rank state (rank 0's model, each rank's optimizer partition; under ZeRO 3
     each rank's parameter partition too) restores the weights and the next step exactly."""
@@ -152,6 +152,7 @@ def test_an_error_on_rank_1_stops_the_step_naming_it(ray_cluster, single, tmp_pa
     ray.kill(pair)
 
 
+@pytest.mark.slow  # 100 steps; two ranks run the whole quickstart in every run (test_ranks_and_replicas_...)
 def test_quickstart_learns_and_reconciles_with_two_trainer_ranks(ray_cluster, tmp_path):
     """The quickstart with train.num_ranks=2 on CPU, in lock-step: the stage starts rank 1
     beside it, learns (the mean reward of the last 20 of 100 steps above the first 10's),

@@ -6,29 +6,40 @@ runs must have whatever the machine: exact accounting, the staleness bound, zero
 delivery of arrays. weight_sync, rollout_overhead and e2e start vLLM engines or whole
 training jobs (a minute or more each on a 2-core CPU) and are left out; staleness runs
 its two quick jobs on the HF rollout backend (about a minute).
+
+overlap and queue_hop run in every run; staleness and the two soaks (minutes, their own
+Ray clusters) are ``slow`` (``pytest -m slow``): what they check of a run, the staleness
+bound and exact accounting across kills, the e2e tier checks in every run too.
 """
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.__main__ import main
+from bench.common import result_files
 
 
-def _load(path) -> dict:
+def _load(out_dir, bench: str) -> dict:
+    """The one result ``bench`` wrote under ``out_dir`` (``<bench>/<date>_<sha7>_quick``),
+    with its PNG beside it and its provenance."""
+    [path] = result_files(out_dir, bench)
+    assert path.name.endswith("_quick.json") and path.with_suffix(".png").stat().st_size > 0
     doc = json.loads(path.read_text())
-    assert {"benchmark", "machine", "quick", "params", "ratios"} <= doc.keys()
+    assert {"benchmark", "label", "provenance", "machine", "quick", "params", "ratios"} <= doc.keys()
     machine = doc["machine"]
-    assert machine["cpu_count"] >= 1 and machine["cpu_model"]
+    assert machine["cpu_count"] >= 1 and machine["cpu_model"] and machine["hostname"]
     assert {"torch", "vllm", "ray"} <= machine["versions"].keys()
+    assert len(doc["provenance"]["commit"]) == 40 and path.name[11:18] == doc["provenance"]["commit"][:7]
     assert doc["quick"] is True
     return doc
 
 
 def test_overlap_quick_writes_result(ray_cluster, tmp_path):
     assert main(["overlap", "--quick", "--out", str(tmp_path)]) == 0
-    doc = _load(tmp_path / "overlap.json")
-    assert (tmp_path / "overlap.png").stat().st_size > 0
+    doc = _load(tmp_path, "overlap")
     assert {"async", "sync", "ideal", "efficiency", "staleness_sweep", "balanced", "cases"} <= doc.keys()
     assert {"async_throughput_per_s", "sync_throughput_per_s", "ideal_throughput_per_s", "async_over_sync",
             "efficiency"} <= doc["ratios"].keys()
@@ -49,8 +60,7 @@ def test_overlap_quick_writes_result(ray_cluster, tmp_path):
 
 def test_queue_hop_quick_writes_result(ray_cluster, tmp_path):
     assert main(["queue_hop", "--quick", "--out", str(tmp_path)]) == 0
-    doc = _load(tmp_path / "queue_hop.json")
-    assert (tmp_path / "queue_hop.png").stat().st_size > 0
+    doc = _load(tmp_path, "queue_hop")
     assert {"call_rtt_s", "rows"} <= doc.keys()
     assert {"small_hop_median_ms", "actor_call_rtt_median_ms", "largest_hop_bandwidth_gb_s",
             "memcpy_bandwidth_gb_s", "consumer_zero_copy"} <= doc["ratios"].keys()
@@ -61,12 +71,12 @@ def test_queue_hop_quick_writes_result(ray_cluster, tmp_path):
     assert doc["ratios"]["consumer_zero_copy"] is True
 
 
+@pytest.mark.slow
 def test_staleness_quick_writes_result(ray_cluster, tmp_path):
     """Three 3-step quickstart runs (lock-step, η 2 with truncated importance weights,
     and the same with two PPO epochs) on the HF rollout backend, which starts in seconds."""
     assert main(["staleness", "--quick", "--out", str(tmp_path)]) == 0
-    doc = _load(tmp_path / "staleness.json")
-    assert (tmp_path / "staleness.png").stat().st_size > 0
+    doc = _load(tmp_path, "staleness")
     assert set(doc["runs"]) == {"sync", "eta2-truncate", "eta2-truncate-epochs2"}
     assert len(doc["table"]) == 2 + len(doc["runs"])
     # The second epoch is anchored on the first pass: its ratio has moved off 1.
@@ -83,13 +93,13 @@ def test_staleness_quick_writes_result(ray_cluster, tmp_path):
         doc["ratios"].keys()
 
 
+@pytest.mark.slow
 def test_soak_quick_writes_result(tmp_path):
     """The soak on the HF rollout backend: 15 s of memory samples, then a reward actor
     killed (restarted by Ray) and the driver killed with its cluster (then resumed);
     its own Ray cluster, in a subprocess (~90 s)."""
     assert main(["soak", "--quick", "--out", str(tmp_path)]) == 0
-    doc = _load(tmp_path / "soak.json")
-    assert (tmp_path / "soak.png").stat().st_size > 0
+    doc = _load(tmp_path, "soak")
     assert doc["status"] == "ok", doc["error"]
     growth = doc["phase1"]["growth"]
     for stage in ("source:0", "rollout:0", "reward:0", "reference:0", "trainer:0", "driver"):
@@ -106,13 +116,13 @@ def test_soak_quick_writes_result(tmp_path):
     assert doc["ratios"]["samples_lost"] == 0 and doc["ratios"]["samples_duplicated"] == 0
 
 
+@pytest.mark.slow
 def test_soak_memory_quick_writes_result(tmp_path):
     """The memory soak's allocator settings side by side on the HF rollout backend (the
     first two of three in quick mode): 15 s of memory samples each, their own Ray
     clusters, in subprocesses."""
     assert main(["soak_memory", "--quick", "--out", str(tmp_path)]) == 0
-    doc = _load(tmp_path / "soak_memory.json")
-    assert (tmp_path / "soak_memory.png").stat().st_size > 0
+    doc = _load(tmp_path, "soak_memory")
     assert doc["status"] == "ok", doc["error"]
     assert doc["params"]["variants"]["arena_max_2"] == {"env": {"MALLOC_ARENA_MAX": "2"},
                                                         "overrides": ["rollout.host_memory_trim_s=0"]}

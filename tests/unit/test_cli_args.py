@@ -8,6 +8,7 @@ import pytest
 
 from bench.__main__ import build_parser, default_out_dir
 from bench.__main__ import main as bench_main
+from bench.common import result_files
 from pipeline.cli import build_parser as cli_parser
 
 
@@ -60,16 +61,21 @@ def test_gpu_e2e_rows_are_chosen_by_name_and_a_bad_one_exits_2(capsys) -> None:
 
 
 def test_gpu_e2e_rows_repeat_in_order_and_carry_their_own_overrides(capsys) -> None:
-    from bench.gpu_e2e import parse_systems, result_name, row_labels
+    from bench.common import result_label as file_label
+    from bench.gpu_e2e import parse_systems, result_label, row_labels
 
     specs = parse_systems("colocate, trl, colocate[train.chunk_size=256; rollout.engine_kwargs={a: 1, b: 2}], colocate,trl")
     assert specs == ("colocate", "trl", "colocate[train.chunk_size=256;rollout.engine_kwargs={a: 1, b: 2}]", "colocate", "trl")
     labels = row_labels(specs)
     assert labels == ["colocate", "trl", specs[2], "colocate#2", "trl#2"]
-    assert result_name(specs) == ("gpu_e2e-colocate-trl-colocate_train.chunk_size_256_rollout.engine_kwargs_a_1_b_2"
-                                  "-colocate-trl")
-    assert result_name(("colocate", "trl")) != result_name(("colocate", "trl", "colocate", "trl"))
-    assert result_name(("async", "sync", "colocate", "trl")) == "gpu_e2e"
+    # The label names every row in order; in a file name, its first 33 characters (the
+    # brackets, "=", ";" and spaces each run turned to one "_") and a hash of the whole.
+    assert result_label(specs) == "-".join(specs)
+    name = file_label(result_label(specs))
+    assert name.startswith("colocate-trl-colocate_train.chunk-") and len(name) == 40
+    assert file_label(result_label(("colocate", "trl"))) == "colocate-trl"
+    assert result_label(("colocate", "trl")) != result_label(("colocate", "trl", "colocate", "trl"))
+    assert result_label(("async", "sync", "colocate", "trl")) == "default"
     for bad, says in (("trl[train.lr=1]", "takes no overrides"), ("colocate[train.lr]", "overrides are key=value"),
                       ("colocate[train.lr=1", "unbalanced brackets"), ("colocate,,fast", "got 'fast'")):
         with pytest.raises(ValueError, match=says):
@@ -121,9 +127,10 @@ def test_a_gpu_benchmark_without_a_gpu_writes_skipped_and_exits_0(tmp_path: Path
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on CPU, also where a GPU is
     assert bench_main([name, "--quick", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / f"{name}.json").read_text())
+    [path] = result_files(tmp_path, name)
+    doc = json.loads(path.read_text())
     assert (doc["status"], doc["reason"], doc["quick"]) == ("skipped", "needs a CUDA GPU", True)
-    assert doc["machine"]["cpu_count"] > 0
+    assert doc["machine"]["cpu_count"] > 0 and doc["machine"]["gpu"] is None
 
 
 def test_gpu_scale_runs_a_chosen_subset_under_its_own_name(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -144,9 +151,10 @@ def test_gpu_scale_runs_a_chosen_subset_under_its_own_name(tmp_path: Path, monke
     assert info.value.code == 2 and "gpu_scale runs shared_1gpu" in capsys.readouterr().err
     monkeypatch.setattr(scale, "list_gpus", lambda: [])  # as on CPU: skipped, under the subset's name
     assert bench_main(["gpu_scale", "--systems", "shared_1gpu,disaggregated_2gpu", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / "gpu_scale-shared_1gpu-disaggregated_2gpu.json").read_text())
-    assert doc["status"] == "skipped" and not (tmp_path / "gpu_scale.json").exists()
-    assert (tmp_path / "gpu_scale-shared_1gpu-disaggregated_2gpu.png").exists()
+    [path] = result_files(tmp_path, "gpu_scale")
+    assert path.name.endswith("_shared_1gpu-disaggregated_2gpu.json")
+    assert json.loads(path.read_text())["status"] == "skipped"
+    assert path.with_suffix(".png").exists()
 
 
 def test_the_eight_gpu_benchmark_reads_nvidia_smi_and_sums_staleness(tmp_path: Path, monkeypatch) -> None:
@@ -163,5 +171,6 @@ def test_the_eight_gpu_benchmark_reads_nvidia_smi_and_sums_staleness(tmp_path: P
     # Fewer than four GPUs: skipped, saying why, exit 0.
     monkeypatch.setattr(b8, "list_gpus", lambda: [("0", "NVIDIA GPU (fake)")])
     assert bench_main(["gpu_scale_8", "--quick", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / "gpu_scale_8.json").read_text())
+    [path] = result_files(tmp_path, "gpu_scale_8")
+    doc = json.loads(path.read_text())
     assert (doc["status"], doc["reason"], doc["gpus"]) == ("skipped", "needs 4 or more CUDA GPUs", 1)

@@ -18,21 +18,21 @@ from bench.gpu_e2e import (
     compute_stage_rates,
     over_trl_by_round,
     parse_systems,
-    result_name,
+    result_label,
 )
 from bench.shape_job import build_job_rows, prepare_job
 from pipeline.config import load_config
 from stages.model_shapes import SCALED_DOWN, build_real_shape_checkpoint
 
 
-def test_model_picks_the_shape_rows_and_the_result_name():
+def test_model_picks_the_shape_rows_and_the_result_label():
     assert parse_systems(None) == SYSTEMS == ("async", "sync", "colocate", "trl")  # gpu_small as before
-    assert result_name(SYSTEMS) == "gpu_e2e"
+    assert result_label(SYSTEMS) == "default"
     assert parse_systems(None, "qwen3_0.6b") == SHAPE_SYSTEMS == ("engines", "async", "colocate", "trl")
-    assert result_name(SHAPE_SYSTEMS, "qwen3_0.6b") == "gpu_e2e-qwen3_0.6b"
+    assert result_label(SHAPE_SYSTEMS, "qwen3_0.6b") == "qwen3_0.6b-default"
     chosen = parse_systems("engines,colocate[train.chunk_size=16]", "qwen3_4b")
-    assert result_name(chosen, "qwen3_4b") == "gpu_e2e-qwen3_4b-engines-colocate_train.chunk_size_16"
-    assert result_name(SYSTEMS, "qwen3_4b") == "gpu_e2e-qwen3_4b-async-sync-colocate-trl"
+    assert result_label(chosen, "qwen3_4b") == "qwen3_4b-engines-colocate[train.chunk_size=16]"
+    assert result_label(SYSTEMS, "qwen3_4b") == "qwen3_4b-async-sync-colocate-trl"
 
 
 def test_a_bad_model_or_one_for_another_bench_exits_2(capsys):
@@ -50,9 +50,10 @@ def test_without_a_gpu_the_shape_result_is_skipped_under_its_name(tmp_path: Path
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_main(["gpu_e2e", "--model", "gemma3_1b", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / "gpu_e2e-gemma3_1b.json").read_text())
+    (path,) = (tmp_path / "gpu_e2e").glob("*.json")
+    doc = json.loads(path.read_text())
+    assert path.stem.endswith("_gemma3_1b-default") and doc["label"] == "gemma3_1b-default"
     assert doc["status"] == "skipped" and doc["params"]["model"] == "gemma3_1b"
-    assert not (tmp_path / "gpu_e2e.json").exists()
 
 
 def test_stage_rates_per_busy_second():
