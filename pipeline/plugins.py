@@ -21,30 +21,30 @@ from typing import Any
 
 # The built-in stages, by the name they have in a launched graph.
 STAGE_CLASSES: dict[str, str] = {
-    "source": "stages.source:PromptSource",
-    "pairs": "stages.pairs:PairSource",  # the source of an offline algorithm (dpo)
+    "source": "stages.data.source:PromptSource",
+    "pairs": "stages.data.pairs:PairSource",  # the source of an offline algorithm (dpo)
     "rollout": "stages.rollout.stage:RolloutStage",
-    "reward": "stages.reward:RewardStage",
-    "reward_model": "stages.reward_model:RewardModelStage",
-    "reference": "stages.reference:ReferenceStage",
-    "critic": "stages.critic:CriticStage",
-    "trainer": "stages.trainer:TrainerStage",
-    "ppo_trainer": "stages.ppo_trainer:PPOTrainerStage",  # the trainer with train.ppo_epochs/mini-batches
+    "reward": "stages.rewards.reward:RewardStage",
+    "reward_model": "stages.rewards.reward_model:RewardModelStage",
+    "reference": "stages.models.reference:ReferenceStage",
+    "critic": "stages.trainer.critic:CriticStage",
+    "trainer": "stages.trainer.stage:TrainerStage",
+    "ppo_trainer": "stages.trainer.ppo:PPOTrainerStage",  # the trainer with train.ppo_epochs/mini-batches
 }
 
 # What the plumbing asks of model-aware code (pre-flight, plan, replay, CLI).
 BUILTINS: dict[str, str] = {
-    "resolve_model_path": "stages.tiny:resolve_model_path",  # model.path, "tiny" built locally
-    "load_tokenizer": "stages.prompt_rows:load_tokenizer",
-    "check_data_file": "stages.prompt_rows:check_data_file",
-    "load_task": "stages.tasks:load_task",
-    "resolve_reward_spec": "stages.reward:resolve_reward_spec",
-    "split_file_spec": "stages.reward:split_file_spec",
-    "build_reward_fn": "stages.reward:build_reward_fn",
-    "build_trainer_engine": "stages.trainer:build_trainer_engine",
-    "load_tools": "stages.tools:load_tools",
+    "resolve_model_path": "stages.models.tiny:resolve_model_path",  # model.path, "tiny" built locally
+    "load_tokenizer": "stages.data.prompt_rows:load_tokenizer",
+    "check_data_file": "stages.data.prompt_rows:check_data_file",
+    "load_task": "stages.data.tasks:load_task",
+    "resolve_reward_spec": "stages.rewards.reward:resolve_reward_spec",
+    "split_file_spec": "stages.rewards.reward:split_file_spec",
+    "build_reward_fn": "stages.rewards.reward:build_reward_fn",
+    "build_trainer_engine": "stages.trainer.engine:build_trainer_engine",
+    "load_tools": "stages.data.tools:load_tools",
     "check_engine_kwargs": "stages.rollout.vllm_backend:check_engine_kwargs",
-    "train_recorded_step": "stages.trainer:train_recorded_step",  # replay: the trainer's own rules
+    "train_recorded_step": "stages.trainer.stage:train_recorded_step",  # replay: the trainer's own rules
     "bench": "bench.__main__:main",  # conveyor bench NAME
 }
 

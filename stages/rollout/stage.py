@@ -140,8 +140,8 @@ class RolloutStage:
     async def setup(self, ctx: Any) -> None:
         from transformers import AutoTokenizer
 
+        from stages.models.tiny import resolve_model_path
         from stages.rollout import build_backend, build_sampling_settings
-        from stages.tiny import resolve_model_path
 
         self.ctx = ctx
         cfg = ctx.config
@@ -158,7 +158,7 @@ class RolloutStage:
         await self.backend.start()
         self.sampling = build_sampling_settings(cfg.rollout, None)
         if cfg.rollout.tools is not None:
-            from stages.tools import load_tools
+            from stages.data.tools import load_tools
 
             self.tools = load_tools(cfg.rollout.tools.functions)
         # Warm the engine up (its first call compiles and allocates) before timing starts.

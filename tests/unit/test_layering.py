@@ -54,8 +54,8 @@ def test_no_pipeline_module_imports_stages_or_bench() -> None:
 
 def test_the_scan_sees_an_import_inside_a_function(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from stages.trainer import x\n    import bench.e2e\n")
-    assert _imported_modules(probe) == [(2, "stages.trainer"), (3, "bench.e2e")]
+    probe.write_text("def f():\n    from stages.trainer.stage import x\n    import bench.e2e\n")
+    assert _imported_modules(probe) == [(2, "stages.trainer.stage"), (3, "bench.e2e")]
 
 
 @pytest.mark.parametrize("name", sorted(BUILTINS))

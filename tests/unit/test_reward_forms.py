@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.config import ConfigError, RewardConfig, decode_config
 from pipeline.types import Prompt, RolloutBatch
-from stages.reward import (
+from stages.rewards.reward import (
     RewardFailedError,
     RewardStage,
     StepFailureTracker,

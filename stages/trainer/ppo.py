@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from pipeline.types import RolloutBatch
-from stages.trainer import TrainerStage, compute_micro_batch_scale, compute_step_grad_scale
+from stages.trainer.stage import TrainerStage, compute_micro_batch_scale, compute_step_grad_scale
 
 
 def summarise_later_epochs(metrics: list[dict[str, float]]) -> dict[str, float]:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.types import RolloutBatch
-from stages.reward_shaping import find_zero_variance_groups
+from stages.rewards.shaping import find_zero_variance_groups
 
 
 def summarise_step_batches(batches: list[RolloutBatch], zero_variance_dropped: int = 0) -> dict[str, float]:

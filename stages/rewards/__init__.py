@@ -1,0 +1,2 @@
+"""Rewards: reward-function adapters and the reward stage (``reward``), the reward-model
+scorer, reward shaping (group filters), and the built-in verifiable rewards."""
