@@ -1,11 +1,16 @@
-"""Code named by import path: the one resolver of ``module:attr``, and the one list of
-what ``pipeline`` calls in ``stages`` and ``bench``.
+"""Code named by import path: the one resolver of ``module:attr``, the registry of the
+stages a launched graph names, and the one list of what ``pipeline`` calls in ``stages``
+and ``bench``.
 
 Guarantees:
 - ``pipeline`` holds no import statement of ``stages`` or ``bench`` (a unit test reads
   every module): it reaches them only through the paths below, imported when first
   called. Importing ``pipeline.launch`` or ``pipeline.cli`` therefore loads no model
   code, and the plumbing can be tested, and replaced piece by piece, without it.
+- A stage registers itself (``@register_stage("trainer")`` on its class); ``pipeline``
+  names no stage class. ``stage_class`` imports the modules that ``stages.STAGE_MODULES``
+  lists (``BUILTIN_STAGES``) the first time a graph asks for a stage by name, so the
+  registry is whole before it is read.
 - ``load_file_object`` is the only place a ``.py`` file becomes a module (reward files,
   DataFlow scripts).
 - ``import_object`` is the only place a ``module:attr`` string becomes an object
@@ -19,18 +24,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# The built-in stages, by the name they have in a launched graph.
-STAGE_CLASSES: dict[str, str] = {
-    "source": "stages.data.source:PromptSource",
-    "pairs": "stages.data.pairs:PairSource",  # the source of an offline algorithm (dpo)
-    "rollout": "stages.rollout.stage:RolloutStage",
-    "reward": "stages.rewards.reward:RewardStage",
-    "reward_model": "stages.rewards.reward_model:RewardModelStage",
-    "reference": "stages.models.reference:ReferenceStage",
-    "critic": "stages.trainer.critic:CriticStage",
-    "trainer": "stages.trainer.stage:TrainerStage",
-    "ppo_trainer": "stages.trainer.ppo:PPOTrainerStage",  # the trainer with train.ppo_epochs/mini-batches
-}
+# The modules whose classes register the built-in stages (a tuple of module names).
+BUILTIN_STAGES = "stages:STAGE_MODULES"
+_STAGES: dict[str, type] = {}  # name in a launched graph -> its class, filled by ``register_stage``
 
 # What the plumbing asks of model-aware code (pre-flight, plan, replay, CLI).
 BUILTINS: dict[str, str] = {
@@ -102,3 +98,41 @@ def load_file_object(file: str, name: str, what: str, prefix: str = "conveyor_fi
 def load_builtin(name: str) -> Any:
     """The object ``BUILTINS[name]`` names (``KeyError`` for a name not listed)."""
     return import_object(BUILTINS[name], name)
+
+
+def register_stage(name: str) -> Any:
+    """Class decorator: the stage is ``name`` in a launched graph (``stage_class(name)``).
+    A second class under a taken name is a ``ValueError`` naming both."""
+
+    def register(cls: type) -> type:
+        taken = _STAGES.get(name)
+        if taken is not None and _path_of(taken) != _path_of(cls):
+            raise ValueError(f"stage {name!r}: registered by {_path_of(taken)}, again by {_path_of(cls)}")
+        _STAGES[name] = cls
+        return cls
+
+    return register
+
+
+def stage_class(name: str) -> type:
+    """The class registered as ``name``, once every module of ``BUILTIN_STAGES`` is imported
+    (``KeyError`` naming the registered stages for another name)."""
+    _import_builtin_stages()
+    if name not in _STAGES:
+        raise KeyError(f"no stage registered as {name!r} (registered: {', '.join(sorted(_STAGES))})")
+    return _STAGES[name]
+
+
+def registered_stages() -> dict[str, type]:
+    """Every registered stage by name (the built-ins imported first)."""
+    _import_builtin_stages()
+    return dict(_STAGES)
+
+
+def _import_builtin_stages() -> None:
+    for module in import_object(BUILTIN_STAGES, "built-in stages"):
+        importlib.import_module(module)  # its classes register themselves
+
+
+def _path_of(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"

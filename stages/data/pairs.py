@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from pipeline.plugins import register_stage
 from pipeline.types import Prompt, RolloutBatch
 from stages.data.files import RowError
 from stages.data.source import PromptSource
@@ -49,6 +50,7 @@ def encode_response(tok: Any, prompt: str | list[Any], prompt_text: str, respons
     return list(tok(full[len(prompt_text):], add_special_tokens=False)["input_ids"])
 
 
+@register_stage("pairs")  # the source of an offline algorithm (dpo)
 class PairSource(PromptSource):
     gives = RolloutBatch  # pipeline/contracts.py
     gives_fields = ("rewards",)

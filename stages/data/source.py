@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from pipeline.checkpoint import ConsumedPrompts
+from pipeline.plugins import register_stage
 from pipeline.types import Prompt, PromptBatch
 from stages.data.files import RowError, open_data
 from stages.data.prompt_rows import ColumnMap, PromptRenderer, load_tokenizer, render_rows, resolve_columns
@@ -55,6 +56,7 @@ def iter_list_rows(rows: list[Any], name: str) -> Iterator[tuple[int, str, Any]]
             return
 
 
+@register_stage("source")
 class PromptSource:
     """Source core. ``rows`` (a list of dicts) may be passed directly, for custom graphs."""
 

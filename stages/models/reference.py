@@ -34,6 +34,7 @@ from pipeline.memory.admission import ModelShape, count_seq_lens, estimate_batch
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
+from pipeline.plugins import register_stage
 from pipeline.types import RolloutBatch
 from stages.models.logprobs import LOGIT_CHUNK_TOKENS, compute_completion_logprobs, find_chunkable_head
 
@@ -94,6 +95,7 @@ class ReferenceModel:
         return msgspec.structs.replace(batch, ref_logprobs=ref)
 
 
+@register_stage("reference")
 class ReferenceStage:
     """Actor shell: ``reference.path`` (default ``model.path``) scored at the rollout temperature
     (``scoring_temperature``: 1 for offline pairs)."""

@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from pipeline.plugins import register_stage
 from pipeline.types import Prompt, RolloutBatch
 from stages.data.tasks import import_attr
 from stages.trainer.metrics import mean_per_sample_field
@@ -419,6 +420,7 @@ def _short_repr(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+@register_stage("reward")
 class RewardStage:
     """Actor shell around ``RewardFn`` (``reward.*``); see the module for what it reports."""
 

@@ -43,6 +43,7 @@ import msgspec
 import numpy as np
 import torch
 
+from pipeline.plugins import register_stage
 from pipeline.types import RolloutBatch
 
 
@@ -211,6 +212,7 @@ def split_sources(sources: Mapping[str, Any]) -> tuple[str | None, str]:
     return (function[0] if function else None), model[0]
 
 
+@register_stage("reward_model")
 class RewardModelStage:
     """Actor shell: scores each micro-batch with ``reward.sources``' model and combines.
     Without a ``function`` source it may read the rollout's output directly."""

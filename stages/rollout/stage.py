@@ -58,6 +58,7 @@ from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes, expan
 from pipeline.memory.guard import MemoryGuard, build_pool_reading
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, split_prompt_batch
+from pipeline.plugins import register_stage
 from pipeline.types import PromptBatch, RolloutBatch, WeightConfirmation
 from pipeline.versions import required_serving_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
@@ -120,6 +121,7 @@ def _join_results(parts: list[list[GenerationResult]]) -> list[GenerationResult]
     return [r for part in parts for r in part]
 
 
+@register_stage("rollout")
 class RolloutStage:
     takes, gives = PromptBatch, RolloutBatch  # pipeline/contracts.py
 

@@ -40,6 +40,7 @@ import msgspec
 import numpy as np
 import torch
 
+from pipeline.plugins import register_stage
 from pipeline.types import RolloutBatch
 from stages.models.logprobs import build_model_inputs
 
@@ -197,6 +198,7 @@ def build_critic_engine(cfg: Any) -> CriticEngine:
     return CriticEngine(path, cfg.critic, cfg.train, cfg.model.dtype, cfg.run.seed)
 
 
+@register_stage("critic")
 class CriticStage:
     """Actor shell: values, advantages and returns for each micro-batch, then learning."""
 

@@ -71,6 +71,7 @@ from pipeline.memory.admission import count_seq_lens, estimate_batch_bytes
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import OomRecovery, free_cached_memory, freeze_setup_heap, is_oom_error
 from pipeline.memory.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
+from pipeline.plugins import register_stage
 from pipeline.queue import fits_inline
 from pipeline.transport import TRANSPORT_ENV, select_transport
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
@@ -190,6 +191,7 @@ def _count_cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
 
 
+@register_stage("trainer")
 class TrainerStage:
     takes = RolloutBatch  # pipeline/contracts.py; ref_logprobs too when a KL term needs them
     takes_fields = ("rewards",)
