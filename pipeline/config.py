@@ -193,7 +193,7 @@ class PlacementEntry(msgspec.Struct, **_section()):
 
 
 class ToolsConfig(msgspec.Struct, **_section()):
-    """Multi-turn rollouts with tools (``stages/rollout/multi_turn.py``, ``stages/data/tools.py``).
+    """Multi-turn rollouts with tools (``stages/rollout/multi_turn.py``, ``stages/rollout/tools.py``).
 
     ``functions``: ``builtin`` (``calc``, ``python``), ``path/to/file.py:NAME`` or
     ``module:NAME``, a dict of tool name -> callable(str) -> str. The model calls a tool

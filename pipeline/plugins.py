@@ -38,7 +38,7 @@ BUILTINS: dict[str, str] = {
     "split_file_spec": "stages.rewards.reward:split_file_spec",
     "build_reward_fn": "stages.rewards.reward:build_reward_fn",
     "build_trainer_engine": "stages.trainer.engine:build_trainer_engine",
-    "load_tools": "stages.data.tools:load_tools",
+    "load_tools": "stages.rollout.tools:load_tools",
     "check_engine_kwargs": "stages.rollout.vllm_backend:check_engine_kwargs",
     "train_recorded_step": "stages.trainer.stage:train_recorded_step",  # replay: the trainer's own rules
     "bench": "bench.__main__:main",  # conveyor bench NAME

@@ -1,2 +1,2 @@
-"""Models: the embedded tiny policy and reward model, real-shape checkpoints, weight
-names, completion log-probs, and the reference stage that scores with a frozen copy."""
+"""Models: the embedded tiny policy, real-shape checkpoints, weight names, completion
+log-probs, and the reference stage that scores with a frozen copy."""

@@ -1,2 +1,3 @@
 """Rewards: reward-function adapters and the reward stage (``reward``), the reward-model
-scorer, reward shaping (group filters), and the built-in verifiable rewards."""
+scorer and its embedded tiny model, reward shaping (group filters), and the built-in
+verifiable rewards."""

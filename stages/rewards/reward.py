@@ -52,7 +52,6 @@ import numpy as np
 from pipeline.plugins import register_stage
 from pipeline.types import Prompt, RolloutBatch
 from stages.data.tasks import import_attr
-from stages.trainer.metrics import mean_per_sample_field
 
 Signature = Literal["auto", "score", "batched"]
 
@@ -373,19 +372,6 @@ class StepFailureTracker:
             return False
         del self._steps[step]
         return counts[1] == counts[0]
-
-
-# Trainer reward metrics an extra key must not overwrite (it goes to reward/extra/<key>).
-_RESERVED_METRICS = ("mean", "std", "max", "min", "errors")
-
-
-def summarise_reward_extras(batches: Sequence[Any]) -> dict[str, float]:
-    """Step metrics from the batches' reward side: ``reward/errors`` (failed samples)
-    and ``reward/<key>``, the mean of each extra over the samples that returned it."""
-    out = {"reward/errors": float(sum(len(b.reward_errors) for b in batches))}
-    for key, mean in mean_per_sample_field(batches, "reward_extras").items():
-        out[f"reward/extra/{key}" if key in _RESERVED_METRICS else f"reward/{key}"] = mean
-    return out
 
 
 def _describe_params(fn: Callable[..., Any]) -> tuple[list[str], bool]:

@@ -191,9 +191,9 @@ class RewardModel:
 
 def resolve_reward_model_path(path: str, cfg: Any) -> Path:
     """A model source's ``path``: ``tiny`` -> the tiny reward model of ``data.task``, built
-    locally when missing (``stages/models/tiny_reward_model.py``); otherwise the directory."""
+    locally when missing (``stages/rewards/tiny_reward_model.py``); otherwise the directory."""
     if path == "tiny":
-        from stages.models.tiny_reward_model import ensure_tiny_reward_model
+        from stages.rewards.tiny_reward_model import ensure_tiny_reward_model
 
         if cfg.data.path:
             raise ValueError("reward.sources: path 'tiny' is the tiny reward model of a built-in data.task; "

@@ -160,7 +160,7 @@ class RolloutStage:
         await self.backend.start()
         self.sampling = build_sampling_settings(cfg.rollout, None)
         if cfg.rollout.tools is not None:
-            from stages.data.tools import load_tools
+            from stages.rollout.tools import load_tools
 
             self.tools = load_tools(cfg.rollout.tools.functions)
         # Warm the engine up (its first call compiles and allocates) before timing starts.

@@ -76,9 +76,13 @@ from pipeline.queue import fits_inline
 from pipeline.transport import TRANSPORT_ENV, select_transport
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness
-from stages.rewards.reward import summarise_reward_extras
 from stages.trainer.checkpoint import TrainerCheckpoints
-from stages.trainer.metrics import summarise_batch_rewards, summarise_rollout_extras, summarise_step_batches
+from stages.trainer.metrics import (
+    summarise_batch_rewards,
+    summarise_reward_extras,
+    summarise_rollout_extras,
+    summarise_step_batches,
+)
 from stages.trainer.pieces import compute_piece_weight, merge_piece_metrics, pool_logp_mismatch
 
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k

@@ -13,11 +13,11 @@ import pytest
 from pipeline.config import GrpoConfig, ToolsConfig
 from pipeline.types import Prompt, PromptBatch
 from stages.algorithms import assign_advantages
-from stages.data.tools import PythonSandbox, calculator, find_tool_call
 from stages.models.tiny import build_char_tokenizer
 from stages.rollout.base import GenerationResult, SamplingSettings
 from stages.rollout.multi_turn import Trajectory, cut_at_call, generate_with_tools
 from stages.rollout.stage import build_rollout_batch
+from stages.rollout.tools import PythonSandbox, calculator, find_tool_call
 from tests.ray_local.fakes import FakeScriptedBackend
 
 TOK = build_char_tokenizer("llama")

@@ -21,8 +21,8 @@ from stages.rewards.reward import (
     label_errors,
     resolve_reward_spec,
     split_file_spec,
-    summarise_reward_extras,
 )
+from stages.trainer.metrics import summarise_reward_extras
 
 VERL_STYLE = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
