@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "a Conveyor row may carry overrides: colocate[train.chunk_size=256;run.seed=1]. "
                                      "gpu_scale: a subset of shared_1gpu,colocate_1gpu,disaggregated_2gpu,"
                                      "replicas_ranks_2gpu")
-    p.add_argument("--model", help="gpu_e2e: the job at a real shape built locally (stages/model_shapes.py: "
+    p.add_argument("--model", help="gpu_e2e: the job at a real shape built locally (stages/models/shapes.py: "
                                    "qwen2.5_0.5b, qwen3_0.6b, qwen3_1.7b, qwen3_4b, qwen3_8b, llama3.2_1b, "
                                    "llama3.1_8b, gemma3_1b); default rows engines,async,colocate,trl")
     return p
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.model is not None:
-        from stages.model_shapes import get_shape
+        from stages.models.shapes import get_shape
 
         if args.name != "gpu_e2e":
             parser.error(f"--model: only gpu_e2e runs at a chosen shape, not {args.name}")

@@ -7,7 +7,7 @@ Measures, for the quickstart (``configs/quickstart.yaml``, launched in this proc
 - sync, the baseline measured in the same run (``dataflow.async_execution=false``,
   ``dataflow.max_staleness=0``: exactly on-policy lock-step);
 - TRL's ``GRPOTrainer`` (transformers ``generate`` for rollouts, on the same CPU), with
-  the same model (``stages.tiny.ensure_tiny_checkpoint``), prompts (the task's rows for
+  the same model (``stages.models.tiny.ensure_tiny_checkpoint``), prompts (the task's rows for
   ``run.seed``), group size, completion length, temperature, learning rate, KL
   coefficient, clip, grad clip, token-mean loss and number of optimizer steps;
 
@@ -95,8 +95,8 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from pipeline.config import load_config
-    from stages.tasks import load_task
-    from stages.tiny import resolve_model_path
+    from stages.data.tasks import load_task
+    from stages.models.tiny import resolve_model_path
 
     t0 = time.time()
     cfg = load_config(QUICKSTART)

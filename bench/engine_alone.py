@@ -33,11 +33,11 @@ ENGINE_MEMORY = 0.85  # vLLM's share of the GPU when it runs alone
 
 def build_prompt_ids(cfg: Any, tokenizer: Any, model_path: Path, count: int) -> list[list[int]]:
     """The first ``count`` usable prompts of the job as the run renders them
-    (``stages.prompt_rows``): its data file's rows, chat rows through the tokenizer's
+    (``stages.data.prompt_rows``): its data file's rows, chat rows through the tokenizer's
     template, or, without ``data.path``, its task's rows."""
-    from stages.data_files import open_data
-    from stages.prompt_rows import PromptRenderer, RowError, render_rows, resolve_columns
-    from stages.tasks import load_task
+    from stages.data.files import open_data
+    from stages.data.prompt_rows import PromptRenderer, RowError, render_rows, resolve_columns
+    from stages.data.tasks import load_task
 
     renderer = PromptRenderer(tokenizer, cfg.data.chat_template, model_path, cfg.data.max_prompt_len)
     if cfg.data.path is None:
@@ -73,7 +73,7 @@ def measure_trainer_alone(cfg: Any) -> dict[str, Any]:
     import torch
 
     from stages.algorithms import assign_advantages
-    from stages.trainer import build_trainer_engine
+    from stages.trainer.engine import build_trainer_engine
 
     engine = build_trainer_engine(cfg)
     vocab = int(engine.module.config.vocab_size)
@@ -93,7 +93,7 @@ def measure_engines(config: Path, overrides: list[str]) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from pipeline.config import load_config
-    from stages.tiny import resolve_model_path
+    from stages.models.tiny import resolve_model_path
 
     cfg = load_config(config, overrides)
     model_path = resolve_model_path(cfg.model)

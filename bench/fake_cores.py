@@ -16,7 +16,7 @@ the same calls at the same points, and the real pure rules of ``pipeline.version
 - ``FakeScorerCore`` (reward, reference) only takes time;
 - ``FakeTrainerCore`` applies the staleness gate (``is_too_stale``), reports dropped
   prompts, and ends each optimizer step with one ``finish_step`` that carries a small
-  weight payload every ``sync_interval`` steps, as ``stages.trainer.TrainerStage`` does.
+  weight payload every ``sync_interval`` steps, as ``stages.trainer.stage.TrainerStage`` does.
 
 Compute is a wait in a thread (``asyncio.to_thread(time.sleep, d)``), as real compute
 runs off the event loop. Durations follow ``GenerationLengths``: per-sample completion

@@ -19,7 +19,7 @@ each ratio is also given round by round: a row against the first TRL row after i
 else the last one), and a Conveyor row may carry its own overrides
 (``colocate[train.chunk_size=256;rollout.max_inflight=2]``, on top of its mode's).
 
-``--model NAME`` runs the job at a real shape of ``stages.model_shapes`` (built locally,
+``--model NAME`` runs the job at a real shape of ``stages.models.shapes`` (built locally,
 reused from ``~/.cache/conveyor/shapes``): that checkpoint, the config's task rows as
 chat messages (``data.path``, rendered with the checkpoint's chat template by Conveyor
 and TRL alike) and the config's lengths; its default rows are ``SHAPE_SYSTEMS``, the
@@ -168,8 +168,8 @@ def run_trl(steps: int, root: Path, job: tuple[str, ...] = ()) -> dict[str, Any]
     from trl import GRPOConfig, GRPOTrainer
 
     from pipeline.config import load_config
-    from stages.tasks import load_task
-    from stages.tiny import resolve_model_path
+    from stages.data.tasks import load_task
+    from stages.models.tiny import resolve_model_path
 
     t0 = time.time()
     cfg = load_config(CONFIG, list(job))
@@ -385,7 +385,7 @@ def result_label(specs: tuple[str, ...], model: str | None = None) -> str:
 def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | None = None) -> dict[str, Any]:
     """``systems``: the rows to run, in order (``--systems``, see ``parse_systems``;
     default ``SYSTEMS``, ``SHAPE_SYSTEMS`` with a ``model``); a call limit of ten minutes
-    holds about four. ``model``: a name of ``stages.model_shapes.REAL_SHAPES`` (``--model``).
+    holds about four. ``model``: a name of ``stages.models.shapes.REAL_SHAPES`` (``--model``).
     Where a spec repeats, its figure is the mean of its rows, and the ratios'
     ``over_trl_by_round`` gives each row's ratio to its round's TRL row."""
     import torch

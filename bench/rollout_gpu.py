@@ -104,8 +104,8 @@ VARIANTS = ((True, None, "subprocess"), (False, None, "subprocess"), (False, "st
 
 async def measure(quick: bool, variants: tuple[tuple[bool, str | None, str], ...] = VARIANTS) -> dict[str, Any]:
     from pipeline.config import load_config
+    from stages.models.tiny import resolve_model_path
     from stages.rollout.vllm_backend import VLLMBackend
-    from stages.tiny import resolve_model_path
 
     # torch.cuda.is_available() has initialised the driver in this process: a forked
     # engine process could not use CUDA.

@@ -2,7 +2,7 @@
 against the same vLLM backend driven directly, on the same prompts and sampling settings.
 
 Measures completion tokens/s and samples per s of
-- the pipeline: a DataFlow ``source`` (``stages.source:PromptSource``, the real one) ->
+- the pipeline: a DataFlow ``source`` (``stages.data.source:PromptSource``, the real one) ->
   ``rollout`` (``stages.rollout.stage:RolloutStage``, ``concurrency = rollout.max_inflight``)
   -> ``sink`` (``TokenSink``, counts tokens and tells the ledger they are done), run by
   ``run_dataflow`` with a ``ConveyorConfig``; engine start-up is not timed (the runner's
@@ -97,7 +97,7 @@ def run_pipeline(cfg: Any, prompts: int) -> dict[str, Any]:
 
     df = DataFlow()
     df.default_queue_size = cfg.dataflow.queue_size
-    df.add_node("source", "stages.source:PromptSource", None)
+    df.add_node("source", "stages.data.source:PromptSource", None)
     df.add_node("rollout", "stages.rollout.stage:RolloutStage", "source", concurrency=cfg.rollout.max_inflight)
     df.add_node("sink", TokenSink, "rollout")
     cpu = CpuMeter()
@@ -113,9 +113,9 @@ def run_pipeline(cfg: Any, prompts: int) -> dict[str, Any]:
 async def _direct(cfg: Any, prompts: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
+    from stages.data.tasks import load_task
+    from stages.models.tiny import resolve_model_path
     from stages.rollout import build_backend, build_sampling_settings
-    from stages.tasks import load_task
-    from stages.tiny import resolve_model_path
 
     path = resolve_model_path(cfg.model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -206,7 +206,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "units": "completion tokens (or samples) per second",
         "params": {"prompts": prompts, "n": cfg.rollout.n, "max_tokens": max_tokens, "temperature": 1.0,
                    "prompts_per_micro_batch": cfg.dataflow.prompts_per_micro_batch,
-                   "max_inflight": cfg.rollout.max_inflight, "model": "tiny (stages.tiny defaults)",
+                   "max_inflight": cfg.rollout.max_inflight, "model": "tiny (stages.models.tiny defaults)",
                    "backend": "vllm", "rounds": rounds},
         "runs": runs,
         "ratios": ratios,

@@ -1,5 +1,5 @@
 """The job of ``bench gpu_e2e --model NAME``: the config's job (``configs/gpu_small.yaml``) at a real
-shape of ``stages.model_shapes``.
+shape of ``stages.models.shapes``.
 
 The checkpoint is built locally (reused from ``~/.cache/conveyor/shapes``); the prompts
 are the config's task rows, each as one user message, written to a JSONL file that
@@ -17,7 +17,7 @@ from typing import Any
 
 def build_job_rows(cfg: Any, count: int, chat: bool) -> list[dict[str, Any]]:
     """The config's first ``count`` task rows; ``chat``: each prompt as one user message."""
-    from stages.tasks import load_task
+    from stages.data.tasks import load_task
 
     rows = load_task(cfg.data.task, **cfg.data.task_kwargs).generate_rows(cfg.run.seed, count)
     return [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows] if chat else rows
@@ -28,7 +28,7 @@ def prepare_job(model: str, steps: int, root: Path, config: Path) -> tuple[str, 
     (built unless cached) and ``steps`` steps' task rows as chat messages in
     ``root/prompts.jsonl``."""
     from pipeline.config import load_config
-    from stages.model_shapes import build_in_subprocess
+    from stages.models.shapes import build_in_subprocess
 
     cfg = load_config(config)
     path = build_in_subprocess(model)
@@ -55,7 +55,7 @@ def describe_shape(model: str | None, config: Path) -> dict[str, Any]:
         from pipeline.config import load_config
 
         return {"name": "tiny", "tiny": msgspec.to_builtins(load_config(config).model.tiny)}
-    from stages.model_shapes import get_shape
+    from stages.models.shapes import get_shape
 
     shape = get_shape(model)
     return {"name": model, "architecture": shape.architecture, "model_type": shape.model_type,

@@ -101,7 +101,7 @@ def measure(quick: bool) -> dict[str, Any]:
 
     from pipeline.config import load_config
     from stages.algorithms import assign_advantages
-    from stages.trainer import build_trainer_engine
+    from stages.trainer.engine import build_trainer_engine
 
     # Eager: these rows measure the passes as launched op by op (train.compile's fused
     # blocks are measured end to end by bench gpu_e2e, colocate[train.compile=off]).

@@ -1,7 +1,7 @@
 """Weight sync: publish-and-apply time into a real vLLM rollout worker, beside its bound.
 
 Measures, for random-init Llama models of about 1M, 10M and 50M parameters (head_dim 64,
-the char tokenizer of ``stages.tiny``, float32, written to a temporary directory):
+the char tokenizer of ``stages.models.tiny``, float32, written to a temporary directory):
 
 - publish: what the trainer does per version (``TrainerEngine.export_weights``):
   ``pipeline.weights.build_payload`` of the state dict (serialize, then sha256 and
@@ -99,8 +99,8 @@ async def measure_model(name: str, shape: tuple[int, int, int], root: Path, repe
     import torch
 
     from pipeline.weights import build_payload, compute_fingerprint, compute_sha256, serialize_weights
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model, write_tiny_checkpoint
     from stages.rollout import build_backend
-    from stages.tiny import build_char_tokenizer, build_tiny_model, write_tiny_checkpoint
 
     cfg = build_model_config(*shape)
     path = root / name
@@ -198,8 +198,8 @@ async def measure_gpu_transports(shape: tuple[int, int, int], root: Path, repeat
 
     from pipeline.transport import CudaIpcExporter
     from pipeline.weights import build_payload
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model, write_tiny_checkpoint
     from stages.rollout import build_backend
-    from stages.tiny import build_char_tokenizer, build_tiny_model, write_tiny_checkpoint
 
     cfg = build_model_config(*shape)
     path = root / "gpu-model"

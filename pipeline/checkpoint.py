@@ -89,7 +89,7 @@ class ResumeState(msgspec.Struct, kw_only=True):
     ``dropped`` (reason -> prompts) are the ledger's counters; ``consumed`` the prompt
     indices they cover; ``recent_metrics`` the trainer's metrics of the steps since the
     previous checkpoint (the driver may not have logged them before a crash);
-    ``curriculum`` the curriculum's state (``stages/curriculum.py``) with a
+    ``curriculum`` the curriculum's state (``stages/data/curriculum.py``) with a
     ``data.curriculum``: the source resumes at its level, the trainer with its window.
     ``num_ranks``: the data-parallel trainer ranks that wrote it (each saved its own
     optimizer partition, so only as many ranks can load it); None in checkpoints

@@ -49,7 +49,7 @@ class TinyModelConfig(msgspec.Struct, **_section()):
 
     ``architecture`` picks the transformers model class and the tokenizer conventions
     of that family (special tokens, BOS or not, stop tokens, chat template); the
-    default Llama has no chat template (see ``stages/tiny.py``)."""
+    default Llama has no chat template (see ``stages/models/tiny.py``)."""
 
     architecture: TinyArchitecture = "llama"
     hidden_size: PosInt = 128
@@ -76,7 +76,7 @@ class ModelConfig(msgspec.Struct, **_section()):
 
 
 class CurriculumConfig(msgspec.Struct, **_section()):
-    """A curriculum over ``data.path`` rows (``stages/curriculum.py`` holds the rules).
+    """A curriculum over ``data.path`` rows (``stages/data/curriculum.py`` holds the rules).
 
     Each row carries an integer level under ``key`` (top-level column); ``levels`` is the
     order they are taught in, starting at ``start`` (default: the first). Prompts are
@@ -94,7 +94,7 @@ class CurriculumConfig(msgspec.Struct, **_section()):
 
 
 class PairsConfig(msgspec.Struct, **_section()):
-    """Preference pairs for DPO (``stages/pairs.py``): each row holds the prompt
+    """Preference pairs for DPO (``stages/data/pairs.py``): each row holds the prompt
     (``data.prompt_key``) and two responses under ``chosen_key`` and ``rejected_key``:
     strings for a plain prompt, lists of chat messages (the assistant turn) for a chat
     prompt."""
@@ -105,7 +105,7 @@ class PairsConfig(msgspec.Struct, **_section()):
 
 class DataConfig(msgspec.Struct, **_section()):
     """Prompts: a built-in task (or ``module:attr`` task), or ``path``: a local JSONL or
-    Parquet file or a ``datasets`` ``save_to_disk`` directory (``stages/prompt_rows.py``).
+    Parquet file or a ``datasets`` ``save_to_disk`` directory (``stages/data/prompt_rows.py``).
 
     ``prompt_key``: the column holding the prompt, a string or a list of chat messages
     (left at ``prompt``, a ``messages`` column is used when there is no ``prompt``).
@@ -193,7 +193,7 @@ class PlacementEntry(msgspec.Struct, **_section()):
 
 
 class ToolsConfig(msgspec.Struct, **_section()):
-    """Multi-turn rollouts with tools (``stages/rollout/multi_turn.py``, ``stages/tools.py``).
+    """Multi-turn rollouts with tools (``stages/rollout/multi_turn.py``, ``stages/rollout/tools.py``).
 
     ``functions``: ``builtin`` (``calc``, ``python``), ``path/to/file.py:NAME`` or
     ``module:NAME``, a dict of tool name -> callable(str) -> str. The model calls a tool
@@ -296,7 +296,7 @@ class RolloutConfig(msgspec.Struct, **_section()):
 
 
 class RewardSourceConfig(msgspec.Struct, **_section()):
-    """One entry of ``reward.sources`` (``stages/reward_model.py``). ``kind: function``:
+    """One entry of ``reward.sources`` (``stages/rewards/reward_model.py``). ``kind: function``:
     the reward stage's score (``reward.function``); ``kind: model``: a local
     ``AutoModelForSequenceClassification`` checkpoint with one logit at ``path``, scored
     by the ``reward_model`` stage (``chunk_size`` samples per forward, admitted under
@@ -313,13 +313,13 @@ class RewardSourceConfig(msgspec.Struct, **_section()):
 
 class RewardConfig(msgspec.Struct, **_section()):
     """``function``: ``task`` (the data task's own), a built-in (``math``, ``gsm8k``,
-    ``format``, ``think_format``: ``stages/verifiable_rewards.py``), ``module:attr``, or
+    ``format``, ``think_format``: ``stages/rewards/verifiable.py``), ``module:attr``, or
     ``path/to/file.py:name`` (a file, loaded by path); verl's spelling, ``path`` (a
     ``.py`` file) with ``name`` (default ``compute_score``), means the same.
     Plain or ``async def`` functions; each call may take at most ``timeout_s`` seconds
     (unset: no limit). A call that raises, times out or returns no number scores
     ``on_error`` and is counted in ``reward/errors``; a step whose every sample failed
-    stops the run (``stages/reward.py``)."""
+    stops the run (``stages/rewards/reward.py``)."""
 
     function: str = "task"
     signature: Literal["auto", "score", "batched"] = "auto"
@@ -342,7 +342,7 @@ class ReferenceConfig(msgspec.Struct, **_section()):
 
 
 class CriticConfig(msgspec.Struct, **_section()):
-    """The value model (``stages/critic.py``), a stage of its own that runs when the
+    """The value model (``stages/trainer/critic.py``), a stage of its own that runs when the
     algorithm needs values (``algorithm.name: ppo``). ``path``: a local
     ``AutoModelForTokenClassification`` checkpoint with one label; None: the policy
     (``model.path``) with a fresh scalar head. It trains with DeepSpeed (``train``'s ZeRO
@@ -367,7 +367,7 @@ class TrainConfig(msgspec.Struct, **_section()):
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 0
-    # Data-parallel DeepSpeed ranks of the one trainer stage (stages/trainer_ranks.py):
+    # Data-parallel DeepSpeed ranks of the one trainer stage (stages/trainer/ranks.py):
     # each on its own GPU where there are GPUs; a step's groups are split across them.
     num_ranks: PosInt = 1
     prompts_per_step: PosInt = 8  # GRPO groups per optimizer step
@@ -395,12 +395,12 @@ class TrainConfig(msgspec.Struct, **_section()):
     # GPU's win on a small model). Admission (train.memory) estimates with it.
     chunk_size: PosInt = 16
     # Rows of [tokens, vocabulary] logits alive at once when the trainer and the
-    # reference compute log-probs (stages/logprobs.py: the output head runs on completion
+    # reference compute log-probs (stages/models/logprobs.py: the output head runs on completion
     # tokens only, this many at a time, recomputed in backward): memory does not grow
     # with the vocabulary.
     # 0: the dense head (all of a pass's logits at once).
     logit_chunk_tokens: NonNegInt = 1024
-    # Learning-rate schedule (stages/lr_schedule.py), counted in optimizer updates
+    # Learning-rate schedule (stages/trainer/lr_schedule.py), counted in optimizer updates
     # (run.steps * ppo_epochs * ppo_mini_batches): update k < warmup_steps uses
     # lr * (k + 1) / warmup_steps, then constant, or linear / cosine decay towards
     # lr * min_lr_ratio at the run's last update.
@@ -411,7 +411,7 @@ class TrainConfig(msgspec.Struct, **_section()):
     # fp32 master weights (DeepSpeed's BF16 optimizer); bf16 accumulates in the model
     # dtype (less memory, rounding grows with the pieces of a step).
     grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
-    # torch.compile the model's transformer blocks (stages/trainer_engine.py,
+    # torch.compile the model's transformer blocks (stages/trainer/engine.py,
     # compile_blocks): each block's elementwise ops (norms, rotary, SiLU gating) fused
     # into few kernels, forward and backward. auto: on a GPU below ZeRO 3 with a C
     # compiler for Triton on PATH; on: wherever (CPU needs a C++ compiler); off: eager.
@@ -423,7 +423,7 @@ class TrainConfig(msgspec.Struct, **_section()):
     # policy loss of every forward pass. 0: the policy loss alone. A model without a
     # router refuses any other value at launch.
     router_aux_loss_coef: NonNegFloat = 0.0
-    # PPO's updates over a step's data (stages/ppo_trainer.py): the step is cut into
+    # PPO's updates over a step's data (stages/trainer/ppo.py): the step is cut into
     # ppo_mini_batches mini-batches of whole micro-batches, each one optimizer update
     # (the first epoch's as soon as its micro-batches are in), and passed over
     # ppo_epochs times; the policy version still moves once per step.

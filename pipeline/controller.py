@@ -45,7 +45,7 @@ import ray
 from pipeline.types import WeightConfirmation, WeightUpdate
 from pipeline.versions import Ledger
 
-# The step metric carrying the curriculum's level (stages/curriculum.py sets it).
+# The step metric carrying the curriculum's level (stages/data/curriculum.py sets it).
 CURRICULUM_LEVEL = "curriculum/level"
 
 # Publish times of the newest versions, for the publish-to-serve lag: a worker confirms

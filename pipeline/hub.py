@@ -15,7 +15,7 @@ Guarantees of ``resolve_hub_names``:
   (``data_files`` of ``data.config_name``, else the default or only config), else from
   the standard layouts (``data/<split>-*``, ``<config>/<split>-*``, ``<split>.jsonl``...);
   ``data.path`` becomes the one file or a glob over the split's shards
-  (``stages/data_files.py`` reads either).
+  (``stages/data/files.py`` reads either).
 - Every failure is a ``ConfigError`` whose message begins with the key at fault
   (``model.path``, ``model.revision``, ``data.path``, ``data.split``...): a repository
   not in the cache while the Hub cannot be reached says so and how to fetch it.

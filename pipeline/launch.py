@@ -63,7 +63,7 @@ from pipeline.placement import (
     plan_placement,
     size_job_kv_cache,
 )
-from pipeline.plugins import STAGE_CLASSES, load_builtin
+from pipeline.plugins import load_builtin, stage_class
 from pipeline.preflight import PreflightReport, run_preflight
 from pipeline.profiler import (
     GpuSampler,
@@ -124,8 +124,8 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
                     name == "rollout" and cfg.placement.mode == "colocate"):
                 extra["max_restarts"] = cfg.run.max_restarts
             several_updates = cfg.train.ppo_epochs > 1 or cfg.train.ppo_mini_batches > 1
-            cls = STAGE_CLASSES["ppo_trainer" if name == "trainer" and several_updates
-                                else "pairs" if name == "source" and cfg.algorithm.offline else name]
+            cls = stage_class("ppo_trainer" if name == "trainer" and several_updates
+                              else "pairs" if name == "source" and cfg.algorithm.offline else name)
             df.add_node(name, cls, prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus,
                         resources=place.resources, **extra)
             prev = name

@@ -64,7 +64,7 @@ RESERVE_FRACTION = 0.1
 OWN_GPU_FRACTION = 0.9  # vLLM's share of a GPU it has to itself
 MIN_ROLLOUT_FRACTION = 0.05
 KV_HEADROOM = 1.25  # a colocated engine's KV cache over its sequences' tokens (vLLM's block slack)
-REFERENCE_CHUNK = 16  # the reference stage's samples per forward pass (stages/reference.py)
+REFERENCE_CHUNK = 16  # the reference stage's samples per forward pass (stages/models/reference.py)
 
 
 class PlacementError(ConfigError):

@@ -1,11 +1,16 @@
-"""Code named by import path: the one resolver of ``module:attr``, and the one list of
-what ``pipeline`` calls in ``stages`` and ``bench``.
+"""Code named by import path: the one resolver of ``module:attr``, the registry of the
+stages a launched graph names, and the one list of what ``pipeline`` calls in ``stages``
+and ``bench``.
 
 Guarantees:
 - ``pipeline`` holds no import statement of ``stages`` or ``bench`` (a unit test reads
   every module): it reaches them only through the paths below, imported when first
   called. Importing ``pipeline.launch`` or ``pipeline.cli`` therefore loads no model
   code, and the plumbing can be tested, and replaced piece by piece, without it.
+- A stage registers itself (``@register_stage("trainer")`` on its class); ``pipeline``
+  names no stage class. ``stage_class`` imports the modules that ``stages.STAGE_MODULES``
+  lists (``BUILTIN_STAGES``) the first time a graph asks for a stage by name, so the
+  registry is whole before it is read.
 - ``load_file_object`` is the only place a ``.py`` file becomes a module (reward files,
   DataFlow scripts).
 - ``import_object`` is the only place a ``module:attr`` string becomes an object
@@ -19,32 +24,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# The built-in stages, by the name they have in a launched graph.
-STAGE_CLASSES: dict[str, str] = {
-    "source": "stages.source:PromptSource",
-    "pairs": "stages.pairs:PairSource",  # the source of an offline algorithm (dpo)
-    "rollout": "stages.rollout.stage:RolloutStage",
-    "reward": "stages.reward:RewardStage",
-    "reward_model": "stages.reward_model:RewardModelStage",
-    "reference": "stages.reference:ReferenceStage",
-    "critic": "stages.critic:CriticStage",
-    "trainer": "stages.trainer:TrainerStage",
-    "ppo_trainer": "stages.ppo_trainer:PPOTrainerStage",  # the trainer with train.ppo_epochs/mini-batches
-}
+# The modules whose classes register the built-in stages (a tuple of module names).
+BUILTIN_STAGES = "stages:STAGE_MODULES"
+_STAGES: dict[str, type] = {}  # name in a launched graph -> its class, filled by ``register_stage``
 
 # What the plumbing asks of model-aware code (pre-flight, plan, replay, CLI).
 BUILTINS: dict[str, str] = {
-    "resolve_model_path": "stages.tiny:resolve_model_path",  # model.path, "tiny" built locally
-    "load_tokenizer": "stages.prompt_rows:load_tokenizer",
-    "check_data_file": "stages.prompt_rows:check_data_file",
-    "load_task": "stages.tasks:load_task",
-    "resolve_reward_spec": "stages.reward:resolve_reward_spec",
-    "split_file_spec": "stages.reward:split_file_spec",
-    "build_reward_fn": "stages.reward:build_reward_fn",
-    "build_trainer_engine": "stages.trainer:build_trainer_engine",
-    "load_tools": "stages.tools:load_tools",
+    "resolve_model_path": "stages.models.tiny:resolve_model_path",  # model.path, "tiny" built locally
+    "load_tokenizer": "stages.data.prompt_rows:load_tokenizer",
+    "check_data_file": "stages.data.prompt_rows:check_data_file",
+    "load_task": "stages.data.tasks:load_task",
+    "resolve_reward_spec": "stages.rewards.reward:resolve_reward_spec",
+    "split_file_spec": "stages.rewards.reward:split_file_spec",
+    "build_reward_fn": "stages.rewards.reward:build_reward_fn",
+    "build_trainer_engine": "stages.trainer.engine:build_trainer_engine",
+    "load_tools": "stages.rollout.tools:load_tools",
     "check_engine_kwargs": "stages.rollout.vllm_backend:check_engine_kwargs",
-    "train_recorded_step": "stages.trainer:train_recorded_step",  # replay: the trainer's own rules
+    "train_recorded_step": "stages.trainer.stage:train_recorded_step",  # replay: the trainer's own rules
     "bench": "bench.__main__:main",  # conveyor bench NAME
 }
 
@@ -102,3 +98,41 @@ def load_file_object(file: str, name: str, what: str, prefix: str = "conveyor_fi
 def load_builtin(name: str) -> Any:
     """The object ``BUILTINS[name]`` names (``KeyError`` for a name not listed)."""
     return import_object(BUILTINS[name], name)
+
+
+def register_stage(name: str) -> Any:
+    """Class decorator: the stage is ``name`` in a launched graph (``stage_class(name)``).
+    A second class under a taken name is a ``ValueError`` naming both."""
+
+    def register(cls: type) -> type:
+        taken = _STAGES.get(name)
+        if taken is not None and _path_of(taken) != _path_of(cls):
+            raise ValueError(f"stage {name!r}: registered by {_path_of(taken)}, again by {_path_of(cls)}")
+        _STAGES[name] = cls
+        return cls
+
+    return register
+
+
+def stage_class(name: str) -> type:
+    """The class registered as ``name``, once every module of ``BUILTIN_STAGES`` is imported
+    (``KeyError`` naming the registered stages for another name)."""
+    _import_builtin_stages()
+    if name not in _STAGES:
+        raise KeyError(f"no stage registered as {name!r} (registered: {', '.join(sorted(_STAGES))})")
+    return _STAGES[name]
+
+
+def registered_stages() -> dict[str, type]:
+    """Every registered stage by name (the built-ins imported first)."""
+    _import_builtin_stages()
+    return dict(_STAGES)
+
+
+def _import_builtin_stages() -> None:
+    for module in import_object(BUILTIN_STAGES, "built-in stages"):
+        importlib.import_module(module)  # its classes register themselves
+
+
+def _path_of(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"

@@ -50,7 +50,7 @@ class PreflightReport:
 
     model_path: str
     reward_function: str
-    data: Any = None  # stages.prompt_rows.DataReport when data.path is set
+    data: Any = None  # stages.data.prompt_rows.DataReport when data.path is set
     notes: list[str] = field(default_factory=list)
 
     def to_summary(self) -> dict[str, Any]:

@@ -56,18 +56,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from pipeline.controller import ControllerActor, ControllerClient
-from pipeline.dataflow import DataFlow
 from pipeline.delivery import DEDUP_WINDOW, dedup_window
 from pipeline.log import get_logger
 from pipeline.profiler import SpanTotals, StageTimes
 from pipeline.queue import FORWARD_INTERVAL_S, QueueHandle, create_queue
 from pipeline.stage import StageActor, StageError, lease_id
 from pipeline.types import Span
+
+if TYPE_CHECKING:  # a type only: DataFlow.run imports this module, so not at run time
+    from pipeline.dataflow import DataFlow
 
 log = get_logger(stage="driver")
 # The trace and timeline show the latest spans of a long run (about the last minutes of

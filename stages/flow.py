@@ -5,14 +5,14 @@ Each name is the stage class itself, not a wrapper: a script's graph runs exactl
 code the YAML-built graph runs.
 """
 
-from stages.critic import CriticStage as Critic
-from stages.ppo_trainer import PPOTrainerStage as PPOTrainer
-from stages.reference import ReferenceStage as Reference
-from stages.reward import RewardStage as RuleReward
-from stages.reward_model import RewardModelStage as RewardModelScorer
+from stages.data.source import PromptSource
+from stages.models.reference import ReferenceStage as Reference
+from stages.rewards.reward import RewardStage as RuleReward
+from stages.rewards.reward_model import RewardModelStage as RewardModelScorer
 from stages.rollout.stage import RolloutStage as ActorRollout
-from stages.source import PromptSource
-from stages.trainer import TrainerStage as Trainer
+from stages.trainer.critic import CriticStage as Critic
+from stages.trainer.ppo import PPOTrainerStage as PPOTrainer
+from stages.trainer.stage import TrainerStage as Trainer
 
 __all__ = ["ActorRollout", "Critic", "PPOTrainer", "PromptSource", "Reference", "RewardModelScorer", "RuleReward",
            "Trainer"]

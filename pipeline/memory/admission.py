@@ -118,7 +118,7 @@ def estimate_forward_bytes(
         backward (× layers), without grad only one layer's are alive at a time;
       - logits [S, L, V] in float32 and their log_softmax (8 bytes each), plus their
         float32 gradient with grad (12 bytes); with ``logit_tokens`` (the chunked head of
-        ``stages.logprobs``) only that many rows at once, each in the head's dtype, in
+        ``stages.models.logprobs``) only that many rows at once, each in the head's dtype, in
         float32, its softmax and, with grad, two gradients (16 bytes; 10 without).
     Not counted: weights, gradients and optimizer state (resident, measured by the
     reading); [S, heads, L, L] attention scores (a fused kernel never builds them).

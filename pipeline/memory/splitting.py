@@ -16,7 +16,7 @@ Guarantees:
   batch and its group range, so pieces cut in several rounds (split, then halve a
   piece) equal the pieces cut at once with the final counts: a replay can rebuild them.
 - ``merge_rollout_batches`` is the inverse: it concatenates pieces in the given order,
-  re-pads with 0 (the wire convention, see ``stages/logprobs.py``) and refuses pieces
+  re-pads with 0 (the wire convention, see ``stages/models/logprobs.py``) and refuses pieces
   of different batches or a sample seen twice.
 """
 

@@ -19,7 +19,7 @@ Guarantees (beyond ``stages.rollout.base``):
   parameters (on the model's device: CUDA when there is one) with
   ``load_state_dict``. Payloads carry checkpoint names; a mixture of experts' experts,
   one tensor per expert there, are put back into the module's 3D tensors first
-  (``stages.checkpoint_names``). A name it does not know, a wrong shape, or a parameter the
+  (``stages.models.checkpoint_names``). A name it does not know, a wrong shape, or a parameter the
   payload lacks (other than the alias of a tied one) raises ``WeightSyncError`` before
   anything is copied, and the old weights keep serving. If the copied weights then fail
   the fingerprint check, ``generate`` raises until a later update succeeds.
@@ -46,7 +46,7 @@ from pipeline.weights import (
     deserialize_weights,
     verify_fingerprint,
 )
-from stages.checkpoint_names import CheckpointLayout
+from stages.models.checkpoint_names import CheckpointLayout
 from stages.rollout.base import Completion, GenerationResult, SamplingSettings, check_version_order
 
 log = structlog.get_logger(__name__).bind(stage="rollout", backend="hf")

@@ -1,7 +1,7 @@
 """Multi-turn rollouts with tools, over any backend's ``generate`` (``rollout.tools``).
 
 Each sample is a trajectory: the model generates; when its text completes a tool call
-(``stages/tools.py``: ``[name: arguments]``) the turn is cut just after the call, the
+(``stages/rollout/tools.py``: ``[name: arguments]``) the turn is cut just after the call, the
 tool runs, its result is appended as tokens, and the model generates again from the
 prompt plus everything so far, for at most ``max_turns`` turns. Turn 1 samples the
 prompt's ``n`` completions at once; later turns continue each live trajectory with one
@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from stages.rollout.base import Completion, GenerationResult, RolloutBackend, SamplingSettings
-from stages.tools import RESULT_TEMPLATE, ToolCall, Tools, call_tool, find_tool_call
+from stages.rollout.tools import RESULT_TEMPLATE, ToolCall, Tools, call_tool, find_tool_call
 
 
 @dataclass

@@ -58,6 +58,7 @@ from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes, expan
 from pipeline.memory.guard import MemoryGuard, build_pool_reading
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, split_prompt_batch
+from pipeline.plugins import register_stage
 from pipeline.types import PromptBatch, RolloutBatch, WeightConfirmation
 from pipeline.versions import required_serving_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
@@ -120,6 +121,7 @@ def _join_results(parts: list[list[GenerationResult]]) -> list[GenerationResult]
     return [r for part in parts for r in part]
 
 
+@register_stage("rollout")
 class RolloutStage:
     takes, gives = PromptBatch, RolloutBatch  # pipeline/contracts.py
 
@@ -140,8 +142,8 @@ class RolloutStage:
     async def setup(self, ctx: Any) -> None:
         from transformers import AutoTokenizer
 
+        from stages.models.tiny import resolve_model_path
         from stages.rollout import build_backend, build_sampling_settings
-        from stages.tiny import resolve_model_path
 
         self.ctx = ctx
         cfg = ctx.config
@@ -158,7 +160,7 @@ class RolloutStage:
         await self.backend.start()
         self.sampling = build_sampling_settings(cfg.rollout, None)
         if cfg.rollout.tools is not None:
-            from stages.tools import load_tools
+            from stages.rollout.tools import load_tools
 
             self.tools = load_tools(cfg.rollout.tools.functions)
         # Warm the engine up (its first call compiles and allocates) before timing starts.

@@ -50,7 +50,7 @@ from typing import Any
 
 import structlog
 
-from stages.rollout.vllm_backend import batch_usage, read_sampled_logprobs
+from stages.rollout.vllm_common import batch_usage, read_sampled_logprobs
 from stages.rollout.vllm_sampler_tap import SampledLogprobs, check_against_vllm, install_sampler_tap
 
 log = structlog.get_logger(stage="rollout")

@@ -80,14 +80,14 @@ def train_one_step(trainer, batches) -> None:
     ("forward", 3, 5),
 ])
 def test_trainer_oom_mid_step_trains_every_sample_once(tmp_path, monkeypatch, call, fail_on, expected_calls):
-    from stages.trainer import (
+    from stages.trainer.engine import find_free_port
+    from stages.trainer.stage import (
         TrainerStage,
         compute_step_grad_scale,
         compute_step_loss,
         read_piece_layout,
         train_as_recorded,
     )
-    from stages.trainer_engine import find_free_port
 
     # The engine's rendezvous variables, scoped to this test: a Ray cluster started later
     # in this process must not inherit a MASTER_PORT this process is listening on.

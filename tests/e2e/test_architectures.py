@@ -3,7 +3,7 @@ back every step, reference, DeepSpeed trainer, and a checkpoint out that transfo
 and vLLM load.
 
 Each family is a tiny random-init checkpoint built locally with transformers' own config
-class (``stages/tiny.py``: tied and untied embeddings, q/k/v bias, q/k norms, GQA,
+class (``stages/models/tiny.py``: tied and untied embeddings, q/k/v bias, q/k norms, GQA,
 fused projections, soft-capping, mixtures of experts, byte-level BPE and char
 tokenizers, several stop tokens). A few steps each: what is tested is that the weights the trainer publishes
 are, bit for bit, the weights the engine serves, for every family's parameter layout.
@@ -29,9 +29,9 @@ from safetensors.torch import load_file
 from pipeline.config import RolloutConfig, load_config
 from pipeline.launch import launch_run
 from pipeline.weights import compute_fingerprint, fingerprints_match
+from stages.models.tiny import FAMILIES
 from stages.rollout import build_backend
 from stages.rollout.base import SamplingSettings
-from stages.tiny import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

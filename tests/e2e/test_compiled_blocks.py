@@ -9,7 +9,7 @@ import shutil
 import torch
 from torch._dynamo.utils import counters
 
-from stages.trainer_engine import compile_blocks
+from stages.trainer.engine import compile_blocks
 
 
 def test_every_block_shares_one_graph_through_new_shapes_and_matches_eager():

@@ -1,4 +1,4 @@
-"""The critic (stages/critic.py) on the tiny checkpoint with real DeepSpeed on CPU: its
+"""The critic (stages/trainer/critic.py) on the tiny checkpoint with real DeepSpeed on CPU: its
 values line up with the completion tokens, its clipped value loss falls on a fixed
 batch, and its state round-trips."""
 
@@ -12,13 +12,13 @@ import torch
 from pipeline.config import CriticConfig, PpoConfig, TinyModelConfig, TrainConfig
 from stages.algorithms import assign_advantages
 from stages.algorithms.losses import compute_value_loss
-from stages.critic import CriticEngine, find_critic_state, write_critic_state
+from stages.trainer.critic import CriticEngine, find_critic_state, write_critic_state
 from tests.e2e.test_trainer_engine import make_batch
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from stages.tiny import ensure_tiny_checkpoint
+    from stages.models.tiny import ensure_tiny_checkpoint
 
     torch.set_num_threads(1)
     return ensure_tiny_checkpoint(TinyModelConfig(), tmp_path_factory.mktemp("models"))

@@ -14,8 +14,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from pipeline.config import load_config
-from stages.trainer import NONFINITE, NonFiniteSteps, TrainerStage
-from stages.trainer_engine import find_free_port
+from stages.trainer.engine import find_free_port
+from stages.trainer.stage import NONFINITE, NonFiniteSteps, TrainerStage
 from tests.ray_local.fakes import FakeStageContext, make_fake_rollout_batch
 
 

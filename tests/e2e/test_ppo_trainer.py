@@ -1,4 +1,4 @@
-"""PPO's mini-batches and epochs (stages/ppo_trainer.py) on the tiny checkpoint with real
+"""PPO's mini-batches and epochs (stages/trainer/ppo.py) on the tiny checkpoint with real
 DeepSpeed on CPU: one step makes ppo_epochs x ppo_mini_batches updates and moves the
 policy version once, and learns more from the same data than one update does."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.memory.splitting import split_rollout_batch_at
-from stages.ppo_trainer import PPOTrainerStage
-from stages.trainer import TrainerStage, compute_micro_batch_scale, compute_step_grad_scale
+from stages.trainer.ppo import PPOTrainerStage
+from stages.trainer.stage import TrainerStage, compute_micro_batch_scale, compute_step_grad_scale
 from tests.e2e.test_trainer_engine import build_engine, make_batch, on_policy, rewarded_gap
 from tests.unit.test_admission import make_batch as make_small_batch
 
@@ -77,7 +77,7 @@ def _checkpoint(tmp_path):
     import torch
 
     from pipeline.config import TinyModelConfig
-    from stages.tiny import ensure_tiny_checkpoint
+    from stages.models.tiny import ensure_tiny_checkpoint
 
     torch.set_num_threads(1)
     return ensure_tiny_checkpoint(TinyModelConfig(), tmp_path / "models")
@@ -101,7 +101,7 @@ def test_decoupled_objective_keeps_the_first_pass_anchor_across_epochs(tmp_path)
     keep); the step's last update (the version bump) drops them: the next step's first
     pass is anchored on its own weights again (ratio exactly 1)."""
     from pipeline.config import GrpoConfig, TrainConfig
-    from stages.trainer_engine import TrainerEngine
+    from stages.trainer.engine import TrainerEngine
     from tests.e2e.test_trainer_engine import make_batch, on_policy
 
     train = TrainConfig(lr=1e-2, grad_clip=1.0, threads=1, ppo_epochs=2)

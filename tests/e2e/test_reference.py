@@ -8,9 +8,9 @@ import torch
 
 from pipeline.config import TinyModelConfig
 from pipeline.types import Prompt, RolloutBatch
-from stages.logprobs import compute_completion_logprobs
-from stages.reference import ReferenceModel
-from stages.tiny import build_vocab, ensure_tiny_checkpoint
+from stages.models.logprobs import compute_completion_logprobs
+from stages.models.reference import ReferenceModel
+from stages.models.tiny import build_vocab, ensure_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ class FakeContext:
 def make_batch(batch_id: int, step: int, rng: np.random.Generator) -> RolloutBatch:
     """One prompt "<d>+<d>=" and GROUP completions of 2..5 characters; a completion is
     rewarded when it starts with the prompt's first digit (half of each group does)."""
-    from stages.tiny import build_vocab
+    from stages.models.tiny import build_vocab
 
     vocab = build_vocab()
     first = str(rng.integers(0, 10))
@@ -69,10 +69,10 @@ def make_batch(batch_id: int, step: int, rng: np.random.Generator) -> RolloutBat
 
 
 async def record_trainer_run(cfg: ConveyorConfig, root: Path) -> None:
-    from stages.logprobs import compute_completion_logprobs
-    from stages.reference import ReferenceModel
-    from stages.tiny import resolve_model_path
-    from stages.trainer import TrainerStage
+    from stages.models.logprobs import compute_completion_logprobs
+    from stages.models.reference import ReferenceModel
+    from stages.models.tiny import resolve_model_path
+    from stages.trainer.stage import TrainerStage
 
     recorder = RecordingWriter(root, to_dict(cfg), every=cfg.record.every, run_name=cfg.run.name, edges=[EDGE])
     trainer = TrainerStage()

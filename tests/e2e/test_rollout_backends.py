@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.config import RolloutConfig, TinyModelConfig
 from pipeline.weights import WeightSyncError, compute_fingerprint, fingerprints_match, serialize_weights
+from stages.models.tiny import ensure_tiny_checkpoint
 from stages.rollout import build_backend
 from stages.rollout.base import GenerationResult, SamplingSettings
-from stages.tiny import ensure_tiny_checkpoint
 
 PROMPTS = [[1, 5, 6, 7], [1, 20, 21], [1, 40, 41, 42, 43, 44], [1, 66]]
 # float32 on both sides: measured max |diff| ~6e-7; 1e-4 leaves room for other CPUs.

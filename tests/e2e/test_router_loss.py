@@ -15,9 +15,9 @@ import torch
 from pipeline.config import GrpoConfig, TinyModelConfig, TrainConfig
 from pipeline.types import Prompt, RolloutBatch
 from stages.algorithms import assign_advantages
-from stages.logprobs import build_model_inputs
-from stages.tiny import ensure_tiny_checkpoint
-from stages.trainer_engine import TrainerEngine
+from stages.models.logprobs import build_model_inputs
+from stages.models.tiny import ensure_tiny_checkpoint
+from stages.trainer.engine import TrainerEngine
 
 PROMPTS, GROUP, PROMPT_LEN, COMPLETION = 4, 8, 12, 16
 

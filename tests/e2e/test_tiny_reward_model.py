@@ -1,4 +1,4 @@
-"""The tiny reward model (stages/tiny_reward_model.py): built locally with no download,
+"""The tiny reward model (stages/rewards/tiny_reward_model.py): built locally with no download,
 it learns the quickstart task's correctness from generated examples, and the scorer
 stage's model ranks right completions above wrong ones."""
 
@@ -12,9 +12,9 @@ import torch
 
 from pipeline.config import load_config
 from pipeline.types import Prompt
-from stages.reward_model import RewardModel, resolve_reward_model_path
-from stages.tasks import load_task
-from stages.tiny_reward_model import build_reward_examples, ensure_tiny_reward_model
+from stages.data.tasks import load_task
+from stages.rewards.reward_model import RewardModel, resolve_reward_model_path
+from stages.rewards.tiny_reward_model import build_reward_examples, ensure_tiny_reward_model
 from tests.unit.test_admission import make_batch
 
 

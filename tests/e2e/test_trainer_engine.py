@@ -25,10 +25,11 @@ from pipeline.memory.splitting import split_rollout_batch, split_rollout_batch_a
 from pipeline.types import Prompt, RolloutBatch
 from pipeline.weights import compute_fingerprint, compute_sha256, deserialize_weights
 from stages.algorithms import assign_advantages
-from stages.logprobs import compute_completion_logprobs
-from stages.tiny import build_vocab, ensure_tiny_checkpoint
-from stages.trainer import compute_micro_batch_scale, compute_piece_weight, compute_step_grad_scale
-from stages.trainer_engine import TrainerEngine
+from stages.models.logprobs import compute_completion_logprobs
+from stages.models.tiny import build_vocab, ensure_tiny_checkpoint
+from stages.trainer.engine import TrainerEngine
+from stages.trainer.pieces import compute_piece_weight
+from stages.trainer.stage import compute_micro_batch_scale, compute_step_grad_scale
 
 NUM_PROMPTS, GROUP, MAX_COMPLETION = 8, 8, 20
 REPO = Path(__file__).resolve().parents[2]
@@ -232,7 +233,7 @@ def test_state_round_trip_reproduces_the_next_step(engine, tmp_path):
 def test_replay_assigns_advantages_with_the_recorded_kl_reward_coefficient(engine):
     """``train_as_recorded`` (what ``conveyor replay`` runs) with a step's recorded
     KL-in-reward coefficient trains exactly what the trainer stage trained."""
-    from stages.trainer import train_as_recorded
+    from stages.trainer.stage import train_as_recorded
 
     batch = on_policy(engine, make_batch(seed=13))
     rng = np.random.default_rng(13)
@@ -398,7 +399,7 @@ def test_bf16_run_accumulates_gradients_and_keeps_master_weights_in_fp32(checkpo
 
 def force_bf16(monkeypatch) -> None:
     """Build DeepSpeed configs as on a GPU (bf16 on) while running on CPU."""
-    import stages.trainer_engine as te
+    import stages.trainer.engine as te
 
     real = te.build_deepspeed_config
     monkeypatch.setattr(te, "build_deepspeed_config", lambda train, dtype, has_gpu: real(train, dtype, True))
@@ -414,7 +415,7 @@ SHM_PROBE = """
 import deepspeed.comm.comm as ds_comm
 import torch
 from pipeline.config import TrainConfig
-from stages.trainer_engine import build_deepspeed_engine
+from stages.trainer.engine import build_deepspeed_engine
 
 torch.manual_seed(0)
 build_deepspeed_engine(torch.nn.Linear(4, 4), TrainConfig(threads=1), "float32")

@@ -27,8 +27,8 @@ class EngineHost:
     """Rank 0 of a trainer (with its other ranks when ``num_ranks`` > 1), as the stage holds it."""
 
     def __init__(self, cfg, rank_class=None) -> None:
-        from stages.trainer import build_trainer_engine
-        from stages.trainer_ranks import TrainerRankActor, build_data_parallel_engine
+        from stages.trainer.engine import build_trainer_engine
+        from stages.trainer.ranks import TrainerRankActor, build_data_parallel_engine
 
         actor = ray.remote(num_cpus=0)(rank_class) if rank_class is not None else TrainerRankActor
         self.engine = (build_data_parallel_engine(cfg, [], rank_actor=actor) if cfg.train.num_ranks > 1
@@ -46,7 +46,7 @@ class EngineHost:
         import torch
 
         from stages.algorithms import assign_advantages
-        from stages.logprobs import compute_completion_logprobs
+        from stages.models.logprobs import compute_completion_logprobs
 
         with torch.no_grad():
             logprobs = compute_completion_logprobs(self.engine.module, batch).numpy()
@@ -85,7 +85,7 @@ def test_two_ranks_update_the_weights_as_one_rank(ray_cluster, single, tmp_path,
     pair = EngineHost.remote(_config(tmp_path, 2, zero_stage))
     batch = ray.get(single.on_policy.remote(make_batch(seed=11)))
     parts = [msgspec.structs.replace(p, batch_id=i) for i, p in enumerate(split_rollout_batch_at(batch, [3, 1, 4]))]
-    from stages.trainer import compute_micro_batch_scale, compute_step_grad_scale
+    from stages.trainer.stage import compute_micro_batch_scale, compute_step_grad_scale
 
     n = batch.num_samples
     work = [(p, compute_micro_batch_scale(p, n, "token-mean")) for p in parts]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pipeline.config import GrpoConfig, TinyModelConfig, TrainConfig
-from stages.tiny import ensure_tiny_checkpoint
-from stages.trainer_engine import TrainerEngine
+from stages.models.tiny import ensure_tiny_checkpoint
+from stages.trainer.engine import TrainerEngine
 
 
 class _Exploit:

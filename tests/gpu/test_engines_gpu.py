@@ -14,9 +14,9 @@ from pipeline.config import GrpoConfig, RolloutConfig, TinyModelConfig, TrainCon
 from pipeline.transport import CudaIpcExporter
 from pipeline.weights import WeightSyncError, build_payload, fingerprints_match
 from stages.algorithms import assign_advantages
+from stages.models.tiny import ensure_tiny_checkpoint
 from stages.rollout import build_backend
 from stages.rollout.base import SamplingSettings
-from stages.tiny import ensure_tiny_checkpoint
 from tests.e2e.test_trainer_engine import make_batch
 
 # Big enough that a missed tensor would show, small enough to start in seconds.
@@ -36,7 +36,7 @@ def perturbed_state(checkpoint, scale: float, device) -> dict[str, torch.Tensor]
 
 
 def test_trainer_engine_steps_in_bf16_and_exports_both_ways(checkpoint, cuda):
-    from stages.trainer_engine import TrainerEngine
+    from stages.trainer.engine import TrainerEngine
 
     engine = TrainerEngine(checkpoint, TrainConfig(lr=1e-3, grad_clip=1.0), GrpoConfig(kl_coef=0.0),
                            temperature=1.0, dtype="bfloat16", seed=0)
@@ -57,8 +57,8 @@ def test_compiled_blocks_train_as_the_eager_model_does(checkpoint, cuda):
     """``train.compile: auto`` on a GPU compiles every decoder layer in place: the same
     parameter names, log-probs and update as eager, up to the fused kernels' bf16
     rounding, and a batch of other lengths trains without a new graph failing."""
-    from stages.logprobs import compute_completion_logprobs
-    from stages.trainer_engine import TrainerEngine
+    from stages.models.logprobs import compute_completion_logprobs
+    from stages.trainer.engine import TrainerEngine
 
     def build(mode: str) -> TrainerEngine:
         return TrainerEngine(checkpoint, TrainConfig(lr=1e-3, grad_clip=1.0, compile=mode), GrpoConfig(kl_coef=0.0),

@@ -1,4 +1,4 @@
-"""Users' own models on one GPU: real shapes (``stages/model_shapes.py``: published configs,
+"""Users' own models on one GPU: real shapes (``stages/models/shapes.py``: published configs,
 real vocabularies, tied embeddings, a tokenizer smaller than the vocabulary, sampling
 defaults in the generation config) run ``configs/gpu_small.yaml`` with only the model,
 the data (chat-format JSONL) and the reward (verl's signature) changed, as a new user
@@ -28,7 +28,7 @@ from bench.shape_job import write_chat_rows
 from pipeline.config import load_config
 from pipeline.metrics import read_metrics
 from pipeline.weights import fingerprints_match
-from stages.model_shapes import REAL_SHAPES, build_in_subprocess
+from stages.models.shapes import REAL_SHAPES, build_in_subprocess
 from tests.gpu.test_pipeline_gpu import LOG_DIR, ROOT, _conveyor
 
 GPU_SMALL = ROOT / "configs" / "gpu_small.yaml"

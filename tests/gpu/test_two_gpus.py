@@ -82,7 +82,7 @@ def test_tensor_parallel_engine_loads_new_weights_and_generates_with_them(two_gp
     """A vLLM engine with tensor_parallel_size 2 (one worker process per GPU) loads a
     published payload in both workers: the live fingerprint, folded over the ranks'
     shards, equals the payload's, and generation after it is tagged with its version."""
-    from stages.tiny import ensure_tiny_checkpoint
+    from stages.models.tiny import ensure_tiny_checkpoint
 
     checkpoint = ensure_tiny_checkpoint(MODEL, tmp_path / "models")
     asyncio.run(_exercise_tp_engine(checkpoint))

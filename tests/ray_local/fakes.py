@@ -20,7 +20,7 @@ from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 from pipeline.types import Prompt, RolloutBatch
-from stages.trainer_ranks import TrainerRank
+from stages.trainer.ranks import TrainerRank
 
 
 class FakeItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -315,7 +315,7 @@ class FakeBlockedRankZero:
 
 
 class FakeTrainerRank:
-    """A trainer rank (``stages.trainer_ranks.TrainerRank``'s calls) whose ``train``
+    """A trainer rank (``stages.trainer.ranks.TrainerRank``'s calls) whose ``train``
     raises ``error`` (``"oom"``: torch's out-of-memory error), or with ``error`` None
     waits in ``train`` until killed (a rank blocked in a collective)."""
 

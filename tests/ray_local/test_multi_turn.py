@@ -13,11 +13,11 @@ import pytest
 from pipeline.config import GrpoConfig, ToolsConfig
 from pipeline.types import Prompt, PromptBatch
 from stages.algorithms import assign_advantages
+from stages.models.tiny import build_char_tokenizer
 from stages.rollout.base import GenerationResult, SamplingSettings
 from stages.rollout.multi_turn import Trajectory, cut_at_call, generate_with_tools
 from stages.rollout.stage import build_rollout_batch
-from stages.tiny import build_char_tokenizer
-from stages.tools import PythonSandbox, calculator, find_tool_call
+from stages.rollout.tools import PythonSandbox, calculator, find_tool_call
 from tests.ray_local.fakes import FakeScriptedBackend
 
 TOK = build_char_tokenizer("llama")
@@ -141,7 +141,7 @@ def test_several_calls_in_one_trajectory():
 
 def test_rollout_extras_follow_splits_merges_and_drops():
     from pipeline.memory.splitting import check_rollout_batch, merge_rollout_batches, split_rollout_batch_at
-    from stages.reward_shaping import empty_like
+    from stages.rewards.shaping import empty_like
 
     backend = FakeScriptedBackend(TOK, _answer)
     prompts = [Prompt(prompt_id=f"p{i}", text=PROMPT, token_ids=TOK(PROMPT)["input_ids"]) for i in range(2)]

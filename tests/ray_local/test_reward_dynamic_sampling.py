@@ -13,8 +13,8 @@ import ray
 from pipeline.config import decode_config
 from pipeline.controller import ControllerActor, ControllerClient
 from pipeline.types import Prompt, RolloutBatch
-from stages.reward import RewardStage
-from stages.reward_shaping import ZERO_VARIANCE
+from stages.rewards.reward import RewardStage
+from stages.rewards.shaping import ZERO_VARIANCE
 
 SCORE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
         "    return float(solution_str == ground_truth)\n"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from stages.trainer_ranks import DataParallelEngine, TrainerRankError
+from stages.trainer.ranks import DataParallelEngine, TrainerRankError
 from tests.ray_local.fakes import FakeBlockedRankZero, FakeTrainerRank
 from tests.unit.test_admission import make_batch
 

@@ -1,5 +1,5 @@
 """The algorithm registry (stages/algorithms/registry.py) and exact streaming
-aggregation (the trainer's scales, stages/trainer.py) on a tiny torch policy."""
+aggregation (the trainer's scales, stages/trainer/stage.py) on a tiny torch policy."""
 
 from __future__ import annotations
 
@@ -15,12 +15,8 @@ import torch.nn.functional as F
 from pipeline.config import ALGORITHM_NAMES, AlgorithmConfig, GrpoConfig, ReinforcePlusPlusConfig, RlooConfig
 from pipeline.memory.splitting import split_rollout_batch_at
 from stages.algorithms import ALGORITHMS, assign_advantages, assign_step_advantages, compute_policy_loss
-from stages.trainer import (
-    compute_micro_batch_scale,
-    compute_piece_weight,
-    compute_step_grad_scale,
-    compute_step_loss,
-)
+from stages.trainer.pieces import compute_piece_weight
+from stages.trainer.stage import compute_micro_batch_scale, compute_step_grad_scale, compute_step_loss
 from tests.unit.test_admission import make_batch
 
 
@@ -190,7 +186,7 @@ def test_trainer_holds_a_reinforce_pp_step_and_whitens_it_whole():
     from types import SimpleNamespace
 
     from pipeline.config import load_config
-    from stages.trainer import TrainerStage, holds_whole_step
+    from stages.trainer.stage import TrainerStage, holds_whole_step
 
     cfg = load_config(None, ["algorithm.name=reinforce_plus_plus", "algorithm.kl_coef=0", "rollout.n=2",
                              "train.prompts_per_step=2", "dataflow.prompts_per_micro_batch=1"])

@@ -155,7 +155,7 @@ def test_a_checkpoint_is_loaded_only_by_as_many_ranks_as_wrote_it(tmp_path):
     the ranks the checkpoint records before it loads anything (the engine here would
     fail if it were asked to)."""
     from pipeline.config import load_config
-    from stages.trainer_checkpoint import TrainerCheckpoints
+    from stages.trainer.checkpoint import TrainerCheckpoints
 
     cfg = load_config(None, [f"run.dir={tmp_path}", "train.num_ranks=3"])
     path = write_checkpoint(tmp_path, ResumeState(version=2, trained_prompts=16, num_ranks=2), _save("2"), keep=1)
@@ -194,7 +194,7 @@ class FakeEngine:
 @pytest.mark.parametrize("policy", ["stop", "continue"])
 def test_a_full_disk_fails_the_write_cleanly(tmp_path, policy):
     from pipeline.config import load_config
-    from stages.trainer_checkpoint import CheckpointWriteError, TrainerCheckpoints
+    from stages.trainer.checkpoint import CheckpointWriteError, TrainerCheckpoints
 
     cfg = load_config(None, [f"run.dir={tmp_path}", f"train.on_checkpoint_error={policy}"])
     good = TrainerCheckpoints(cfg, FakeEngine(2, _save("2"))).write()

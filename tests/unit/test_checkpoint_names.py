@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from pipeline.config import TinyModelConfig
 from pipeline.weights import compute_fingerprint, fingerprints_match
-from stages.checkpoint_names import CheckpointLayout, checkpoint_state_dict
-from stages.tiny import MOE_EXPERTS, build_char_tokenizer, build_tiny_model, write_tiny_checkpoint
+from stages.models.checkpoint_names import CheckpointLayout, checkpoint_state_dict
+from stages.models.tiny import MOE_EXPERTS, build_char_tokenizer, build_tiny_model, write_tiny_checkpoint
 
 # Checkpoint names of layer 0's expert 1, by family: what vLLM's loaders and the Hub use.
 EXPERT_1 = {

@@ -1,4 +1,4 @@
-"""The chunked output head of stages/logprobs.py against the dense computation: the same
+"""The chunked output head of stages/models/logprobs.py against the dense computation: the same
 log-probs, entropies and gradients, for every tiny family (tied and untied embeddings,
 Gemma's soft-capping), with no more than ``chunk_tokens`` rows of logits at once."""
 
@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from pipeline.config import TinyModelConfig
-from stages.logprobs import build_model_inputs, find_chunkable_head, forward_completion_logprobs
+from stages.models.logprobs import build_model_inputs, find_chunkable_head, forward_completion_logprobs
 from tests.unit.test_logprobs import make_batch
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "mixtral"]
 
 
 def build(architecture: str, **config) -> torch.nn.Module:
-    from stages.tiny import build_char_tokenizer, build_tiny_model
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
 
     torch.set_num_threads(1)
     cfg = TinyModelConfig(architecture=architecture, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,

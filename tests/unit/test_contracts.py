@@ -16,7 +16,7 @@ from pipeline.contracts import (
     read_contract,
 )
 from pipeline.dataflow import DataFlow, GraphError
-from pipeline.plugins import STAGE_CLASSES
+from pipeline.plugins import stage_class
 from pipeline.types import Prompt, PromptBatch, RolloutBatch, Span
 
 
@@ -67,12 +67,12 @@ def test_a_field_no_node_upstream_sets_is_refused() -> None:
 
 
 def test_the_built_in_stages_fit_and_a_trainer_without_reward_is_refused() -> None:
-    full = [STAGE_CLASSES[n] for n in ("source", "rollout", "reward", "reference", "trainer")]
+    full = [stage_class(n) for n in ("source", "rollout", "reward", "reference", "trainer")]
     chain(*full).validate()
     with pytest.raises(GraphError, match=r"n3 needs \['rewards'\] set"):
-        chain(*[STAGE_CLASSES[n] for n in ("source", "rollout", "reference", "trainer")]).validate()
+        chain(*[stage_class(n) for n in ("source", "rollout", "reference", "trainer")]).validate()
     with pytest.raises(GraphError, match=r"n0 gives PromptBatch, n1 takes RolloutBatch"):
-        chain(STAGE_CLASSES["source"], STAGE_CLASSES["reward"], STAGE_CLASSES["trainer"]).validate()
+        chain(stage_class("source"), stage_class("reward"), stage_class("trainer")).validate()
 
 
 def test_malformed_declarations_name_the_node() -> None:

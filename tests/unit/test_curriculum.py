@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.config import ConfigError, CurriculumConfig, DataConfig, check_curriculum
 from pipeline.types import Prompt, RolloutBatch
-from stages.curriculum import advance_curriculum, select_level_rewards, start_curriculum, summarise_curriculum
+from stages.data.curriculum import advance_curriculum, select_level_rewards, start_curriculum, summarise_curriculum
 
 
 def _cfg(**kw):

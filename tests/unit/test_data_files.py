@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.data_files import ArrowDirRows, JsonlRows, ParquetRows, RowError, draw_order, open_data
+from stages.data.files import ArrowDirRows, JsonlRows, ParquetRows, RowError, draw_order, open_data
 
 
 def write_jsonl(path, lines):

@@ -11,10 +11,10 @@ import torch
 from pipeline.config import ConfigError, DpoConfig, PairsConfig, load_config
 from stages.algorithms import build_policy_loss
 from stages.algorithms.losses import compute_dpo_loss
-from stages.data_files import RowError
-from stages.pairs import encode_response
-from stages.prompt_rows import ColumnMap, extract_row, resolve_columns
-from stages.tiny import build_char_tokenizer
+from stages.data.files import RowError
+from stages.data.pairs import encode_response
+from stages.data.prompt_rows import ColumnMap, extract_row, resolve_columns
+from stages.models.tiny import build_char_tokenizer
 
 PAIRS = ["algorithm.name=dpo", "data.path=pairs.jsonl", "data.pairs.chosen_key=chosen", "rollout.n=2"]
 
@@ -133,7 +133,7 @@ def test_preflight_report_counts_bad_pair_rows_and_refuses_a_file_without_a_good
     import json
 
     from pipeline.config import DataConfig
-    from stages.prompt_rows import check_data_file
+    from stages.data.prompt_rows import check_data_file
 
     path = tmp_path / "pairs.jsonl"
     rows = [{"prompt": "12=", "chosen": "1", "rejected": "2"}, {"prompt": "34=", "chosen": "3"},
@@ -150,7 +150,7 @@ def test_preflight_report_counts_bad_pair_rows_and_refuses_a_file_without_a_good
 
 
 def test_dpo_scores_at_temperature_one_and_trains_whole_pairs_per_chunk():
-    from stages.trainer_engine import align_chunk_size
+    from stages.trainer.engine import align_chunk_size
 
     # Offline pairs were sampled by no rollout: trainer and reference take the model's
     # own log-probs (temperature 1), whatever rollout.temperature says; GRPO keeps it.

@@ -25,8 +25,8 @@ def test_the_python_flow_builds_the_yaml_graph():
     assert [n for n, *_ in _shape(script_df)] == ["source", "rollout", "reward", "reward_model", "reference",
                                                   "critic", "trainer"]
     classes = {s["name"]: s["class"] for s in script_df.describe()["stages"]}
-    assert classes["critic"] == "stages.critic:CriticStage"
-    assert classes["trainer"] == "stages.ppo_trainer:PPOTrainerStage"
+    assert classes["critic"] == "stages.trainer.critic:CriticStage"
+    assert classes["trainer"] == "stages.trainer.ppo:PPOTrainerStage"
     # Placement from the config applies to the script's nodes by name.
     placed = build_dataflow(load_config("configs/ppo.yaml", [f"run.script={FLOW}", "placement.critic.num_cpus=2"]))
     assert placed.nodes["critic"].num_cpus == 2.0

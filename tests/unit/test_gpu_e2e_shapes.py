@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import stages.model_shapes
+import stages.models.shapes
 from bench.__main__ import main as bench_main
 from bench.gpu_e2e import (
     CONFIG,
@@ -22,7 +22,7 @@ from bench.gpu_e2e import (
 )
 from bench.shape_job import build_job_rows, prepare_job
 from pipeline.config import load_config
-from stages.model_shapes import SCALED_DOWN, build_real_shape_checkpoint
+from stages.models.shapes import SCALED_DOWN, build_real_shape_checkpoint
 
 
 def test_model_picks_the_shape_rows_and_the_result_label():
@@ -98,7 +98,7 @@ def test_the_job_is_the_checkpoint_and_the_tasks_rows_as_chat(tmp_path: Path, mo
 
     # A scaled-down build stands in for the published shape (building that is the GPU's job).
     ckpt = build_real_shape_checkpoint("qwen3_0.6b", tmp_path / "ckpt", overrides=SCALED_DOWN)
-    monkeypatch.setattr(stages.model_shapes, "build_in_subprocess", lambda name: ckpt)
+    monkeypatch.setattr(stages.models.shapes, "build_in_subprocess", lambda name: ckpt)
     job = prepare_job("qwen3_0.6b", 2, tmp_path / "job", CONFIG)
     data = tmp_path / "job" / "prompts.jsonl"
     assert job == (f"model.path={ckpt}", f"data.path={data}")

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import TinyModelConfig, load_config
 from pipeline.preflight import run_preflight
-from stages.tiny import write_tiny_checkpoint
+from stages.models.tiny import write_tiny_checkpoint
 from tests.hub_cache import add_to_hub_cache
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gsm8k_qwen2.5_0.5b.yaml"

@@ -16,8 +16,8 @@ from pipeline.cli import main
 from pipeline.config import ConfigError, TinyModelConfig, load_config
 from pipeline.hub import is_hub_id, resolve_hub_names, split_patterns
 from pipeline.preflight import run_preflight
-from stages.data_files import open_data
-from stages.tiny import write_tiny_checkpoint
+from stages.data.files import open_data
+from stages.models.tiny import write_tiny_checkpoint
 from tests.hub_cache import add_to_hub_cache
 
 OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"

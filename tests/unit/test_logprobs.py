@@ -1,4 +1,4 @@
-"""stages/logprobs.py on a tiny random Llama: layout of the model inputs, and the
+"""stages/models/logprobs.py on a tiny random Llama: layout of the model inputs, and the
 gathered log-probs against a plain per-sample loop."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from pipeline.config import TinyModelConfig
 from pipeline.types import Prompt, RolloutBatch
-from stages.logprobs import build_model_inputs, compute_completion_logprobs, forward_completion_logprobs
+from stages.models.logprobs import build_model_inputs, compute_completion_logprobs, forward_completion_logprobs
 
 VOCAB = 23
 
@@ -44,7 +44,7 @@ def make_batch(prompt_lens: list[int], completion_lens: list[int], group_size: i
 
 @pytest.fixture(scope="module")
 def model():
-    from stages.tiny import build_char_tokenizer, build_tiny_model
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
 
     torch.set_num_threads(1)
     cfg = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,

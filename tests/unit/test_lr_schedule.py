@@ -1,11 +1,11 @@
-"""Learning-rate schedules (stages/lr_schedule.py): factors derived by hand."""
+"""Learning-rate schedules (stages/trainer/lr_schedule.py): factors derived by hand."""
 
 import math
 
 import pytest
 import torch
 
-from stages.lr_schedule import build_lr_scheduler, compute_lr_factor
+from stages.trainer.lr_schedule import build_lr_scheduler, compute_lr_factor
 
 
 def test_warmup_ramps_without_a_zero_step_then_holds():

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from stages.model_shapes import (
+from stages.models.shapes import (
     MARKER,
     REAL_SHAPES,
     SCALED_DOWN,
@@ -30,7 +30,7 @@ def test_each_shape_has_its_published_parameter_count_and_architecture(name):
     config = build_shape_config(name)
     model = _meta_model(config)
     count = sum(p.numel() for p in model.parameters())
-    # published_params: the model card's figure (listed in stages/model_shapes.py).
+    # published_params: the model card's figure (listed in stages/models/shapes.py).
     assert abs(count / shape.published_params - 1) < 0.02, (name, count, shape.published_params)
     assert type(model).__name__ == shape.architecture == config.architectures[0]
     assert config.model_type == shape.model_type

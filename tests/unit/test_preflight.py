@@ -14,7 +14,7 @@ import yaml
 from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.preflight import check_learning_settings, run_preflight
-from stages.tiny import build_char_tokenizer
+from stages.models.tiny import build_char_tokenizer
 
 REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
 

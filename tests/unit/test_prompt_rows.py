@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, DataConfig
-from stages.data_files import RowError, open_data
-from stages.prompt_rows import (
+from stages.data.files import RowError, open_data
+from stages.data.prompt_rows import (
     ColumnMap,
     PromptRenderer,
     check_data_file,
@@ -19,7 +19,7 @@ from stages.prompt_rows import (
     resolve_columns,
     scan_data,
 )
-from stages.tiny import build_char_tokenizer
+from stages.models.tiny import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pipeline.types import Prompt
-from stages.reward import RewardResult, build_reward_fn, parse_reward_value
-from stages.tasks import load_task
+from stages.data.tasks import load_task
+from stages.rewards.reward import RewardResult, build_reward_fn, parse_reward_value
 
 
 def _prompts(*answers: str) -> list[Prompt]:

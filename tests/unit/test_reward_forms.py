@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.config import ConfigError, RewardConfig, decode_config
 from pipeline.types import Prompt, RolloutBatch
-from stages.reward import (
+from stages.rewards.reward import (
     RewardFailedError,
     RewardStage,
     StepFailureTracker,
@@ -21,8 +21,8 @@ from stages.reward import (
     label_errors,
     resolve_reward_spec,
     split_file_spec,
-    summarise_reward_extras,
 )
+from stages.trainer.metrics import summarise_reward_extras
 
 VERL_STYLE = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

@@ -1,4 +1,4 @@
-"""The reward-model scorer (stages/reward_model.py): scores equal a direct transformers
+"""The reward-model scorer (stages/rewards/reward_model.py): scores equal a direct transformers
 forward of each sample alone, source combination and normalisation, config checks."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import transformers
 
 from pipeline.config import ConfigError, RewardSourceConfig, TinyModelConfig, load_config
 from pipeline.launch import build_dataflow
-from stages.reward_model import (
+from stages.models.tiny import build_char_tokenizer
+from stages.rewards.reward_model import (
     RewardModel,
     RunningMoments,
     combine_reward_sources,
     normalize_scores,
     pick_pad_id,
 )
-from stages.tiny import build_char_tokenizer
 from tests.unit.test_admission import make_batch
 
 
@@ -116,8 +116,8 @@ def test_dapo_shaping_runs_on_the_reward_models_final_reward(rm_path, tmp_path):
     reward stage sets and the reward model replaces."""
     import asyncio
 
-    from stages.reward_model import RewardModelStage
-    from stages.reward_shaping import shapes_rewards
+    from stages.rewards.reward_model import RewardModelStage
+    from stages.rewards.shaping import shapes_rewards
     from tests.ray_local.fakes import FakeStageContext
 
     cfg = load_config("configs/quickstart.yaml", [

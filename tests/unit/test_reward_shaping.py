@@ -1,5 +1,5 @@
 """Dynamic sampling (zero-variance groups dropped, kept groups regrouped) and DAPO's soft
-overlong penalty (stages/reward_shaping.py); the trainer's step statistics and its
+overlong penalty (stages/rewards/shaping.py); the trainer's step statistics and its
 account of prompts dropped upstream."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import pytest
 
 from pipeline.memory.splitting import merge_rollout_batches, split_rollout_batch
 from pipeline.types import RolloutBatch
-from stages.reward_shaping import (
+from stages.rewards.shaping import (
     ZERO_VARIANCE,
     GroupFilter,
     NoLearningSignalError,
     compute_overlong_penalty,
     find_zero_variance_groups,
 )
-from stages.trainer_checkpoint import TrainerCheckpoints
-from stages.trainer_metrics import summarise_step_batches
+from stages.trainer.checkpoint import TrainerCheckpoints
+from stages.trainer.metrics import summarise_step_batches
 from tests.unit.test_admission import make_batch
 
 
@@ -140,7 +140,7 @@ def test_trainer_account_takes_upstream_drops_into_its_done_set():
 
 
 def test_trainer_records_a_carriers_drops_and_trains_nothing():
-    from stages.trainer import TrainerStage
+    from stages.trainer.stage import TrainerStage
 
     filt = GroupFilter(groups_per_batch=2, prompts_per_step=2)
     filt.add(scored([1, 1, 0, 0], batch_id=9, first_index=10))

@@ -252,7 +252,8 @@ def test_split_points_expand_to_one_version_per_token() -> None:
 def test_sampled_logprobs_are_read_from_the_flat_and_the_classic_form() -> None:
     from vllm.logprobs import FlatLogprobs, Logprob
 
-    from stages.rollout.vllm_backend import build_sampling_params, read_sampled_logprobs
+    from stages.rollout.vllm_backend import build_sampling_params
+    from stages.rollout.vllm_common import read_sampled_logprobs
     from stages.rollout.vllm_sampler_tap import SampledLogprobs
 
     positions = [{7: Logprob(-0.5, rank=1)}, {3: Logprob(-1.25, rank=2)}]

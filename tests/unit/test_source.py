@@ -8,10 +8,10 @@ import json
 import pytest
 
 from pipeline.config import CurriculumConfig, DataConfig
-from stages.data_files import RowError
-from stages.source import PromptSource, iter_list_rows
-from stages.tasks import load_task
-from stages.tiny import build_char_tokenizer
+from stages.data.files import RowError
+from stages.data.source import PromptSource, iter_list_rows
+from stages.data.tasks import load_task
+from stages.models.tiny import build_char_tokenizer
 
 
 class _Log:

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from stages.tasks import TASKS, AddTask, load_task
+from stages.data.tasks import TASKS, AddTask, load_task
 
 
 def test_rows_are_deterministic_and_prefix_stable():

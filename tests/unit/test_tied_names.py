@@ -1,6 +1,6 @@
 """Tied embeddings on the way to a rollout engine: the payload names each tied tensor once,
 under the name the served checkpoint holds, whatever the trainer did to the tensors'
-storage (stages.checkpoint_names.drop_tied_aliases)."""
+storage (stages.models.checkpoint_names.drop_tied_aliases)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import torch
 
 from pipeline.config import TinyModelConfig
 from pipeline.weights import build_payload, read_checkpoint_shapes, read_payload_shapes
-from stages.checkpoint_names import drop_tied_aliases, find_split_ties, find_tied_aliases
+from stages.models.checkpoint_names import drop_tied_aliases, find_split_ties, find_tied_aliases
 
 
 def build(architecture: str):
-    from stages.tiny import build_char_tokenizer, build_tiny_model
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
 
     cfg = TinyModelConfig(architecture=architecture, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                           head_dim=16, intermediate_size=64, max_position_embeddings=64, seed=1)

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.config import ModelConfig, TinyModelConfig
-from stages.tiny import (
+from stages.models.tiny import (
     CHARS,
     build_char_tokenizer,
     build_tiny_model,

@@ -1,4 +1,4 @@
-"""Tools of multi-turn rollouts (stages/tools.py): the call parser, the calculator, the
+"""Tools of multi-turn rollouts (stages/rollout/tools.py): the call parser, the calculator, the
 guarded call (errors, timeouts) and the Python sandbox's limits."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from stages.tools import (
+from stages.rollout.tools import (
     TOOL_THREADS,
     PythonSandbox,
     ToolCall,

@@ -1,4 +1,4 @@
-"""Pure helpers of stages/trainer_engine.py (no DeepSpeed engine is built here)."""
+"""Pure helpers of stages/trainer/engine.py (no DeepSpeed engine is built here)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.types import Prompt, RolloutBatch
-from stages.trainer_engine import (
+from stages.trainer.engine import (
     build_deepspeed_config,
     compile_blocks,
     compute_chunk_weights,
@@ -94,7 +94,7 @@ def test_bf16_runs_accumulate_gradients_in_fp32_by_default():
 
 
 def test_a_taken_port_this_process_chose_is_replaced_and_a_users_port_is_not(monkeypatch):
-    from stages import trainer_engine
+    from stages.trainer import engine as trainer_engine
 
     ports = iter([41001, 41002, 41003])
     monkeypatch.setattr(trainer_engine, "find_free_port", lambda: next(ports))
@@ -151,7 +151,7 @@ def test_compile_plan_follows_the_mode_the_device_zero_and_the_compiler():
 
 def test_auto_leaves_a_mixture_of_experts_eager_on_a_gpu(tmp_path, monkeypatch):
     from pipeline.config import TinyModelConfig
-    from stages.tiny import build_char_tokenizer, build_tiny_model
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
 
     cc = tmp_path / "cc"
     cc.write_text("#!/bin/sh\n")

@@ -1,4 +1,4 @@
-"""The trainer's rules for a micro-batch trained as several pieces (stages/trainer.py):
+"""The trainer's rules for a micro-batch trained as several pieces (stages/trainer/stage.py):
 piece weights, merged metrics, the recorded layout."""
 
 from __future__ import annotations
@@ -10,12 +10,8 @@ import numpy as np
 import pytest
 
 from pipeline.memory.splitting import split_rollout_batch, split_rollout_batch_at
-from stages.trainer import (
-    compute_piece_weight,
-    encode_piece_layout,
-    merge_piece_metrics,
-    read_piece_layout,
-)
+from stages.trainer.pieces import compute_piece_weight, merge_piece_metrics
+from stages.trainer.stage import encode_piece_layout, read_piece_layout
 from tests.unit.test_admission import make_batch
 
 
@@ -82,7 +78,7 @@ def test_logp_mismatch_pools_over_the_pieces_that_measured_it() -> None:
 
 
 def test_later_epochs_metrics_are_token_weighted() -> None:
-    from stages.ppo_trainer import summarise_later_epochs
+    from stages.trainer.ppo import summarise_later_epochs
 
     # Two micro-batches of the second epoch: ratio 1.1 on 10 tokens, 0.8 on 30 tokens ->
     # (11 + 24) / 40 = 0.875; clip 0.5 and 0.1 -> (5 + 3) / 40 = 0.2. One epoch: nothing.

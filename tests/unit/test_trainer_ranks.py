@@ -1,4 +1,4 @@
-"""How a micro-batch is shared between data-parallel trainer ranks (stages/trainer_ranks.py):
+"""How a micro-batch is shared between data-parallel trainer ranks (stages/trainer/ranks.py):
 whole groups, balanced, fillers for ranks without a group, equal pass counts."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from stages.trainer import compute_piece_weight
-from stages.trainer_ranks import count_rank_passes, plan_rank_groups, split_for_ranks
+from stages.trainer.pieces import compute_piece_weight
+from stages.trainer.ranks import count_rank_passes, plan_rank_groups, split_for_ranks
 from tests.unit.test_admission import make_batch
 
 
@@ -114,7 +114,7 @@ def test_an_oom_is_halved_and_retried_with_one_rank_only(ranks) -> None:
     from pipeline.config import MemoryConfig
     from pipeline.memory.guard import MemoryGuard
     from pipeline.memory.oom import OomUnrecoverable
-    from stages.trainer import TrainerStage
+    from stages.trainer.stage import TrainerStage
 
     stage = TrainerStage()
     stage.cfg = SimpleNamespace(train=SimpleNamespace(num_ranks=ranks), algorithm=SimpleNamespace(loss_agg="token-mean"))

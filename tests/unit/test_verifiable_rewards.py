@@ -10,8 +10,8 @@ from fractions import Fraction
 import pytest
 
 from pipeline.types import Prompt
-from stages import verifiable_rewards as vr
-from stages.reward import BUILTIN_REWARDS, build_reward_fn
+from stages.rewards import verifiable as vr
+from stages.rewards.reward import BUILTIN_REWARDS, build_reward_fn
 
 GSM8K_ANSWER = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
 

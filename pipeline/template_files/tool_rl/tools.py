@@ -6,7 +6,7 @@ raises or runs past rollout.tools.timeout_s is not fatal: the model reads
 ``error: ...`` instead, and the step metrics count it (tool/<name>/errors).
 """
 
-from stages.tools import PythonSandbox, calculator
+from stages.rollout.tools import PythonSandbox, calculator
 
 TOOLS = {
     "calc": calculator,  # arithmetic only: numbers, + - * / // % ** and parentheses

@@ -5,7 +5,7 @@ Guarantees:
 - rows are read, cycled, admitted and accounted exactly as ``PromptSource`` reads
   prompts (the same ledger, checkpoints and resume); a row whose ``chosen`` or
   ``rejected`` field is missing or of the wrong type was already refused with its row
-  number and field by pre-flight's data report (``stages/prompt_rows.py``), and is
+  number and field by pre-flight's data report (``stages/data/prompt_rows.py``), and is
   skipped with a counted reason here;
 - each prompt becomes two consecutive samples, ``/0`` its chosen response and ``/1`` its
   rejected one (``group_size`` 2: a pair never straddles a split); ``rewards`` are the
@@ -26,11 +26,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from pipeline.plugins import register_stage
 from pipeline.types import Prompt, RolloutBatch
-from stages.data_files import RowError
+from stages.data.files import RowError
+from stages.data.source import PromptSource
 from stages.rollout.base import Completion, GenerationResult
 from stages.rollout.stage import build_rollout_batch
-from stages.source import PromptSource
 
 CHOSEN_REWARD, REJECTED_REWARD = 1.0, 0.0
 
@@ -49,6 +50,7 @@ def encode_response(tok: Any, prompt: str | list[Any], prompt_text: str, respons
     return list(tok(full[len(prompt_text):], add_special_tokens=False)["input_ids"])
 
 
+@register_stage("pairs")  # the source of an offline algorithm (dpo)
 class PairSource(PromptSource):
     gives = RolloutBatch  # pipeline/contracts.py
     gives_fields = ("rewards",)
@@ -58,8 +60,8 @@ class PairSource(PromptSource):
         self._responses: dict[int, tuple[list[int], list[int]]] = {}  # prompt index -> (chosen, rejected) ids
 
     async def setup(self, ctx: Any) -> None:
-        from stages.prompt_rows import load_tokenizer
-        from stages.tiny import resolve_model_path
+        from stages.data.prompt_rows import load_tokenizer
+        from stages.models.tiny import resolve_model_path
 
         await super().setup(ctx)
         self.tok = load_tokenizer(resolve_model_path(ctx.config.model))

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, DataConfig
-from stages.data_files import SCAN_BATCH_ROWS, DataRows, RowError, open_data
+from stages.data.files import SCAN_BATCH_ROWS, DataRows, RowError, open_data
 
 # Row numbers kept per skip reason in the report (the first ones met).
 FIRST_ROWS_SHOWN = 5

@@ -15,7 +15,7 @@ Guarantees:
   (applied before clipping: a streaming step can know its token count only at its end).
   Inside a piece, memory-bounding chunks are weighted so that chunking never changes the
   loss.
-  With ``scale_k`` from the trainer's ``compute_piece_weight`` (``stages/trainer.py``) the
+  With ``scale_k`` from the trainer's ``compute_piece_weight`` (``stages/trainer/pieces.py``) the
   split of a micro-batch into pieces never changes the update either (up to float rounding).
 - A ``train_micro_batch`` call that raises after its first backward began leaves
   ``gradients_tainted`` set: the accumulated gradients then hold part of a piece, and
@@ -31,7 +31,7 @@ Guarantees:
   all-reduced, so every rank skips or none does. Under fp16 a skip is the dynamic loss
   scaler's (``skipped``), not a non-finite step.
 - Weights leave the engine under their Hugging Face checkpoint names (a mixture of
-  experts' 3D expert tensors split one expert at a time, ``stages.checkpoint_names``), in the
+  experts' 3D expert tensors split one expert at a time, ``stages.models.checkpoint_names``), in the
   rollout dtype, tied parameters once, whole (under ZeRO 3 gathered from the ranks'
   partitions for the export): as safetensors bytes on CPU (``export_weights``;
   ``weights_sha256`` is the sha256 of exactly those bytes) or, on a GPU, as a
@@ -71,9 +71,10 @@ from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import build_policy_loss
-from stages.checkpoint_names import checkpoint_state_dict, drop_tied_aliases, find_split_ties
-from stages.logprobs import accepts_logits_to_keep, build_model_inputs, find_chunkable_head, forward_completion_logprobs
-from stages.lr_schedule import build_lr_scheduler
+from stages.models.checkpoint_names import checkpoint_state_dict, drop_tied_aliases, find_split_ties
+from stages.models.logprobs import accepts_logits_to_keep, build_model_inputs, find_chunkable_head, forward_completion_logprobs
+from stages.models.tiny import resolve_model_path
+from stages.trainer.lr_schedule import build_lr_scheduler
 
 _STATE_TAG = "conveyor"
 # Files a checkpoint directory holds besides weights and config: tokenizer, chat
@@ -420,7 +421,7 @@ class TrainerEngine:
             # The served model holds one tensor for both names; training two would serve
             # a model other than the one trained.
             raise RuntimeError(f"tied parameters are separate tensors in the trainer: {split}")
-        # Rows of logits alive at once (stages.logprobs); None: the dense head.
+        # Rows of logits alive at once (stages.models.logprobs); None: the dense head.
         self.logit_tokens = train.logit_chunk_tokens if find_chunkable_head(self.module) is not None else None
         self._ipc: CudaIpcExporter | None = None  # made on the first cuda_ipc export
         self._loss = build_policy_loss(algo)
@@ -678,7 +679,7 @@ class TrainerEngine:
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """Checkpoint name -> CPU copy in the rollout dtype; tied parameters once. The
-        names are the checkpoint's (``stages.checkpoint_names``): a mixture of experts'
+        names are the checkpoint's (``stages.models.checkpoint_names``): a mixture of experts'
         3D expert tensors go one expert at a time, as vLLM loads them."""
         return checkpoint_state_dict(self.module, self._module_state_for_sync())
 
@@ -749,3 +750,11 @@ class TrainerEngine:
 
     def set_rng_state(self, state: bytes) -> None:
         decode_rng_state(state)
+
+
+def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
+    """The ``TrainerEngine`` of a run (the trainer stage and ``conveyor replay`` share it)."""
+    return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.scoring_temperature,
+                         dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads,
+                         # The lr schedule counts optimizer updates: several per step with PPO epochs.
+                         total_steps=cfg.run.steps * cfg.train.ppo_epochs * cfg.train.ppo_mini_batches)

@@ -26,7 +26,7 @@ Guarantees:
   a restarted or resumed run starts them again.
 - DAPO's overlong penalty and dynamic sampling (``algorithm.overlong_buffer_len``,
   ``drop_zero_variance_groups``) run here, on the combined reward, and not in the
-  reward stage before it (``stages.reward_shaping.shapes_rewards``): the penalty is
+  reward stage before it (``stages.rewards.shaping.shapes_rewards``): the penalty is
   added after the combination (a rule weight of 0 does not erase it) and groups are
   dropped on the reward the trainer sees.
 """
@@ -43,6 +43,7 @@ import msgspec
 import numpy as np
 import torch
 
+from pipeline.plugins import register_stage
 from pipeline.types import RolloutBatch
 
 
@@ -190,9 +191,9 @@ class RewardModel:
 
 def resolve_reward_model_path(path: str, cfg: Any) -> Path:
     """A model source's ``path``: ``tiny`` -> the tiny reward model of ``data.task``, built
-    locally when missing (``stages/tiny_reward_model.py``); otherwise the directory."""
+    locally when missing (``stages/rewards/tiny_reward_model.py``); otherwise the directory."""
     if path == "tiny":
-        from stages.tiny_reward_model import ensure_tiny_reward_model
+        from stages.rewards.tiny_reward_model import ensure_tiny_reward_model
 
         if cfg.data.path:
             raise ValueError("reward.sources: path 'tiny' is the tiny reward model of a built-in data.task; "
@@ -211,6 +212,7 @@ def split_sources(sources: Mapping[str, Any]) -> tuple[str | None, str]:
     return (function[0] if function else None), model[0]
 
 
+@register_stage("reward_model")
 class RewardModelStage:
     """Actor shell: scores each micro-batch with ``reward.sources``' model and combines.
     Without a ``function`` source it may read the rollout's output directly."""
@@ -221,7 +223,7 @@ class RewardModelStage:
     async def setup(self, ctx: Any) -> None:
         from pipeline.memory.admission import count_seq_lens, estimate_batch_bytes
         from pipeline.memory.guard import MemoryGuard
-        from stages.reference import build_model_shape
+        from stages.models.reference import build_model_shape
 
         cfg = ctx.config
         self.ctx = ctx
@@ -236,7 +238,7 @@ class RewardModelStage:
             "reference", self.shape, count_seq_lens(piece), chunk_size=self.model.chunk_size)
         self.moments = {n: RunningMoments() for n, s in self.sources.items() if s.normalize == "running"}
         self.batches = 0
-        from stages.reward_shaping import RewardShaper, shapes_rewards
+        from stages.rewards.shaping import RewardShaper, shapes_rewards
 
         # This score replaces the reward stage's: DAPO's shaping runs here, on the final reward.
         self.shaper = RewardShaper(cfg) if shapes_rewards(cfg) == "reward_model" else None

@@ -157,7 +157,7 @@ class TrainerRank:
 
     def setup(self) -> str:
         """Join the world and build the engine; returns the GPUs this rank sees."""
-        from stages.trainer import build_trainer_engine
+        from stages.trainer.engine import build_trainer_engine
 
         address, port, backend = self.rendezvous
         init_rank_process_group(self.rank, self.world, address, port, backend)
@@ -204,8 +204,7 @@ def build_data_parallel_engine(cfg: Any, rank_gpus: list[tuple[int, float]],
     ``rank_actor``: the ranks' actor class (tests pass a ``TrainerRank`` that fails)."""
     import torch
 
-    from stages.trainer import build_trainer_engine
-    from stages.trainer_engine import find_free_port
+    from stages.trainer.engine import build_trainer_engine, find_free_port
 
     world = cfg.train.num_ranks
     address, port = ray.util.get_node_ip_address(), find_free_port()
@@ -311,7 +310,7 @@ class DataParallelEngine:
 
     def train_micro_batch(self, batch: RolloutBatch, scale: float) -> dict[str, float]:
         """Train ``batch`` split over the ranks; its metrics as one ``train_micro_batch``'s."""
-        from stages.trainer import compute_piece_weight, merge_piece_metrics
+        from stages.trainer.pieces import compute_piece_weight, merge_piece_metrics
 
         parts = split_for_ranks(batch, self.ranks)
         loss_agg = self.local.algo.loss_agg

@@ -33,8 +33,9 @@ import asyncio
 import time
 from typing import Any
 
+from pipeline.plugins import register_stage
 from pipeline.types import RolloutBatch
-from stages.trainer import TrainerStage, compute_micro_batch_scale, compute_step_grad_scale
+from stages.trainer.stage import TrainerStage, compute_micro_batch_scale, compute_step_grad_scale
 
 
 def summarise_later_epochs(metrics: list[dict[str, float]]) -> dict[str, float]:
@@ -49,6 +50,7 @@ def summarise_later_epochs(metrics: list[dict[str, float]]) -> dict[str, float]:
             for key in ("ratio_mean", "clip_frac")}
 
 
+@register_stage("ppo_trainer")  # the trainer with train.ppo_epochs/mini-batches
 class PPOTrainerStage(TrainerStage):
     async def setup(self, ctx: Any) -> None:
         await super().setup(ctx)

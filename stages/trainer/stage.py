@@ -16,7 +16,7 @@ Guarantees:
   under ``seq-mean-token-sum-norm``; scale = units / step samples) and the optimizer
   step rescales by step samples / the step's units before clipping
   (``compute_step_grad_scale``);
-- with ``train.num_ranks`` > 1 the engine is ``stages.trainer_ranks.DataParallelEngine``:
+- with ``train.num_ranks`` > 1 the engine is ``stages.trainer.ranks.DataParallelEngine``:
   each micro-batch is split by whole groups over the ranks, which step together; the
   update equals the one-rank update up to float rounding; an error on any rank stops
   the run at once, naming the rank;
@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import os
 import time
 from collections.abc import Mapping
@@ -72,13 +71,19 @@ from pipeline.memory.admission import count_seq_lens, estimate_batch_bytes
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import OomRecovery, free_cached_memory, freeze_setup_heap, is_oom_error
 from pipeline.memory.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
+from pipeline.plugins import register_stage
 from pipeline.queue import fits_inline
 from pipeline.transport import TRANSPORT_ENV, select_transport
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness
-from stages.reward import summarise_reward_extras
-from stages.trainer_checkpoint import TrainerCheckpoints
-from stages.trainer_metrics import summarise_batch_rewards, summarise_rollout_extras, summarise_step_batches
+from stages.trainer.checkpoint import TrainerCheckpoints
+from stages.trainer.metrics import (
+    summarise_batch_rewards,
+    summarise_reward_extras,
+    summarise_rollout_extras,
+    summarise_step_batches,
+)
+from stages.trainer.pieces import compute_piece_weight, merge_piece_metrics, pool_logp_mismatch
 
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
 NONFINITE = "nonfinite"  # the drop reason of a step's samples when its loss or gradient was not finite
@@ -126,69 +131,6 @@ def compute_step_loss(piece_losses: list[float], batches: list[RolloutBatch], st
     total = sum(loss * compute_micro_batch_scale(b, step_samples, loss_agg)
                 for loss, b in zip(piece_losses, batches, strict=True))
     return float(total * compute_step_grad_scale(batches, step_samples, loss_agg))
-
-
-def compute_piece_weight(piece: RolloutBatch, batch: RolloutBatch, loss_agg: str) -> float:
-    """The piece's share of its micro-batch's loss: ``sum(w_k * loss_k)`` over pieces is
-    the loss of the micro-batch trained whole (the engine weighs chunks the same way).
-    token-mean: its share of loss tokens; seq-mean-token-sum-norm: of samples;
-    other seq-mean-*: of samples with at least one loss token. The whole batch weighs
-    exactly 1; a batch with no such token or sample falls back to sample shares (its
-    loss is 0 anyway)."""
-    if piece is batch:
-        return 1.0
-    if loss_agg == "token-mean":
-        part, whole = piece.loss_tokens, batch.loss_tokens
-    elif loss_agg == "seq-mean-token-sum-norm":
-        part, whole = piece.num_samples, batch.num_samples
-    else:
-        part, whole = piece.loss_rows, batch.loss_rows
-    if whole == 0:
-        part, whole = piece.num_samples, batch.num_samples
-    return part / whole
-
-
-def merge_piece_metrics(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
-    """One micro-batch's metrics from its pieces': ``*_max`` the max; counts and scales
-    the sum; reward and advantage statistics pooled over samples; everything else
-    (loss, pg_loss, kl, clip_frac, ratio_mean) weighted as the loss is."""
-    if len(metrics) == 1:
-        return dict(metrics[0])
-    n = [m["num_samples"] for m in metrics]
-    total = sum(n)
-
-    def pooled(key: str) -> float:
-        return sum(m[key] * k for m, k in zip(metrics, n, strict=True)) / total
-
-    out: dict[str, float] = {**pool_logp_mismatch(metrics)}
-    for key in metrics[0]:
-        if key.startswith("logp_mismatch"):
-            continue
-        values = [m[key] for m in metrics]
-        if key.endswith("_max"):
-            out[key] = max(values)
-        elif key in ("num_samples", "num_tokens", "scale"):
-            out[key] = sum(values)
-        elif key in ("reward_mean", "adv_abs_mean"):
-            out[key] = pooled(key)
-        elif key != "reward_std":
-            out[key] = sum(v * w for v, w in zip(values, weights, strict=True))
-    if "reward_std" in metrics[0]:
-        mean = pooled("reward_mean")
-        second = sum((m["reward_std"] ** 2 + m["reward_mean"] ** 2) * k for m, k in zip(metrics, n, strict=True))
-        out["reward_std"] = math.sqrt(max(0.0, second / total - mean**2))
-    return out
-
-
-def pool_logp_mismatch(metrics: list[Mapping[str, float]]) -> dict[str, float]:
-    """``logp_mismatch`` over the pieces that measured one, weighted by their
-    ``logp_mismatch_tokens`` (summed); empty when none did (no token came from the
-    weights being trained: absent, never a 0 that reads as a perfect match)."""
-    counted = [(m["logp_mismatch"], m["logp_mismatch_tokens"]) for m in metrics if m.get("logp_mismatch_tokens")]
-    tokens = sum(n for _, n in counted)
-    if not tokens:
-        return {}
-    return {"logp_mismatch": sum(v * n for v, n in counted) / tokens, "logp_mismatch_tokens": tokens}
 
 
 def encode_piece_layout(layouts: Mapping[int, list[int]]) -> dict[str, float]:
@@ -248,22 +190,12 @@ def holds_whole_step(cfg: Any) -> bool:
     return cfg.placement.mode == "colocate" or get_algorithm(cfg.algorithm.name).whitens_step
 
 
-def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
-    """The ``TrainerEngine`` of a run (the trainer stage and ``conveyor replay`` share it)."""
-    from stages.tiny import resolve_model_path
-    from stages.trainer_engine import TrainerEngine
-
-    return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.scoring_temperature,
-                         dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads,
-                         # The lr schedule counts optimizer updates: several per step with PPO epochs.
-                         total_steps=cfg.run.steps * cfg.train.ppo_epochs * cfg.train.ppo_mini_batches)
-
-
 def _count_cluster_gpus() -> float:
     """GPUs in the Ray cluster (0 outside Ray)."""
     return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
 
 
+@register_stage("trainer")
 class TrainerStage:
     takes = RolloutBatch  # pipeline/contracts.py; ref_logprobs too when a KL term needs them
     takes_fields = ("rewards",)
@@ -301,7 +233,7 @@ class TrainerStage:
         self._colocate_metrics: dict[str, float] = {}
 
     async def setup(self, ctx: Any) -> None:
-        from stages.reference import build_model_shape  # imports torch: not at module level
+        from stages.models.reference import build_model_shape  # imports torch: not at module level
 
         self.ctx = ctx
         cfg = ctx.config
@@ -311,11 +243,13 @@ class TrainerStage:
         self.holds_step = holds_whole_step(cfg)
         self.step_samples = cfg.train.prompts_per_step * cfg.rollout.n
         if cfg.train.num_ranks > 1:
-            from stages.trainer_ranks import build_data_parallel_engine
+            from stages.trainer.ranks import build_data_parallel_engine
 
             self.engine = await asyncio.to_thread(build_data_parallel_engine, cfg, self.rank_gpus)
             ctx.log.info("trainer_ranks", ranks=cfg.train.num_ranks, devices=self.engine.devices)
         else:
+            from stages.trainer.engine import build_trainer_engine  # imports torch: not at module level
+
             self.engine = await asyncio.to_thread(build_trainer_engine, cfg)
         module = self.engine.module
         self.shape = build_model_shape(module, str(next(module.parameters()).dtype).removeprefix("torch."))
@@ -435,7 +369,7 @@ class TrainerStage:
     def _record_upstream_drops(self, batch: RolloutBatch) -> None:
         """Prompts an upstream stage dropped (it told the ledger already): into this
         trainer's account of the run (counts, done set, checkpoints), once."""
-        from stages.reward_shaping import ZERO_VARIANCE
+        from stages.rewards.shaping import ZERO_VARIANCE
 
         for reason, indices in batch.dropped_prompts.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + len(indices) * batch.group_size

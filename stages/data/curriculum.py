@@ -11,7 +11,7 @@ Where it runs: the trainer observes every trained sample with its prompt's level
 advances the state once per optimizer step, reports ``curriculum/level`` in the step's
 metrics (the controller relays it to the source's admission) and writes the state into
 each checkpoint with the prompts consumed, so a resumed run continues at the same level
-with the same window. The source (``stages/source.py``) draws from the level it is given.
+with the same window. The source (``stages/data/source.py``) draws from the level it is given.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ FAMILIES: dict[str, Family] = {
                      config={"tie_word_embeddings": True}),
     # Mixture-of-experts: 4 experts of the model's intermediate size, 2 routed per token
     # on every layer. transformers holds each layer's experts as 3D tensors; checkpoints
-    # and vLLM name them one expert at a time (see stages.checkpoint_names).
+    # and vLLM name them one expert at a time (see stages.models.checkpoint_names).
     "qwen3_moe": Family("Qwen3MoeConfig", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", UNK), eos="<|im_end|>",
                         pad="<|endoftext|>", stops=("<|im_end|>", "<|endoftext|>"), chat_template=_CHATML,
                         byte_level=True, moe_experts="num_experts",

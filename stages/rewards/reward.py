@@ -49,9 +49,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from pipeline.plugins import register_stage
 from pipeline.types import Prompt, RolloutBatch
-from stages.tasks import import_attr
-from stages.trainer_metrics import mean_per_sample_field
+from stages.data.tasks import import_attr
 
 Signature = Literal["auto", "score", "batched"]
 
@@ -60,13 +60,13 @@ _MAX_MESSAGE_CHARS = 300
 _SCORE_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 _COLUMNS = ("ground_truth", "data_source", "extra_info")
 
-# Built-in reward functions, by the name reward.function gives them (stages/verifiable_rewards.py
+# Built-in reward functions, by the name reward.function gives them (stages/rewards/verifiable.py
 # says what each checks and which columns it reads).
 BUILTIN_REWARDS: dict[str, str] = {
-    "math": "stages.verifiable_rewards:compute_math_score",
-    "gsm8k": "stages.verifiable_rewards:compute_gsm8k_score",
-    "format": "stages.verifiable_rewards:compute_format_score",
-    "think_format": "stages.verifiable_rewards:compute_think_format_score",
+    "math": "stages.rewards.verifiable:compute_math_score",
+    "gsm8k": "stages.rewards.verifiable:compute_gsm8k_score",
+    "format": "stages.rewards.verifiable:compute_format_score",
+    "think_format": "stages.rewards.verifiable:compute_think_format_score",
 }
 
 
@@ -374,19 +374,6 @@ class StepFailureTracker:
         return counts[1] == counts[0]
 
 
-# Trainer reward metrics an extra key must not overwrite (it goes to reward/extra/<key>).
-_RESERVED_METRICS = ("mean", "std", "max", "min", "errors")
-
-
-def summarise_reward_extras(batches: Sequence[Any]) -> dict[str, float]:
-    """Step metrics from the batches' reward side: ``reward/errors`` (failed samples)
-    and ``reward/<key>``, the mean of each extra over the samples that returned it."""
-    out = {"reward/errors": float(sum(len(b.reward_errors) for b in batches))}
-    for key, mean in mean_per_sample_field(batches, "reward_extras").items():
-        out[f"reward/extra/{key}" if key in _RESERVED_METRICS else f"reward/{key}"] = mean
-    return out
-
-
 def _describe_params(fn: Callable[..., Any]) -> tuple[list[str], bool]:
     """Parameter names and whether the function takes ``**kwargs``."""
     try:
@@ -419,6 +406,7 @@ def _short_repr(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+@register_stage("reward")
 class RewardStage:
     """Actor shell around ``RewardFn`` (``reward.*``); see the module for what it reports."""
 
@@ -426,7 +414,7 @@ class RewardStage:
     gives_fields = ("rewards",)
 
     async def setup(self, ctx: Any) -> None:
-        from stages.tasks import load_task
+        from stages.data.tasks import load_task
 
         self.ctx = ctx
         cfg = ctx.config
@@ -437,9 +425,9 @@ class RewardStage:
         self.scored = 0
         self.failed = 0
         self.first_error: str | None = None
-        # DAPO's overlong penalty and dynamic sampling (stages/reward_shaping.py), here
+        # DAPO's overlong penalty and dynamic sampling (stages/rewards/shaping.py), here
         # unless a reward model replaces this score downstream.
-        from stages.reward_shaping import RewardShaper, shapes_rewards
+        from stages.rewards.shaping import RewardShaper, shapes_rewards
 
         self.shaper = RewardShaper(cfg) if shapes_rewards(cfg) == "reward" else None
 

@@ -11,7 +11,7 @@ Guarantees:
   other digits, other characters, empty), each labelled by ``task.compute_score``, fitted
   with a binary cross-entropy on the logit (``fit_tiny_reward_model``, seeded: the same
   inputs give the same weights). Its inputs are encoded exactly as
-  ``stages.reward_model.RewardModel`` encodes a rollout (prompt text + completion, special
+  ``stages.rewards.reward_model.RewardModel`` encodes a rollout (prompt text + completion, special
   tokens added), so a policy's rollouts are scored as the examples were.
 - ``reward.sources.<name>.path: tiny`` names it (for the run's ``data.task``).
 """
@@ -53,7 +53,7 @@ DEFAULT_RECIPE = TinyRewardRecipe()
 def build_reward_examples(task: Any, num_prompts: int, seed: int) -> list[tuple[str, str, float]]:
     """(prompt, completion, label) triples: five completions per prompt of
     ``task.generate_rows(seed, ...)`` labelled by ``task.compute_score``."""
-    from stages.tiny import CHARS
+    from stages.models.tiny import CHARS
 
     rng = random.Random(f"tiny-rm:{seed}")
     out = []
@@ -74,7 +74,7 @@ def fit_tiny_reward_model(task: Any, recipe: TinyRewardRecipe = DEFAULT_RECIPE) 
     (logit > 0 vs label > 0.5) on held-out prompts."""
     import transformers
 
-    from stages.tiny import build_char_tokenizer
+    from stages.models.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer("llama")
     config = transformers.LlamaConfig(
@@ -122,7 +122,7 @@ def _logits(model: Any, tok: Any, examples: list[tuple[str, str, float]]) -> tor
 
 
 def compute_recipe_hash(task_name: str, recipe: TinyRewardRecipe) -> str:
-    from stages.tiny import CHARS
+    from stages.models.tiny import CHARS
 
     blob = msgspec.json.encode({"task": task_name, "recipe": recipe, "vocab": CHARS, "format": FORMAT_VERSION})
     return hashlib.sha256(blob).hexdigest()[:12]
@@ -131,7 +131,7 @@ def compute_recipe_hash(task_name: str, recipe: TinyRewardRecipe) -> str:
 def ensure_tiny_reward_model(task_name: str, cache_dir: str | Path,
                              recipe: TinyRewardRecipe = DEFAULT_RECIPE) -> Path:
     """The tiny reward model of ``task_name`` (a built-in task), built when missing."""
-    from stages.tasks import load_task
+    from stages.data.tasks import load_task
 
     root = Path(cache_dir).expanduser()
     out = root / f"tiny-rm-{compute_recipe_hash(task_name, recipe)}"

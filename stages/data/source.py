@@ -2,14 +2,14 @@
 ``datasets`` directory), as ``Prompt``s carrying the token ids the model will see.
 
 Guarantees:
-- every prompt is rendered and tokenized once, here (``stages/prompt_rows.py``: column
+- every prompt is rendered and tokenized once, here (``stages/data/prompt_rows.py``: column
   mapping, chat template, special tokens); ``Prompt.token_ids`` is what the rollout
   generates from and ``Prompt.text`` the same prompt as text;
 - a row that is empty, malformed or longer than ``data.max_prompt_len`` tokens is
   skipped with a counted reason; the run goes on. Data files were validated whole
   before the run started (``pipeline/preflight.py``), so their bad rows are logged at
   debug level here, a task's at warning level;
-- data is read streaming (``stages/data_files.py``), never loaded whole;
+- data is read streaming (``stages/data/files.py``), never loaded whole;
 - prompts enter the pipeline only when the controller's ledger grants room, so a run
   never produces more prompts than it will train (plus replacements for drops);
 - every ``PromptBatch`` carries the optimizer step it is destined for, which the
@@ -22,7 +22,7 @@ Task datasets are endless.
 With ``data.curriculum`` each level's rows are cycled on their own (a row's index is its
 row number plus that level's epoch times the file's rows, still unique), and a micro-batch
 is drawn from the level the controller hands out with its admission (the trainer decides
-it: ``stages/curriculum.py``); until the trainer has reported one, the start level or the
+it: ``stages/data/curriculum.py``); until the trainer has reported one, the start level or the
 checkpoint's. Each prompt carries its level in ``extra_info[data.curriculum.key]``.
 """
 
@@ -36,9 +36,10 @@ from typing import Any
 import msgspec
 
 from pipeline.checkpoint import ConsumedPrompts
+from pipeline.plugins import register_stage
 from pipeline.types import Prompt, PromptBatch
-from stages.data_files import RowError, open_data
-from stages.prompt_rows import ColumnMap, PromptRenderer, load_tokenizer, render_rows, resolve_columns
+from stages.data.files import RowError, open_data
+from stages.data.prompt_rows import ColumnMap, PromptRenderer, load_tokenizer, render_rows, resolve_columns
 
 __all__ = ["PromptSource", "RowError", "iter_list_rows"]
 
@@ -55,6 +56,7 @@ def iter_list_rows(rows: list[Any], name: str) -> Iterator[tuple[int, str, Any]]
             return
 
 
+@register_stage("source")
 class PromptSource:
     """Source core. ``rows`` (a list of dicts) may be passed directly, for custom graphs."""
 
@@ -70,7 +72,7 @@ class PromptSource:
         self.level: int | None = None  # the curriculum level drawn from (data.curriculum)
 
     async def setup(self, ctx: Any) -> None:
-        from stages.tiny import resolve_model_path
+        from stages.models.tiny import resolve_model_path
 
         self.ctx = ctx
         cfg = ctx.config
@@ -151,7 +153,7 @@ class PromptSource:
                         return
 
             return cycle(), cmap
-        from stages.tasks import load_task
+        from stages.data.tasks import load_task
 
         task = load_task(self.data.task, **self.data.task_kwargs)
         if hasattr(task, "iter_rows"):

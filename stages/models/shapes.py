@@ -10,13 +10,13 @@ Guarantees:
   transformers and vLLM load: the family's config class with those values, random-init
   weights in ``dtype`` drawn on the GPU when there is one (else the CPU) from ``seed``,
   safetensors shards of at most ``SHARD_SIZE``, the char-level tokenizer of
-  ``stages.tiny`` with the family's special tokens and chat template (so, as in real
+  ``stages.models.tiny`` with the family's special tokens and chat template (so, as in real
   checkpoints, the tokenizer is smaller than the model's vocabulary), and a generation
   config with the family's stop tokens and sampling defaults. The special ids in the
   config are the tokenizer's.
 - It is idempotent and atomic: the directory is written under a private name and renamed
   into place, and a directory already there is reused only when its ``MARKER`` file names
-  the same shape, overrides, seed and dtype (``stages.tiny.write_checkpoint_atomically``).
+  the same shape, overrides, seed and dtype (``stages.models.tiny.write_checkpoint_atomically``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from stages.tiny import (
+from stages.models.tiny import (
     FAMILIES,
     UNK,
     Family,
@@ -198,7 +198,7 @@ def build_in_subprocess(name: str, timeout_s: float = 900.0) -> Path:
     """``build_real_shape_checkpoint(name)`` (its default directory) in a process of its
     own, so that the caller never holds the CUDA context or cached memory of the init
     (a launch's plan reads the GPU's free memory)."""
-    done = subprocess.run([sys.executable, "-m", "stages.model_shapes", name], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "stages.models.shapes", name], capture_output=True, text=True,
                           timeout=timeout_s, cwd=Path(__file__).resolve().parent.parent)
     if done.returncode != 0:
         raise RuntimeError(f"building model shape {name} failed (status {done.returncode}): {done.stderr[-3000:]}")
@@ -236,8 +236,8 @@ def init_model(config: Any, dtype: torch.dtype, seed: int) -> Any:
     return model.eval()
 
 
-if __name__ == "__main__":  # python -m stages.model_shapes NAME [--out DIR]: builds it, prints its path
-    parser = argparse.ArgumentParser(prog="python -m stages.model_shapes", description=__doc__.splitlines()[0])
+if __name__ == "__main__":  # python -m stages.models.shapes NAME [--out DIR]: builds it, prints its path
+    parser = argparse.ArgumentParser(prog="python -m stages.models.shapes", description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=sorted(REAL_SHAPES))
     parser.add_argument("--out", default=None, help="checkpoint directory (default: ~/.cache/conveyor/shapes/NAME-...)")
     parser.add_argument("--seed", type=int, default=0)

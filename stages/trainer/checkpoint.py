@@ -34,7 +34,7 @@ from pipeline.checkpoint import (
     write_checkpoint,
 )
 from pipeline.types import RolloutBatch
-from stages.curriculum import (
+from stages.data.curriculum import (
     CurriculumState,
     advance_curriculum,
     select_level_rewards,

@@ -6,7 +6,7 @@ Guarantees:
 - ``compute`` returns a new ``RolloutBatch`` (the input is not mutated) whose
   ``ref_logprobs`` is float32 [S, C], aligned with ``completion_ids``, zero on padding,
   computed under ``torch.no_grad()`` in ``chunk_size``-sample forward passes (see
-  ``stages/logprobs.py``).
+  ``stages/models/logprobs.py``).
 - Log-probs are taken at ``temperature``, which should be the rollout temperature: the
   trainer scores the current policy at that temperature, and the KL penalty compares
   the two distributions, so both sides must use the same one.
@@ -34,8 +34,9 @@ from pipeline.memory.admission import ModelShape, count_seq_lens, estimate_batch
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
+from pipeline.plugins import register_stage
 from pipeline.types import RolloutBatch
-from stages.logprobs import LOGIT_CHUNK_TOKENS, compute_completion_logprobs, find_chunkable_head
+from stages.models.logprobs import LOGIT_CHUNK_TOKENS, compute_completion_logprobs, find_chunkable_head
 
 
 def build_model_shape(model: Any, dtype: str) -> ModelShape:
@@ -79,7 +80,7 @@ class ReferenceModel:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=resolve_dtype(dtype, "model.dtype", MODEL_DTYPES))
         model.requires_grad_(False)
         self.model = model.eval().to(self.device)
-        # Rows of logits alive at once (stages.logprobs); None: the dense head.
+        # Rows of logits alive at once (stages.models.logprobs); None: the dense head.
         chunkable = logit_chunk_tokens and find_chunkable_head(self.model) is not None
         self.logit_tokens = logit_chunk_tokens if chunkable else None
 
@@ -94,6 +95,7 @@ class ReferenceModel:
         return msgspec.structs.replace(batch, ref_logprobs=ref)
 
 
+@register_stage("reference")
 class ReferenceStage:
     """Actor shell: ``reference.path`` (default ``model.path``) scored at the rollout temperature
     (``scoring_temperature``: 1 for offline pairs)."""
@@ -102,7 +104,7 @@ class ReferenceStage:
     gives_fields = ("ref_logprobs",)
 
     async def setup(self, ctx: Any) -> None:
-        from stages.tiny import resolve_model_path
+        from stages.models.tiny import resolve_model_path
 
         cfg = ctx.config
         path = Path(cfg.reference.path).expanduser() if cfg.reference.path else resolve_model_path(cfg.model)

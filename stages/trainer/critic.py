@@ -16,7 +16,7 @@ Guarantees:
 - The value model is the policy architecture with a one-output token head
   (``AutoModelForTokenClassification``, ``num_labels=1``) loaded from ``critic.path`` or,
   by default, from the policy checkpoint with a fresh head (seeded by ``run.seed``). It
-  trains in a DeepSpeed engine built by ``stages.trainer_engine.build_deepspeed_engine``
+  trains in a DeepSpeed engine built by ``stages.trainer.engine.build_deepspeed_engine``
   with ``train``'s ZeRO stage and the critic's own lr, weight decay and clipping.
 - Its state (weights, optimizer, micro-batches seen) is written atomically to
   ``RUN_DIR/critic/state`` every ``train.checkpoint_every`` optimizer steps of the policy
@@ -40,8 +40,9 @@ import msgspec
 import numpy as np
 import torch
 
+from pipeline.plugins import register_stage
 from pipeline.types import RolloutBatch
-from stages.logprobs import build_model_inputs
+from stages.models.logprobs import build_model_inputs
 
 STATE_DIR = "critic"  # under the run dir
 
@@ -65,7 +66,7 @@ class CriticEngine:
                  total_steps: int = 0) -> None:
         from transformers import AutoModelForTokenClassification
 
-        from stages.trainer_engine import build_deepspeed_engine
+        from stages.trainer.engine import build_deepspeed_engine
 
         if critic.threads > 0:
             torch.set_num_threads(critic.threads)
@@ -144,7 +145,7 @@ class CriticEngine:
         return metrics
 
     def _step(self) -> float:
-        from stages.trainer_engine import compute_grad_norm, optimizer_reports_grad_norm
+        from stages.trainer.engine import compute_grad_norm, optimizer_reports_grad_norm
 
         own = None if optimizer_reports_grad_norm(self.engine.optimizer) else compute_grad_norm(self.module)
         self.engine.step()
@@ -153,12 +154,12 @@ class CriticEngine:
         return float(norm) if norm is not None else float("nan")
 
     def save_state(self, path: Path, extra: dict[str, Any]) -> None:
-        from stages.trainer_engine import save_engine_state
+        from stages.trainer.engine import save_engine_state
 
         save_engine_state(self.engine, path, {"critic_steps": self.steps, **extra})
 
     def load_state(self, path: Path) -> dict[str, Any]:
-        from stages.trainer_engine import load_engine_state
+        from stages.trainer.engine import load_engine_state
 
         state = load_engine_state(self.engine, path)
         self.steps = int(state["critic_steps"])
@@ -191,12 +192,13 @@ def find_critic_state(run_dir: Path) -> Path | None:
 
 
 def build_critic_engine(cfg: Any) -> CriticEngine:
-    from stages.tiny import resolve_model_path
+    from stages.models.tiny import resolve_model_path
 
     path = Path(cfg.critic.path).expanduser() if cfg.critic.path else resolve_model_path(cfg.model)
     return CriticEngine(path, cfg.critic, cfg.train, cfg.model.dtype, cfg.run.seed)
 
 
+@register_stage("critic")
 class CriticStage:
     """Actor shell: values, advantages and returns for each micro-batch, then learning."""
 

@@ -7,11 +7,12 @@ rewards contributes nothing to the reward figures.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from pipeline.types import RolloutBatch
-from stages.reward_shaping import find_zero_variance_groups
+from stages.rewards.shaping import find_zero_variance_groups
 
 
 def summarise_step_batches(batches: list[RolloutBatch], zero_variance_dropped: int = 0) -> dict[str, float]:
@@ -60,3 +61,16 @@ def summarise_rollout_extras(batches: list[RolloutBatch]) -> dict[str, float]:
     """The rollout's per-sample numbers as step metrics under their own keys
     (``tool/used``, ``turn/2/tokens``...)."""
     return mean_per_sample_field(batches, "rollout_extras")
+
+
+# Trainer reward metrics an extra key must not overwrite (it goes to reward/extra/<key>).
+_RESERVED_METRICS = ("mean", "std", "max", "min", "errors")
+
+
+def summarise_reward_extras(batches: Sequence[Any]) -> dict[str, float]:
+    """Step metrics from the batches' reward side: ``reward/errors`` (failed samples)
+    and ``reward/<key>``, the mean of each extra over the samples that returned it."""
+    out = {"reward/errors": float(sum(len(b.reward_errors) for b in batches))}
+    for key, mean in mean_per_sample_field(batches, "reward_extras").items():
+        out[f"reward/extra/{key}" if key in _RESERVED_METRICS else f"reward/{key}"] = mean
+    return out
