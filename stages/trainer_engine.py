@@ -65,7 +65,7 @@ import msgspec
 import numpy as np
 import torch
 
-from pipeline.config import AlgorithmConfig, TrainConfig
+from pipeline.config import AlgorithmFields, TrainConfig
 from pipeline.dtypes import resolve_dtype
 from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
@@ -181,7 +181,7 @@ def compute_chunk_weights(completion_mask: torch.Tensor, bounds: list[tuple[int,
     return [c / total if total > 0 else 0.0 for c in counts]
 
 
-def align_chunk_size(chunk_size: int, algo: AlgorithmConfig) -> int:
+def align_chunk_size(chunk_size: int, algo: AlgorithmFields) -> int:
     """Samples per forward/backward pass for ``algo``: ``chunk_size``, except that an
     offline algorithm's loss (``dpo``) compares rows in (chosen, rejected) pairs, so its
     chunks hold whole pairs: an odd size is rounded down to even (2 at least)."""
@@ -358,7 +358,7 @@ class TrainerEngine:
         self,
         model_path: Path,
         train: TrainConfig,
-        algo: AlgorithmConfig,
+        algo: AlgorithmFields,
         temperature: float,
         dtype: str,
         seed: int,

@@ -1,5 +1,5 @@
 """Losses as pure torch functions: KL estimators, aggregation, the clipped policy loss,
-the critic's clipped value loss.
+the critic's clipped value loss (an algorithm's own loss lives in its module, as ``dpo``'s).
 
 Guarantees:
 - No state, no I/O, no device placement: every function maps tensors to tensors (and
@@ -178,19 +178,19 @@ def compute_policy_loss(
 
     m = _as_float_mask(mask, logprobs)
     valid = m > 0
-    logp = _zero_where_invalid(logprobs, valid)
-    behaviour = _zero_where_invalid(old_logprobs, valid)
+    logp = zero_where_invalid(logprobs, valid)
+    behaviour = zero_where_invalid(old_logprobs, valid)
     # NaN: the sampler did not report the token's log-prob (rollout.logprobs: false,
     # allowed only on-policy): the weights being trained sampled it, so their own
     # log-prob, detached, is the behaviour policy's.
     unreported = torch.isnan(behaviour)
     behaviour = torch.where(unreported, logp.detach().to(behaviour.dtype), behaviour)  # no host sync on the train step
     adv = advantages.to(logp.dtype)
-    adv = _zero_where_invalid(adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, valid)
+    adv = zero_where_invalid(adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, valid)
 
     anchor = behaviour if off_policy == "off" else logp.detach()
     if off_policy != "off" and prox_logprobs is not None:
-        anchor = _zero_where_invalid(prox_logprobs.to(logp.dtype), valid).detach()
+        anchor = zero_where_invalid(prox_logprobs.to(logp.dtype), valid).detach()
     log_ratio = logp - anchor
     if ratio_level == "sequence":
         seq_log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
@@ -217,7 +217,7 @@ def compute_policy_loss(
     loss_tokens = pg_tokens
     kl_value = 0.0
     if ref_logprobs is not None:  # the kl metric is reported even when kl_coef is 0
-        ref = _zero_where_invalid(ref_logprobs, valid)
+        ref = zero_where_invalid(ref_logprobs, valid)
         kl_tokens = compute_kl(logp, ref, kl_estimator)
         kl_value = _masked_mean(kl_tokens.detach(), m)
         if kl_coef > 0:
@@ -260,9 +260,9 @@ def compute_value_loss(
     ``value_error`` (mean |V - R|)."""
     m = _as_float_mask(mask, values)
     valid = m > 0
-    v = _zero_where_invalid(values, valid)
-    old = _zero_where_invalid(old_values.to(values.dtype), valid)
-    ret = _zero_where_invalid(returns.to(values.dtype), valid)
+    v = zero_where_invalid(values, valid)
+    old = zero_where_invalid(old_values.to(values.dtype), valid)
+    ret = zero_where_invalid(returns.to(values.dtype), valid)
     err = (v - ret).square()
     if clip_eps is None:
         per_token, clipped = err, torch.zeros_like(err)
@@ -277,51 +277,6 @@ def compute_value_loss(
         "value_mean": _masked_mean(v.detach(), m),
         "return_mean": _masked_mean(ret, m),
         "value_error": _masked_mean((v.detach() - ret).abs(), m),
-    }
-
-
-def compute_dpo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    ref_logprobs: Tensor | None = None,
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
-    **_: object,
-) -> tuple[Tensor, dict[str, float]]:
-    """DPO's loss over preference pairs (Rafailov et al. 2023; conservative DPO with
-    ``label_smoothing``), the mean over pairs.
-
-    Rows come in pairs: row ``2i`` is pair i's chosen response, row ``2i + 1`` its
-    rejected one. ``logprobs`` (carries the gradient), ``ref_logprobs``, ``mask`` [S, C];
-    ``old_logprobs`` and ``advantages`` are unused (no sampler, no advantage). With the
-    summed log-prob of each response, policy ``l`` and reference ``r``, the implicit
-    rewards are ``beta * (l - r)`` and per pair ``m = beta * ((l_c - r_c) - (l_r - r_r))``:
-    ``loss = -(1 - ls) * logsigmoid(m) - ls * logsigmoid(-m)``.
-    Metrics: ``preference_accuracy`` (pairs whose chosen reward is strictly above the
-    rejected one; 0 while the policy equals the reference), ``reward_margin``,
-    ``chosen_reward``, ``rejected_reward`` (means over pairs).
-    """
-    if ref_logprobs is None:
-        raise ValueError("dpo: needs reference log-probs (is the reference stage wired?)")
-    if logprobs.shape[0] % 2:
-        raise ValueError(f"dpo: expected rows in (chosen, rejected) pairs, got {logprobs.shape[0]} rows")
-    valid = mask > 0
-    seq = _zero_where_invalid(logprobs, valid).sum(dim=1)
-    ref_seq = _zero_where_invalid(ref_logprobs.to(seq.dtype), valid).sum(dim=1)
-    rewards = beta * (seq - ref_seq)
-    chosen, rejected = rewards[0::2], rewards[1::2]
-    margin = chosen - rejected
-    loss = (-(1.0 - label_smoothing) * torch.nn.functional.logsigmoid(margin)
-            - label_smoothing * torch.nn.functional.logsigmoid(-margin)).mean()
-    m = margin.detach()
-    return loss, {
-        "preference_accuracy": float((m > 0).float().mean()),
-        "reward_margin": float(m.mean()),
-        "chosen_reward": float(chosen.detach().mean()),
-        "rejected_reward": float(rejected.detach().mean()),
     }
 
 
@@ -362,7 +317,7 @@ def _as_float_mask(mask: Tensor, like: Tensor) -> Tensor:
     return mask.to(dtype=like.dtype if like.is_floating_point() else torch.float32)
 
 
-def _zero_where_invalid(x: Tensor, valid: Tensor) -> Tensor:
+def zero_where_invalid(x: Tensor, valid: Tensor) -> Tensor:
     # where (not multiplication): inf * 0 is NaN, and where's backward sends exactly 0
     # to the positions it did not select.
     return torch.where(valid, x, torch.zeros_like(x))

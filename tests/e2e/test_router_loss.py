@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import GrpoConfig, TinyModelConfig, TrainConfig
+from pipeline.config import TinyModelConfig, TrainConfig
 from pipeline.types import Prompt, RolloutBatch
 from stages.algorithms import assign_advantages
+from stages.algorithms.grpo import GrpoConfig
 from stages.logprobs import build_model_inputs
 from stages.tiny import ensure_tiny_checkpoint
 from stages.trainer_engine import TrainerEngine
