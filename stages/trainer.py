@@ -76,6 +76,7 @@ from pipeline.queue import fits_inline
 from pipeline.transport import TRANSPORT_ENV, select_transport
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness
+from stages.algorithms.aggregation import get_loss_aggregation
 from stages.reward import summarise_reward_extras
 from stages.trainer_checkpoint import TrainerCheckpoints
 from stages.trainer_metrics import summarise_batch_rewards, summarise_rollout_extras, summarise_step_batches
@@ -93,11 +94,7 @@ def count_loss_units(batch: RolloutBatch, loss_agg: str) -> int:
     ``seq-mean-token-sum-norm`` its samples (the constant normaliser counts every row);
     the other seq-mean modes its samples with at least one loss token (a row that
     ``overlong_mask`` emptied counts in no mean)."""
-    if loss_agg == "token-mean":
-        return batch.loss_tokens
-    if loss_agg == "seq-mean-token-sum-norm":
-        return batch.num_samples
-    return batch.loss_rows
+    return get_loss_aggregation(loss_agg).count(batch)
 
 
 def compute_micro_batch_scale(batch: RolloutBatch, step_samples: int, loss_agg: str = "seq-mean-token-mean") -> float:
@@ -137,15 +134,7 @@ def compute_piece_weight(piece: RolloutBatch, batch: RolloutBatch, loss_agg: str
     loss is 0 anyway)."""
     if piece is batch:
         return 1.0
-    if loss_agg == "token-mean":
-        part, whole = piece.loss_tokens, batch.loss_tokens
-    elif loss_agg == "seq-mean-token-sum-norm":
-        part, whole = piece.num_samples, batch.num_samples
-    else:
-        part, whole = piece.loss_rows, batch.loss_rows
-    if whole == 0:
-        part, whole = piece.num_samples, batch.num_samples
-    return part / whole
+    return get_loss_aggregation(loss_agg).share(piece, batch)
 
 
 def merge_piece_metrics(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, float]:

@@ -71,6 +71,7 @@ from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import build_policy_loss
+from stages.algorithms.aggregation import get_loss_aggregation
 from stages.checkpoint_names import checkpoint_state_dict, drop_tied_aliases, find_split_ties
 from stages.logprobs import accepts_logits_to_keep, build_model_inputs, find_chunkable_head, forward_completion_logprobs
 from stages.lr_schedule import build_lr_scheduler
@@ -171,12 +172,8 @@ def compute_chunk_weights(completion_mask: torch.Tensor, bounds: list[tuple[int,
     other seq-mean-*: its share of sequences with at least one valid token (the sequences
     ``aggregate_loss`` averages over). A chunk with no such tokens or sequences weighs 0.
     """
-    if loss_agg == "token-mean":
-        counts = [float(completion_mask[a:b].sum()) for a, b in bounds]
-    elif loss_agg == "seq-mean-token-sum-norm":
-        counts = [float(b - a) for a, b in bounds]
-    else:
-        counts = [float((completion_mask[a:b].sum(dim=1) > 0).sum()) for a, b in bounds]
+    units = get_loss_aggregation(loss_agg).row_units(completion_mask)
+    counts = [float(units[a:b].sum()) for a, b in bounds]
     total = sum(counts)
     return [c / total if total > 0 else 0.0 for c in counts]
 

@@ -18,6 +18,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from stages.algorithms.aggregation import get_loss_aggregation
+
 KLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+"]
 RatioLevel = Literal["token", "sequence"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -59,7 +61,8 @@ def compute_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
 
 
 def aggregate_loss(values: Tensor, mask: Tensor, mode: LossAgg, norm_tokens: int | None = None) -> Tensor:
-    """Reduce per-token values [S, C] to a scalar over the positions where ``mask`` is set.
+    """Reduce per-token values [S, C] to a scalar over the positions where ``mask`` is set,
+    by the mode's class (``stages/algorithms/aggregation.py``):
 
     - ``token-mean``: sum over all valid tokens / number of valid tokens (every token
       weighs the same; long answers weigh more).
@@ -75,25 +78,7 @@ def aggregate_loss(values: Tensor, mask: Tensor, mode: LossAgg, norm_tokens: int
     """
     m = _as_float_mask(mask, values)
     v = torch.where(m > 0, values, torch.zeros_like(values))
-    if mode == "token-mean":
-        return (v * m).sum() / m.sum().clamp(min=1.0)
-    if mode == "seq-mean-token-sum-norm":
-        if norm_tokens is None or norm_tokens < 1:
-            raise ValueError(f"loss_agg seq-mean-token-sum-norm: norm_tokens must be >= 1, got {norm_tokens}")
-        return (v * m).sum() / float(max(values.shape[0], 1) * norm_tokens)
-    seq_tokens = m.sum(dim=1)
-    seq_sum = (v * m).sum(dim=1)
-    if mode == "seq-mean-token-mean":
-        per_seq = seq_sum / seq_tokens.clamp(min=1.0)
-    elif mode == "seq-mean-token-sum":
-        per_seq = seq_sum
-    else:
-        raise ValueError(
-            f"loss_agg: expected 'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or "
-            f"'seq-mean-token-sum-norm', got {mode!r}"
-        )
-    has_tokens = (seq_tokens > 0).float()
-    return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+    return get_loss_aggregation(mode).reduce(v, m, norm_tokens)
 
 
 def compute_policy_loss(
