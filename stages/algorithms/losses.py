@@ -13,7 +13,9 @@ Guarantees:
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -81,6 +83,77 @@ def aggregate_loss(values: Tensor, mask: Tensor, mode: LossAgg, norm_tokens: int
     return get_loss_aggregation(mode).reduce(v, m, norm_tokens)
 
 
+RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {}
+OFF_POLICY_CORRECTIONS: dict[str, OffPolicyCorrection] = {}
+
+
+def register_ratio_level(name: str) -> Callable[[Any], Any]:
+    """A ``ratio_level``: ``(logp, log_ratio, mask) -> the log-ratio each token is clipped by``
+    (all [S, C]; ``log_ratio = logp - anchor``)."""
+
+    def wrap(fn: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        RATIO_LEVELS[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_ratio_level("token")
+def token_log_ratio(logp: Tensor, log_ratio: Tensor, m: Tensor) -> Tensor:
+    """PPO / GRPO: one ratio per token."""
+    return log_ratio
+
+
+@register_ratio_level("sequence")
+def sequence_log_ratio(logp: Tensor, log_ratio: Tensor, m: Tensor) -> Tensor:
+    """GSPO (arXiv 2507.18071): every token of a sample carries the mean of its valid
+    tokens' log-ratios, with the token's own gradient (straight-through, GSPO-token)."""
+    seq_log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return logp - logp.detach() + seq_log_ratio.detach()
+
+
+@dataclass(frozen=True)
+class OffPolicyCorrection:
+    """An ``off_policy`` mode. ``decoupled``: the ratio is anchored on the proximal policy
+    (``prox_logprobs``, else the current weights detached), not on the sampler's log-probs;
+    ``weigh``: ``(importance weight anchor / behaviour, cap) -> each token's factor``, or None."""
+
+    decoupled: bool
+    weigh: Callable[[Tensor, float], Tensor] | None = None
+
+
+def register_off_policy(name: str, decoupled: bool = True) -> Callable[[Any], Any]:
+    """Decorator of an importance-weight rule: registers the ``off_policy`` mode ``name``."""
+
+    def wrap(weigh: Callable[[Tensor, float], Tensor]) -> Callable[[Tensor, float], Tensor]:
+        OFF_POLICY_CORRECTIONS[name] = OffPolicyCorrection(decoupled, weigh)
+        return weigh
+
+    return wrap
+
+
+OFF_POLICY_CORRECTIONS["off"] = OffPolicyCorrection(decoupled=False)  # PPO against the sampler
+
+
+@register_off_policy("truncate")
+def truncate_weight(is_weight: Tensor, cap: float) -> Tensor:
+    """Truncated importance sampling: ``min(iw, cap)``."""
+    return is_weight.clamp(max=cap)
+
+
+@register_off_policy("reject")
+def reject_weight(is_weight: Tensor, cap: float) -> Tensor:
+    """``iw`` where ``iw <= cap``, 0 elsewhere (the token still counts in the normaliser)."""
+    return torch.where(is_weight <= cap, is_weight, torch.zeros_like(is_weight))
+
+
+def _pick(registry: dict[str, Any], name: str, field: str) -> Any:
+    if name not in registry:
+        names = [repr(k) for k in registry]
+        raise ValueError(f"{field}: expected {', '.join(names[:-1])} or {names[-1]}, got {name!r}")
+    return registry[name]
+
+
 def compute_policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -111,7 +184,7 @@ def compute_policy_loss(
         pg = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)
         pg = min(pg, -A * clip_ratio_c)   where A < 0  (dual-clip; None: off)
         loss = w * pg + kl_coef * kl
-    ``off_policy``:
+    ``off_policy`` (``OFF_POLICY_CORRECTIONS``, registered rules):
     - ``off``: anchor = behaviour log-probs, ``w = 1`` (PPO against the sampler).
     - ``truncate`` / ``reject`` (AReaL's decoupled objective): the anchor is the proximal
       policy ``prox_logprobs`` [S, C] (detached), the weights that first scored the
@@ -122,7 +195,7 @@ def compute_policy_loss(
       importance weight ``iw = prox / behaviour`` (detached): ``truncate`` uses
       ``w = min(iw, cap)`` (TIS), ``reject`` uses ``w = iw`` where ``iw <= cap`` and 0
       elsewhere (the token still counts in the normaliser).
-    ``ratio_level``: ``token`` (PPO / GRPO: one ratio per token) or ``sequence`` (GSPO,
+    ``ratio_level`` (``RATIO_LEVELS``, registered functions): ``token`` (PPO / GRPO: one ratio per token) or ``sequence`` (GSPO,
     arXiv 2507.18071): every token of sample i carries the sequence ratio
     ``s_i = exp(mean over its valid tokens of (logp - anchor))``, the geometric mean of
     its token ratios, so clipping (and dual-clip) decides per sequence; its gradient is
@@ -156,10 +229,8 @@ def compute_policy_loss(
         raise ValueError("kl_coef > 0 needs ref_logprobs (the reference stage's output)")
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c: expected > 1 (or None), got {clip_ratio_c}")
-    if off_policy not in ("off", "truncate", "reject"):
-        raise ValueError(f"off_policy: expected 'off', 'truncate' or 'reject', got {off_policy!r}")
-    if ratio_level not in ("token", "sequence"):
-        raise ValueError(f"ratio_level: expected 'token' or 'sequence', got {ratio_level!r}")
+    correction = _pick(OFF_POLICY_CORRECTIONS, off_policy, "off_policy")
+    to_ratio_level = _pick(RATIO_LEVELS, ratio_level, "ratio_level")
 
     m = _as_float_mask(mask, logprobs)
     valid = m > 0
@@ -173,13 +244,10 @@ def compute_policy_loss(
     adv = advantages.to(logp.dtype)
     adv = zero_where_invalid(adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, valid)
 
-    anchor = behaviour if off_policy == "off" else logp.detach()
-    if off_policy != "off" and prox_logprobs is not None:
+    anchor = behaviour if not correction.decoupled else logp.detach()
+    if correction.decoupled and prox_logprobs is not None:
         anchor = zero_where_invalid(prox_logprobs.to(logp.dtype), valid).detach()
-    log_ratio = logp - anchor
-    if ratio_level == "sequence":
-        seq_log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
-        log_ratio = logp - logp.detach() + seq_log_ratio.detach()
+    log_ratio = to_ratio_level(logp, logp - anchor, m)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
@@ -192,12 +260,10 @@ def compute_policy_loss(
         pg_tokens = torch.where(dual_binds, dual, pg_tokens)
 
     with torch.no_grad():
-        weighed = logp.detach() if off_policy == "off" else anchor
+        weighed = anchor if correction.decoupled else logp.detach()
         is_weight = torch.exp((weighed - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    if off_policy == "truncate":
-        pg_tokens = pg_tokens * is_weight.clamp(max=behav_imp_weight_cap)
-    elif off_policy == "reject":
-        pg_tokens = pg_tokens * torch.where(is_weight <= behav_imp_weight_cap, is_weight, torch.zeros_like(is_weight))
+    if correction.weigh is not None:
+        pg_tokens = pg_tokens * correction.weigh(is_weight, behav_imp_weight_cap)
 
     loss_tokens = pg_tokens
     kl_value = 0.0
