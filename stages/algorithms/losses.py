@@ -154,6 +154,41 @@ def _pick(registry: dict[str, Any], name: str, field: str) -> Any:
     return registry[name]
 
 
+def _check_policy_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                         ref_logprobs: Tensor | None, kl_coef: float, clip_ratio_c: float | None) -> None:
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
+            f"and mask {tuple(mask.shape)} must share the shape [S, C]"
+        )
+    if advantages.shape not in (logprobs.shape, logprobs.shape[:1]):
+        raise ValueError(
+            f"advantages: expected shape {tuple(logprobs.shape)} or [{logprobs.shape[0]}], "
+            f"got {tuple(advantages.shape)}"
+        )
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference stage's output)")
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c: expected > 1 (or None), got {clip_ratio_c}")
+
+
+def clip_surrogate(adv: Tensor, ratio: Tensor, low: float, high: float,
+                   clip_ratio_c: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's clipped surrogate per token, ``-min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)``,
+    bounded by ``-A * clip_ratio_c`` where ``A < 0`` (dual clip; None: off). Returns
+    (per-token loss, clipped branch taken, dual clip binds), all [S, C]."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
+    pg_tokens = torch.maximum(unclipped, clipped)  # = -min(ratio*A, clip(ratio)*A)
+    took_clip = clipped > unclipped
+    dual_binds = torch.zeros_like(took_clip)
+    if clip_ratio_c is not None:
+        dual = -adv * clip_ratio_c
+        dual_binds = (adv < 0) & (pg_tokens > dual)
+        pg_tokens = torch.where(dual_binds, dual, pg_tokens)
+    return pg_tokens, took_clip, dual_binds
+
+
 def compute_policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -215,20 +250,7 @@ def compute_policy_loss(
     sampler log-prob are not such tokens) with ``logp_mismatch_tokens``, their count:
     both absent when there is none (a 0 would read as a perfect match).
     """
-    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
-            f"and mask {tuple(mask.shape)} must share the shape [S, C]"
-        )
-    if advantages.shape not in (logprobs.shape, logprobs.shape[:1]):
-        raise ValueError(
-            f"advantages: expected shape {tuple(logprobs.shape)} or [{logprobs.shape[0]}], "
-            f"got {tuple(advantages.shape)}"
-        )
-    if kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference stage's output)")
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c: expected > 1 (or None), got {clip_ratio_c}")
+    _check_policy_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, kl_coef, clip_ratio_c)
     correction = _pick(OFF_POLICY_CORRECTIONS, off_policy, "off_policy")
     to_ratio_level = _pick(RATIO_LEVELS, ratio_level, "ratio_level")
 
@@ -249,15 +271,7 @@ def compute_policy_loss(
         anchor = zero_where_invalid(prox_logprobs.to(logp.dtype), valid).detach()
     log_ratio = to_ratio_level(logp, logp - anchor, m)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    pg_tokens = torch.maximum(unclipped, clipped)  # = -min(ratio*A, clip(ratio)*A)
-    took_clip = clipped > unclipped
-    dual_binds = torch.zeros_like(valid)
-    if clip_ratio_c is not None:
-        dual = -adv * clip_ratio_c
-        dual_binds = (adv < 0) & (pg_tokens > dual)
-        pg_tokens = torch.where(dual_binds, dual, pg_tokens)
+    pg_tokens, took_clip, dual_binds = clip_surrogate(adv, ratio, clip_eps_low, clip_eps_high, clip_ratio_c)
 
     with torch.no_grad():
         weighed = anchor if correction.decoupled else logp.detach()
