@@ -444,9 +444,10 @@ class KLControlConfig(msgspec.Struct, **_section()):
     horizon: PosInt = 10000
 
 
-class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
-    """The loss every algorithm shares (``stages/algorithms/losses.py``); the subclasses
-    below add their estimator's own fields and are told apart by ``algorithm.name``.
+class AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
+    """The loss every algorithm shares (``stages/algorithms/losses.py``); each algorithm
+    subclasses it in its own file under ``stages/algorithms/`` with its estimator's fields
+    (``register_algorithm_config``) and is told apart by ``algorithm.name``.
 
     - ``clip_ratio_c``: dual-clip bound for tokens with a negative advantage (> 1;
       null: off). ``kl_estimator`` k3 is clamped to +-10 per token.
@@ -505,66 +506,49 @@ class _AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
     def name(self) -> str:
         return str(self.__struct_config__.tag)
 
-
-class GrpoConfig(_AlgorithmFields, tag="grpo"):
-    """GRPO: ``(r - group mean) / group std``; ``norm_adv_by_std: false`` is Dr. GRPO."""
-
-    norm_adv_by_std: bool = True
+    def check(self, cfg: ConveyorConfig) -> None:
+        """The algorithm's own cross-section rules (``ConfigError`` naming the field); none here."""
 
 
-class RlooConfig(_AlgorithmFields, tag="rloo"):
-    """RLOO: ``r - mean of the other samples of the group``."""
+# algorithm.name -> its config struct. Filled by ``register_algorithm_config`` when the
+# algorithm modules are imported; ``algorithm_configs`` imports them (through
+# ``pipeline.plugins``' ``get_algorithm``, so importing this module loads none of them).
+_ALGORITHM_CONFIGS: dict[str, type[AlgorithmFields]] = {}
+DEFAULT_ALGORITHM = "grpo"
 
 
-class ReinforcePlusPlusConfig(_AlgorithmFields, tag="reinforce_plus_plus"):
-    """REINFORCE++: outcome return discounted by ``gamma`` per token, whitened over the
-    micro-batch's tokens; no group baseline (``rollout.n`` may be 1)."""
-
-    gamma: Annotated[float, Meta(ge=0, le=1)] = 1.0
-    group_baseline: ClassVar[bool] = False
-
-
-class ReinforcePlusPlusBaselineConfig(_AlgorithmFields, tag="reinforce_plus_plus_baseline"):
-    """REINFORCE++ with a group baseline: ``r - group mean``, whitened over the tokens."""
-
-
-class PpoConfig(_AlgorithmFields, tag="ppo"):
-    """PPO with a critic: GAE over each sample's tokens (``stages/algorithms/advantages.py``),
-    the outcome score on the last token and, with ``use_kl_in_reward``, the KL penalty on
-    every token. ``gamma``/``lam``: GAE's discount and lambda. ``adv_whiten``:
-    ``whiten`` (mean 0, std 1 over the micro-batch's tokens), ``scale`` (std 1, mean
-    kept) or ``none``. Needs the ``critic`` stage (its values, [S, C]); no group
-    baseline (``rollout.n`` may be 1)."""
-
-    gamma: Annotated[float, Meta(ge=0, le=1)] = 1.0
-    lam: Annotated[float, Meta(ge=0, le=1)] = 0.95
-    adv_whiten: Literal["whiten", "scale", "none"] = "whiten"
-    group_baseline: ClassVar[bool] = False
-    needs_critic: ClassVar[bool] = True
+def register_algorithm_config(cls: type[AlgorithmFields]) -> type[AlgorithmFields]:
+    """Make ``cls`` (a tagged ``AlgorithmFields`` subclass) decodable as ``algorithm.name: <tag>``."""
+    tag = cls.__struct_config__.tag
+    if not isinstance(tag, str) or not issubclass(cls, AlgorithmFields):
+        raise TypeError(f"{cls.__name__}: expected an AlgorithmFields subclass with tag='<algorithm.name>'")
+    known = _ALGORITHM_CONFIGS.get(tag)
+    if known is not None and known.__qualname__ != cls.__qualname__:
+        raise ValueError(f"algorithm.name {tag!r}: registered twice ({known.__module__} and {cls.__module__})")
+    _ALGORITHM_CONFIGS[tag] = cls
+    return cls
 
 
-class DpoConfig(_AlgorithmFields, tag="dpo"):
-    """DPO (Rafailov et al. 2023) on preference pairs from ``data.pairs``, offline: the
-    loss is ``-(1 - label_smoothing) * logsigmoid(beta * m) - label_smoothing *
-    logsigmoid(-beta * m)`` per pair, with ``m`` the chosen-minus-rejected log-ratio of
-    the policy to the reference (``stages/algorithms/losses.py``); the mean over pairs
-    (``loss_agg: seq-mean-token-mean``). A pair is two samples (``rollout.n: 2``). The
-    loss has no KL term (``beta`` bounds the move from the reference): ``kl_coef`` must
-    stay 0 (``check_pairs`` refuses more)."""
+def algorithm_configs() -> dict[str, type[AlgorithmFields]]:
+    """Every registered algorithm config by name, the built-in algorithm modules imported first."""
+    from pipeline.plugins import load_builtin
 
-    beta: PosFloat = 0.1
-    label_smoothing: Annotated[float, Meta(ge=0, lt=0.5)] = 0.0
-    kl_coef: NonNegFloat = 0.0
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                      "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    group_baseline: ClassVar[bool] = False
-    offline: ClassVar[bool] = True
+    load_builtin("get_algorithm")  # imports every algorithm module
+    return dict(_ALGORITHM_CONFIGS)
 
 
-# One entry per ``stages/algorithms/registry.py`` entry (a unit test keeps them equal).
-AlgorithmConfig = (GrpoConfig | RlooConfig | ReinforcePlusPlusConfig | ReinforcePlusPlusBaselineConfig | PpoConfig
-                   | DpoConfig)
-ALGORITHM_NAMES = tuple(t.__struct_config__.tag for t in typing.get_args(AlgorithmConfig))
+def default_algorithm() -> AlgorithmFields:
+    return algorithm_configs()[DEFAULT_ALGORITHM]()
+
+
+def __getattr__(name: str) -> Any:
+    # Built lazily, on first use, from the registered algorithms: ``AlgorithmConfig`` is
+    # their union (a tagged union msgspec decodes), ``ALGORITHM_NAMES`` their names.
+    if name == "AlgorithmConfig":
+        return typing.Union[tuple(algorithm_configs().values())]  # noqa: UP007
+    if name == "ALGORITHM_NAMES":
+        return tuple(algorithm_configs())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class NodeSpec(msgspec.Struct, **_section()):
@@ -658,7 +642,7 @@ class ConveyorConfig(msgspec.Struct, **_section()):
     reference: ReferenceConfig = ReferenceConfig()
     train: TrainConfig = TrainConfig()
     critic: CriticConfig = CriticConfig()
-    algorithm: AlgorithmConfig = GrpoConfig()
+    algorithm: AlgorithmFields = msgspec.field(default_factory=default_algorithm)
     dataflow: DataflowConfig = DataflowConfig()
     placement: PlacementConfig = PlacementConfig()
     run: RunConfig = RunConfig()
@@ -799,11 +783,13 @@ def decode_config(raw: dict[str, Any]) -> ConveyorConfig:
     """Decode and cross-check a raw mapping; raise ``ConfigError`` with the dotted path."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
-    raw = _expand_placement(raw)
-    raw = _read_switch_words(_tag_algorithm(raw))
+    raw = _read_switch_words(_expand_placement(raw))
+    rest = {k: v for k, v in raw.items() if k != "algorithm"}
     try:
         # strict=False: YAML 1.1 reads ``3e-4`` as a string; numbers in strings convert.
-        cfg = msgspec.convert(raw, ConveyorConfig, strict=False)
+        cfg = msgspec.convert(rest, ConveyorConfig, strict=False)
+        if "algorithm" in raw:
+            cfg = msgspec.structs.replace(cfg, algorithm=decode_algorithm(raw["algorithm"]))
     except msgspec.ValidationError as exc:
         raise ConfigError(_render_error(exc, raw)) from None
     cfg = _normalise(cfg)
@@ -811,17 +797,18 @@ def decode_config(raw: dict[str, Any]) -> ConveyorConfig:
     return cfg
 
 
-def _tag_algorithm(raw: dict[str, Any]) -> dict[str, Any]:
-    """``algorithm`` without a ``name`` is GRPO; an unknown name is refused with the choices."""
-    algo = raw.get("algorithm")
-    if algo is None:
-        return raw
+def decode_algorithm(algo: Any) -> AlgorithmFields:
+    """The ``algorithm`` section as its registered struct: without a ``name`` it is GRPO;
+    an unknown name is refused with the choices. Raises ``msgspec.ValidationError`` with
+    paths under ``$.algorithm``."""
     if not isinstance(algo, dict):
         raise ConfigError(f"algorithm: expected a mapping, got {algo!r}")
-    name = algo.get("name", "grpo")
-    if name not in ALGORITHM_NAMES:
-        raise ConfigError(f"algorithm.name: expected one of {list(ALGORITHM_NAMES)}, got {name!r}")
-    return {**raw, "algorithm": {**algo, "name": name}}
+    configs = algorithm_configs()
+    name = algo.get("name", DEFAULT_ALGORITHM)
+    if name not in configs:
+        raise ConfigError(f"algorithm.name: expected one of {list(configs)}, got {name!r}")
+    section = msgspec.defstruct("AlgorithmSection", [("algorithm", configs[name])], forbid_unknown_fields=True)
+    return msgspec.convert({"algorithm": {**algo, "name": name}}, section, strict=False).algorithm
 
 
 # Fields whose words YAML 1.1 reads as booleans when bare (`off`, `on`): the word back.
@@ -969,6 +956,7 @@ def check_config(cfg: ConveyorConfig) -> None:
     check_reward_sources(cfg)
     check_curriculum(cfg.data)
     check_pairs(cfg)
+    cfg.algorithm.check(cfg)  # the algorithm's own rules, in its module
     if cfg.reward.path is not None and cfg.reward.function != "task":
         raise ConfigError(
             f"reward.path: set either reward.function ({cfg.reward.function!r}) or reward.path with "
@@ -1052,30 +1040,11 @@ def check_curriculum(data: DataConfig) -> None:
 
 
 def check_pairs(cfg: ConveyorConfig) -> None:
-    """DPO and ``data.pairs`` go together: pairs over a data file, two samples a pair, the
-    reference on, the pair mean as the loss."""
+    """An offline algorithm (``dpo``) and ``data.pairs`` go together; its own rules are its ``check``."""
     algo, data = cfg.algorithm, cfg.data
     if algo.offline != (data.pairs is not None):
         raise ConfigError(f"data.pairs: expected a pairs section exactly with algorithm.name dpo "
                           f"(algorithm.name is {algo.name!r}, data.pairs is {'set' if data.pairs else 'unset'})")
-    if not algo.offline:
-        return
-    if not data.path:
-        raise ConfigError("data.pairs: expected data.path (rows with prompt, chosen and rejected), got a task")
-    if data.curriculum is not None:
-        raise ConfigError("data.curriculum: not available with data.pairs (a curriculum follows rewards)")
-    if cfg.rollout.n != 2:
-        raise ConfigError(f"rollout.n: expected 2 with algorithm.name dpo (a pair is two samples), got {cfg.rollout.n}")
-    if cfg.reference.enabled == "off":
-        raise ConfigError("reference.enabled: dpo needs the reference log-probs, got 'off'")
-    if algo.loss_agg != "seq-mean-token-mean":
-        raise ConfigError(f"algorithm.loss_agg: dpo's loss is a mean over pairs; expected 'seq-mean-token-mean', "
-                          f"got {algo.loss_agg!r}")
-    if algo.kl_coef > 0:  # compute_dpo_loss has no KL term: a coefficient would be silently ignored
-        raise ConfigError(f"algorithm.kl_coef: dpo's loss has no KL term (algorithm.beta sets how far the policy "
-                          f"may move from the reference); expected 0, got {algo.kl_coef:g}")
-    if cfg.reward.sources:
-        raise ConfigError("reward.sources: dpo trains on preference pairs, not on rewards; remove reward.sources")
 
 
 def check_reward_sources(cfg: ConveyorConfig) -> None:

@@ -125,8 +125,9 @@ def render() -> str:
     """The whole reference, sections in the order of ``ConveyorConfig``'s fields."""
     out = [HEADER]
     hints = typing.get_type_hints(ConveyorConfig, include_extras=True)
+    shared = config_module.AlgorithmFields
+    hints["algorithm"] = typing.Union[tuple(config_module.algorithm_configs().values())]  # noqa: UP007
     todo = [pair for f in msgspec.structs.fields(ConveyorConfig) for pair in _struct_types(f.name, hints[f.name])]
-    shared = config_module._AlgorithmFields
     shared_names = frozenset(f.name for f in msgspec.structs.fields(shared))
     seen: dict[type, str] = {}
     while todo:

@@ -42,6 +42,8 @@ BUILTINS: dict[str, str] = {
     "check_engine_kwargs": "stages.rollout.vllm_backend:check_engine_kwargs",
     "train_recorded_step": "stages.trainer.stage:train_recorded_step",  # replay: the trainer's own rules
     "bench": "bench.__main__:main",  # conveyor bench NAME
+    # Importing it imports every module of stages/algorithms: each registers its config.
+    "get_algorithm": "stages.algorithms.registry:get_algorithm",
 }
 
 

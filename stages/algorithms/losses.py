@@ -1,5 +1,5 @@
 """Losses as pure torch functions: KL estimators, aggregation, the clipped policy loss,
-the critic's clipped value loss.
+the critic's clipped value loss (an algorithm's own loss lives in its module, as ``dpo``'s).
 
 Guarantees:
 - No state, no I/O, no device placement: every function maps tensors to tensors (and
@@ -13,10 +13,14 @@ Guarantees:
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from stages.algorithms.aggregation import get_loss_aggregation
 
 KLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+"]
 RatioLevel = Literal["token", "sequence"]
@@ -59,7 +63,8 @@ def compute_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
 
 
 def aggregate_loss(values: Tensor, mask: Tensor, mode: LossAgg, norm_tokens: int | None = None) -> Tensor:
-    """Reduce per-token values [S, C] to a scalar over the positions where ``mask`` is set.
+    """Reduce per-token values [S, C] to a scalar over the positions where ``mask`` is set,
+    by the mode's class (``stages/algorithms/aggregation.py``):
 
     - ``token-mean``: sum over all valid tokens / number of valid tokens (every token
       weighs the same; long answers weigh more).
@@ -75,25 +80,113 @@ def aggregate_loss(values: Tensor, mask: Tensor, mode: LossAgg, norm_tokens: int
     """
     m = _as_float_mask(mask, values)
     v = torch.where(m > 0, values, torch.zeros_like(values))
-    if mode == "token-mean":
-        return (v * m).sum() / m.sum().clamp(min=1.0)
-    if mode == "seq-mean-token-sum-norm":
-        if norm_tokens is None or norm_tokens < 1:
-            raise ValueError(f"loss_agg seq-mean-token-sum-norm: norm_tokens must be >= 1, got {norm_tokens}")
-        return (v * m).sum() / float(max(values.shape[0], 1) * norm_tokens)
-    seq_tokens = m.sum(dim=1)
-    seq_sum = (v * m).sum(dim=1)
-    if mode == "seq-mean-token-mean":
-        per_seq = seq_sum / seq_tokens.clamp(min=1.0)
-    elif mode == "seq-mean-token-sum":
-        per_seq = seq_sum
-    else:
+    return get_loss_aggregation(mode).reduce(v, m, norm_tokens)
+
+
+RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {}
+OFF_POLICY_CORRECTIONS: dict[str, OffPolicyCorrection] = {}
+
+
+def register_ratio_level(name: str) -> Callable[[Any], Any]:
+    """A ``ratio_level``: ``(logp, log_ratio, mask) -> the log-ratio each token is clipped by``
+    (all [S, C]; ``log_ratio = logp - anchor``)."""
+
+    def wrap(fn: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        RATIO_LEVELS[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_ratio_level("token")
+def token_log_ratio(logp: Tensor, log_ratio: Tensor, m: Tensor) -> Tensor:
+    """PPO / GRPO: one ratio per token."""
+    return log_ratio
+
+
+@register_ratio_level("sequence")
+def sequence_log_ratio(logp: Tensor, log_ratio: Tensor, m: Tensor) -> Tensor:
+    """GSPO (arXiv 2507.18071): every token of a sample carries the mean of its valid
+    tokens' log-ratios, with the token's own gradient (straight-through, GSPO-token)."""
+    seq_log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return logp - logp.detach() + seq_log_ratio.detach()
+
+
+@dataclass(frozen=True)
+class OffPolicyCorrection:
+    """An ``off_policy`` mode. ``decoupled``: the ratio is anchored on the proximal policy
+    (``prox_logprobs``, else the current weights detached), not on the sampler's log-probs;
+    ``weigh``: ``(importance weight anchor / behaviour, cap) -> each token's factor``, or None."""
+
+    decoupled: bool
+    weigh: Callable[[Tensor, float], Tensor] | None = None
+
+
+def register_off_policy(name: str, decoupled: bool = True) -> Callable[[Any], Any]:
+    """Decorator of an importance-weight rule: registers the ``off_policy`` mode ``name``."""
+
+    def wrap(weigh: Callable[[Tensor, float], Tensor]) -> Callable[[Tensor, float], Tensor]:
+        OFF_POLICY_CORRECTIONS[name] = OffPolicyCorrection(decoupled, weigh)
+        return weigh
+
+    return wrap
+
+
+OFF_POLICY_CORRECTIONS["off"] = OffPolicyCorrection(decoupled=False)  # PPO against the sampler
+
+
+@register_off_policy("truncate")
+def truncate_weight(is_weight: Tensor, cap: float) -> Tensor:
+    """Truncated importance sampling: ``min(iw, cap)``."""
+    return is_weight.clamp(max=cap)
+
+
+@register_off_policy("reject")
+def reject_weight(is_weight: Tensor, cap: float) -> Tensor:
+    """``iw`` where ``iw <= cap``, 0 elsewhere (the token still counts in the normaliser)."""
+    return torch.where(is_weight <= cap, is_weight, torch.zeros_like(is_weight))
+
+
+def _pick(registry: dict[str, Any], name: str, field: str) -> Any:
+    if name not in registry:
+        names = [repr(k) for k in registry]
+        raise ValueError(f"{field}: expected {', '.join(names[:-1])} or {names[-1]}, got {name!r}")
+    return registry[name]
+
+
+def _check_policy_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                         ref_logprobs: Tensor | None, kl_coef: float, clip_ratio_c: float | None) -> None:
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(
-            f"loss_agg: expected 'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or "
-            f"'seq-mean-token-sum-norm', got {mode!r}"
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
+            f"and mask {tuple(mask.shape)} must share the shape [S, C]"
         )
-    has_tokens = (seq_tokens > 0).float()
-    return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+    if advantages.shape not in (logprobs.shape, logprobs.shape[:1]):
+        raise ValueError(
+            f"advantages: expected shape {tuple(logprobs.shape)} or [{logprobs.shape[0]}], "
+            f"got {tuple(advantages.shape)}"
+        )
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference stage's output)")
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c: expected > 1 (or None), got {clip_ratio_c}")
+
+
+def clip_surrogate(adv: Tensor, ratio: Tensor, low: float, high: float,
+                   clip_ratio_c: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's clipped surrogate per token, ``-min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)``,
+    bounded by ``-A * clip_ratio_c`` where ``A < 0`` (dual clip; None: off). Returns
+    (per-token loss, clipped branch taken, dual clip binds), all [S, C]."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
+    pg_tokens = torch.maximum(unclipped, clipped)  # = -min(ratio*A, clip(ratio)*A)
+    took_clip = clipped > unclipped
+    dual_binds = torch.zeros_like(took_clip)
+    if clip_ratio_c is not None:
+        dual = -adv * clip_ratio_c
+        dual_binds = (adv < 0) & (pg_tokens > dual)
+        pg_tokens = torch.where(dual_binds, dual, pg_tokens)
+    return pg_tokens, took_clip, dual_binds
 
 
 def compute_policy_loss(
@@ -126,7 +219,7 @@ def compute_policy_loss(
         pg = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)
         pg = min(pg, -A * clip_ratio_c)   where A < 0  (dual-clip; None: off)
         loss = w * pg + kl_coef * kl
-    ``off_policy``:
+    ``off_policy`` (``OFF_POLICY_CORRECTIONS``, registered rules):
     - ``off``: anchor = behaviour log-probs, ``w = 1`` (PPO against the sampler).
     - ``truncate`` / ``reject`` (AReaL's decoupled objective): the anchor is the proximal
       policy ``prox_logprobs`` [S, C] (detached), the weights that first scored the
@@ -137,7 +230,7 @@ def compute_policy_loss(
       importance weight ``iw = prox / behaviour`` (detached): ``truncate`` uses
       ``w = min(iw, cap)`` (TIS), ``reject`` uses ``w = iw`` where ``iw <= cap`` and 0
       elsewhere (the token still counts in the normaliser).
-    ``ratio_level``: ``token`` (PPO / GRPO: one ratio per token) or ``sequence`` (GSPO,
+    ``ratio_level`` (``RATIO_LEVELS``, registered functions): ``token`` (PPO / GRPO: one ratio per token) or ``sequence`` (GSPO,
     arXiv 2507.18071): every token of sample i carries the sequence ratio
     ``s_i = exp(mean over its valid tokens of (logp - anchor))``, the geometric mean of
     its token ratios, so clipping (and dual-clip) decides per sequence; its gradient is
@@ -157,67 +250,39 @@ def compute_policy_loss(
     sampler log-prob are not such tokens) with ``logp_mismatch_tokens``, their count:
     both absent when there is none (a 0 would read as a perfect match).
     """
-    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
-            f"and mask {tuple(mask.shape)} must share the shape [S, C]"
-        )
-    if advantages.shape not in (logprobs.shape, logprobs.shape[:1]):
-        raise ValueError(
-            f"advantages: expected shape {tuple(logprobs.shape)} or [{logprobs.shape[0]}], "
-            f"got {tuple(advantages.shape)}"
-        )
-    if kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference stage's output)")
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c: expected > 1 (or None), got {clip_ratio_c}")
-    if off_policy not in ("off", "truncate", "reject"):
-        raise ValueError(f"off_policy: expected 'off', 'truncate' or 'reject', got {off_policy!r}")
-    if ratio_level not in ("token", "sequence"):
-        raise ValueError(f"ratio_level: expected 'token' or 'sequence', got {ratio_level!r}")
+    _check_policy_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, kl_coef, clip_ratio_c)
+    correction = _pick(OFF_POLICY_CORRECTIONS, off_policy, "off_policy")
+    to_ratio_level = _pick(RATIO_LEVELS, ratio_level, "ratio_level")
 
     m = _as_float_mask(mask, logprobs)
     valid = m > 0
-    logp = _zero_where_invalid(logprobs, valid)
-    behaviour = _zero_where_invalid(old_logprobs, valid)
+    logp = zero_where_invalid(logprobs, valid)
+    behaviour = zero_where_invalid(old_logprobs, valid)
     # NaN: the sampler did not report the token's log-prob (rollout.logprobs: false,
     # allowed only on-policy): the weights being trained sampled it, so their own
     # log-prob, detached, is the behaviour policy's.
     unreported = torch.isnan(behaviour)
     behaviour = torch.where(unreported, logp.detach().to(behaviour.dtype), behaviour)  # no host sync on the train step
     adv = advantages.to(logp.dtype)
-    adv = _zero_where_invalid(adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, valid)
+    adv = zero_where_invalid(adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, valid)
 
-    anchor = behaviour if off_policy == "off" else logp.detach()
-    if off_policy != "off" and prox_logprobs is not None:
-        anchor = _zero_where_invalid(prox_logprobs.to(logp.dtype), valid).detach()
-    log_ratio = logp - anchor
-    if ratio_level == "sequence":
-        seq_log_ratio = (log_ratio * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
-        log_ratio = logp - logp.detach() + seq_log_ratio.detach()
+    anchor = behaviour if not correction.decoupled else logp.detach()
+    if correction.decoupled and prox_logprobs is not None:
+        anchor = zero_where_invalid(prox_logprobs.to(logp.dtype), valid).detach()
+    log_ratio = to_ratio_level(logp, logp - anchor, m)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    pg_tokens = torch.maximum(unclipped, clipped)  # = -min(ratio*A, clip(ratio)*A)
-    took_clip = clipped > unclipped
-    dual_binds = torch.zeros_like(valid)
-    if clip_ratio_c is not None:
-        dual = -adv * clip_ratio_c
-        dual_binds = (adv < 0) & (pg_tokens > dual)
-        pg_tokens = torch.where(dual_binds, dual, pg_tokens)
+    pg_tokens, took_clip, dual_binds = clip_surrogate(adv, ratio, clip_eps_low, clip_eps_high, clip_ratio_c)
 
     with torch.no_grad():
-        weighed = logp.detach() if off_policy == "off" else anchor
+        weighed = anchor if correction.decoupled else logp.detach()
         is_weight = torch.exp((weighed - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    if off_policy == "truncate":
-        pg_tokens = pg_tokens * is_weight.clamp(max=behav_imp_weight_cap)
-    elif off_policy == "reject":
-        pg_tokens = pg_tokens * torch.where(is_weight <= behav_imp_weight_cap, is_weight, torch.zeros_like(is_weight))
+    if correction.weigh is not None:
+        pg_tokens = pg_tokens * correction.weigh(is_weight, behav_imp_weight_cap)
 
     loss_tokens = pg_tokens
     kl_value = 0.0
     if ref_logprobs is not None:  # the kl metric is reported even when kl_coef is 0
-        ref = _zero_where_invalid(ref_logprobs, valid)
+        ref = zero_where_invalid(ref_logprobs, valid)
         kl_tokens = compute_kl(logp, ref, kl_estimator)
         kl_value = _masked_mean(kl_tokens.detach(), m)
         if kl_coef > 0:
@@ -260,9 +325,9 @@ def compute_value_loss(
     ``value_error`` (mean |V - R|)."""
     m = _as_float_mask(mask, values)
     valid = m > 0
-    v = _zero_where_invalid(values, valid)
-    old = _zero_where_invalid(old_values.to(values.dtype), valid)
-    ret = _zero_where_invalid(returns.to(values.dtype), valid)
+    v = zero_where_invalid(values, valid)
+    old = zero_where_invalid(old_values.to(values.dtype), valid)
+    ret = zero_where_invalid(returns.to(values.dtype), valid)
     err = (v - ret).square()
     if clip_eps is None:
         per_token, clipped = err, torch.zeros_like(err)
@@ -277,51 +342,6 @@ def compute_value_loss(
         "value_mean": _masked_mean(v.detach(), m),
         "return_mean": _masked_mean(ret, m),
         "value_error": _masked_mean((v.detach() - ret).abs(), m),
-    }
-
-
-def compute_dpo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    ref_logprobs: Tensor | None = None,
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
-    **_: object,
-) -> tuple[Tensor, dict[str, float]]:
-    """DPO's loss over preference pairs (Rafailov et al. 2023; conservative DPO with
-    ``label_smoothing``), the mean over pairs.
-
-    Rows come in pairs: row ``2i`` is pair i's chosen response, row ``2i + 1`` its
-    rejected one. ``logprobs`` (carries the gradient), ``ref_logprobs``, ``mask`` [S, C];
-    ``old_logprobs`` and ``advantages`` are unused (no sampler, no advantage). With the
-    summed log-prob of each response, policy ``l`` and reference ``r``, the implicit
-    rewards are ``beta * (l - r)`` and per pair ``m = beta * ((l_c - r_c) - (l_r - r_r))``:
-    ``loss = -(1 - ls) * logsigmoid(m) - ls * logsigmoid(-m)``.
-    Metrics: ``preference_accuracy`` (pairs whose chosen reward is strictly above the
-    rejected one; 0 while the policy equals the reference), ``reward_margin``,
-    ``chosen_reward``, ``rejected_reward`` (means over pairs).
-    """
-    if ref_logprobs is None:
-        raise ValueError("dpo: needs reference log-probs (is the reference stage wired?)")
-    if logprobs.shape[0] % 2:
-        raise ValueError(f"dpo: expected rows in (chosen, rejected) pairs, got {logprobs.shape[0]} rows")
-    valid = mask > 0
-    seq = _zero_where_invalid(logprobs, valid).sum(dim=1)
-    ref_seq = _zero_where_invalid(ref_logprobs.to(seq.dtype), valid).sum(dim=1)
-    rewards = beta * (seq - ref_seq)
-    chosen, rejected = rewards[0::2], rewards[1::2]
-    margin = chosen - rejected
-    loss = (-(1.0 - label_smoothing) * torch.nn.functional.logsigmoid(margin)
-            - label_smoothing * torch.nn.functional.logsigmoid(-margin)).mean()
-    m = margin.detach()
-    return loss, {
-        "preference_accuracy": float((m > 0).float().mean()),
-        "reward_margin": float(m.mean()),
-        "chosen_reward": float(chosen.detach().mean()),
-        "rejected_reward": float(rejected.detach().mean()),
     }
 
 
@@ -362,7 +382,7 @@ def _as_float_mask(mask: Tensor, like: Tensor) -> Tensor:
     return mask.to(dtype=like.dtype if like.is_floating_point() else torch.float32)
 
 
-def _zero_where_invalid(x: Tensor, valid: Tensor) -> Tensor:
+def zero_where_invalid(x: Tensor, valid: Tensor) -> Tensor:
     # where (not multiplication): inf * 0 is NaN, and where's backward sends exactly 0
     # to the positions it did not select.
     return torch.where(valid, x, torch.zeros_like(x))

@@ -1,8 +1,12 @@
-"""The algorithm registry: one explicit entry per ``algorithm.name``.
+"""The algorithm registry: one entry per ``algorithm.name``, made by ``register_algorithm``.
 
 Guarantees:
-- ``ALGORITHMS`` is a plain dict (no import-side-effect registration); its keys are
-  exactly ``pipeline.config.ALGORITHM_NAMES`` (a unit test keeps them equal).
+- An algorithm is one module of this package: its config struct (an
+  ``AlgorithmFields`` subclass, tag = its name, its flags as class variables) and its
+  estimator, decorated with ``@register_algorithm(TheConfig, ...)``, which registers both
+  the config (``pipeline.config.register_algorithm_config``) and the entry here, so
+  ``ALGORITHMS``' keys are exactly ``pipeline.config.ALGORITHM_NAMES``. The package
+  imports every module in it (``stages/algorithms/__init__.py``).
 - An entry states what it needs (a group of samples per prompt, reference log-probs,
   values from a critic), assigns advantages with a pure function of one micro-batch and
   the algorithm config, and supplies its loss. Nothing here holds state or touches a
@@ -30,18 +34,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipeline.config import AlgorithmFields, register_algorithm_config
 from pipeline.types import RolloutBatch
-from stages.algorithms.advantages import (
-    compute_gae_advantages,
-    compute_grpo_advantages,
-    compute_reinforce_pp_advantages,
-    compute_reinforce_pp_baseline_advantages,
-    compute_rloo_advantages,
-    compute_token_rewards,
-    compute_whiten_stats,
-    whiten_masked,
-)
-from stages.algorithms.losses import compute_dpo_loss, compute_kl, compute_policy_loss
+from stages.algorithms.advantages import compute_whiten_stats, whiten_masked
+from stages.algorithms.losses import compute_kl, compute_policy_loss
 
 # (rewards [S], loss mask [S, C] bool, group_size, algorithm config, per-token reward
 # penalty [S, C] or None) -> advantages [S, C]
@@ -51,89 +47,72 @@ Estimator = Callable[[Tensor, Tensor, int, Any, Tensor | None], Tensor]
 ValueEstimator = Callable[[Tensor, Tensor, Tensor, Any, Tensor | None], tuple[Tensor, Tensor]]
 
 
+# The config fields ``compute_policy_loss`` reads (``build_policy_loss`` binds them).
+POLICY_LOSS_OPTIONS = ("clip_eps_low", "clip_eps_high", "clip_ratio_c", "loss_agg", "loss_norm_tokens",
+                       "kl_estimator", "off_policy", "behav_imp_weight_cap", "ratio_level")
+
+
 @dataclass(frozen=True)
 class Algorithm:
-    """One registry entry. ``needs_group``: advantages compare the samples of a prompt
-    (``rollout.n >= 2``); ``needs_reference``: reference log-probs beyond the KL term
-    (``dpo``'s loss reads them; the others only for ``kl_coef > 0``). An entry estimates either
-    from rewards alone (``estimate``) or from rewards and a critic's per-token values
-    (``estimate_with_values``, which also gives the critic's returns); ``needs_values``
-    says which."""
+    """One registry entry. Its needs are its config's class variables, declared once there:
+    ``needs_group`` (``group_baseline``: advantages compare the samples of a prompt,
+    ``rollout.n >= 2``), ``needs_values`` (``needs_critic``: ``estimate`` takes the critic's
+    per-token values and also gives its returns, a ``ValueEstimator``), ``needs_reference``
+    (``offline``: the loss reads reference log-probs beyond the KL term, as ``dpo``'s)."""
 
     name: str
-    estimate: Estimator | None
-    needs_group: bool
-    needs_reference: bool = False
-    estimate_with_values: ValueEstimator | None = None
+    config: type[AlgorithmFields]
+    estimate: Estimator | ValueEstimator
     loss: Callable[..., tuple[Tensor, dict[str, float]]] = compute_policy_loss
     # The config fields bound into ``loss`` (``build_policy_loss``).
-    loss_options: tuple[str, ...] = ("clip_eps_low", "clip_eps_high", "clip_ratio_c", "loss_agg", "loss_norm_tokens",
-                                     "kl_estimator", "off_policy", "behav_imp_weight_cap", "ratio_level")
+    loss_options: tuple[str, ...] = POLICY_LOSS_OPTIONS
     # The estimate is whitened over the valid tokens of the whole step (REINFORCE++, as
     # verl whitens over its train batch): ``estimate`` returns it unwhitened and
     # ``assign_step_advantages`` whitens with the statistics of every micro-batch of the step.
     whitens_step: bool = False
 
     @property
+    def needs_group(self) -> bool:
+        return self.config.group_baseline
+
+    @property
     def needs_values(self) -> bool:
-        return self.estimate_with_values is not None
+        return self.config.needs_critic
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.config.offline
 
 
-def _per_sample(adv: Tensor, mask: Tensor) -> Tensor:
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register_algorithm(config: type[AlgorithmFields], *, loss: Callable[..., tuple[Tensor, dict[str, float]]]
+                       = compute_policy_loss, loss_options: tuple[str, ...] = POLICY_LOSS_OPTIONS,
+                       whitens_step: bool = False) -> Callable[[Any], Any]:
+    """Decorator of an estimator: registers ``config`` (decodable as ``algorithm.name:
+    <its tag>``) and the entry ``Algorithm(tag, config, estimator, loss, ...)``."""
+
+    def wrap(estimate: Any) -> Any:
+        register_algorithm_config(config)
+        name = str(config.__struct_config__.tag)
+        ALGORITHMS[name] = Algorithm(name, config, estimate, loss, loss_options, whitens_step)
+        return estimate
+
+    return wrap
+
+
+def per_sample(adv: Tensor, mask: Tensor) -> Tensor:
+    """Advantages [S] broadcast to each sample's valid tokens: [S, C], 0 outside ``mask``."""
     return torch.where(mask, adv.unsqueeze(1).expand(mask.shape), torch.zeros(mask.shape))
 
 
-def _outcome(rewards: Tensor, mask: Tensor, penalty: Tensor | None) -> Tensor:
-    # An outcome estimator sees one number per sample: the score minus the sample's
-    # summed per-token penalty (verl sums token-level rewards the same way).
+def outcome_scores(rewards: Tensor, mask: Tensor, penalty: Tensor | None) -> Tensor:
+    """One number per sample for an outcome estimator: the score minus the sample's summed
+    per-token penalty (verl sums token-level rewards the same way)."""
     if penalty is None:
         return rewards
     return rewards - torch.where(mask, penalty, torch.zeros_like(penalty)).sum(dim=1)
-
-
-def _grpo(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, penalty: Tensor | None) -> Tensor:
-    scores = _outcome(rewards, mask, penalty)
-    return _per_sample(compute_grpo_advantages(scores, group_size, norm_by_std=cfg.norm_adv_by_std), mask)
-
-
-def _rloo(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, penalty: Tensor | None) -> Tensor:
-    return _per_sample(compute_rloo_advantages(_outcome(rewards, mask, penalty), group_size), mask)
-
-
-def _reinforce_pp(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, penalty: Tensor | None) -> Tensor:
-    return compute_reinforce_pp_advantages(rewards, mask, gamma=cfg.gamma, token_penalty=penalty, whiten=False)
-
-
-def _reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any,
-                           penalty: Tensor | None) -> Tensor:
-    return compute_reinforce_pp_baseline_advantages(_outcome(rewards, mask, penalty), mask, group_size, whiten=False)
-
-
-def _gae(rewards: Tensor, values: Tensor, mask: Tensor, cfg: Any, penalty: Tensor | None) -> tuple[Tensor, Tensor]:
-    # Token-level rewards as PPO users expect: the score on the last token, the KL
-    # penalty on every token; returns (the critic's targets) are never whitened.
-    adv, returns = compute_gae_advantages(compute_token_rewards(rewards, mask, penalty), values, mask,
-                                          gamma=cfg.gamma, lam=cfg.lam)
-    if cfg.adv_whiten != "none":
-        adv = whiten_masked(adv, mask, shift_mean=cfg.adv_whiten == "whiten")
-    return adv, returns
-
-
-def _no_advantage(rewards: Tensor, mask: Tensor, group_size: int, cfg: Any, penalty: Tensor | None) -> Tensor:
-    return torch.zeros(mask.shape)
-
-
-ALGORITHMS: dict[str, Algorithm] = {
-    "grpo": Algorithm("grpo", _grpo, needs_group=True),
-    "rloo": Algorithm("rloo", _rloo, needs_group=True),
-    "reinforce_plus_plus": Algorithm("reinforce_plus_plus", _reinforce_pp, needs_group=False, whitens_step=True),
-    "reinforce_plus_plus_baseline": Algorithm("reinforce_plus_plus_baseline", _reinforce_pp_baseline,
-                                              needs_group=True, whitens_step=True),
-    "ppo": Algorithm("ppo", None, needs_group=False, estimate_with_values=_gae),
-    # Offline preference pairs: no advantage, the loss compares each pair's log-ratios.
-    "dpo": Algorithm("dpo", _no_advantage, needs_group=False, needs_reference=True, loss=compute_dpo_loss,
-                     loss_options=("beta", "label_smoothing")),
-}
 
 
 def get_algorithm(name: str) -> Algorithm:
@@ -201,7 +180,7 @@ def assign_step_advantages(batches: list[RolloutBatch], cfg: Any, kl_reward_coef
     outcome estimators, the sample's sum from its score. ``cfg.overlong_mask``: samples
     cut by the length limit leave the loss mask after advantages are computed (they
     still count in their group's baseline and the whitening, as in DAPO's overlong
-    filtering). An entry with ``estimate_with_values`` (``ppo``) reads ``batch.values``
+    filtering). An entry that ``needs_values`` (``ppo``) reads ``batch.values``
     and also sets ``returns`` [S, C] float32 (the critic's targets)."""
     algo = get_algorithm(cfg.name)
     estimated = [_estimate(b, algo, cfg, kl_reward_coef) for b in batches]
@@ -225,8 +204,7 @@ def _estimate(batch: RolloutBatch, algo: Algorithm, cfg: Any,
     rewards = torch.as_tensor(np.array(batch.rewards, dtype=np.float32))
     penalty = (kl_reward_coef * compute_kl_reward_penalty(batch, cfg, mask.numpy())
                if kl_reward_coef > 0 else None)
-    if algo.estimate_with_values is None:
-        assert algo.estimate is not None
+    if not algo.needs_values:
         return batch, algo.estimate(rewards, mask, batch.group_size, cfg, penalty), mask, None
     if batch.values is None:
         raise ValueError(f"batch {batch.batch_id}: algorithm {cfg.name!r} needs critic values [S, C] "
@@ -235,7 +213,7 @@ def _estimate(batch: RolloutBatch, algo: Algorithm, cfg: Any,
     if values.shape != mask.shape:
         raise ValueError(f"batch {batch.batch_id}: values: expected shape {tuple(mask.shape)} (samples, completion "
                          f"positions), got {tuple(values.shape)}")
-    adv, ret = algo.estimate_with_values(rewards, values, mask, cfg, penalty)
+    adv, ret = algo.estimate(rewards, values, mask, cfg, penalty)
     return batch, adv, mask, ret.numpy().astype(np.float32)
 
 

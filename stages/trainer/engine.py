@@ -65,12 +65,13 @@ import msgspec
 import numpy as np
 import torch
 
-from pipeline.config import AlgorithmConfig, TrainConfig
+from pipeline.config import AlgorithmFields, TrainConfig
 from pipeline.dtypes import resolve_dtype
 from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import build_policy_loss
+from stages.algorithms.aggregation import get_loss_aggregation
 from stages.models.checkpoint_names import checkpoint_state_dict, drop_tied_aliases, find_split_ties
 from stages.models.logprobs import accepts_logits_to_keep, build_model_inputs, find_chunkable_head, forward_completion_logprobs
 from stages.models.tiny import resolve_model_path
@@ -172,17 +173,13 @@ def compute_chunk_weights(completion_mask: torch.Tensor, bounds: list[tuple[int,
     other seq-mean-*: its share of sequences with at least one valid token (the sequences
     ``aggregate_loss`` averages over). A chunk with no such tokens or sequences weighs 0.
     """
-    if loss_agg == "token-mean":
-        counts = [float(completion_mask[a:b].sum()) for a, b in bounds]
-    elif loss_agg == "seq-mean-token-sum-norm":
-        counts = [float(b - a) for a, b in bounds]
-    else:
-        counts = [float((completion_mask[a:b].sum(dim=1) > 0).sum()) for a, b in bounds]
+    units = get_loss_aggregation(loss_agg).row_units(completion_mask)
+    counts = [float(units[a:b].sum()) for a, b in bounds]
     total = sum(counts)
     return [c / total if total > 0 else 0.0 for c in counts]
 
 
-def align_chunk_size(chunk_size: int, algo: AlgorithmConfig) -> int:
+def align_chunk_size(chunk_size: int, algo: AlgorithmFields) -> int:
     """Samples per forward/backward pass for ``algo``: ``chunk_size``, except that an
     offline algorithm's loss (``dpo``) compares rows in (chosen, rejected) pairs, so its
     chunks hold whole pairs: an odd size is rounded down to even (2 at least)."""
@@ -359,7 +356,7 @@ class TrainerEngine:
         self,
         model_path: Path,
         train: TrainConfig,
-        algo: AlgorithmConfig,
+        algo: AlgorithmFields,
         temperature: float,
         dtype: str,
         seed: int,

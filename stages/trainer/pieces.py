@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 
 from pipeline.types import RolloutBatch
+from stages.algorithms.aggregation import get_loss_aggregation
 
 
 def compute_piece_weight(piece: RolloutBatch, batch: RolloutBatch, loss_agg: str) -> float:
@@ -23,15 +24,7 @@ def compute_piece_weight(piece: RolloutBatch, batch: RolloutBatch, loss_agg: str
     loss is 0 anyway)."""
     if piece is batch:
         return 1.0
-    if loss_agg == "token-mean":
-        part, whole = piece.loss_tokens, batch.loss_tokens
-    elif loss_agg == "seq-mean-token-sum-norm":
-        part, whole = piece.num_samples, batch.num_samples
-    else:
-        part, whole = piece.loss_rows, batch.loss_rows
-    if whole == 0:
-        part, whole = piece.num_samples, batch.num_samples
-    return part / whole
+    return get_loss_aggregation(loss_agg).share(piece, batch)
 
 
 def merge_piece_metrics(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, float]:

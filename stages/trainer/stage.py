@@ -76,6 +76,7 @@ from pipeline.queue import fits_inline
 from pipeline.transport import TRANSPORT_ENV, select_transport
 from pipeline.types import RolloutBatch, StepRecord, WeightUpdate
 from pipeline.versions import compute_staleness
+from stages.algorithms.aggregation import get_loss_aggregation
 from stages.trainer.checkpoint import TrainerCheckpoints
 from stages.trainer.metrics import (
     summarise_batch_rewards,
@@ -98,11 +99,7 @@ def count_loss_units(batch: RolloutBatch, loss_agg: str) -> int:
     ``seq-mean-token-sum-norm`` its samples (the constant normaliser counts every row);
     the other seq-mean modes its samples with at least one loss token (a row that
     ``overlong_mask`` emptied counts in no mean)."""
-    if loss_agg == "token-mean":
-        return batch.loss_tokens
-    if loss_agg == "seq-mean-token-sum-norm":
-        return batch.num_samples
-    return batch.loss_rows
+    return get_loss_aggregation(loss_agg).count(batch)
 
 
 def compute_micro_batch_scale(batch: RolloutBatch, step_samples: int, loss_agg: str = "seq-mean-token-mean") -> float:

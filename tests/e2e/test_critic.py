@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import CriticConfig, PpoConfig, TinyModelConfig, TrainConfig
+from pipeline.config import CriticConfig, TinyModelConfig, TrainConfig
 from stages.algorithms import assign_advantages
 from stages.algorithms.losses import compute_value_loss
+from stages.algorithms.ppo import PpoConfig
 from stages.trainer.critic import CriticEngine, find_critic_state, write_critic_state
 from tests.e2e.test_trainer_engine import make_batch
 

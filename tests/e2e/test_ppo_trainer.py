@@ -100,7 +100,8 @@ def test_decoupled_objective_keeps_the_first_pass_anchor_across_epochs(tmp_path)
     an update it is no longer 1 and the clip binds (a trust region, as verl, TRL and AReaL
     keep); the step's last update (the version bump) drops them: the next step's first
     pass is anchored on its own weights again (ratio exactly 1)."""
-    from pipeline.config import GrpoConfig, TrainConfig
+    from pipeline.config import TrainConfig
+    from stages.algorithms.grpo import GrpoConfig
     from stages.trainer.engine import TrainerEngine
     from tests.e2e.test_trainer_engine import make_batch, on_policy
 

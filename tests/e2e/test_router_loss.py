@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import GrpoConfig, TinyModelConfig, TrainConfig
+from pipeline.config import TinyModelConfig, TrainConfig
 from pipeline.types import Prompt, RolloutBatch
 from stages.algorithms import assign_advantages
+from stages.algorithms.grpo import GrpoConfig
 from stages.models.logprobs import build_model_inputs
 from stages.models.tiny import ensure_tiny_checkpoint
 from stages.trainer.engine import TrainerEngine

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import GrpoConfig, TinyModelConfig, TrainConfig
+from pipeline.config import TinyModelConfig, TrainConfig
 from pipeline.memory.splitting import split_rollout_batch, split_rollout_batch_at
 from pipeline.types import Prompt, RolloutBatch
 from pipeline.weights import compute_fingerprint, compute_sha256, deserialize_weights
 from stages.algorithms import assign_advantages
+from stages.algorithms.grpo import GrpoConfig
 from stages.models.logprobs import compute_completion_logprobs
 from stages.models.tiny import build_vocab, ensure_tiny_checkpoint
 from stages.trainer.engine import TrainerEngine

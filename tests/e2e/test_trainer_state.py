@@ -8,7 +8,8 @@ import pickle
 import pytest
 import torch
 
-from pipeline.config import GrpoConfig, TinyModelConfig, TrainConfig
+from pipeline.config import TinyModelConfig, TrainConfig
+from stages.algorithms.grpo import GrpoConfig
 from stages.models.tiny import ensure_tiny_checkpoint
 from stages.trainer.engine import TrainerEngine
 

@@ -10,10 +10,11 @@ import time
 import pytest
 import torch
 
-from pipeline.config import GrpoConfig, RolloutConfig, TinyModelConfig, TrainConfig
+from pipeline.config import RolloutConfig, TinyModelConfig, TrainConfig
 from pipeline.transport import CudaIpcExporter
 from pipeline.weights import WeightSyncError, build_payload, fingerprints_match
 from stages.algorithms import assign_advantages
+from stages.algorithms.grpo import GrpoConfig
 from stages.models.tiny import ensure_tiny_checkpoint
 from stages.rollout import build_backend
 from stages.rollout.base import SamplingSettings

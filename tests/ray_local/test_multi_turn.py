@@ -10,9 +10,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipeline.config import GrpoConfig, ToolsConfig
+from pipeline.config import ToolsConfig
 from pipeline.types import Prompt, PromptBatch
 from stages.algorithms import assign_advantages
+from stages.algorithms.grpo import GrpoConfig
 from stages.models.tiny import build_char_tokenizer
 from stages.rollout.base import GenerationResult, SamplingSettings
 from stages.rollout.multi_turn import Trajectory, cut_at_call, generate_with_tools

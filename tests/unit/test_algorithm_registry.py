@@ -12,9 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import ALGORITHM_NAMES, AlgorithmConfig, GrpoConfig, ReinforcePlusPlusConfig, RlooConfig
+from pipeline.config import ALGORITHM_NAMES, AlgorithmConfig
 from pipeline.memory.splitting import split_rollout_batch_at
 from stages.algorithms import ALGORITHMS, assign_advantages, assign_step_advantages, compute_policy_loss
+from stages.algorithms.grpo import GrpoConfig
+from stages.algorithms.reinforce_plus_plus import ReinforcePlusPlusConfig
+from stages.algorithms.rloo import RlooConfig
 from stages.trainer.pieces import compute_piece_weight
 from stages.trainer.stage import compute_micro_batch_scale, compute_step_grad_scale, compute_step_loss
 from tests.unit.test_admission import make_batch

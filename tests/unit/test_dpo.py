@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from pipeline.config import ConfigError, DpoConfig, PairsConfig, load_config
+from pipeline.config import ConfigError, PairsConfig, load_config
 from stages.algorithms import build_policy_loss
-from stages.algorithms.losses import compute_dpo_loss
+from stages.algorithms.dpo import DpoConfig, compute_dpo_loss
 from stages.data.files import RowError
 from stages.data.pairs import encode_response
 from stages.data.prompt_rows import ColumnMap, extract_row, resolve_columns

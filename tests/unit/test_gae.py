@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import PpoConfig
 from stages.algorithms import assign_advantages, compute_gae_advantages, compute_token_rewards, whiten_masked
+from stages.algorithms.ppo import PpoConfig
 from tests.unit.test_admission import make_batch
 
 # Two samples: A has 3 valid tokens, B 2 (its third position is padding holding junk).

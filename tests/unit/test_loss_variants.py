@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, GrpoConfig, KLControlConfig, ReinforcePlusPlusConfig, load_config
+from pipeline.config import ConfigError, KLControlConfig, load_config
 from stages.algorithms import assign_advantages, compute_kl, compute_policy_loss
 from stages.algorithms.advantages import compute_discounted_returns, compute_token_returns
+from stages.algorithms.grpo import GrpoConfig
 from stages.algorithms.kl_control import KLController, build_kl_controller
 from stages.algorithms.registry import compute_kl_reward_penalty, summarise_kl_penalty
+from stages.algorithms.reinforce_plus_plus import ReinforcePlusPlusConfig
 from tests.unit.test_admission import make_batch
 
 
