@@ -456,6 +456,8 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
     # The config as asked, not as planned: a resumed run plans its placement again (the
     # cluster may differ) and must not take a planned value for the user's own.
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    # And as it runs: Hub names resolved to paths, the plan's vLLM share and KV cache.
+    (run_dir / "resolved_config.yaml").write_text(yaml.safe_dump(to_dict(run_cfg), sort_keys=False))
     cfg = run_cfg
     taps = record_taps(cfg, df)
     reporter = Reporter(cfg, run_dir)

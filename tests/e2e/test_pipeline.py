@@ -112,7 +112,7 @@ def test_checkpoint_loads_and_generates(streaming_run):
 
 def test_run_outputs_are_written(streaming_run):
     run_dir, summary, _ = streaming_run
-    for name in ("metrics.jsonl", "summary.json", "trace.json", "timeline.png", "config.yaml"):
+    for name in ("metrics.jsonl", "summary.json", "trace.json", "timeline.png", "config.yaml", "resolved_config.yaml"):
         assert (run_dir / name).is_file(), name
     trace = json.loads((run_dir / "trace.json").read_text())
     assert {e["ph"] for e in trace["traceEvents"]} >= {"X", "M"}
