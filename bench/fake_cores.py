@@ -1,34 +1,19 @@
 """Fake stage cores: the real control plane, no models (``bench/overlap.py`` and the
 Ray tier's control-plane test run them).
 
-Fakes, named so: each core sleeps where a real one computes. Everything else is the
-real thing: they run inside the real ``StageActor`` shells, on real bounded queues, and
-reach the real controller through the ``ControllerClient`` the real stages use, with
-the same calls at the same points, and the real pure rules of ``pipeline.versions``:
+Fakes, named so: each core sleeps where a real one computes (``FakeSourceCore``,
+``FakeRolloutCore``, ``FakeScorerCore``, ``FakeTrainerCore``); durations follow
+``GenerationLengths``. Details: docs/architecture.md, "Fake cores".
 
-- ``FakeSourceCore`` obtains room from the ledger (``admit_prompts``, one call per
-  micro-batch) and stops when it answers (0, -1);
-- ``FakeRolloutCore`` applies every published ``WeightUpdate`` as soon as it appears (a
-  watcher whose confirmation rides on its next ``wait_for_update``, as
-  ``stages.rollout.stage.RolloutStage`` does) and holds generation for step k until it
-  serves ``required_serving_version``; it tags each micro-batch with the version it
-  served when it began;
-- ``FakeScorerCore`` (reward, reference) only takes time;
-- ``FakeTrainerCore`` applies the staleness gate (``is_too_stale``), reports dropped
-  prompts, and ends each optimizer step with one ``finish_step`` that carries a small
-  weight payload every ``sync_interval`` steps, as ``stages.trainer.stage.TrainerStage`` does.
-
-Compute is a wait in a thread (``asyncio.to_thread(time.sleep, d)``), as real compute
-runs off the event loop. Durations follow ``GenerationLengths``: per-sample completion
-lengths are lognormal (long-tailed) and clipped to ``max_tokens``; the rollout of a
-micro-batch lasts as long as its longest sample, the other stages in proportion to its
-total tokens; each stage is scaled so its *mean* micro-batch time is ``mean_s``.
-
-Each core measures its own compute seconds (the wait, as seen by the core), which the
-benchmark uses for the ideal bound: that is the time a perfect control plane would need.
-With ``exclusive=True`` a core computes one item at a time under a lock even when the
-shell runs several ``process`` calls at once (``concurrency > 1``), so the extra calls
-only read ahead their inputs and write behind their outputs: one device, hidden hops.
+Guarantees:
+- everything but compute is real: ``StageActor`` shells, bounded queues, the controller
+  through ``ControllerClient`` with the same calls at the same points as the real
+  stages, and the pure rules of ``pipeline.versions``;
+- compute runs off the event loop (``asyncio.to_thread(time.sleep, d)``);
+- each stage's mean micro-batch time is ``mean_s``;
+- each core measures its own compute seconds: the ideal bound a perfect control plane
+  would need;
+- ``exclusive=True`` computes one item at a time even with ``concurrency > 1``.
 """
 
 from __future__ import annotations

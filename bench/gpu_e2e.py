@@ -1,40 +1,18 @@
 """GPU end to end: ``configs/gpu_small.yaml`` streaming vs lock-step vs colocated vs TRL on the same GPU.
 
-Measures on the machine's GPU(s), one after the other (by default one row each):
+Runs Conveyor (``async``, ``sync``, ``colocate``, launched by
+``pipeline.launch.launch_run``) and TRL's ``GRPOTrainer`` (vLLM colocated, in a process of
+its own) one after the other on the same job; ``--systems`` names the rows and their
+order, ``--model NAME`` runs the job at a real shape of ``stages.models.shapes``. Rows,
+options and metrics in detail: docs/architecture.md, "GPU end to end".
 
-- Conveyor async (the config as it is), sync (``dataflow.async_execution=false``,
-  ``dataflow.max_staleness=0``) and colocate (sync plus ``placement: colocate``: vLLM
-  sleeps while the trainer steps), launched by ``pipeline.launch.launch_run``
-  (``run_conveyor`` also knows each with ``_in_process`` or ``_subprocess``: that
-  ``rollout.engine_core`` instead of ``auto``);
-- TRL's ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"`` on one GPU, bf16,
-  in a process of its own (``run_trl_isolated``),
-  with the same locally built model, prompts, group size, completion length,
-  temperature, learning rate, clip, grad clip, token-mean loss and steps (no KL, no
-  reference model: the config has ``kl_coef: 0``).
-
-``--systems`` names the rows and their order. A name may repeat (``colocate,trl,colocate,trl``:
-the machine's rate drifts within one start, so alternating rows shows the drift, and
-each ratio is also given round by round: a row against the first TRL row after it,
-else the last one), and a Conveyor row may carry its own overrides
-(``colocate[train.chunk_size=256;rollout.max_inflight=2]``, on top of its mode's).
-
-``--model NAME`` runs the job at a real shape of ``stages.models.shapes`` (built locally,
-reused from ``~/.cache/conveyor/shapes``): that checkpoint, the config's task rows as
-chat messages (``data.path``, rendered with the checkpoint's chat template by Conveyor
-and TRL alike) and the config's lengths; its default rows are ``SHAPE_SYSTEMS``, the
-first of which, ``engines``, measures vLLM and the trainer engine alone at that shape
-(``bench.engine_alone``), so that each Conveyor row's rollout and trainer tokens/s (per
-second each stage was busy) are also given as a fraction of its engine alone
-(``ratios.engine_fraction``). The result is ``gpu_e2e-NAME`` and names the shape.
-
-Steady state: samples per second over the steps after the first ``WARMUP_STEPS`` (engine start,
-compilation and the first updates set aside), per GPU used; also completion tokens/s,
-start-up time (launch to the first step), per-stage busy shares and the weight-sync
-share for Conveyor. ``bound_samples_per_s`` is the one-GPU bound of the GPU issue
-(engines alone, stages in sequence: ``ONE_GPU_BOUND``) where the config is that job's
-shape. Writes ``bench/results/gpu_e2e/`` (JSON and PNG); needs a CUDA GPU (status "skipped"
-without one).
+Guarantees:
+- every row trains the same locally built model, prompts, group size, completion
+  length, temperature, learning rate, clip, grad clip, token-mean loss and steps;
+- steady-state figures leave out the first ``WARMUP_STEPS`` steps and are per GPU used;
+- a repeated system gives its ratio round by round as well, so drift shows;
+- writes ``bench/results/gpu_e2e/`` (JSON and PNG); without a CUDA GPU the result's
+  status is "skipped".
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
 """Weight sync: publish-and-apply time into a real vLLM rollout worker, beside its bound.
 
-Measures, for random-init Llama models of about 1M, 10M and 50M parameters (head_dim 64,
-the char tokenizer of ``stages.models.tiny``, float32, written to a temporary directory):
+On CPU it measures random-init Llama models of about 1M, 10M and 50M parameters; on a
+machine with a GPU a larger bf16 Llama over both transports of ``pipeline.transport``
+(``shm`` and ``cuda_ipc``). What each figure covers: docs/architecture.md, "Weight sync
+benchmark".
 
-- publish: what the trainer does per version (``TrainerEngine.export_weights``):
-  ``pipeline.weights.build_payload`` of the state dict (serialize, then sha256 and
-  fingerprint overlapped), timed whole; its three parts are also timed one by one;
-- apply: ``VLLMBackend.update_weights(bytes, version)`` on a started engine (pause, ship
-  the bytes to the engine process, deserialize, load in place, read the live weights back,
-  verify the fingerprint, relabel, resume);
-- the lower bound, measured in the same run: the payload's bytes / ``np.copyto``
-  bandwidth (one copy of the weights);
-- where apply's time goes, measured inside the vLLM worker by a probe extension
-  (``TimedWeightSyncExtension``): shipping the bytes to the worker process, deserialize,
-  fingerprint of the payload, ``reload_weights``, fingerprint of the live weights.
-
-Medians are the figures; the best of the repeats is kept too (the machine may be shared,
-and contention only ever adds time).
-
-A straight line fitted through (bytes, publish + apply) over the models gives the fixed
-cost (its intercept: pause/resume, calls, process hops) and the per-byte cost as a
-number of one-copy equivalents (slope x memcpy bandwidth). Target: within 3x of the bound
-plus a fixed cost, i.e. ``copies_per_byte <= 3``.
-
-Writes ``bench/results/weight_sync/`` (JSON and PNG).
-
-On a machine with a GPU it measures instead the 268.7M-parameter bf16 Llama (hidden 1024,
-16 layers) over both transports of ``pipeline.transport`` side by side, ``shm`` and
-``cuda_ipc``, with the time generation stays paused per update, and writes
-``bench/results/weight_sync_gpu/`` (targets: publish + apply <= 100 ms, paused <= 50 ms).
+Guarantees:
+- publish is timed as the trainer does it (``TrainerEngine.export_weights``'s
+  ``build_payload``), apply as the rollout does it (``VLLMBackend.update_weights``);
+- the bound (the payload's bytes / ``np.copyto`` bandwidth) is measured in the same run;
+- medians are the figures, the best repeat is kept too;
+- the CPU target is ``copies_per_byte <= 3``; the GPU targets are publish + apply
+  <= 100 ms and paused <= 50 ms;
+- writes ``bench/results/weight_sync/`` (CPU) or ``bench/results/weight_sync_gpu/`` (GPU),
+  JSON and PNG.
 """
 
 from __future__ import annotations

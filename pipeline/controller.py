@@ -1,36 +1,19 @@
 """The controller: one small async actor that owns the run's shared state.
 
-It owns no compute and no tensors. It holds
-- the prompt ledger (``pipeline.versions.Ledger``): sources ask it for room, the trainer
-  reports trained and dropped prompts, so the counters always reconcile;
-- the policy version board: the trainer publishes a ``WeightUpdate`` plus its payload
-  every ``sync_interval`` steps (an ``ObjectRef`` to it, or, when it fits inline like a
-  CUDA IPC descriptor, the bytes themselves: ``resolve_payload`` reads either); rollout
-  workers wait on it, apply, and confirm the version and fingerprint they now serve;
-- per-step metrics the trainer reports, which the driver drains for metrics.jsonl,
-  TensorBoard and ``conveyor status``;
-- in lock-step runs (``barrier``), the step barrier: prompts of step k are admitted
-  only once the trainer has finished step k - 1;
-- with ``placement: colocate``, the GPU's turns: before it trains on a step's samples the
-  trainer asks every rollout worker to sleep (``hand_gpus_to_trainer``) and waits until
-  each has confirmed that its engine's GPU memory is free; the next published version
-  wakes them;
-- with ``data.curriculum``, the level the trainer last reported (``CURRICULUM_LEVEL``
-  in its step metrics), handed to the source with its admission (``with_level``).
+It owns no compute and no tensors. It holds the prompt ledger, the policy version board,
+the trainer's per-step metrics, the lock-step barrier, colocated GPU turns and the
+curriculum level (docs/architecture.md, "Controller"). Stages reach it only through
+``ControllerClient`` (typed, one remote call per method), and only where the data needs it.
 
-Stages reach it only through ``ControllerClient`` (typed, one remote call per method),
-and only where the data needs it: at most one call per micro-batch (the source's
-admission), one per optimizer step (``finish_step``, which carries the step's metrics
-and, on a sync step, its weights) and one per weight update per rollout worker
-(``wait_for_update``, which carries the confirmation of the previous one); a dropped
-micro-batch adds its ``record_dropped``; a colocated step adds the trainer's
-``hand_gpus_to_trainer`` and two calls per rollout worker. Telemetry (spans, stage status, counters) never
-comes here: the driver pulls it from each stage on its tick. ``calls`` counts the
-stages' calls by method, so a test and ``summary.json`` can check that budget.
-
-Invariant: versions on the board only grow. A worker confirms only weights it has
-loaded; ``verified`` says whether it read them back from its engine and found the
-payload there (a mismatch never reaches the board: it fails the worker).
+Guarantees:
+- the ledger always reconciles: every prompt admitted is trained or dropped with a reason;
+- versions on the board only grow; a worker confirms only weights it has loaded, and a
+  fingerprint mismatch never reaches the board (it fails the worker);
+- lock-step: prompts of step k are admitted only once the trainer finished step k - 1;
+- colocated: the trainer trains only once every rollout worker confirmed its GPU free;
+- call budget: at most one call per micro-batch, one per optimizer step, one per weight
+  update per rollout worker (plus drops and colocated turns); telemetry never comes
+  here; ``calls`` counts calls by method so tests and ``summary.json`` check the budget.
 """
 
 from __future__ import annotations

@@ -1,33 +1,20 @@
 """``conveyor launch``: build the RL DataFlow from a config and drive it to the end.
 
-The built-in graph is a chain ``source -> rollout -> reward [-> reward_model] [-> reference]
-[-> critic] -> trainer`` (the reward model with ``reward.sources``, the critic when the
-algorithm needs values, ``algorithm.name: ppo``); ``run.script`` (``launch --script``)
-takes the graph from a Python file's ``build_dataflow(cfg)``;
-``dataflow.nodes`` replaces it with a custom graph. Stage classes are named by import
-path, so this module imports no model code.
+The built-in graph is a chain ``source -> rollout -> reward [-> reward_model]
+[-> reference] [-> critic] -> trainer``; ``run.script`` takes the graph from a Python
+file's ``build_dataflow(cfg)``, ``dataflow.nodes`` replaces it with a custom graph. The
+run directory's contents: docs/architecture.md, "Launch".
 
-Run directory (``run.dir``): ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per
-optimizer step), ``tensorboard/``, ``status.json`` (live, for ``conveyor status``),
-``summary.json``, ``trace.json`` (Perfetto), ``timeline.png``, ``checkpoint/`` (HF format)
-and ``recording/`` when edges are tapped.
-
-Before Ray starts, ``pipeline/preflight.py`` checks every path and import the run needs
-and validates the data file whole (a ``ConfigError``, exit 2, on the first bad one);
-``summary.json`` then carries ``data/rows_total``, ``data/rows_skipped/<reason>`` and
-the reward's ``reward/errors`` with its first error.
-
-Failed actors (streaming and lock-step): a rollout, reward or reference actor whose process dies
-is restarted up to ``run.max_restarts`` times and its micro-batches delivered again
-(``pipeline/runner.py``); ``summary.json``'s ``faults`` counts restarts, redeliveries
-and duplicates dropped. Any other death (the trainer, the source) stops the run with
-the resume command when a checkpoint exists; with ``run.auto_resume`` the run resumes
-from its newest checkpoint by itself, at most ``AUTO_RESUME_ATTEMPTS`` times.
-
-Each step's metrics carry every stage's latest ``memory/``, ``admission/`` and ``oom/``
-metrics (their ``status()``, pulled on the driver's tick; counters since the start;
-replicas add up), and ``summary.json`` has their final values per stage under
-``admission``.
+Guarantees:
+- stage classes are named by import path, so this module imports no model code;
+- before Ray starts, ``pipeline/preflight.py`` checks every path and import and the data
+  file whole: the first bad one is a ``ConfigError``, exit 2;
+- a rollout, reward or reference actor that dies is restarted up to
+  ``run.max_restarts`` times, its micro-batches delivered again; any other death stops
+  the run with the resume command (``run.auto_resume``: at most
+  ``AUTO_RESUME_ATTEMPTS`` resumes by itself);
+- each step's metrics carry every stage's latest ``memory/``, ``admission/`` and
+  ``oom/`` metrics, ``summary.json`` their final values under ``admission``.
 """
 
 from __future__ import annotations

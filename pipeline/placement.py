@@ -1,46 +1,19 @@
 """Placement: which GPU each stage actor uses, planned and checked before anything starts.
 
+``plan_placement`` maps the config (``placement: auto``, ``colocate`` or an explicit plan
+naming GPU indices per stage) onto the cluster's GPUs; ``pipeline.runner`` turns the plan
+into one placement-group bundle per GPU index. The rules of each mode are in
+docs/architecture.md, "Placement".
+
 Guarantees:
 - ``plan_placement`` is pure: the same config, GPU count and model size give the same
-  plan. Nothing here starts Ray or touches a GPU; ``detect_gpus`` only counts them.
-- A plan with GPUs gives every GPU-using actor exactly one GPU index and a share of it
-  (1/k when k actors sit on that GPU). ``pipeline.runner`` turns it into one Ray
-  placement-group bundle per GPU index and schedules each actor into its bundle with
-  that share, so Ray puts it on that GPU and sets ``CUDA_VISIBLE_DEVICES`` to that GPU
-  alone (an actor with no GPU in the plan asks for none and sees none used by others).
-  Indices are positions in the run's placement group, as in verl's resource pools.
-- ``placement: auto`` (the default): no GPU: every stage on CPU. One GPU: rollout,
-  reference and trainer share GPU 0 and vLLM's ``gpu_memory_utilization`` is what the
-  trainer and reference leave (``estimate_colocated_fraction``), split evenly between
-  the vLLM engines on that GPU when rollout replicas share it. Two or more: each of the
-  ``train.num_ranks`` trainer ranks gets a GPU of its own (the reference sits with rank
-  0); the rollout replicas get GPUs besides those (round robin over
-  ``min(num_workers, n - ranks)`` GPUs) when at least one is left, else they share the
-  ranks' GPUs; GPUs left over are reported idle. A tensor-parallel rollout replica
-  (``rollout.tensor_parallel_size`` k > 1) gets k GPUs of its own by Ray count (vLLM's
-  workers are processes of that actor), never shared. Reward (functions) stays on CPU.
-- ``placement: colocate``: trainer rank r on GPU r, rollout replicas round robin over the
-  ranks' GPUs, reference, critic and reward model with rank 0; vLLM's share is sized as
-  on a shared GPU, and the trainer also has the KV cache's memory while vLLM sleeps.
-  vLLM's KV cache is sized to the job's sequences (``size_job_kv_cache``) unless
-  the user sizes it, and vLLM then asks at start-up only for its weights, that cache
-  and the reserve (``colocated_startup_fraction``). Refused without GPUs.
-- Rollout replicas that share a GPU (any mode) get that planned KV cache each, and the
-  same start-up ask: sized from their shares, engines starting together would each
-  count the other's memory as their own (``size_job_kv_cache``).
-- Explicit plans name GPU indices per stage (``placement: {rollout: [0], trainer: [1],
-  reference: [1]}``, or ``{gpus: [0], exclusive: true}``); a stage not named gets no
-  GPU. Per-stage Ray GPU counts (``num_gpus``) without indices are passed to Ray as
-  before and only their total is checked.
-- ``check_plan`` refuses, with ``PlacementError`` naming the stage and GPU, every plan
-  that would hang or break at start: an index beyond the cluster's GPUs (Ray would wait
-  for it forever), a GPU claimed ``exclusive`` that another stage uses, GPU counts that
-  add up to more GPUs than exist, more trainer ranks than GPUs or two ranks on one GPU
-  (NCCL cannot run them), a tensor-parallel rollout given GPU indices (an index is one
-  GPU) or GPUs it would have to share, and a shared GPU whose memory cannot hold the
-  trainer, the reference and vLLM's share. ``check_resources`` refuses, naming the stage,
-  CPUs or custom Ray resources the cluster cannot grant (``detect_nodes``): an actor's
-  beyond every node's, or CPUs beyond the cluster's in all.
+  plan; nothing here starts Ray or touches a GPU (``detect_gpus`` only counts them);
+- every GPU-using actor gets exactly one GPU index and a share of it (1/k for k actors
+  there), and sees that GPU alone; an actor with no GPU in the plan asks for none;
+- a tensor-parallel rollout replica gets k GPUs of its own, never shared;
+- rollout replicas sharing a GPU each get the planned KV cache and the same start-up ask;
+- ``check_plan`` and ``check_resources`` refuse, naming the stage (and GPU), every plan
+  that would hang or break at start (``PlacementError``).
 """
 
 from __future__ import annotations

@@ -1,43 +1,19 @@
 """Bounded queues between stages, over Ray's object store.
 
 Guarantees:
-- An item on a queue is an ``ObjectRef`` to a micro-batch; the queue actor holds the
-  reference only (wrapped in a list so Ray does not resolve it), never the tensors.
-  A small item (``fits_inline``: at most ``INLINE_MAX_BYTES`` of buffers and strings)
-  travels inline instead, as the value itself inside the queue calls: a reference
-  costs a store write, the owner's bookkeeping for two borrowers and a fetch, several
-  times the two calls that carry the value (``bench/queue_hop.py``). Consumers take
-  either (``resolve_entry``).
-- ``put`` suspends the producer while the queue holds ``bound`` items: backpressure,
-  never a silent drop. The depth never exceeds the bound.
-- Items leave in the order they entered, so each producer's items keep their order.
-- ``close()`` is called once by each producer; when all producers have closed and the
-  queue is empty, every ``get`` returns ``END`` (end-of-stream) to every consumer.
-- Depth, put-wait and get-wait are measured inside the queue actor (``stats``).
-- ``wait_drained`` returns once nothing is queued or leased here: every item put so far
-  was taken and what became of it was released downstream (lock-step's step barrier).
-
-Delivery that survives dead stage actors (``lease`` instead of ``get``): an item a
-consumer leased stays held here, under the consumer's id, until it is released; when
-the consumer's process dies the runner calls ``requeue`` and its leased items go back
-to the front of the queue, for the restarted actor (the depth may then exceed the
-bound by those items). Each output carries its ``Origin`` (the producer's lease on
-its input); a lease is released when its consumer emitted nothing for it (the
-terminal stage, once it has taken the item in) or when every output derived from it
-was released downstream. A queue hands the releases of its producer's leases back in
-the reply to that producer's next ``put``, and the producer carries them upstream with
-its next ``lease`` there: no call of their own while items flow. What no put collects
-within ``forward_interval_s`` goes upstream in one ``release_parts`` call (at once in
-lock-step, whose step barrier waits for them); a producer that reached end-of-stream
-sends what it still carries the same way (``QueueHandle.flush_releases``). So an item
-stays held here until what became of it reached the end of the graph. That is the price of Ray 2.60 having no
-``ray.put(_owner=...)``: the objects a stage emits are owned by its process and die
-with it, and an output that died unread (skipped by its consumer as lost) is made
-again from its input, which is then still leased upstream and requeued by the death
-of that producer. Any sequence of deaths of non-terminal, non-source stages is
-survived, one at a time. An item may be delivered twice (a release racing a
-requeue, a requeued item and its remade copy): consumers de-duplicate
-(``pipeline/delivery.py``).
+- an item is an ``ObjectRef`` to a micro-batch (the queue actor holds the reference, never
+  the tensors), or the value itself inline when small (``fits_inline``); consumers take
+  either (``resolve_entry``);
+- ``put`` suspends the producer while ``bound`` items are held: backpressure, never a
+  silent drop; the depth never exceeds the bound (except by requeued leases);
+- items leave in the order they entered, so each producer's items keep their order;
+- once every producer has called ``close()`` and the queue is empty, every ``get`` returns
+  ``END`` to every consumer;
+- depth, put-wait and get-wait are measured inside the queue actor (``stats``);
+- ``wait_drained`` returns once nothing is queued or leased here;
+- a leased item stays held until what became of it reached the end of the graph; when its
+  consumer dies, ``requeue`` puts it back at the front for the restarted actor. An item may
+  be delivered twice, so consumers de-duplicate (docs/architecture.md, "Queues").
 """
 
 from __future__ import annotations

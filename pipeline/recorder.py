@@ -1,39 +1,20 @@
 """Record and replay of queued values: the on-disk format, its writer and its reader.
 
-Layout of one recording (``record.dir``, default ``<run dir>/recording``)::
-
-    manifest.json                           format, schema version, created, run name,
-                                            every, config snapshot, edges {edge: dir}
-    index.jsonl                             one JSON line per written file: kind, edge, seq,
-                                            batch_id, step, policy_version, file, sha256, bytes
-    <edge dir>/<seq:08d>-b<batch_id>.msgpack    one value tapped from a DataFlow edge
-    steps/<step:08d>.msgpack                one ``StepRecord`` per optimizer step
-
-``<edge dir>`` is the sanitised edge name ("reward->trainer" -> "reward_to_trainer"); the
-manifest maps edges to directories. ``seq`` is the item's 0-based position in its edge's
-stream, counting items skipped by ``every`` (``every=2`` writes seq 0, 2, 4, ...).
-
-Each ``.msgpack`` file is one msgpack map ``{"header": ItemHeader, "payload": bin}``. The
-payload is ``pipeline.types.encode`` of one wire value; the header carries the payload's
-sha256, so the checksum covers exactly the bytes that get decoded. The index's ``sha256``
-and ``bytes`` are those of the whole file, so a header edited after recording is caught too.
+A recording (``record.dir``, default ``<run dir>/recording``) holds a ``manifest.json``,
+an ``index.jsonl``, one msgpack file per value tapped from a DataFlow edge and one
+``StepRecord`` per optimizer step; each file is ``{"header", "payload"}`` with the
+payload's sha256 in the header. Layout: docs/architecture.md, "Recorder".
 
 Guarantees:
-- Opening a recording never runs code: msgspec decodes plain msgpack into typed Structs.
-- Every file read is checked: schema version, payload checksum, decodability and (when the
-  index lists it) the whole-file sha256. A failure is a ``RecordingError`` reading
-  "<file>: <what is wrong>"; with ``on_error="skip"`` it lands in ``reader.errors`` and the
-  other files stay readable. The index only speeds things up: files that a lost or
-  truncated index does not list are found by scanning the directories.
-- ``write_item``/``write_step`` never raise and never wait beyond a short lock and a
-  ``put_nowait``. The caller encodes (cheap); a background thread hashes and writes. When
-  the backlog is full (``max_backlog`` items or ``max_backlog_bytes``) the write is dropped
-  and counted as ``dropped["backlog"]``. Trade-off, chosen on purpose: a slow or stalled
-  disk costs the recording completeness, never the pipeline throughput, and ``stats()``
-  says exactly what was missed. Disk errors (ENOSPC, EACCES, ...) are logged and counted.
-- A file appears under its final name only complete (written to ``*.tmp``, then renamed);
-  there is no fsync, so a machine crash may lose the last few files. One writer per
-  recording directory.
+- opening a recording never runs code: msgspec decodes plain msgpack into typed Structs;
+- every file read is checked (schema version, payload checksum, decodability, the
+  index's whole-file sha256); a failure is a ``RecordingError`` "<file>: <what is
+  wrong>", or with ``on_error="skip"`` lands in ``reader.errors``; a lost index only
+  costs a directory scan;
+- ``write_item``/``write_step`` never raise and never wait beyond a short lock: a full
+  backlog drops the write and counts it, so a slow disk costs completeness, never
+  throughput, and ``stats()`` says what was missed;
+- a file appears under its final name only complete (no fsync); one writer per directory.
 """
 
 from __future__ import annotations

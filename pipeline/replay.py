@@ -3,56 +3,19 @@
     conveyor replay RECORDING --inspect [--limit N] [--from-step K]
     conveyor replay RECORDING [--config PATH] [--from-step K --steps N] [--verify] [key=value ...]
 
-``RECORDING`` is a recording root (``<run dir>/recording``, one subdirectory per consumer)
-or one consumer's directory; with a root, ``--stage`` (default ``trainer``) picks the
-subdirectory.
+``RECORDING`` is a recording root (one subdirectory per consumer; ``--stage``, default
+``trainer``, picks one) or one consumer's directory.
 
 Guarantees:
-- Replay needs no other stage and no Ray: it builds ``TrainerEngine`` in this process,
-  loads the newest saved state at or before step K (``states/state-<version>.pt``; the
-  state of version v is the trainer just before step v), trains the recorded steps from
-  there up to K-1 without judging them, then steps K .. K+N-1. Each step trains exactly
-  the items its ``StepRecord`` names (by batch id, in the recorded order, items the
-  trainer would have dropped as stale skipped) with the trainer's scale rule
-  ``num_samples / (prompts_per_step * n)``, restores the step's recorded RNG state first,
-  and takes one optimizer step.
-- With ``--verify`` a step reproduces when its loss and pre-clip grad norm are within
-  ``|replayed - recorded| <= RTOL * |recorded| + ATOL`` and the sha256 of the weights
-  after the step is identical. Replay stops at the first step that does not, and names
-  the step, the metric and the difference.
-- Everything replay needs (step records, state, items) is located and verified before
-  the engine is built: a missing or corrupt file ends the command with its name (and the
-  step and batch that needed it) before any compute.
-- Exit status: 0 reproduced (or replayed without ``--verify``; inspect found no damaged
-  file), 1 diverged (inspect: some file is damaged, listed at the end), 2 bad config,
-  arguments or recording (nothing was compared).
-
-Tolerance, and why. On CPU the same state, inputs and torch thread count give
-bitwise-identical results (``TrainerEngine``'s guarantee). Measured on the tiny model,
-1 thread: every replayed step had loss and grad norm differences of exactly 0 and the
-recorded weights sha256 (1 vs 2 threads also agreed there, 3 steps); flipping one reward
-moved the step's loss 4.9x (relative) and its grad norm 2%; adding 1e-4 to one token's
-reference log-prob moved the loss 7e-5 and the grad norm 1.8e-6 relative. So the sha256
-must match exactly, and loss and grad norm get RTOL = 1e-6: above float32 rounding
-(~1e-7) of an equivalent computation, below the smallest real change measured. ATOL =
-1e-9 because a GRPO loss sums zero-mean advantages and may sit near 0, where a relative
-bound alone would flag rounding.
-
-The torch thread count is pinned to the trainer's: larger GEMMs pick thread-dependent
-blockings, which change summation order and hence bits. It comes from the step records'
-``metrics["torch_threads"]`` when the trainer wrote it, else ``train.threads``, else
-what Ray gave the trainer actor (``OMP_NUM_THREADS`` = its ``num_cpus``, at least 1;
-measured: 1 for the default ``placement.trainer.num_cpus: 0``); override with
-``train.threads=K``.
-
-On a GPU (the replay's trainer runs there whenever one is visible), bitwise equality
-would need deterministic kernels in both runs: bf16 attention and matmul backward passes
-accumulate with atomics, so the weights after a step can differ in their last bits and
-the difference grows step by step. There a step reproduces when its loss and grad norm
-are within GPU_RTOL = 1e-3 (relative): above bf16 rounding of the same computation
-(bf16 has 8 mantissa bits, but loss and norm are float32 reductions over many terms),
-below the smallest real change measured on CPU that moved the grad norm (a flipped
-reward: 2%). The weights' sha256 is printed but not required.
+- no other stage and no Ray: ``TrainerEngine`` runs here from the newest saved state at or
+  before step K; each step trains exactly the items its ``StepRecord`` names, in the
+  recorded order and RNG state, and takes one optimizer step;
+- ``--verify``: a step reproduces when loss and grad norm agree within ``RTOL``/``ATOL``
+  (``GPU_RTOL`` on a GPU) and, on CPU, the weights' sha256 is identical; replay stops at
+  the first step that does not, naming the step, the metric and the difference;
+- every file replay needs is located and verified before the engine is built;
+- exit 0 reproduced, 1 diverged (inspect: a damaged file), 2 bad config, arguments or
+  recording. Tolerances and thread pinning: docs/architecture.md, "Replay".
 """
 
 from __future__ import annotations

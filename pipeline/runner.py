@@ -1,48 +1,21 @@
 """The runner: turns a validated DataFlow into Ray actors and drives it to the end.
 
-Two modes over the same actors, cores and queues; the runner only supervises, never
-carries data:
-- streaming (``async_execution: true``): every stage loops on its input queue; bounded
-  queues give backpressure;
-- lock-step (``async_execution: false``): the same data path with a barrier per step,
-  the synchronous baseline every benchmark compares against. The source emits one
-  step's micro-batches, then waits until they have drained through the graph
-  (``StageActor.run``'s ``step_items``), and the controller admits step k's prompts
-  only once the trainer has finished step k - 1 (``ControllerActor``'s ``barrier``),
-  so generation never overlaps training; a step's micro-batches still pipeline
-  through the stages.
+Streaming (every stage loops on its bounded input queue) and lock-step (the same data
+path with a barrier per step, the synchronous baseline) run the same actors, cores and
+queues; the runner only supervises, never carries data.
 
 Guarantees:
-- ``ray.init`` starts a local cluster, or joins the one named by ``RAY_ADDRESS`` /
-  ``run.address``;
-- a stage that raises stops the run: the controller is told, every actor is killed and
-  ``StageError`` carries the stage name and its remote traceback;
-- nodes placed by GPU index (``Node.gpu_bundles``) run in one placement group of one
-  single-GPU bundle per index, created (and removed at the end) by the runner; a group
-  Ray cannot place within ``PLACEMENT_TIMEOUT_S`` stops the run before any stage starts;
+- ``ray.init`` starts a local cluster, or joins ``RAY_ADDRESS`` / ``run.address``;
+- a stage that raises stops the run: every actor is killed and ``StageError`` carries the
+  stage name and its remote traceback;
+- GPU-indexed nodes run in one placement group the runner creates and removes; one Ray
+  cannot place within ``PLACEMENT_TIMEOUT_S`` stops the run before any stage starts;
 - at a clean end-of-stream every stage has drained, closed its outputs and reported;
-- the first SIGINT or SIGTERM once the stages run stops admitting prompts: what is in
-  flight drains through the stages as at a normal end (the trainer drops a step left
-  incomplete), and the run ends with ``RunResult.interrupted`` set to the signal; a
-  second one tears the graph down at once and raises ``RunInterrupted``. One that
-  arrives earlier (``STOP_SIGNALS``, installed by the launch before anything starts:
-  while Ray starts, which would swallow a ``KeyboardInterrupt``, or while the stages
-  start and set up) stops at once: nothing has been trained, so nothing drains; what
-  was started is torn down and ``RunInterrupted`` raised;
-- on every exit path the processes the stage actors spawned on this host (the vLLM
-  engine core and its workers) are gone when ``run_dataflow`` returns or raises: they
-  are listed before the actors are killed and killed after them;
-- either mode (lock-step's barrier waits for what is delivered again), a node with
-  ``max_restarts`` (rollout, reward and reference in the built-in graph): when a
-  replica's process dies, Ray restarts the actor (its
-  ``max_restarts``: Ray's own restarts, as the design asks, rather than new actors
-  made here, so the handle every queue and the controller know stays valid) and
-  this runner, which Ray cannot replace there, requeues what the dead process had
-  leased from its input queue, kills the engine processes it left behind, sets the
-  actor up again (a rollout starts a fresh engine and takes the newest published
-  weights) and runs it again. ``max_task_retries`` stays 0: a ``run`` Ray retried by
-  itself would skip the set-up and the requeue. A death beyond ``max_restarts``, or
-  of any other node, stops the run (``StageError.died``).
+- a first SIGINT/SIGTERM drains what is in flight (``RunResult.interrupted``), a second
+  (or one before the stages run) tears down at once and raises ``RunInterrupted``;
+- on every exit path the engine processes the actors spawned on this host are gone;
+- a node with ``max_restarts`` survives its process dying: Ray restarts the actor and the
+  runner requeues its leases, sets it up again and reruns it (docs/architecture.md, "Runner").
 """
 
 from __future__ import annotations

@@ -1,44 +1,20 @@
 """Weight transport: named tensors in buckets, moved without serialisation where it can.
 
-Two transports carry a trainer's weights to rollout engines:
-
-- ``shm`` (the CPU fallback, works everywhere): safetensors bytes through Ray's object
-  store and a /dev/shm file (``pipeline.weights``); the bytes' sha256 guards the trip.
-- ``cuda_ipc`` (trainer and engine on the same GPU, or GPUs of one host that both
-  processes see): the trainer packs its parameters, cast to the rollout dtype, into
-  flat per-dtype buckets that live on its GPU, and publishes only a small descriptor:
-  CUDA IPC handles of the buckets plus each tensor's name, bucket, offset and shape.
-  The engine maps the buckets into its own process (no copy) and loads from those views.
+Two transports carry a trainer's weights to rollout engines: ``shm`` (safetensors bytes
+through the object store and /dev/shm, works everywhere) and ``cuda_ipc`` (flat per-dtype
+buckets on the trainer's GPU, published as a small descriptor of CUDA IPC handles that the
+engine maps without a copy). ``select_transport`` picks one. This module is plumbing: it
+knows tensors, not models.
 
 Guarantees:
-- A descriptor is msgpack behind ``IPC_MAGIC``; ``is_ipc_payload`` tells it apart from
-  safetensors bytes (whose first 8 bytes are a little-endian header length, far smaller
-  than the magic read as one), so one ``bytes`` channel carries either.
-- ``CudaIpcExporter`` owns a ring of ``slots`` sets of buckets, allocated once and never
-  freed while it lives; publish k writes slot ``k % slots``. A consumer reads a slot
-  while at most ``slots - 1`` newer versions were published; the trainer publishes at
-  most once per optimizer step and an engine always loads the newest version, so a
-  slot is not rewritten under a reader in practice. If it were, the check below
-  refuses what was read.
-- Integrity without bytes to hash: the descriptor carries the fingerprint
-  (``pipeline.weights.compute_fingerprint``) of the buckets, computed on the trainer's
-  GPU after packing; the consumer recomputes it on its GPU from the mapped views
-  (``verify_opened``) before loading anything, and then fingerprints the live weights
-  after loading as with every transport.
-- The exporter synchronises its stream before the descriptor leaves: a consumer in
-  another process never reads a bucket while the copy into it is still running.
-- GPUs are named by UUID, not index: two processes with different
-  ``CUDA_VISIBLE_DEVICES`` agree on the device. A consumer that cannot see the
-  trainer's GPU gets ``WeightSyncError`` naming the fix (the ``shm`` transport).
-- In the producing process itself (tests, the HF backend beside a trainer) the
-  descriptor resolves to the exporter's own tensors: CUDA cannot open an IPC handle in
-  the process that made it.
-
-``select_transport`` is the rule the trainer applies: ``cuda_ipc`` when its weights are
-on a GPU and the cluster has exactly one GPU (every stage then shares it), ``shm``
-otherwise; ``CONVEYOR_WEIGHT_TRANSPORT=shm|cuda_ipc`` overrides it.
-
-This module is plumbing: it knows tensors, not models.
+- one ``bytes`` channel carries either: ``is_ipc_payload`` tells a descriptor from
+  safetensors bytes;
+- ``CudaIpcExporter``'s ring of bucket slots is allocated once and never freed while it
+  lives; a slot rewritten under a reader is refused by the fingerprint check;
+- the consumer verifies the buckets' fingerprint before loading (``verify_opened``);
+- the exporter synchronises its stream before the descriptor leaves;
+- GPUs are named by UUID; a consumer that cannot see the trainer's GPU gets
+  ``WeightSyncError`` naming the fix. Details: docs/architecture.md, "Weight transport".
 """
 
 from __future__ import annotations

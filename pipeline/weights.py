@@ -1,36 +1,18 @@
 """Weight transport: trainer state dict -> bytes -> rollout engine, and proof of arrival.
 
-Guarantees:
-- ``serialize_weights`` produces safetensors bytes (no pickle: loading never runs code)
-  of CPU, contiguous copies of the tensors; ``deserialize_weights`` is its exact inverse
-  (names, dtypes, shapes and values round-trip bit for bit; the order of names is
-  safetensors' own, by dtype then name).
-- Tied parameters travel once. Names whose tensor is the very same view as an earlier
-  name's (same storage, offset, shape, stride and dtype, as ``lm_head.weight`` and
-  ``model.embed_tokens.weight`` are in a checkpoint with tied embeddings) are dropped;
-  the first name in state-dict order is kept. Distinct views of one storage (the flat
-  buffers of ZeRO optimizers) are copied apart, never dropped.
-- ``serialize_weights`` writes the very bytes ``safetensors.torch.save`` would (same header,
-  order and padding: a sha256 recorded before stays valid) with one copy of each tensor
-  into one buffer; a dtype outside ``_ST_DTYPES`` goes through safetensors itself.
-- ``load_weights_file`` maps a payload file and returns tensors that view the mapping
-  (no copy; the mapping is private, so nothing written to a tensor reaches the file).
-- ``compute_fingerprint`` is (sum, sum of squares) of every element in float64,
-  accumulated on the device that holds the tensor (a GPU's weights never leave it) and
-  read back once at the end (``accumulate_fingerprint`` leaves it on the device). Both are
-  invariant to any reshaping, permutation, splitting or concatenation of the tensors,
-  so an engine that fuses q/k/v into ``qkv_proj`` or gate/up into ``gate_up_proj``
-  still reports the trainer's numbers; zero padding (vLLM pads the vocabulary rows of
-  embeddings and ``lm_head`` with zeros) adds nothing to either. The counting rule is
-  therefore: every parameter once, tied parameters once, buffers never.
-- ``read_payload_shapes`` / ``read_checkpoint_shapes`` read names and shapes from
-  safetensors headers alone (no tensor data is touched), so a receiver can refuse a
-  payload that does not fit its model (``check_payload_fits``) before it loads anything:
-  an engine that loads a misshaped tensor part-way can be left unusable.
-- ``fingerprints_match`` compares with a relative tolerance; it fails on any change of
-  weights larger than rounding, and a mismatch is reported as ``WeightSyncError``.
+This module is plumbing: it knows tensors, not models. Details of each rule:
+docs/architecture.md, "Weights".
 
-This module is plumbing: it knows tensors, not models.
+Guarantees:
+- ``serialize_weights`` produces safetensors bytes (no pickle), the very bytes
+  ``safetensors.torch.save`` would; ``deserialize_weights`` is its exact inverse;
+- tied parameters travel once; distinct views of one storage are copied apart;
+- ``load_weights_file`` returns tensors that view a private mapping of the file (no copy);
+- ``compute_fingerprint`` (sum, sum of squares in float64, on the tensor's device) is
+  invariant to reshaping, fusing, splitting and zero padding: every parameter once, tied
+  parameters once, buffers never;
+- ``check_payload_fits`` refuses a misshaped payload from headers alone, before loading;
+- ``fingerprints_match`` fails on any change larger than rounding (``WeightSyncError``).
 """
 
 from __future__ import annotations

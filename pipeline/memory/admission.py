@@ -3,35 +3,18 @@
 Invariant (per stage, while ``oom_protection`` is on): a micro-batch is admitted only if
   max(used, resident + in_flight) + estimate <= budget  and
   estimate + (in-flight bytes not yet allocated) <= free,
-where ``resident`` is what the stage holds with nothing in flight (weights, optimizer
-state, caches; re-measured whenever nothing is in flight) and ``in_flight`` the sum of
-admitted, unreleased estimates. A micro-batch that could never satisfy it (estimate >
-budget - resident) is split, never deferred forever; one that cannot be split (a single
-GRPO group) is admitted only when it runs alone. With nothing of the stage in flight, a
-micro-batch the device's free memory cannot hold (nothing of its own will free any) waits
-at most ``stall_timeout_s`` for a neighbour to let go, then is split to fit or, a single
-group, stops the stage naming what to lower. Deferral of one micro-batch is bounded by
-``defer_timeout_s``, after which ``AdmissionTimeout`` says why with the numbers.
-Splitting itself (whole GRPO groups, every sample once) lives in ``pipeline/memory/splitting.py``.
+where ``resident`` is what the stage holds with nothing in flight and ``in_flight`` the
+sum of admitted, unreleased estimates. The controller is a pure state machine (no
+asyncio, no threads, an injectable clock); ``AdmissionController`` shows how an actor
+drives it.
 
-The controller is a pure state machine (no asyncio, no threads, an injectable clock).
-An asyncio actor drives it like this (DEFER: wait and ask again; SPLIT reserves
-nothing: run each piece through the same steps, then merge the pieces' results)::
-
-    ctl = AdmissionController("reference", cfg.reference.memory)
-    est = estimate_batch_bytes("reference", shape, count_seq_lens(batch))
-    while (d := ctl.decide(est, read_memory(), key=batch.batch_id,
-                           max_pieces=count_groups(batch))).kind is DecisionKind.DEFER:
-        await asyncio.sleep(d.retry_after_s)
-    if d.kind is DecisionKind.SPLIT:
-        pieces = split_rollout_batch(batch, d.pieces)  # each: estimate, decide, run; merge
-    else:
-        try:
-            out = await run_with_oom_recovery(score, batch, split=split_rollout_batch,
-                                              merge=merge_rollout_batches, stage="reference",
-                                              size=count_groups, on_event=ctl.record_oom_event)
-        finally:
-            ctl.release(d.bytes)
+Guarantees:
+- a micro-batch that could never fit is split (whole GRPO groups,
+  ``pipeline/memory/splitting.py``), never deferred forever; a single group is admitted
+  only when it runs alone;
+- deferral is bounded by ``defer_timeout_s`` (``AdmissionTimeout`` with the numbers);
+- a stall on device memory waits at most ``stall_timeout_s``, then splits or stops the
+  stage naming what to lower (docs/architecture.md, "Admission").
 """
 
 from __future__ import annotations
@@ -229,7 +212,26 @@ _CONFIG_SECTION = {"rollout": "rollout", "reference": "reference", "trainer": "t
 
 class AdmissionController:
     """Per-stage admission state (see the module invariant). Not thread-safe: call it
-    from the actor's event loop only."""
+    from the actor's event loop only.
+
+    An asyncio actor drives it like this (DEFER: wait and ask again; SPLIT reserves
+    nothing: run each piece through the same steps, then merge the pieces' results)::
+
+        ctl = AdmissionController("reference", cfg.reference.memory)
+        est = estimate_batch_bytes("reference", shape, count_seq_lens(batch))
+        while (d := ctl.decide(est, read_memory(), key=batch.batch_id,
+                               max_pieces=count_groups(batch))).kind is DecisionKind.DEFER:
+            await asyncio.sleep(d.retry_after_s)
+        if d.kind is DecisionKind.SPLIT:
+            pieces = split_rollout_batch(batch, d.pieces)  # each: estimate, decide, run; merge
+        else:
+            try:
+                out = await run_with_oom_recovery(score, batch, split=split_rollout_batch,
+                                                  merge=merge_rollout_batches, stage="reference",
+                                                  size=count_groups, on_event=ctl.record_oom_event)
+            finally:
+                ctl.release(d.bytes)
+    """
 
     def __init__(
         self,

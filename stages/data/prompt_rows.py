@@ -1,36 +1,20 @@
 """Prompt rows: from a data row to the exact token ids the model sees, and the report
 that validates a whole data file before a run starts.
 
-Column mapping (``data.prompt_key``, ``data.answer_key``, as in verl):
-- The prompt is ``row[prompt_key]``: a string (a plain prompt) or a list of
-  ``{"role": str, "content": str}`` messages (the OpenAI chat format). When
-  ``prompt_key`` is left at ``prompt`` and the data has no such column, a ``messages``
-  column is used. A column named ``messages`` is the chat format's: a row holding
-  anything but a list there (a string, say) is a ``malformed`` row, not a plain prompt.
-- The answer (``Prompt.ground_truth``) is ``row[answer_key]``; a dotted key reads into a
-  nested object (``reward_model.ground_truth``, verl's layout). Left at
-  ``ground_truth`` and absent, ``reward_model.ground_truth`` is used when the data has
-  a ``reward_model`` column, otherwise rows have no answer (None).
-- ``data_source`` (a string) and ``extra_info`` (an object) pass through when present.
-- A ``prompt_key`` or an explicitly set ``answer_key`` the data lacks is a
-  ``ConfigError`` listing the columns the data has.
+The prompt is ``row[data.prompt_key]`` (a string, or OpenAI-format chat messages), the
+answer ``row[data.answer_key]`` (dotted keys read nested objects, as in verl);
+``data.chat_template`` (``auto`` or ``none``) says how chat rows are rendered. Column
+fallbacks and rendering rules: docs/architecture.md, "Prompt rows".
 
-Chat templates (``data.chat_template``):
-- ``auto``: a chat row is rendered with the tokenizer's chat template and the
-  generation prompt, and the rendered text is tokenized without adding special tokens
-  (the template writes them, BOS included, as ``apply_chat_template`` does). A plain
-  prompt stays as written and is tokenized with the tokenizer's special tokens (BOS
-  where the model has one): base-model data is not wrapped in a chat turn.
-- ``none``: plain prompts only.
-- Chat rows with ``none``, or with a tokenizer that has no chat template, are a
-  ``ConfigError`` naming ``data.chat_template`` and the model path.
-- ``Prompt.text`` is the rendered text; ``Prompt.token_ids`` its token ids, computed
-  once here; ``data.max_prompt_len`` counts those ids.
-
-Guarantees of ``scan_data``: every row of the data is read once, streaming, and either
-counted usable or counted under one skip reason (``empty``, ``malformed``,
-``over_length``, ``chat_template_error``) with its row number; the rows of the report
-add up: usable + skipped = total.
+Guarantees:
+- ``Prompt.token_ids`` are computed once here and are what the model sees;
+  ``data.max_prompt_len`` counts them; a plain prompt is never wrapped in a chat turn;
+- a column the config names but the data lacks is a ``ConfigError`` listing the
+  columns the data has; chat rows without a usable chat template are a ``ConfigError``
+  naming ``data.chat_template`` and the model path;
+- ``scan_data`` reads every row once, streaming, and counts it usable or under one skip
+  reason (``empty``, ``malformed``, ``over_length``, ``chat_template_error``) with its
+  row number: usable + skipped = total.
 """
 
 from __future__ import annotations

@@ -1,39 +1,20 @@
 """Reward-function adapters: the pure core of the reward stage, and its actor shell.
 
-Where a function comes from (``reward.function``): ``task`` (the data task's own
-``compute_score``), a built-in named in ``BUILTIN_REWARDS`` (``math``, ``gsm8k``,
-``format``, ``think_format``), ``module:attr`` (imported), or ``path/to/file.py:name`` (verl's
-``custom_reward_function``: the file is loaded by path, no package needed; also spelt
-``reward.path`` + ``reward.name``).
-
-Two signatures are accepted, detected from parameter names (``reward.signature: auto``)
-or forced (``score`` / ``batched``):
-- verl-style, per sample: ``compute_score(data_source, solution_str, ground_truth,
-  extra_info=None) -> float | dict``; a dict carries the reward under ``"score"`` and any
-  other numeric keys become extras (``reward/<key>`` step metrics).
-- TRL-style, batched: ``f(prompts, completions, **columns) -> list[float]`` with the
-  columns ``ground_truth``, ``data_source`` and ``extra_info`` as lists (one per sample).
-Either may be ``async def``: the samples of a micro-batch are then awaited concurrently.
+A function comes from ``reward.function``: ``task``, a built-in in ``BUILTIN_REWARDS``,
+``module:attr`` or ``path/to/file.py:name``. Two signatures are accepted, detected from
+parameter names or forced by ``reward.signature``: verl's per-sample ``compute_score``
+(a float, or a dict with ``"score"`` and extras) and TRL's batched ``f(prompts,
+completions, **columns)``; either may be ``async def``. Details: docs/architecture.md,
+"Reward".
 
 Guarantees of ``RewardFn.score``:
-- Every sample gets a finite float32 reward. A sample whose function call raises, times
-  out (``reward.timeout_s`` per call), or returns a non-number, NaN or inf, gets
-  ``on_error`` and one entry in ``errors`` (``"<sample index>: <ExceptionType>:
-  message"`` or ``"<i>: returned non-number ..."``); the other samples are scored
-  normally. A batched function that raises as a whole is called again one sample at a
-  time, so one bad sample cannot fail its batch; one that times out fails its batch.
-- A timed-out plain function cannot be interrupted: its call is left running in a
-  daemon thread and its result discarded. A timed-out ``async def`` call is cancelled.
-- A batched function returning the wrong number of values is a bug, not a sample
-  failure: it raises ``RewardShapeError`` (a ValueError) naming the function and both lengths.
+- every sample gets a finite float32 reward: one whose call raises, times out
+  (``reward.timeout_s``) or returns a non-number gets ``on_error`` and one ``errors``
+  entry, the others are scored normally; one bad sample never fails its batch;
+- a batched function returning the wrong number of values raises ``RewardShapeError``;
 - ``extras[key]`` has one value per sample, NaN where that sample gave none.
-
-``RewardStage`` is the thin actor shell; it labels each error with its sample id (the
-wire format of ``RolloutBatch.reward_errors``). Failures are visible: the first one is logged
-at warning level with the function's name (the driver's console shows it), every step
-reports ``reward/errors``, ``summary.json`` the run's total and first error, and a
-step whose every sample failed stops the run with ``RewardFailedError`` naming the
-function and its first error.
+``RewardStage`` makes failures visible (a warning, ``reward/errors``, ``summary.json``);
+a step whose every sample failed stops the run with ``RewardFailedError``.
 """
 
 from __future__ import annotations

@@ -2,33 +2,17 @@
 ``reward.sources`` combines its score with the rule reward.
 
 Guarantees:
-- ``RewardModel`` loads any local ``AutoModelForSequenceClassification`` checkpoint with
-  exactly one logit (``num_labels == 1``; anything else is refused, naming the path) and
-  its tokenizer, frozen, in eval mode. ``score`` returns float32 [S]: for sample ``i`` the
-  logit a direct transformers forward gives for the sample's text: a chat prompt's
-  messages and the completion as the assistant's reply under the reward model's own
-  chat template (when its tokenizer has one), else ``prompt.text + completions[i]`` (the
-  prompt exactly as the policy saw it) tokenized by the reward model's tokenizer
-  (special tokens added unless the prompt already starts with its BOS). Chunks of ``chunk_size`` samples are
-  right-padded with a token id that occurs in none of the chunk's sequences, so padding
-  never moves the position the classifier pools (its last non-pad token): a padded
-  forward scores what an unpadded one would.
-- ``combine_reward_sources`` is pure: each source's raw per-sample scores are normalised
-  (``none``; ``batch``: z-score over the micro-batch; ``running``: z-score by the mean and
-  std of every score the stage has seen, this micro-batch included) and summed with their
-  weights. Raw scores travel on as ``reward_extras[<source name>]`` (step metrics
-  ``reward/<name>``); the previous reward (the reward stage's rule score) is the
-  ``function`` source.
-- ``RewardModelStage`` scores under ``reward_model`` memory admission, like the
-  reference stage: a micro-batch is admitted against the budget or split by whole
-  groups, an out-of-memory error halves the failing piece, pieces merge back with every
-  sample once (``pipeline/memory/guard.py``). The running statistics live in the actor:
-  a restarted or resumed run starts them again.
-- DAPO's overlong penalty and dynamic sampling (``algorithm.overlong_buffer_len``,
-  ``drop_zero_variance_groups``) run here, on the combined reward, and not in the
-  reward stage before it (``stages.rewards.shaping.shapes_rewards``): the penalty is
-  added after the combination (a rule weight of 0 does not erase it) and groups are
-  dropped on the reward the trainer sees.
+- ``RewardModel`` loads a local ``AutoModelForSequenceClassification`` checkpoint with
+  exactly one logit (else refused, naming the path), frozen, in eval mode;
+- ``score`` returns float32 [S]: the logit a direct transformers forward gives for each
+  sample's text; padding never moves the position the classifier pools;
+- ``combine_reward_sources`` is pure: each source's scores are normalised (``none``,
+  ``batch`` or ``running``) and summed with their weights; raw scores travel on as
+  ``reward_extras[<source name>]``;
+- ``RewardModelStage`` scores under ``reward_model`` memory admission, every sample once;
+  running statistics restart with the actor;
+- DAPO's overlong penalty and dynamic sampling run here, on the combined reward.
+Details: docs/architecture.md, "Reward model".
 """
 
 from __future__ import annotations

@@ -4,30 +4,16 @@ overlong penalty and dynamic sampling (groups without learning signal dropped).
 Guarantees:
 - ``compute_overlong_penalty`` is a pure function of the completion lengths: 0 up to
   ``max_tokens - buffer_len`` tokens, then falling linearly to ``-factor`` at
-  ``max_tokens`` (DAPO, arXiv 2503.14476, eq. 13).
-- ``GroupFilter`` (``algorithm.drop_zero_variance_groups``) drops every group whose
-  samples all got the same reward (its advantages would all be 0) and emits the kept
-  groups as micro-batches of exactly ``groups_per_batch`` groups, in arrival order, so
-  the trainer still sees whole micro-batches and a step never overshoots its size (the
-  ledger's end would then fall inside a step, which never completes). A whole batch with
-  nothing dropped and nothing waiting passes through unchanged; a short one (the source
-  grants what room a drop reopened) waits in the queue like kept groups. A regrouped
-  batch takes the ``batch_id`` and ``step`` of the batch its first group came from
-  (unique: a batch's kept groups fit in the batch they start, see ``add``) and the
-  oldest ``policy_version`` of its groups.
-- Accounting: the dropped prompts' indices ride, by reason, in the ``dropped_prompts``
-  of the next batch emitted, so the trainer (which owns the run's done set and its
-  checkpoints) records each exactly once; the caller reports the count to the
-  controller's ledger at once, which reopens room so the source replaces them. At the
-  end of a stream ``flush`` emits what is left (a stopped run), an empty batch when
-  only drops are left (the reference passes it on, the trainer only records its drops),
-  so none is lost.
-- Both run on the final reward: ``shapes_rewards`` names the stage (the reward model's
-  when one is wired, since it replaces the reward stage's score) and ``RewardShaper``
-  is what that stage runs.
-- A run whose groups never vary would replace them forever: after
-  ``MAX_CONSECUTIVE_DROPS_PER_STEP * prompts_per_step`` dropped groups in a row
-  ``add`` raises ``NoLearningSignalError``.
+  ``max_tokens`` (DAPO, arXiv 2503.14476, eq. 13);
+- ``GroupFilter`` drops every group whose samples all got the same reward and emits kept
+  groups as micro-batches of exactly ``groups_per_batch`` groups, in arrival order, so a
+  step never overshoots its size;
+- every dropped prompt is recorded exactly once by the trainer and reported to the
+  ledger at once, so the source replaces it; ``flush`` loses none at end of stream;
+- both run on the final reward (``shapes_rewards`` names the stage);
+- a run whose groups never vary raises ``NoLearningSignalError`` after
+  ``MAX_CONSECUTIVE_DROPS_PER_STEP * prompts_per_step`` drops in a row.
+Details: docs/architecture.md, "Reward shaping".
 """
 
 from __future__ import annotations

@@ -4,30 +4,16 @@ extra_info=None) -> float``.
 
 Expected columns: ``ground_truth`` is the row's ``data.answer_key`` column (set
 ``data.answer_key: answer`` for GSM8K and most math sets); ``data_source`` and
-``extra_info`` are not read.
+``extra_info`` are not read. Each function's rule is in its own docstring
+(``compute_math_score``, ``compute_gsm8k_score``, ``compute_format_score``,
+``compute_think_format_score``).
 
-- ``math``: the completion's answer is its last ``\\boxed{...}`` (or ``\\fbox{...}``),
-  else the text of its last ``<answer>...</answer>``, else its last number. The reference
-  may be plain (``3/4``, ``\\frac{3}{4}``, ``0.75``) or hold a ``\\boxed{}`` itself. Both are
-  checked with Hugging Face's ``math_verify`` (``parse`` then ``verify``, its timeouts
-  off: the reward stage bounds a call with ``reward.timeout_s``) when that package is
-  installed (``pip install conveyor[math]``), else by the fallback ``answers_match``:
-  both normalised (``normalize_answer``: spacing, ``$``, ``\\left``/``\\right``,
-  ``\\dfrac``, ``\\text{}``, degrees, percent, thousands commas and a trailing period
-  dropped) and equal as exact rationals (integers, decimals, ``a/b``, ``\\frac{a}{b}``)
-  or, failing that, as strings.
-- ``gsm8k``: GSM8K's ``#### answer`` convention. The reference is the number after the
-  last ``####`` of the answer column (or the whole value, a bare number); the
-  completion's answer is the number after its last ``####``, else its last number
-  (verl's flexible mode; an instruct model is rarely told to write ``####``). Equal as
-  exact rationals (``$1,000.00`` equals ``1000``).
-- ``format``: the completion is ``<think>...</think>`` then ``<answer>...</answer>``, each
-  once, with only whitespace around them.
-- ``think_format``: the completion is one ``<think>...</think>`` block followed by a
-  non-empty answer.
-
-Every function returns 1.0 or 0.0 and never raises on any string (a missing or
-non-string ground truth scores 0.0).
+Guarantees:
+- every function returns 1.0 or 0.0 and never raises on any string (a missing or
+  non-string ground truth scores 0.0);
+- ``math`` uses ``math_verify`` when installed (``pip install conveyor[math]``), else the
+  exact-rational fallback ``answers_match``; its own timeouts are off, the reward stage
+  bounds a call with ``reward.timeout_s``.
 """
 
 from __future__ import annotations
@@ -45,7 +31,17 @@ _REMOVED = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\displaystyle", "
 
 
 def compute_math_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    """1.0 when the completion's final answer equals ``ground_truth`` (see the module)."""
+    """1.0 when the completion's final answer equals ``ground_truth``, else 0.0.
+
+    The completion's answer is its last ``\\boxed{...}`` (or ``\\fbox{...}``), else the
+    text of its last ``<answer>...</answer>``, else its last number. The reference may be
+    plain (``3/4``, ``\\frac{3}{4}``, ``0.75``) or hold a ``\\boxed{}`` itself. Both are
+    checked with Hugging Face's ``math_verify`` (``parse`` then ``verify``, its timeouts
+    off: the reward stage bounds a call with ``reward.timeout_s``) when that package is
+    installed (``pip install conveyor[math]``), else by the fallback ``answers_match``:
+    both normalised (``normalize_answer``) and equal as exact rationals (integers,
+    decimals, ``a/b``, ``\\frac{a}{b}``) or, failing that, as strings.
+    """
     if not isinstance(ground_truth, str | int | float) or isinstance(ground_truth, bool):
         return 0.0
     answer = extract_final_answer(solution_str)
@@ -59,7 +55,14 @@ def compute_math_score(data_source: str, solution_str: str, ground_truth: Any, e
 
 
 def compute_gsm8k_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    """1.0 when the completion's ``####`` (else last) number equals the reference's."""
+    """1.0 when the completion's ``####`` (else last) number equals the reference's.
+
+    GSM8K's ``#### answer`` convention. The reference is the number after the last
+    ``####`` of the answer column (or the whole value, a bare number); the completion's
+    answer is the number after its last ``####``, else its last number (verl's flexible
+    mode; an instruct model is rarely told to write ``####``). Equal as exact rationals
+    (``$1,000.00`` equals ``1000``).
+    """
     if not isinstance(ground_truth, str | int | float) or isinstance(ground_truth, bool):
         return 0.0
     reference = _first_number(str(ground_truth).rpartition("####")[2])
@@ -69,7 +72,8 @@ def compute_gsm8k_score(data_source: str, solution_str: str, ground_truth: Any, 
 
 
 def compute_format_score(data_source: str, solution_str: str, ground_truth: Any = None, extra_info: Any = None) -> float:
-    """1.0 for ``<think>...</think><answer>...</answer>`` (each tag once), else 0.0."""
+    """1.0 for ``<think>...</think><answer>...</answer>`` (each tag once, with only
+    whitespace around them), else 0.0."""
     if _FORMAT.fullmatch(solution_str) is None:
         return 0.0
     return 1.0 if all(solution_str.count(tag) == 1 for tag in ("<think>", "</think>", "<answer>", "</answer>")) else 0.0
@@ -115,7 +119,9 @@ def extract_boxed(text: str) -> str | None:
 
 
 def normalize_answer(text: str) -> str:
-    """The fallback's canonical spelling of an answer (see the module)."""
+    """The fallback's canonical spelling of an answer: spacing, ``$``,
+    ``\\left``/``\\right``, ``\\dfrac``, ``\\text{}``, degrees, percent, thousands commas and
+    a trailing period dropped."""
     text = text.strip()
     for token in _REMOVED:
         text = text.replace(token, "")

@@ -2,45 +2,20 @@
 
 Guarantees:
 - a micro-batch of prompts becomes one ``RolloutBatch`` holding every prompt's ``n``
-  samples consecutively (GRPO groups stay whole), with behaviour log-probs and the
-  policy version of every token;
-- up to ``rollout.max_inflight`` micro-batches generate at once inside the engine
-  (continuous batching) and each is emitted as soon as its sequences finish;
-- weights are applied as soon as the trainer publishes them, by a watcher task, while
-  generation goes on (in-flight update: tokens sampled afterwards carry the new version);
-  the payload's sha256 is checked before applying. With ``train.weight_sync_monitor``
-  on (the default) the engine's live weights are read back after every update and a
-  mismatch stops the run before a token is sampled from them; off, the read-back is
-  skipped during the run (it costs a pass over the weights per update) and done once
-  at the end;
-- at shutdown a worker applies the last published version and checks the engine's
-  live weights against it, so a finished run's workers all serve (and have verified)
-  the final policy, whatever ``weight_sync_monitor`` says; a mismatch fails the run;
-- generation for step k waits until this worker serves the newest version the trainer
-  may be trained with at step k (``pipeline.versions.required_serving_version``),
-  so samples are not produced only to be dropped as stale;
-- under ``rollout.memory`` a micro-batch generates only once its KV cache (prompt +
-  ``max_tokens`` per sample, ``estimate_kv_cache_bytes``) fits the worker's KV budget
-  beside the micro-batches already generating here; one that alone exceeds it is split
-  by prompts, the parts generate as they are admitted, and their results are joined back
-  in prompt order into one ``RolloutBatch``: queues carry whole micro-batches only. An
-  out-of-memory error from the backend (HF ``generate``) halves the prompts and retries.
-  The KV budget is the cache the engine made (vLLM's blocks × block size, in this
-  model's bytes per token); a backend that reports none (HF) gets ``rollout.kv_cache_gib``
-  (1 GiB if unset).
-- with ``placement: colocate`` (lock-step, on-policy) the worker sleeps when the
-  trainer asks for the GPU (``ControllerClient.hand_gpus_to_trainer``): once nothing is
-  generating here, the backend's ``sleep`` frees the engine's weights and KV cache, and
-  the worker confirms. The first update newer than the version whose training it slept
-  for wakes it (every payload holds all the weights): weights first, the update loaded
-  into them (and read back unless ``train.weight_sync_monitor`` is off), then the KV cache
-  (not at shutdown, where only the final weights are loaded and read back). A
-  micro-batch never generates on a sleeping engine: its version wait ends only after
-  that wake;
-- with ``rollout.tools`` each sample is a multi-turn trajectory with tool calls
-  (``stages/rollout/multi_turn.py``): tool output is masked out of the loss
-  (``RolloutBatch.loss_mask``) and the per-sample tool and turn counts ride in
-  ``rollout_extras``.
+  samples consecutively (GRPO groups stay whole), with behaviour log-probs and the policy
+  version of every token;
+- up to ``rollout.max_inflight`` micro-batches generate at once (continuous batching),
+  each emitted as soon as its sequences finish;
+- weights are applied as soon as published, while generation goes on; the payload's
+  sha256 is checked first, and (``train.weight_sync_monitor``) the live weights are read
+  back, a mismatch stopping the run before a token is sampled from them;
+- at shutdown every worker serves and has verified the final policy;
+- generation for step k waits for the newest version step k may train with
+  (``required_serving_version``), so no sample is made only to be dropped;
+- under ``rollout.memory`` a micro-batch generates only once its KV cache fits; queues
+  carry whole micro-batches only; colocated, no micro-batch generates on a sleeping
+  engine; with ``rollout.tools`` tool output is masked out of the loss.
+Mechanisms: docs/architecture.md, "Rollout stage".
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
 """Tools a model calls during a multi-turn rollout (``rollout.tools``): the call format,
 the built-in calculator and sandboxed Python evaluator, and the guarded call.
 
-The call format: ``[name: arguments]``. A call is complete at its closing ``]``; its
-opening ``[`` may lie in the prompt (a prompt can open the call for the model) or earlier
-in the completion. The result is shown to the model as ``RESULT_TEMPLATE``
-(`` -> 42`` and a newline), tokens the loss never sees.
+The call format: ``[name: arguments]``, complete at its closing ``]`` (its ``[`` may lie
+in the prompt); the result is shown as ``RESULT_TEMPLATE``, tokens the loss never sees.
 
 Guarantees:
 - ``find_tool_call`` is a pure function of the text: the first complete, well-formed call
-  whose ``]`` lies at or after ``start`` (text between brackets that is not
-  ``name: arguments`` is not a call);
-- ``call_tool`` never raises: an unknown tool, a tool that raises (``SystemExit`` too),
-  returns a non-string or runs past ``timeout_s`` (counted from when one of the tools'
-  own ``TOOL_THREADS`` starts it) gives ``"error: ..."`` as its result, which the model
-  sees;
-- ``evaluate_arithmetic`` evaluates numbers, + - * / // % ** and parentheses only (no
-  names, no calls), with bounded exponents and integer results of at most
-  ``_MAX_BITS`` bits, checked before each ``*`` and ``**`` is computed: a nested power
-  is refused at once instead of holding the GIL for minutes in big-int arithmetic;
-- ``PythonSandbox`` runs code in a separate interpreter (``python -I``) in a session and
-  process group of its own, with an address space limit (``memory_mb``), a CPU time
-  limit, a process limit (``RLIMIT_NPROC``: ``max_processes`` above what the user runs),
-  files that cannot grow (``RLIMIT_FSIZE`` 0) and a wall-clock limit: at ``timeout_s``,
-  once its output passes ``max_output_chars`` and in any case when the call returns, the
-  whole group is killed (SIGKILL), so a forked child outlives no call. Output is read in
-  bounded chunks (at most about 4 bytes per kept character of stdout, a bounded tail of
-  stderr), never whole. It bounds runaway code (a loop, a memory bomb, a fork bomb, a
-  flood of output); it is not a security boundary against hostile code (no network or
-  filesystem isolation; a descendant that calls ``setsid`` leaves the group, and root
-  ignores ``RLIMIT_NPROC``).
+  whose ``]`` lies at or after ``start``;
+- ``call_tool`` never raises: any failure or a timeout gives ``"error: ..."``, which the
+  model sees;
+- ``evaluate_arithmetic`` evaluates numbers and arithmetic only, with bounded results
+  checked before each ``*`` and ``**``;
+- ``PythonSandbox`` bounds runaway code (CPU, memory, processes, output, wall clock; the
+  whole process group killed by the time the call returns); it is not a security
+  boundary. Limits in detail: docs/architecture.md, "Tools".
 """
 
 from __future__ import annotations

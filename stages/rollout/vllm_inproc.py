@@ -1,39 +1,20 @@
 """vLLM's engine core inside the rollout's own process, stepped by one thread.
 
-``AsyncLLM`` runs the engine core in a process of its own: every engine step's outputs
-(the new token and its log-prob for every running request) are serialised, sent over
-ZMQ and decoded again in the rollout's process. Here they are not, and the engine starts
-sooner (docs/performance/vllm-engine.md).
-
-``InProcessEngine`` gives ``VLLMBackend`` the part of ``AsyncLLM``'s surface it uses
-(``add_request`` returning a collector, ``abort``, ``pause_generation(mode="keep")``,
-``resume_generation``, ``collective_rpc``, ``output_processor``,
-``model_config``, ``shutdown``) over vLLM's ``LLMEngine`` with ``multiprocess_mode``
-off. Selected by ``rollout.engine_core: in_process``. Without tensor parallelism the
-model runs in this process too, on a GPU (vLLM's own choice) and on CPU (where vLLM would
-start a worker process: ``_build_llm_engine``).
+``InProcessEngine`` gives ``VLLMBackend`` the part of ``AsyncLLM``'s surface it uses over
+vLLM's ``LLMEngine`` with ``multiprocess_mode`` off, so step outputs are not serialised
+between processes (``rollout.engine_core: in_process``). Details: docs/architecture.md,
+"In-process engine".
 
 Guarantees:
-
-- One thread, the stepper, builds the engine and is the only one that ever calls it:
-  adds, aborts, pauses, RPCs (weight loads, fingerprints) are queued and run by the
-  stepper between two engine steps, all that are queued before the next step. So
-  nothing races the scheduler, and an RPC sees the model between steps.
-- Paused (``pause_generation``): no step runs until ``resume_generation``; queued calls
-  still run. Pausing returns once the step in progress (if any) has finished and its
-  outputs are processed, so the output processor's token counts are exact while
-  paused. Keep mode: requests stay scheduled; ``clear_cache`` preempts the running
-  ones and drops the prefix cache, so after the pause they recompute their KV cache
-  with the weights loaded meanwhile (as ``AsyncLLM``'s keep-mode pause does).
-- A finished request's output (every output, for a ``DELTA`` request) is put into its
-  collector on the event loop that added it.
-- A step that raises fails every request in flight with that error, and every later
-  call; ``shutdown`` fails what is still in flight with ``EngineStopped``.
-- With the sampler tap (asked for, and ``vllm_sampler_tap`` installed it), every
-  completion that vLLM gives no log-probs carries the tap's, one per token
-  (``SampledLogprobs``), before it reaches its collector; one that vLLM gives them is
-  checked against the tap's (``sampler_tap="verify"``). A request the tap has no value
-  for, or a value that differs from vLLM's, fails with ``LookupError``.
+- one thread, the stepper, builds the engine and alone calls it; adds, aborts, pauses and
+  RPCs run between two engine steps, so nothing races the scheduler;
+- paused: no step runs until ``resume_generation``; pausing returns once the step in
+  progress is processed; keep mode recomputes KV with the weights loaded meanwhile;
+- a finished request's output reaches its collector on the event loop that added it;
+- a step that raises fails every request in flight and every later call; ``shutdown``
+  fails what is in flight with ``EngineStopped``;
+- with the sampler tap every completion carries one log-prob per token, or fails with
+  ``LookupError``.
 """
 
 from __future__ import annotations

@@ -1,41 +1,20 @@
 """The sampled tokens' log-probs taken from vLLM's sampler on the GPU, in the rollout's
 own process, instead of from vLLM's outputs.
 
-Asked for ``logprobs=0``, vLLM computes the sampled token's log-prob on the GPU in one
-kernel, then spends Python on it for every request at every engine step: the scheduler
-slices a list per request, the output processor appends it to the request's log-probs.
-That costs a large share of a step (docs/performance/vllm-engine.md).
-
-With the in-process engine (``vllm_inproc``) on vLLM's GPU model runner (V2), the model
-runs in this process, so ``install_sampler_tap`` wraps that runner's sampling: after
-each engine step's sampling it computes, for every row, the log-prob of the token just
-sampled from the logits vLLM sampled it from (after temperature, penalties, top-k/top-p:
-vLLM's ``processed_logprobs``, with the kernel vLLM itself uses; a greedy row's logits
-are not scaled, as in vLLM), and copies the row's value and position to pinned host
-memory without waiting. vLLM is asked for no log-probs. It samples without FlashInfer
-then, as it does whenever processed log-probs are asked (FlashInfer's sampler keeps
-top-k/top-p out of the logits). The stepper reads the records after each step and
-attaches the values to each finished request (``SampledLogprobLedger.take``): one
-dictionary lookup per row per step, and one slice per request.
+With the in-process engine on vLLM's V2 GPU model runner, ``install_sampler_tap`` wraps
+the runner's sampling: after each step it computes each row's sampled-token log-prob
+from the processed logits and copies it to pinned host memory without waiting; the
+stepper attaches the values to each finished request (``SampledLogprobLedger.take``).
+Why and how: docs/architecture.md, "Sampler tap".
 
 Guarantees:
-
-- A value is filed under the request and the output position of the token it belongs
-  to (the row's position minus the request's prompt length), never by counting rows:
-  a row vLLM discards is marked as not sampled by vLLM itself (a chunk of a prefill),
-  overwritten in step order by the row that samples that position again (a token
-  sampled in flight for a request a weight update preempted), or past every position
-  ``take`` reads (a token sampled in flight after the request finished).
-- Records are applied in the order the GPU made them; a record is read only once its
-  copy has finished (its CUDA event).
-- ``take`` returns a value for every token it is asked for, or raises naming the
-  request and the position: a missing log-prob fails the request (and the rollout's
-  ``generate`` call that asked for it), never shifts it. A failure inside the wrappers
-  leaves vLLM's sampling as it was and fails the requests that need the tap.
-- Installed only where it is exact: vLLM's V2 GPU model runner in this process, one
-  sampled token per request per step (no speculative decoding), one pipeline stage,
-  text positions. Anywhere else ``install_sampler_tap`` says why and the backend asks
-  vLLM for the log-probs as before.
+- a value is filed under its request and output position, never by counting rows;
+- records are applied in GPU order, each read only once its copy has finished;
+- ``take`` returns a value for every token asked for, or raises naming the request and
+  position: a missing log-prob fails the request, never shifts it; a failure inside the
+  wrappers leaves vLLM's sampling as it was;
+- installed only where it is exact; elsewhere ``install_sampler_tap`` says why and the
+  backend asks vLLM for the log-probs.
 """
 
 from __future__ import annotations

@@ -7,36 +7,13 @@ without vLLM (it is imported by name inside vLLM's worker processes, and its pur
 ``combine_rank_fingerprints`` is unit-tested without an engine).
 
 Guarantees:
-- ``apply_weights`` loads a safetensors payload through the model's own
-  ``load_weights`` (so q/k/v and gate/up are fused, vocab rows padded, tensor-parallel
-  shards cut exactly as at start-up) and returns two fingerprints measured inside the
-  worker: the payload's, rounded to the dtype the engine serves, and (with ``verify``)
-  the live model's, read back from its parameters after the load. The caller compares
-  them.
-- On a GPU, ``apply_weights_ipc`` takes a ``pipeline.transport`` descriptor instead:
-  the trainer's buckets are mapped (CUDA IPC), their fingerprint is checked against the
-  published one before anything is loaded, and ``load_weights`` reads GPU memory.
-- Unquantized dense weights on a GPU are loaded with the model's ``load_weights``
-  alone; elsewhere (and for fused mixture-of-experts layers, whose kernels may re-lay
-  their weights out) ``reload_weights`` (where vLLM has it) re-runs post-load processing.
-- Weights travel as a file path when the frontend shares the worker's /dev/shm
-  (``apply_weights_file``: the worker maps the file, no copy until ``load_weights``),
-  else as bytes through collective_rpc (msgpack carries ``bytes``, not tensors; it costs
-  about three copies). A worker that cannot see the file reports it before loading
-  anything, so the frontend can resend the bytes.
-- The live fingerprint is read from what the forward pass uses. On CPU, vLLM packs
-  every linear layer's weight into an opaque oneDNN / sgl-kernel buffer and leaves an
-  empty ``weight`` parameter behind; such a weight is read back through the layer's own
-  kernel, by multiplying the identity: ``cpu_linear(I_K) = W^T`` exactly (each output
-  element is one product with 1.0 plus exact zeros). Elsewhere the parameters are the
-  live weights and are read directly.
-- ``trim_host_memory`` gives the worker's freed heap back to the OS; it loads nothing.
-- ``fingerprint`` reports (sum, sum of squares) per parameter name of this rank;
-  ``combine_rank_fingerprints`` folds the ranks into one model fingerprint: a name held
-  with identical numbers by several ranks is replicated (norms under tensor
-  parallelism) and counts once; otherwise the ranks' shards are added. A sharded
-  parameter whose shards have exactly equal sums and sums of squares would be counted
-  once; real weights never do, and all-zero shards add nothing either way.
+- weights load through the model's own ``load_weights`` (fused, padded, sharded exactly as
+  at start-up); the payload's and the live model's fingerprints are measured in the worker;
+- an IPC descriptor's buckets are checked against the published fingerprint before loading;
+- a worker that cannot see the payload file says so before loading anything;
+- the live fingerprint is read from what the forward pass uses (on CPU, through the
+  layer's own kernel); ``combine_rank_fingerprints`` counts replicated names once and adds
+  shards. Details: docs/architecture.md, "vLLM worker extension".
 """
 
 from __future__ import annotations

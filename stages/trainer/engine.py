@@ -2,51 +2,20 @@
 variable number of micro-batch pieces and takes one optimizer step when told to.
 
 Guarantees:
-- ``train_micro_batch`` only accumulates gradients; ``optimizer_step`` is the single
-  place weights change, and ``version`` (the policy version) counts its calls from 0
-  (those with ``bump_version``: PPO's updates inside a step do not count).
-  DeepSpeed runs with ``managed_gradient_accumulation: false``: its own micro-step
-  counter never decides a boundary, so any number of pieces may make one step (the
-  admission controller may split a micro-batch), and a step happens exactly once per
-  ``optimizer_step`` call.
-- The gradient of one step is ``grad_scale`` times the gradient of
-  ``sum(scale_k * loss_k)`` over its pieces, where ``loss_k`` is the piece's loss
-  aggregated by ``algorithm.loss_agg`` and ``grad_scale`` is given to ``optimizer_step``
-  (applied before clipping: a streaming step can know its token count only at its end).
-  Inside a piece, memory-bounding chunks are weighted so that chunking never changes the
-  loss.
-  With ``scale_k`` from the trainer's ``compute_piece_weight`` (``stages/trainer/pieces.py``) the
-  split of a micro-batch into pieces never changes the update either (up to float rounding).
-- A ``train_micro_batch`` call that raises after its first backward began leaves
-  ``gradients_tainted`` set: the accumulated gradients then hold part of a piece, and
-  ``optimizer_step`` refuses to apply them until ``discard_gradients`` (after which the
-  caller re-accumulates the step's pieces). A call that raises before any backward
-  leaves the gradients as they were.
-- A step whose loss or gradient norm is not finite is not applied: ``optimizer_step``
-  zeroes its gradients, leaves weights, optimizer moments, lr schedule and ``version``
-  as they were and reports ``skipped_nonfinite`` 1. Under ZeRO 0 (torch AdamW, which
-  would apply NaN) the engine checks the norm itself before stepping; DeepSpeed's ZeRO
-  and bf16 optimizers check it inside ``step()`` and skip the update themselves
-  (``bf16.check_grad_overflow`` is pinned on). With several ranks the decision is
-  all-reduced, so every rank skips or none does. Under fp16 a skip is the dynamic loss
-  scaler's (``skipped``), not a non-finite step.
-- Weights leave the engine under their Hugging Face checkpoint names (a mixture of
-  experts' 3D expert tensors split one expert at a time, ``stages.models.checkpoint_names``), in the
-  rollout dtype, tied parameters once, whole (under ZeRO 3 gathered from the ranks'
-  partitions for the export): as safetensors bytes on CPU (``export_weights``;
-  ``weights_sha256`` is the sha256 of exactly those bytes) or, on a GPU, as a
-  ``cuda_ipc`` descriptor of buckets that stay on the GPU (``export_weights_ipc``).
-- On a GPU the engine trains with DeepSpeed mixed precision in the model dtype
-  (bfloat16: bf16 weights and activations, float32 master weights and Adam moments,
-  and, unless ``train.grad_accum_dtype: bf16``, float32 gradient accumulation across a
-  step's pieces).
-- ``train.compile`` (``auto``: on a GPU, below ZeRO 3, with a compiler) compiles the model's transformer
-  blocks in place (``compile_blocks``): parameter names, checkpoints and exported weights
-  are the eager model's; losses and gradients match eager up to the fused kernels' bf16
-  rounding (``tests/gpu``). ``compiled_blocks`` / ``compile_skipped`` say what was done.
-- On CPU, the same state and the same inputs give bitwise-identical losses, gradient
-  norms and weights (same thread count); ``save_state``/``load_state`` round-trip
-  weights, optimizer moments, version and RNG states exactly.
+- ``train_micro_batch`` only accumulates gradients; ``optimizer_step`` is the single place
+  weights change, exactly once per call, and ``version`` counts those calls (with
+  ``bump_version``) from 0;
+- a step's gradient is ``grad_scale`` times that of ``sum(scale_k * loss_k)`` over its
+  pieces: neither chunking inside a piece nor the split into pieces changes the update
+  beyond float rounding;
+- after a ``train_micro_batch`` that raised mid-backward, ``optimizer_step`` refuses until
+  ``discard_gradients``;
+- a non-finite step is not applied: weights, moments, schedule and ``version`` stay as
+  they were, on every rank alike;
+- weights leave under their Hugging Face names, in the rollout dtype, tied parameters
+  once, whole (safetensors bytes or a ``cuda_ipc`` descriptor);
+- on CPU the same state and inputs give bitwise-identical results; ``save_state`` /
+  ``load_state`` round-trip exactly. Details: docs/architecture.md, "Trainer engine".
 """
 
 from __future__ import annotations

@@ -1,48 +1,20 @@
 """Data-parallel trainer: ``train.num_ranks`` DeepSpeed ranks behind one trainer stage.
 
-The stage shell stays one actor that consumes the micro-batches; with ``num_ranks`` N > 1
-its engine is a ``DataParallelEngine``: rank 0 is the stage's own ``TrainerEngine`` (in
-its process), ranks 1..N-1 are ``TrainerRankActor``s. With N = 1 nothing here is used
-and the stage trains its engine directly, as before.
+With N > 1 the stage's engine is a ``DataParallelEngine``: rank 0 is the stage's own
+``TrainerEngine``, ranks 1..N-1 are ``TrainerRankActor``s, one torch.distributed world
+(gloo on CPU, nccl on GPU). With N = 1 nothing here is used.
 
 Guarantees:
-- The ranks form one torch.distributed world (gloo on CPU, nccl on GPU) that meets at
-  rank 0's host, on a port rank 0 picked and passed to the others.
-- Every micro-batch is split into N parts of whole GRPO groups, contiguous and balanced
-  (``plan_rank_groups``: part sizes differ by at most one group); a group never spans
-  ranks. Rank r trains its part with scale ``N * scale * w_r``, ``w_r`` the part's share
-  of the micro-batch's loss (``compute_piece_weight``: tokens under ``token-mean``,
-  samples otherwise). DeepSpeed averages the ranks' gradients (divides by N), so the
-  step's gradient is the one-rank gradient of the whole micro-batch up to float
-  rounding, whatever the split.
-- A rank left without a group (fewer groups than ranks) trains the micro-batch's first
-  group with scale 0, and every rank pads its forward/backward passes with zero-weight
-  ones to the largest count (``count_rank_passes``): all ranks run the same number of
-  backward passes, which ZeRO 2's reductions inside every backward need.
-- ZeRO 0 becomes ZeRO 1 across ranks (``build_deepspeed_config``): its optimizer reports
-  the norm of the averaged gradients, which clipping and the step metrics use.
-- Optimizer steps, gradient discards and state saves and loads run on every rank at
-  once (they are collectives); rank 0 alone exports and publishes weights and writes
-  the Hugging Face checkpoint. Under ZeRO 0-2 every rank holds the whole model; under
-  ZeRO 3 the other ranks join rank 0's gather of the partitions for each export
-  (``TrainerEngine.gathered_parameters``), and forward passes gather layer by layer,
-  which the equal pass counts keep in step.
-- Checkpoints use DeepSpeed's layout: rank 0 writes the model states, each rank its own
-  optimizer partition (``zero_pp_rank_<r>_*``, ``bf16_zero_pp_rank_<r>_*`` in bf16), all into the same directory (one host,
-  or a file system every rank's host shares). A resume needs the same ``num_ranks``.
-- An error on any rank stops the trainer promptly, never a hang: every call waits on
-  rank 0's own work and the other ranks' results together (``_on_all_ranks``), and the
-  first error, whichever rank raised it, kills the other ranks (they may be waiting in a
-  collective for the failed one), leaves the engine unusable and raises
-  ``TrainerRankError`` naming the rank and its error. Out-of-memory errors included:
-  halving and retrying a piece cannot be coordinated across ranks yet, so with N > 1 an
-  OOM is fatal and its message says how to shrink the work.
-- Two timeouts: ``RENDEZVOUS_TIMEOUT_S`` (600 s) covers the rendezvous and the engines'
-  build, where ranks wait for each other's process start, model load and DeepSpeed
-  setup; ``COLLECTIVE_TIMEOUT_S`` (120 s) every collective after that, set once the
-  engines are built. Inside one call the ranks meet within the time of the work one
-  rank does alone (rank 0 writes the model states of a checkpoint), so a rank that waits
-  longer waits for a peer that hung or lost its host without an error to report.
+- every micro-batch is split into N balanced parts of whole GRPO groups, scaled so the
+  step's gradient is the one-rank gradient up to float rounding, whatever the split;
+- all ranks run the same number of backward passes (zero-weight padding);
+- optimizer steps, discards and state saves and loads run on every rank at once; rank 0
+  alone exports, publishes and writes the Hugging Face checkpoint;
+- a resume needs the same ``num_ranks``;
+- an error on any rank (OOM included) stops the trainer promptly, never a hang:
+  ``TrainerRankError`` names the rank; a hung peer is caught by
+  ``RENDEZVOUS_TIMEOUT_S`` / ``COLLECTIVE_TIMEOUT_S``.
+Mechanisms: docs/architecture.md, "Data-parallel trainer".
 """
 
 from __future__ import annotations
