@@ -98,10 +98,13 @@ def test_gpu_scale_8_compares_with_the_newest_full_gpu_e2e_result(tmp_path) -> N
     from bench.gpu_scale_8 import one_gpu_rate
 
     assert one_gpu_rate(tmp_path) is None  # none yet
-    for name, date, rate in (("2026-01-02_aaaaaaa_default", "2026-01-02T10:00:00+00:00", 2.0),
-                             ("2026-01-02_bbbbbbb_default", "2026-01-02T09:00:00+00:00", 1.0),
-                             ("2026-01-03_ccccccc_colocate-trl", "2026-01-03T09:00:00+00:00", 9.0)):
-        write_json(tmp_path / "gpu_e2e" / f"{name}.json",
-                   {"machine": {"date": date}, "ratios": {"async_samples_per_s_per_gpu": rate}})
+    import datetime as dt
+
+    day1, day2 = dt.date(2026, 1, 2), dt.date(2026, 1, 3)
+    for day, hour, stem, rate in ((day1, 10, "aaaaaaa_default", 2.0), (day1, 9, "bbbbbbb_default", 1.0),
+                                  (day2, 9, "ccccccc_colocate-trl", 9.0)):
+        when = dt.datetime.combine(day, dt.time(hour), dt.UTC).isoformat()
+        write_json(tmp_path / "gpu_e2e" / f"{day.isoformat()}_{stem}.json",
+                   {"machine": {"date": when}, "ratios": {"async_samples_per_s_per_gpu": rate}})
     # Both full results are of one day: the later one by its recorded time; a subset's is not full.
     assert one_gpu_rate(tmp_path) == 2.0
