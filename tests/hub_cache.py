@@ -44,3 +44,22 @@ def add_to_hub_cache(cache: Path, repo_id: str, files: dict[str, str | bytes | P
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / branch).write_text(commit)
     return snapshot
+
+
+# The dataset card of a GSM8K-shaped Hub repository: two configs, each with train and test.
+GSM8K_CARD = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train-*
+  - split: test
+    path: socratic/test-*
+---
+"""

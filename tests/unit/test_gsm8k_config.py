@@ -14,25 +14,9 @@ import pyarrow.parquet as pq
 from pipeline.config import TinyModelConfig, load_config
 from pipeline.preflight import run_preflight
 from stages.models.tiny import write_tiny_checkpoint
-from tests.hub_cache import add_to_hub_cache
+from tests.hub_cache import GSM8K_CARD, add_to_hub_cache
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gsm8k_qwen2.5_0.5b.yaml"
-CARD = """---
-configs:
-- config_name: main
-  data_files:
-  - split: train
-    path: main/train-*
-  - split: test
-    path: main/test-*
-- config_name: socratic
-  data_files:
-  - split: train
-    path: socratic/train-*
-  - split: test
-    path: socratic/test-*
----
-"""
 ROWS = [{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"},
         {"question": "What is 6 times 2?", "answer": "6*2=<<6*2=12>>12\n#### 12"}]
 
@@ -53,7 +37,7 @@ def test_the_gsm8k_config_resolves_against_a_stand_in_hub_cache(hub_cache, tmp_p
     model = add_to_hub_cache(hub_cache, "Qwen/Qwen2.5-0.5B-Instruct",
                              {f.name: f for f in model_dir.iterdir() if f.is_file()})
     data = add_to_hub_cache(hub_cache, "openai/gsm8k", {
-        "README.md": CARD,
+        "README.md": GSM8K_CARD,
         "main/train-00000-of-00001.parquet": _parquet(ROWS),
         "main/test-00000-of-00001.parquet": _parquet(ROWS[:1]),
         "socratic/train-00000-of-00001.parquet": _parquet(ROWS[:1]),

@@ -37,6 +37,8 @@ def tiny_files(tmp_path_factory):
     return {f.name: f for f in out.iterdir() if f.is_file()}
 
 
+# Unlike tests.hub_cache.GSM8K_CARD, the socratic config has no test split: a split the
+# card lacks is refused by key.
 GSM8K_CARD = """---
 configs:
 - config_name: main
