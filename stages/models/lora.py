@@ -184,3 +184,20 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     seen: dict[int, torch.nn.Parameter] = {id(p): p for p in model.parameters()}
     trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
     return trainable, sum(p.numel() for p in seen.values())
+
+
+def check_lora_model(model_path: Path, lora: LoraConfig) -> int:
+    """Pre-flight: peft is installed and ``lora``'s targets fit the model at
+    ``model_path`` (built on the meta device: no weights are read). Returns the number of
+    target modules; ``ValueError`` naming ``model.lora`` otherwise."""
+    try:
+        import_peft()
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    apply_lora(model, lora)
+    return len(find_lora_layers(model))
