@@ -72,7 +72,8 @@ def test_lora_without_peft_exits_2_naming_the_field_and_the_pip_command(monkeypa
 ])
 def test_targets_that_cannot_be_served_exit_2_before_ray_starts(monkeypatch, capsys, tmp_path, overrides, message):
     monkeypatch.setattr("ray.init", lambda *a, **kw: pytest.fail("Ray started"))
-    assert main(["launch", "--config", QUICKSTART, "model.lora.rank=4", f"run.dir={tmp_path}", f"model.cache_dir={tmp_path}", *overrides]) == 2
+    args = ["--config", QUICKSTART, "model.lora.rank=4", f"run.dir={tmp_path}", f"model.cache_dir={tmp_path}"]
+    assert main(["launch", *args, *overrides]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -108,3 +109,30 @@ def test_the_hf_receiver_accepts_missing_parameters_only_from_a_partial_payload(
         check_payload_names(model, some)
     with pytest.raises(WeightSyncError, match="unknown names"):
         check_payload_names(model, {"2.weight": torch.zeros(1)}, partial=True)
+
+
+def test_a_colocated_lora_trainer_leaves_vllm_what_its_frozen_base_does_not_take() -> None:
+    from pipeline.placement import estimate_colocated_fraction
+
+    # 1e9 params in bf16 on 100 GB, 1e7 of them trainable: 1e7 x 20 B + 0.99e9 x 2 B =
+    # 2.18e9 B resident, so vLLM gets 1 - 0.0218 - 0.1 (reserve) = 0.8782; trained whole,
+    # 1e9 x 20 B = 20e9 B leave it 1 - 0.2 - 0.1 = 0.7.
+    lora = estimate_colocated_fraction(10**9, "bfloat16", 100 * 10**9, with_reference=False, trainable_params=10**7)
+    assert lora == pytest.approx(0.8782, abs=1e-12)
+    assert estimate_colocated_fraction(10**9, "bfloat16", 100 * 10**9, with_reference=False) == pytest.approx(0.7)
+
+
+@pytest.mark.skipif(not HAS_PEFT, reason="peft not installed")
+def test_the_adapter_bound_is_what_peft_makes_of_all_linear_on_the_tiny_llama(tmp_path) -> None:
+    from pipeline.config import LoraConfig, TinyModelConfig
+    from pipeline.memory.admission import ModelShape
+    from pipeline.placement import estimate_lora_params
+    from stages.models.lora import apply_lora, count_parameters
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
+
+    tiny = TinyModelConfig()
+    model = build_tiny_model(tiny, build_char_tokenizer())
+    shape = ModelShape.from_hf_config(model.config)
+    apply_lora(model, LoraConfig(rank=4))
+    # Per layer 4 x (9 x 128 + 2 x 128 + 3 x 256) = 8704; two layers: 17408, all of them.
+    assert estimate_lora_params(shape, 4) == 17408 == count_parameters(model)[0]
