@@ -209,13 +209,14 @@ def test_a_launched_lora_run_learns(ray_cluster, tmp_path) -> None:
 
     cfg = load_config(REPO / "configs" / "quickstart.yaml",
                       [f"run.dir={tmp_path}", "run.progress=false", "run.tensorboard=false", "model.lora.rank=8",
-                       "train.lr=5e-3"])
+                       "train.lr=2e-3"])
     summary = launch_run(cfg)
     assert summary["status"] == "completed"
     rows = read_metrics(tmp_path / "metrics.jsonl")
     rewards = np.array([r["reward/mean"] for r in rows if "reward/mean" in r])
     first, last = rewards[:10].mean(), rewards[-20:].mean()
     print(f"LoRA reward first 10 steps {first:.3f}, last 20 steps {last:.3f}")
-    assert last > first + 0.2
+    assert last > first + 0.2  # measured 0.008 -> 0.62 (docs/lora.md)
     assert (tmp_path / "checkpoint" / "adapter_model.safetensors").is_file()
+    assert summary["served"]["rollout:0"]["verified"]  # every partial sync checked against the whole model
 
