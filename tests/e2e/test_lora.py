@@ -131,7 +131,10 @@ def loop():
 def test_the_rollout_serves_the_trainers_merged_model_after_a_sync(engine, checkpoint, loop, name) -> None:
     """Behaviour log-probs of the served model after a partial sync equal a transformers
     forward pass of peft's merged model: the partial payload landed, nothing else moved."""
-    backend = build_backend(name, checkpoint, RolloutConfig(backend=name, kv_cache_gib=0.25, seed=0), "float32")
+    # vLLM's engine core in a process of its own: in this one it would tear down the
+    # torch.distributed world the DeepSpeed engines of this module share.
+    cfg = RolloutConfig(backend=name, kv_cache_gib=0.25, seed=0, engine_core="subprocess")
+    backend = build_backend(name, checkpoint, cfg, "float32")
     loop.run_until_complete(backend.start())
     try:
         data, _, published = engine.export_weights()

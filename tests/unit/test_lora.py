@@ -136,3 +136,11 @@ def test_the_adapter_bound_is_what_peft_makes_of_all_linear_on_the_tiny_llama(tm
     apply_lora(model, LoraConfig(rank=4))
     # Per layer 4 x (9 x 128 + 2 x 128 + 3 x 256) = 8704; two layers: 17408, all of them.
     assert estimate_lora_params(shape, 4) == 17408 == count_parameters(model)[0]
+
+
+def test_a_cuda_ipc_descriptor_carries_the_rest_too() -> None:
+    from pipeline.transport import IpcPayload, encode_ipc_payload
+
+    fields = dict(key="k", pid=1, slot=0, version=3, fingerprint=(1.0, 2.0), buckets=[], tensors=[])
+    assert read_rest_fingerprint(encode_ipc_payload(IpcPayload(**fields, rest=(4.0, 8.0)))) == (4.0, 8.0)
+    assert read_rest_fingerprint(encode_ipc_payload(IpcPayload(**fields))) is None
