@@ -113,10 +113,15 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> Any:
 
 
 def merge_weight(layer: Any) -> torch.Tensor:
-    """A LoRA linear layer's ``W + scale * B @ A``, in float32."""
-    base = layer.get_base_layer().weight
+    """A LoRA linear layer's ``W + scale * B @ A``, in float32 whatever the weights' dtype
+    (peft's own merge multiplies bf16 adapters in bf16 on a GPU)."""
     with torch.no_grad():
-        return base.detach().float() + layer.get_delta_weight(ADAPTER).detach().float()
+        a = layer.lora_A[ADAPTER].weight.detach().float()
+        b = layer.lora_B[ADAPTER].weight.detach().float()
+        delta = b @ a
+        if layer.fan_in_fan_out:
+            delta = delta.T
+        return layer.get_base_layer().weight.detach().float() + delta * layer.scaling[ADAPTER]
 
 
 class LoraWeights:
