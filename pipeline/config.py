@@ -62,6 +62,30 @@ class TinyModelConfig(msgspec.Struct, **_section()):
     seed: NonNegInt = 0
 
 
+class LoraConfig(msgspec.Struct, **_section()):
+    """LoRA adapters on the policy, through ``peft`` (``stages/models/lora.py``; the pip
+    extra ``conveyor[lora]``). ``rank`` 0: off, the whole model trains. Otherwise only the
+    adapters train (scale ``alpha / rank``, ``dropout`` on their input): the optimizer
+    holds their state alone and checkpoints save them alone; the rollout keeps serving full
+    weights, the adapters merged into the modules they adapt (only those modules' layers
+    are sent). ``target_modules``: ``all-linear`` (every linear layer but the output head),
+    a list of module names (``[q_proj, v_proj]``, matched as name suffixes) or a regular
+    expression peft matches against full module names. At the end of a run
+    ``<run dir>/checkpoint`` holds the adapter (``adapter_model.safetensors``,
+    ``adapter_config.json``); ``export_merged`` also writes the merged model, loadable by
+    transformers, to ``<run dir>/checkpoint/merged``."""
+
+    rank: NonNegInt = 0
+    alpha: PosFloat = 16.0
+    target_modules: str | list[str] = "all-linear"
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    export_merged: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ModelConfig(msgspec.Struct, **_section()):
     """``path: tiny`` builds the embedded default locally; any local HF checkpoint dir
     works, and so does a Hub id (``Qwen/Qwen2.5-0.5B-Instruct``) at ``revision`` (a
@@ -73,6 +97,7 @@ class ModelConfig(msgspec.Struct, **_section()):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     tiny: TinyModelConfig = TinyModelConfig()
     cache_dir: str = "~/.cache/conveyor"
+    lora: LoraConfig = LoraConfig()
 
 
 class CurriculumConfig(msgspec.Struct, **_section()):
@@ -954,6 +979,7 @@ def check_config(cfg: ConveyorConfig) -> None:
         if "->" not in edge:
             raise ConfigError(f"record.edges: expected 'producer->consumer', got {edge!r}")
     check_reward_sources(cfg)
+    check_lora(cfg.model.lora)
     check_curriculum(cfg.data)
     check_pairs(cfg)
     cfg.algorithm.check(cfg)  # the algorithm's own rules, in its module
@@ -1020,6 +1046,26 @@ def check_sampler_logprobs(cfg: ConveyorConfig) -> None:
     for message, bad in wrong:
         if bad:
             raise ConfigError(f"{message} with rollout.logprobs: false")
+
+
+def check_lora(lora: LoraConfig) -> None:
+    """``model.lora.target_modules``: ``all-linear``, a non-empty regular expression, or a
+    non-empty list of module names."""
+    targets = lora.target_modules
+    if isinstance(targets, list):
+        blank = [i for i, name in enumerate(targets) if not name.strip()]
+        if not targets or blank:
+            raise ConfigError(f"model.lora.target_modules: expected 'all-linear', a regular expression or a "
+                              f"non-empty list of module names, got {targets!r}")
+        return
+    if not targets.strip():
+        raise ConfigError("model.lora.target_modules: expected 'all-linear', a regular expression or a list of "
+                          "module names, got an empty string")
+    if targets != "all-linear":
+        try:
+            re.compile(targets)
+        except re.error as exc:
+            raise ConfigError(f"model.lora.target_modules: {targets!r} is not a valid regular expression ({exc})") from None
 
 
 def check_curriculum(data: DataConfig) -> None:

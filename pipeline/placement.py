@@ -110,17 +110,30 @@ def estimate_trainer_bytes_per_param(dtype: str) -> int:
     return low + low + 4 + 4 + 8
 
 
+def estimate_lora_params(shape: ModelShape, rank: int) -> int:
+    """An upper bound on the adapter parameters of ``model.lora`` at ``rank``: every
+    linear layer of a Llama-style block adapted (``all-linear``), ``rank x (in + out)``
+    each: q and o (hidden, hidden), k and v (hidden, kv), gate and up (hidden,
+    intermediate), down (intermediate, hidden): ``rank x (9 hidden + 2 kv + 3
+    intermediate)`` per layer."""
+    hidden, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
+    inter = shape.intermediate_size or 4 * hidden
+    return rank * shape.num_layers * (9 * hidden + 2 * kv + 3 * inter)
+
+
 def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, with_reference: bool,
-                                pass_bytes: int = 0) -> float:
+                                pass_bytes: int = 0, trainable_params: int | None = None) -> float:
     """vLLM's share of one GPU that it shares with the trainer (and the reference):
     ``1 - (trainer + reference + pass_bytes) / total - RESERVE_FRACTION``, at most
     ``OWN_GPU_FRACTION``; ``pass_bytes``: the largest forward/backward pass of the stages
-    beside vLLM (``estimate_pass_bytes``).
+    beside vLLM (``estimate_pass_bytes``). ``trainable_params``: fewer than all train
+    (LoRA's adapters): the frozen rest holds its weights alone.
 
     Example: 0.5B params in bf16 on 80 GiB: trainer 0.5e9 x 20 B = 9.3 GiB, reference
     0.5e9 x 2 B = 0.93 GiB: 1 - 10.2 / 80 - 0.1 = 0.77.
     """
-    resident = num_params * estimate_trainer_bytes_per_param(dtype)
+    trainable = num_params if trainable_params is None else min(trainable_params, num_params)
+    resident = trainable * estimate_trainer_bytes_per_param(dtype) + (num_params - trainable) * DTYPE_BYTES[dtype]
     if with_reference:
         resident += num_params * DTYPE_BYTES[dtype]
     return min(OWN_GPU_FRACTION, 1.0 - (resident + pass_bytes) / gpu_bytes - RESERVE_FRACTION)
@@ -340,15 +353,18 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
     dtype = cfg.model.dtype
     with_reference = "reference" in mates
     trainer_pass, reference_pass = estimate_pass_bytes(cfg, shape, with_reference) if shape else (0, 0)
+    lora = cfg.model.lora
+    trainable = estimate_lora_params(shape, lora.rank) if lora.enabled and shape else None
     planned = estimate_colocated_fraction(num_params, dtype, gpu_bytes, with_reference=with_reference,
-                                          pass_bytes=trainer_pass + reference_pass)
+                                          pass_bytes=trainer_pass + reference_pass, trainable_params=trainable)
     resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - trainer_pass - reference_pass
     passes = (f" + trainer pass ~{trainer_pass / _GIB:.1f} GiB (train.chunk_size {cfg.train.chunk_size}, "
               f"train.logit_chunk_tokens {cfg.train.logit_chunk_tokens})" if shape else "")
     passes += f" + reference pass ~{reference_pass / _GIB:.1f} GiB" if reference_pass else ""
     notes.append(
         f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident{passes} of "
-        f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}), {RESERVE_FRACTION:.0%} reserve; "
+        f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}"
+        f"{f', LoRA: at most {trainable / 1e6:.1f}M trainable' if trainable else ''}), {RESERVE_FRACTION:.0%} reserve; "
         f"vLLM ~{max(planned, 0) * gpu_bytes / _GIB:.1f} GiB"
     )
     planned = round(planned / engines, 3)

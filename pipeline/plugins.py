@@ -39,6 +39,7 @@ BUILTINS: dict[str, str] = {
     "build_reward_fn": "stages.rewards.reward:build_reward_fn",
     "build_trainer_engine": "stages.trainer.engine:build_trainer_engine",
     "load_tools": "stages.rollout.tools:load_tools",
+    "check_lora_model": "stages.models.lora:check_lora_model",  # model.lora: peft installed, targets fit
     "check_engine_kwargs": "stages.rollout.vllm_backend:check_engine_kwargs",
     "train_recorded_step": "stages.trainer.stage:train_recorded_step",  # replay: the trainer's own rules
     "bench": "bench.__main__:main",  # conveyor bench NAME

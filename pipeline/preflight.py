@@ -17,7 +17,8 @@ Guarantees of ``run_preflight``:
   (imported or loaded from its file, its signature recognised); with ``train.compile:
   on``, a compiler for torch.compile's kernels (``find_compiler``); with
   ``train.router_aux_loss_coef`` above 0, a router in the model (its ``config.json``
-  configures ``output_router_logits``, as transformers' mixtures of experts do); the
+  configures ``output_router_logits``, as transformers' mixtures of experts do); with
+  ``model.lora``, peft installed and the target modules found in the model; the
   trackers of ``run.trackers`` installed (``pipeline/trackers.py``).
 - The returned config has ``data.path``, a reward file's and a tools file's path made absolute, so
   actors started in another working directory read the same files.
@@ -70,6 +71,7 @@ def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]
     cfg, hub_notes = resolve_hub_names(cfg)
     model_path, tokenizer = check_model(cfg)
     check_router_loss(cfg, model_path)
+    check_lora(cfg, model_path)
     check_reference(cfg)
     check_imports(cfg)
     check_compile(cfg)
@@ -141,6 +143,18 @@ def check_router_loss(cfg: ConveyorConfig, model_path: Path) -> None:
         raise ConfigError(f"train.router_aux_loss_coef: {coef:g} needs a mixture of experts, but the model at "
                           f"{model_path} ({config.get('model_type', 'unknown type')}) has no router "
                           f"(no output_router_logits in its config.json); set it to 0")
+
+
+def check_lora(cfg: ConveyorConfig, model_path: Path) -> None:
+    """``model.lora`` with a rank: peft installed (else the pip command) and the target
+    modules found in the model, linear and untied."""
+    if not cfg.model.lora.enabled:
+        return
+    try:
+        load_builtin("check_lora_model")(model_path, cfg.model.lora)
+    except ValueError as exc:
+        text = str(exc)
+        raise ConfigError(text if text.startswith("model.lora") else f"model.lora: {text}") from None
 
 
 def check_reference(cfg: ConveyorConfig) -> None:

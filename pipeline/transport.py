@@ -28,7 +28,16 @@ import msgspec
 import torch
 
 from pipeline.dtypes import format_dtype, resolve_dtype
-from pipeline.weights import Fingerprint, WeightSyncError, compute_fingerprint, drop_tied_duplicates, fingerprints_match
+from pipeline.weights import (
+    Fingerprint,
+    WeightSyncError,
+    add_fingerprints,
+    compute_fingerprint,
+    decode_rest_fingerprint,
+    drop_tied_duplicates,
+    fingerprints_match,
+    read_payload_metadata,
+)
 
 IPC_MAGIC = b"CONVEYOR-CUDA-IPC\x00"
 TRANSPORTS = ("shm", "cuda_ipc")
@@ -78,6 +87,9 @@ class IpcPayload(msgspec.Struct, frozen=True, kw_only=True):
     fingerprint: tuple[float, float]
     buckets: list[IpcBucket]
     tensors: list[TensorSlot]
+    # A partial payload: the fingerprint of the served parameters it leaves as they are
+    # (``pipeline.weights``' rest); None: the buckets hold the whole model.
+    rest: tuple[float, float] | None = None
 
 
 def is_ipc_payload(data: bytes | bytearray | memoryview) -> bool:
@@ -96,6 +108,14 @@ def decode_ipc_payload(data: bytes | bytearray | memoryview) -> IpcPayload:
         return msgspec.msgpack.decode(bytes(memoryview(data)[len(IPC_MAGIC):]), type=IpcPayload)
     except msgspec.DecodeError as exc:
         raise WeightSyncError(f"cuda_ipc descriptor is damaged ({exc})") from None
+
+
+def read_rest_fingerprint(data: bytes | bytearray | memoryview) -> Fingerprint | None:
+    """A partial payload's ``rest`` fingerprint (either transport); None for a whole one."""
+    if is_ipc_payload(data):
+        rest = decode_ipc_payload(data).rest
+        return None if rest is None else (float(rest[0]), float(rest[1]))
+    return decode_rest_fingerprint(read_payload_metadata(data))
 
 
 def read_ipc_shapes(data: bytes | bytearray | memoryview) -> dict[str, tuple[int, ...]]:
@@ -224,7 +244,10 @@ class CudaIpcExporter:
             self._rings.append(ring)
             self._handles.append([IpcBucket(dtype=format_dtype(b.dtype), handle=_export_handle(b)) for b in ring])
 
-    def export(self, state_dict: Mapping[str, torch.Tensor], version: int) -> tuple[bytes, Fingerprint]:
+    def export(self, state_dict: Mapping[str, torch.Tensor], version: int,
+               rest: Fingerprint | None = None) -> tuple[bytes, Fingerprint]:
+        """``rest``: the fingerprint of what a partial ``state_dict`` leaves out (the
+        descriptor carries it; the fingerprint returned is the whole model's)."""
         state = drop_tied_duplicates(state_dict)
         if self._layout is None:
             self._allocate(state)
@@ -240,8 +263,8 @@ class CudaIpcExporter:
         fingerprint = compute_fingerprint(self._rings[slot])  # reads back: the copies are done
         self._published += 1
         payload = IpcPayload(key=self.key, pid=os.getpid(), slot=slot, version=version, fingerprint=fingerprint,
-                             buckets=self._handles[slot], tensors=self._layout[1])
-        return encode_ipc_payload(payload), fingerprint
+                             buckets=self._handles[slot], tensors=self._layout[1], rest=rest)
+        return encode_ipc_payload(payload), add_fingerprints(fingerprint, rest)
 
     def local_views(self, slot: int) -> dict[str, torch.Tensor]:
         assert self._layout is not None

@@ -12,7 +12,10 @@ Guarantees:
   invariant to reshaping, fusing, splitting and zero padding: every parameter once, tied
   parameters once, buffers never;
 - ``check_payload_fits`` refuses a misshaped payload from headers alone, before loading;
-- ``fingerprints_match`` fails on any change larger than rounding (``WeightSyncError``).
+- ``fingerprints_match`` fails on any change larger than rounding (``WeightSyncError``);
+- a partial payload (some of the served tensors: LoRA's merged modules) carries the
+  fingerprint of every parameter it leaves as it is (``rest``, in its safetensors
+  metadata), so a receiver checks the whole model after loading only part of it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ _ST_DTYPES: dict[torch.dtype, str] = {
 }
 _ST_RANK = {name: rank for rank, name in enumerate(_ST_DTYPES.values())}
 _ST_TORCH = {name: dtype for dtype, name in _ST_DTYPES.items()}
+# safetensors metadata key of a partial payload's ``rest`` fingerprint: [sum, sum of squares].
+REST_FINGERPRINT_KEY = "conveyor.rest_fingerprint"
 
 
 class WeightSyncError(RuntimeError):
@@ -86,13 +91,14 @@ def _unique_cpu_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tor
     return tensors
 
 
-def serialize_weights(state_dict: Mapping[str, torch.Tensor]) -> bytes:
-    """State dict -> safetensors bytes of contiguous CPU tensors, tied names dropped."""
+def serialize_weights(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """State dict -> safetensors bytes of contiguous CPU tensors, tied names dropped;
+    ``metadata``: the header's ``__metadata__`` (strings)."""
     tensors = _unique_cpu_tensors(state_dict)
     if any(t.dtype not in _ST_DTYPES for t in tensors.values()):
-        return safetensors.torch.save(tensors)
+        return safetensors.torch.save(tensors, metadata=dict(metadata) if metadata else None)
     order = sorted(tensors, key=lambda n: (_ST_RANK[_ST_DTYPES[tensors[n].dtype]], n.encode()))
-    header: dict[str, dict] = {}
+    header: dict[str, dict] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name in order:
         t = tensors[name]
@@ -164,6 +170,37 @@ def read_payload_shapes(data: bytes | bytearray | memoryview) -> dict[str, tuple
     return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
 
 
+def read_payload_metadata(data: bytes | bytearray | memoryview) -> dict[str, str]:
+    """A safetensors payload's ``__metadata__`` (empty when it has none)."""
+    view = memoryview(data)
+    read_payload_shapes(view)  # the header's length and JSON checked, with their errors
+    (size,) = struct.unpack("<Q", view[:8])
+    return dict(json.loads(bytes(view[8 : 8 + size])).get("__metadata__") or {})
+
+
+def encode_rest_fingerprint(rest: Fingerprint) -> dict[str, str]:
+    """The metadata of a partial payload whose untouched parameters fingerprint ``rest``."""
+    return {REST_FINGERPRINT_KEY: json.dumps([float(rest[0]), float(rest[1])])}
+
+
+def decode_rest_fingerprint(metadata: Mapping[str, str]) -> Fingerprint | None:
+    """``rest`` of a partial payload's metadata; None for a whole payload."""
+    text = metadata.get(REST_FINGERPRINT_KEY)
+    if text is None:
+        return None
+    try:
+        total, total_sq = (float(x) for x in json.loads(text))
+    except (ValueError, TypeError) as exc:
+        raise WeightSyncError(f"weight payload metadata {REST_FINGERPRINT_KEY}: expected [sum, sumsq], "
+                              f"got {text!r} ({exc})") from None
+    return (total, total_sq)
+
+
+def add_fingerprints(a: Fingerprint, b: Fingerprint | None) -> Fingerprint:
+    """The fingerprint of two disjoint sets of tensors (``b`` None: ``a``)."""
+    return a if b is None else (a[0] + b[0], a[1] + b[1])
+
+
 def read_checkpoint_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in a checkpoint directory's ``*.safetensors`` files."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -193,8 +230,10 @@ def compute_sha256(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def build_payload(state_dict: Mapping[str, torch.Tensor]) -> tuple[bytes, str, Fingerprint]:
-    """(safetensors bytes, their sha256, fingerprint of the tensors they hold).
+def build_payload(state_dict: Mapping[str, torch.Tensor], rest: Fingerprint | None = None) -> tuple[bytes, str, Fingerprint]:
+    """(safetensors bytes, their sha256, fingerprint of the tensors they hold, plus
+    ``rest``: a partial payload's untouched parameters, written into its metadata, so
+    the fingerprint is the whole served model's).
 
     The sha256 runs in a thread while the fingerprint is computed here: hashlib and
     torch both release the GIL, so the two overlap on two cores.
@@ -202,11 +241,11 @@ def build_payload(state_dict: Mapping[str, torch.Tensor]) -> tuple[bytes, str, F
     from concurrent.futures import ThreadPoolExecutor
 
     tensors = _unique_cpu_tensors(state_dict)
-    data = serialize_weights(tensors)
+    data = serialize_weights(tensors, encode_rest_fingerprint(rest) if rest is not None else None)
     with ThreadPoolExecutor(max_workers=1) as pool:
         sha = pool.submit(compute_sha256, data)
         fingerprint = compute_fingerprint(tensors.values())
-        return data, sha.result(), fingerprint
+        return data, sha.result(), add_fingerprints(fingerprint, rest)
 
 
 def accumulate_fingerprint(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -22,7 +22,9 @@ Guarantees (beyond ``stages.rollout.base``):
   (``stages.models.checkpoint_names``). A name it does not know, a wrong shape, or a parameter the
   payload lacks (other than the alias of a tied one) raises ``WeightSyncError`` before
   anything is copied, and the old weights keep serving. If the copied weights then fail
-  the fingerprint check, ``generate`` raises until a later update succeeds.
+  the fingerprint check, ``generate`` raises until a later update succeeds. A partial
+  payload (LoRA's merged modules, ``pipeline.weights``' rest) may leave parameters out;
+  the whole model's fingerprint is checked against its own plus its rest.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ import torch
 
 from pipeline.config import RolloutConfig
 from pipeline.dtypes import DTYPE_BYTES, resolve_dtype
-from pipeline.transport import is_ipc_payload, open_ipc_payload, verify_opened
+from pipeline.transport import is_ipc_payload, open_ipc_payload, read_rest_fingerprint, verify_opened
 from pipeline.weights import (
     Fingerprint,
     WeightSyncError,
+    add_fingerprints,
     compute_fingerprint,
     deserialize_weights,
     verify_fingerprint,
@@ -197,6 +200,7 @@ class HFBackend:
         return await asyncio.to_thread(self._update_sync, bytes(data), version, verify)
 
     def _update_sync(self, data: bytes, version: int, verify: bool) -> Fingerprint:
+        rest = read_rest_fingerprint(data)  # None: the payload holds every parameter
         if is_ipc_payload(data):
             descriptor, weights = open_ipc_payload(data)
             verify_opened(descriptor, compute_fingerprint(weights.values()))  # before any copy
@@ -204,13 +208,13 @@ class HFBackend:
             weights = deserialize_weights(data)
         with self._lock:
             model = self._model
-            payload = compute_fingerprint(weights.values(), dtype=model.dtype)
+            payload = add_fingerprints(compute_fingerprint(weights.values(), dtype=model.dtype), rest)
             if self._layout is not None:  # checkpoint names (a mixture of experts' one per expert)
                 try:
                     weights = self._layout.assemble(weights)
                 except ValueError as err:
                     raise WeightSyncError(str(err)) from None
-            check_payload_names(model, weights)
+            check_payload_names(model, weights, partial=rest is not None)
             model.load_state_dict(weights, strict=False)
             live = compute_fingerprint(model.parameters()) if verify else payload
             try:
@@ -231,17 +235,18 @@ class HFBackend:
         self._tokenizer = None
 
 
-def check_payload_names(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+def check_payload_names(model: torch.nn.Module, weights: dict[str, torch.Tensor], partial: bool = False) -> None:
     """Every payload name is a parameter of the same shape; every parameter is covered
-    (a tied one by any of its names); raise ``WeightSyncError`` otherwise, before any
-    copy, so a rejected payload leaves the model untouched."""
+    (a tied one by any of its names) unless the payload is ``partial``; raise
+    ``WeightSyncError`` otherwise, before any copy, so a rejected payload leaves the
+    model untouched."""
     names_of: dict[int, list[str]] = {}
     shape_of: dict[str, tuple[int, ...]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
         shape_of[name] = tuple(param.shape)
     unknown = sorted(set(weights) - set(shape_of))
-    missing = sorted(names[0] for names in names_of.values() if not any(n in weights for n in names))
+    missing = [] if partial else sorted(names[0] for names in names_of.values() if not any(n in weights for n in names))
     misshaped = sorted(
         f"{n} {tuple(t.shape)} != {shape_of[n]}"
         for n, t in weights.items()

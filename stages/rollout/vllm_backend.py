@@ -14,7 +14,9 @@ Guarantees (beyond ``stages.rollout.base``):
   values computed by weights v; per-token versions are exact;
 - a payload naming a tensor the checkpoint lacks, or of another shape, is refused with
   ``WeightSyncError`` before the engine is touched; a ``cuda_ipc`` payload's fingerprint
-  is checked in the worker before anything loads;
+  is checked in the worker before anything loads; a partial payload (LoRA's merged
+  modules) loads the layers it names and the whole model is checked against its
+  fingerprint plus the rest it names (``pipeline.weights``);
 - a failed update never lets a token be sampled from unverified weights;
 - ``shutdown`` ends the engine process without EngineDeadError or force-kill.
 """
@@ -38,10 +40,11 @@ import structlog
 
 from pipeline.config import RolloutConfig
 from pipeline.memory.trim import trim_host_memory
-from pipeline.transport import is_ipc_payload, read_ipc_shapes
+from pipeline.transport import is_ipc_payload, read_ipc_shapes, read_rest_fingerprint
 from pipeline.weights import (
     Fingerprint,
     WeightSyncError,
+    add_fingerprints,
     check_payload_fits,
     fingerprints_match,
     read_checkpoint_shapes,
@@ -515,7 +518,8 @@ class VLLMBackend:
             await self._pause(engine)
             try:
                 results = await self._ship_and_apply(engine, data, version, verify)
-                expected = tuple(results[0]["payload"])  # every rank loads the whole payload
+                # Every rank loads the whole payload; a partial one names the rest it leaves.
+                expected = add_fingerprints(tuple(results[0]["payload"]), read_rest_fingerprint(data))
                 live = combine_rank_fingerprints([r["live"] for r in results]) if verify else expected
                 verify_fingerprint(expected, live, version=version)
             except BaseException as err:

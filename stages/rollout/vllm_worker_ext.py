@@ -11,6 +11,8 @@ Guarantees:
   at start-up); the payload's and the live model's fingerprints are measured in the worker;
 - an IPC descriptor's buckets are checked against the published fingerprint before loading;
 - a worker that cannot see the payload file says so before loading anything;
+- a partial payload (LoRA's merged modules, whole layers) reloads only the layers it
+  names; vLLM's notes about the layers it left as they were are not logged;
 - the live fingerprint is read from what the forward pass uses (on CPU, through the
   layer's own kernel); ``combine_rank_fingerprints`` counts replicated names once and adds
   shards. Details: docs/architecture.md, "vLLM worker extension".
@@ -18,6 +20,8 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,20 +34,24 @@ class WeightSyncExtension:
     def apply_weights(self, data: bytes, verify: bool = True) -> dict[str, Any]:
         """Load the payload in place; return this rank's payload fingerprint and, with
         ``verify``, its live one (``None`` without)."""
-        from pipeline.weights import deserialize_weights
+        from pipeline.weights import REST_FINGERPRINT_KEY, deserialize_weights, read_payload_metadata
 
-        return self._load(deserialize_weights(data), verify)
+        partial = REST_FINGERPRINT_KEY in read_payload_metadata(data)
+        return self._load(deserialize_weights(data), verify, partial=partial)
 
     def apply_weights_file(self, path: str, verify: bool = True) -> dict[str, Any]:
         """``apply_weights`` of the payload in file ``path``; ``{"missing": True}``, with
         nothing loaded, if this worker cannot see the file (another host)."""
         import os
 
-        from pipeline.weights import load_weights_file
+        from pipeline.weights import REST_FINGERPRINT_KEY, load_weights_file, read_payload_metadata
 
         if not os.path.isfile(path):
             return {"missing": True}
-        return self._load(load_weights_file(path), verify)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            head += f.read(int.from_bytes(head, "little"))
+        return self._load(load_weights_file(path), verify, partial=REST_FINGERPRINT_KEY in read_payload_metadata(head))
 
     def apply_weights_ipc(self, data: bytes, verify: bool = True) -> dict[str, Any]:
         """``apply_weights`` of a ``cuda_ipc`` descriptor: the trainer's buckets are mapped
@@ -63,12 +71,14 @@ class WeightSyncExtension:
         except WeightSyncError as err:
             return {"refused": str(err)}
         try:
-            return self._load(weights, verify, opened)
+            return self._load(weights, verify, opened, partial=payload.rest is not None)
         finally:
             del weights
 
-    def _load(self, weights: dict[str, Any], verify: bool, payload: tuple[float, float] | None = None) -> dict[str, Any]:
-        """Load ``weights``; ``payload``: their fingerprint in the served dtype, if known."""
+    def _load(self, weights: dict[str, Any], verify: bool, payload: tuple[float, float] | None = None,
+              partial: bool = False) -> dict[str, Any]:
+        """Load ``weights``; ``payload``: their fingerprint in the served dtype, if known;
+        ``partial``: they are some of the model's layers (the rest stays as it is)."""
         import torch
 
         from pipeline.weights import compute_fingerprint
@@ -89,7 +99,8 @@ class WeightSyncExtension:
             # experts may be re-laid out for their kernel after loading: they reload.
             model.load_weights(weights=iter(weights.items()))
         elif hasattr(runner, "reload_weights"):  # re-runs post-load processing (CPU packing)
-            runner.reload_weights(weights_iterator=iter(weights.items()))
+            with quiet_partial_reload(partial):
+                runner.reload_weights(weights_iterator=iter(weights.items()))
         else:
             model.load_weights(weights=iter(weights.items()))
         del weights
@@ -137,6 +148,36 @@ class WeightSyncExtension:
             return {}
         values = torch.stack([t.to(sums[0].device) for t in sums]).tolist()
         return {name: (float(v[0]), float(v[1])) for name, v in zip(names, values, strict=True)}
+
+
+# What vLLM's in-place reload logs about layers a payload did not name: expected of a
+# partial payload (the fingerprint check, not these lines, says whether it loaded).
+_PARTIAL_RELOAD_NOTES = ("Failed to load weights", "were not loaded from checkpoint")
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+
+
+class _DropPartialReloadNotes:
+    def filter(self, record: Any) -> bool:
+        return not any(note in str(record.msg) for note in _PARTIAL_RELOAD_NOTES)
+
+
+@contextlib.contextmanager
+def quiet_partial_reload(partial: bool) -> Iterator[None]:
+    """Within the block, vLLM's reload does not log the layers a ``partial`` payload
+    leaves as they are; a whole payload's reload logs as usual."""
+    if not partial:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    note_filter = _DropPartialReloadNotes()
+    for logger in loggers:
+        logger.addFilter(note_filter)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(note_filter)
 
 
 def has_fused_experts(model: Any) -> bool:

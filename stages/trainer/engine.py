@@ -13,7 +13,10 @@ Guarantees:
 - a non-finite step is not applied: weights, moments, schedule and ``version`` stay as
   they were, on every rank alike;
 - weights leave under their Hugging Face names, in the rollout dtype, tied parameters
-  once, whole (safetensors bytes or a ``cuda_ipc`` descriptor);
+  once, whole (safetensors bytes or a ``cuda_ipc`` descriptor); with ``model.lora`` only
+  the adapters train, and the layers holding them leave merged, with the fingerprint of
+  the rest (``stages/models/lora.py``); its state saves the adapters and their
+  optimizer alone;
 - on CPU the same state and inputs give bitwise-identical results; ``save_state`` /
   ``load_state`` round-trip exactly. Details: docs/architecture.md, "Trainer engine".
 """
@@ -27,6 +30,7 @@ import os
 import random
 import shutil
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,7 @@ import msgspec
 import numpy as np
 import torch
 
-from pipeline.config import AlgorithmFields, TrainConfig
+from pipeline.config import AlgorithmFields, LoraConfig, TrainConfig
 from pipeline.dtypes import resolve_dtype
 from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
@@ -294,18 +298,35 @@ def compute_grad_norm(module: Any) -> float:
     return math.sqrt(total)
 
 
-def save_engine_state(engine: Any, path: Path, client_state: dict[str, Any]) -> None:
+def save_engine_state(engine: Any, path: Path, client_state: dict[str, Any], trainable_only: bool = False) -> None:
     """Model, optimizer and lr schedule of a DeepSpeed ``engine`` under directory ``path``,
-    with ``client_state`` (plain numbers and bytes) beside them."""
-    engine.save_checkpoint(str(path), tag=_STATE_TAG, client_state=client_state, save_latest=False)
+    with ``client_state`` (plain numbers and bytes) beside them; ``trainable_only``: the
+    model's trainable parameters alone (LoRA: the adapters, not the frozen base)."""
+    engine.save_checkpoint(str(path), tag=_STATE_TAG, client_state=client_state, save_latest=False,
+                           exclude_frozen_parameters=trainable_only)
 
 
-def load_engine_state(engine: Any, path: Path) -> dict[str, Any]:
+def load_trainable_state(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """Load a module state saved without its frozen parameters (``save_engine_state``'s
+    ``trainable_only``) into ``dst``: every trainable parameter must be in ``src``, and
+    ``src`` may name nothing ``dst`` lacks."""
+    own = dict(dst.named_parameters())
+    trainable = {name for name, param in own.items() if param.requires_grad}
+    missing, unknown = sorted(trainable - set(src)), sorted(set(src) - set(dst.state_dict(keep_vars=True)))
+    if missing or unknown:
+        raise ValueError(f"engine state does not fit the model: trainable parameters missing {missing[:5]}, "
+                         f"unknown names {unknown[:5]} (was it saved with the same model.lora?)")
+    dst.load_state_dict(dict(src), strict=False)
+
+
+def load_engine_state(engine: Any, path: Path, trainable_only: bool = False) -> dict[str, Any]:
     """Inverse of ``save_engine_state``; returns the ``client_state``. Files are read with
-    the weights-only unpickler (``load_state_file``): a tampered file is refused."""
+    the weights-only unpickler (``load_state_file``): a tampered file is refused.
+    ``trainable_only``: the state holds the trainable parameters alone (LoRA's adapters)."""
     engine.checkpoint_engine.load = load_state_file
     load_path, client_state = engine.load_checkpoint(
-        str(path), tag=_STATE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        str(path), tag=_STATE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
+        custom_load_fn=load_trainable_state if trainable_only else None,
     )
     if load_path is None:
         raise FileNotFoundError(f"no engine state under {path}")
@@ -332,11 +353,15 @@ class TrainerEngine:
         threads: int | None = None,
         chunk_size: int | None = None,
         total_steps: int = 0,
+        lora: LoraConfig | None = None,
+        serve_dtype: str | None = None,
     ) -> None:
         threads = train.threads if threads is None else threads
         if threads > 0:
             torch.set_num_threads(threads)
         sync_dtype = resolve_dtype(dtype)
+        # The dtype the rollout serves: a partial (LoRA) payload's rest is measured in it.
+        self.serve_dtype = sync_dtype if serve_dtype is None else resolve_dtype(serve_dtype, "rollout.dtype")
         chunk_size = train.chunk_size if chunk_size is None else chunk_size
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
@@ -374,6 +399,14 @@ class TrainerEngine:
         if self.router_aux_loss_coef and not hasattr(model.config, "output_router_logits"):
             raise ValueError(f"train.router_aux_loss_coef: {self.router_aux_loss_coef:g} needs a mixture of experts; "
                              f"{type(model).__name__} at {self.model_path} has no router")
+        # model.lora: adapters injected in place; the model keeps its class and DeepSpeed
+        # trains it as usual, its frozen base outside the optimizer.
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.peft_model: Any = None
+        if self.lora is not None:
+            from stages.models.lora import apply_lora
+
+            self.peft_model = apply_lora(model, self.lora)
         model.train()
         # total_steps: the run's optimizer steps, where a decaying lr schedule ends.
         self.engine = build_deepspeed_engine(model, train, dtype, total_steps)
@@ -391,6 +424,11 @@ class TrainerEngine:
         self.logit_tokens = train.logit_chunk_tokens if find_chunkable_head(self.module) is not None else None
         self._ipc: CudaIpcExporter | None = None  # made on the first cuda_ipc export
         self._loss = build_policy_loss(algo)
+        self._lora_weights: Any = None
+        if self.lora is not None:
+            from stages.models.lora import LoraWeights
+
+            self._lora_weights = LoraWeights(self.module)
 
     # ------------------------------------------------------------------ training
 
@@ -637,16 +675,33 @@ class TrainerEngine:
 
         return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
 
-    def _module_state_for_sync(self) -> dict[str, torch.Tensor]:
-        """The module's names -> CPU copy in the rollout dtype; tied parameters once."""
+    def _live_state(self, whole: bool) -> dict[str, torch.Tensor]:
+        """The served model's names -> live tensor, tied parameters once: the module's
+        state; with LoRA the base model's names, adapters merged, and unless ``whole``
+        only the layers holding them (``LoraWeights.sync_state``). Call inside
+        ``gathered_parameters``."""
+        if self._lora_weights is not None:
+            return self._lora_weights.merged_state() if whole else self._lora_weights.sync_state()
+        return drop_tied_aliases(self.module, drop_tied_duplicates(self.module.state_dict()))
+
+    def _rest_fingerprint(self) -> tuple[float, float] | None:
+        """With LoRA, the fingerprint (in the served dtype) of what a sync leaves out."""
+        if self._lora_weights is None:
+            return None
         with self.gathered_parameters():
-            live = drop_tied_aliases(self.module, drop_tied_duplicates(self.module.state_dict()))
+            return self._lora_weights.rest_fingerprint(self.serve_dtype)
+
+    def _module_state_for_sync(self, whole: bool = False) -> dict[str, torch.Tensor]:
+        """The served names -> CPU copy in the rollout dtype; tied parameters once."""
+        with self.gathered_parameters():
+            live = self._live_state(whole)
             return {name: t.detach().to("cpu", self.sync_dtype, copy=True) for name, t in live.items()}
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> CPU copy in the rollout dtype; tied parameters once. The
-        names are the checkpoint's (``stages.models.checkpoint_names``): a mixture of experts'
-        3D expert tensors go one expert at a time, as vLLM loads them."""
+        """Checkpoint name -> CPU copy in the rollout dtype; tied parameters once (with
+        LoRA, the merged layers that hold adapters only). The names are the checkpoint's
+        (``stages.models.checkpoint_names``): a mixture of experts' 3D expert tensors go
+        one expert at a time, as vLLM loads them."""
         return checkpoint_state_dict(self.module, self._module_state_for_sync())
 
     @property
@@ -654,8 +709,10 @@ class TrainerEngine:
         return next(self.module.parameters()).is_cuda
 
     def export_weights(self) -> tuple[bytes, str, tuple[float, float]]:
-        """(safetensors bytes, their sha256, fingerprint) of the current weights."""
-        return build_payload(self.state_dict_for_sync())
+        """(safetensors bytes, their sha256, fingerprint) of the current weights (with
+        LoRA a partial payload; the fingerprint is still the whole served model's)."""
+        rest = self._rest_fingerprint()
+        return build_payload(self.state_dict_for_sync(), rest)
 
     def export_weights_ipc(self) -> tuple[bytes, str, tuple[float, float]]:
         """(``cuda_ipc`` descriptor, its sha256, fingerprint) of the current weights, packed
@@ -663,30 +720,55 @@ class TrainerEngine:
         descriptor's sha guards the descriptor, the fingerprint guards the weights."""
         if self._ipc is None:
             self._ipc = CudaIpcExporter(self.sync_dtype)
+        rest = self._rest_fingerprint()
         with self.gathered_parameters():
-            state = drop_tied_aliases(self.module, drop_tied_duplicates(self.module.state_dict()))
-            data, fingerprint = self._ipc.export(checkpoint_state_dict(self.module, state), self.version)
+            state = self._live_state(whole=False)
+            data, fingerprint = self._ipc.export(checkpoint_state_dict(self.module, state), self.version, rest)
         return data, compute_sha256(data), fingerprint
 
     def weights_sha256(self) -> str:
         """sha256 of the bytes ``export_weights`` would ship now."""
         return compute_sha256(serialize_weights(self.state_dict_for_sync()))
 
-    def save_pretrained(self, out_dir: Path) -> Path:
+    def save_pretrained(self, out_dir: Path, merged: bool | None = None) -> Path:
         """A Hugging Face checkpoint directory (weights in the rollout dtype, config,
-        generation config, tokenizer files copied from ``model_path``)."""
+        generation config, tokenizer files copied from ``model_path``). With LoRA it holds
+        the adapter (peft's files, and the tokenizer's), and ``merged`` (default
+        ``model.lora.export_merged``) adds the merged model under ``out_dir/merged``."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        # The module's names: save_pretrained writes them as the checkpoint names them.
-        self.module.save_pretrained(out, state_dict=self._module_state_for_sync())
+        if self.lora is not None:
+            from stages.models.lora import save_adapter
+
+            with self.gathered_parameters():
+                save_adapter(self.peft_model, out)
+            self._copy_model_files(out, config=False)
+            if self.lora.export_merged if merged is None else merged:
+                self._save_full(out / "merged")
+            return out
+        return self._save_full(out)
+
+    def _copy_model_files(self, out: Path, config: bool = True) -> None:
+        """Tokenizer, chat template and custom code from ``model_path`` (``config``: and
+        the model's config files too), never weights nor what ``out`` already holds."""
+        for src in sorted(self.model_path.iterdir()):
+            if not src.is_file() or src.name.endswith(_WEIGHT_SUFFIXES) or (out / src.name).exists():
+                continue
+            if config or src.name not in ("config.json", "generation_config.json"):
+                shutil.copy2(src, out / src.name)
+
+    def _save_full(self, out_dir: Path) -> Path:
+        """The served model (LoRA: merged) as a Hugging Face checkpoint in ``out_dir``."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        # The served names: save_pretrained writes them as the checkpoint names them.
+        self.module.save_pretrained(out, state_dict=self._module_state_for_sync(whole=True))
         # save_pretrained records the dtype of the live (float32) parameters; the
         # files hold the rollout dtype, and loaders with dtype="auto" read this field.
         config = self.module.config.__class__.from_dict(self.module.config.to_dict())
         config.dtype = self.sync_dtype
         config.save_pretrained(out)
-        for src in sorted(self.model_path.iterdir()):
-            if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES) and not (out / src.name).exists():
-                shutil.copy2(src, out / src.name)
+        self._copy_model_files(out)
         return out
 
     # ------------------------------------------------------------------ replay state
@@ -695,7 +777,7 @@ class TrainerEngine:
         """Write model, optimizer state, version and RNG states under directory ``path``."""
         client_state = {"conveyor_version": self.version, "conveyor_rng": self.get_rng_state(),
                         "conveyor_extra": {k: float(v) for k, v in self.extra_state.items()}}
-        save_engine_state(self.engine, path, client_state)
+        save_engine_state(self.engine, path, client_state, trainable_only=self.lora is not None)
 
     def load_state(self, path: Path) -> None:
         """Restore what ``save_state`` wrote; pending (unstepped) gradients are dropped.
@@ -703,7 +785,7 @@ class TrainerEngine:
         DeepSpeed's state files are pickles; they are read with torch's weights-only
         unpickler (``load_state_file``), so a tampered file is refused, never executed.
         """
-        client_state = load_engine_state(self.engine, path)
+        client_state = load_engine_state(self.engine, path, trainable_only=self.lora is not None)
         self._discard_gradients()
         self._anchors.clear()
         self.version = int(client_state["conveyor_version"])
@@ -721,6 +803,7 @@ class TrainerEngine:
 def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
     """The ``TrainerEngine`` of a run (the trainer stage and ``conveyor replay`` share it)."""
     return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.scoring_temperature,
-                         dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads,
+                         dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads, lora=cfg.model.lora,
+                         serve_dtype=cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype,
                          # The lr schedule counts optimizer updates: several per step with PPO epochs.
                          total_steps=cfg.run.steps * cfg.train.ppo_epochs * cfg.train.ppo_mini_batches)

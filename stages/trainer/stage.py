@@ -165,6 +165,7 @@ class TrainerStage:
     def __init__(self, rank_gpus: list[tuple[int, float]] | None = None) -> None:
         # (placement-group bundle, GPU share) of data-parallel ranks 1.. (``train.num_ranks``).
         self.rank_gpus = list(rank_gpus or [])
+        self.lora_params: dict[str, int] = {}  # model.lora: trainable and all parameters
         self.dropped: dict[str, int] = {}
         self.trained_samples = 0
         self.steps_done = 0
@@ -222,6 +223,12 @@ class TrainerStage:
                                           os.environ.get(TRANSPORT_ENV))
         ctx.log.info("weight_transport", transport=self.transport)
         ctx.log.info("trainer_compile", blocks=self.engine.compiled_blocks, skipped=self.engine.compile_skipped)
+        if cfg.model.lora.enabled:
+            from stages.models.lora import count_parameters
+
+            trainable, total = count_parameters(module)
+            self.lora_params = {"trainable_params": trainable, "params": total}
+            ctx.log.info("lora", rank=cfg.model.lora.rank, **self.lora_params)
         self.checkpoints = TrainerCheckpoints(cfg, self.engine)
         from stages.algorithms.kl_control import build_kl_controller
 
@@ -633,5 +640,6 @@ class TrainerStage:
             "weight_publish_s": {"count": self.publishes,
                                  "mean": self.publish_s_total / self.publishes if self.publishes else 0.0},
             "checkpoint": str(self.run_dir / "checkpoint") if self.cfg.train.save_checkpoint else None,
+            **({"lora": self.lora_params} if self.lora_params else {}),
             **self.checkpoints.accounting(),
         }
