@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
+
+# peft comes with the cpu extra (install.sh cpu); a missing peft fails here, not skips.
+import peft
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -41,9 +42,6 @@ from stages.rollout.base import SamplingSettings
 from stages.trainer.engine import TrainerEngine, load_state_file
 from tests.e2e.test_rollout_backends import LOGPROB_ATOL, PROMPTS, recompute_logprobs
 from tests.e2e.test_trainer_engine import make_batch
-
-# CI installs peft (the cpu extra); elsewhere a missing peft skips this module.
-peft = importlib.import_module("peft") if os.environ.get("CI") else pytest.importorskip("peft")
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
 TARGETS = ("q_proj", "v_proj", "up_proj")

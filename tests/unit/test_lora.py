@@ -3,7 +3,6 @@ and the partial payload a LoRA sync sends (its rest fingerprint, checked by rece
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from pipeline.weights import (
 from stages.rollout.hf_backend import check_payload_names
 
 QUICKSTART = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
-HAS_PEFT = importlib.util.find_spec("peft") is not None
 
 
 def test_lora_is_off_by_default_and_on_with_a_rank() -> None:
@@ -63,7 +61,6 @@ def test_lora_without_peft_exits_2_naming_the_field_and_the_pip_command(monkeypa
     assert "pip install 'conveyor[lora]'" in err
 
 
-@pytest.mark.skipif(not HAS_PEFT, reason="peft not installed")
 @pytest.mark.parametrize(("overrides", "message"), [
     (["model.lora.target_modules=[no_such_proj]"], "model.lora.target_modules (['no_such_proj']): Target modules"),
     (["model.lora.target_modules=[embed_tokens]"], "Conveyor merges adapters into linear layers only"),
@@ -122,7 +119,6 @@ def test_a_colocated_lora_trainer_leaves_vllm_what_its_frozen_base_does_not_take
     assert estimate_colocated_fraction(10**9, "bfloat16", 100 * 10**9, with_reference=False) == pytest.approx(0.7)
 
 
-@pytest.mark.skipif(not HAS_PEFT, reason="peft not installed")
 def test_the_adapter_bound_is_what_peft_makes_of_all_linear_on_the_tiny_llama(tmp_path) -> None:
     from pipeline.config import LoraConfig, TinyModelConfig
     from pipeline.memory.admission import ModelShape
