@@ -2,7 +2,8 @@
 
 On ``configs/gpu_small.yaml``'s model (268.7M-parameter Llama, bf16) and step shape (32
 prompts x 8 samples, prompts of 12-23 tokens, completions of 64-128), in this process,
-with a CUDA sync at each boundary, eager (``train.compile: off``):
+with a CUDA sync at each boundary, eager (``train.compile: off``), in fixed-row chunks
+(``train.pass_tokens: 0``):
 
 - ``train_s``: the step's four 64-sample micro-batches through ``train_micro_batch``
   (forward and backward, ``chunk_size`` samples per pass);
@@ -105,7 +106,9 @@ def measure(quick: bool) -> dict[str, Any]:
 
     # Eager: these rows measure the passes as launched op by op (train.compile's fused
     # blocks are measured end to end by bench gpu_e2e, colocate[train.compile=off]).
-    cfg = load_config(CONFIG, ["train.compile=off", *(["train.prompts_per_step=8"] if quick else [])])
+    # Fixed-row chunks (train.pass_tokens=0): the rows compare chunk sizes.
+    cfg = load_config(CONFIG, ["train.compile=off", "train.pass_tokens=0",
+                               *(["train.prompts_per_step=8"] if quick else [])])
     note_config(cfg)
     engine = build_trainer_engine(cfg)
     vocab = int(engine.module.config.vocab_size)

@@ -415,10 +415,18 @@ class TrainConfig(msgspec.Struct, **_section()):
     # run, status failed, with the last good checkpoint named.
     max_bad_steps: PosInt = 3
     threads: NonNegInt = 0  # torch threads in the trainer; 0 = leave default
-    # Samples per forward/backward pass (verl's ppo_micro_batch_size_per_gpu): activation
-    # memory is bounded by one chunk; larger chunks launch fewer kernels per sample (the
-    # GPU's win on a small model). Admission (train.memory) estimates with it.
+    # Samples per forward/backward pass when pass_tokens is 0 (verl's
+    # ppo_micro_batch_size_per_gpu): activation memory is bounded by one chunk; larger
+    # chunks launch fewer kernels per sample (the GPU's win on a small model). Admission
+    # (train.memory) estimates with the passes the engine will run.
     chunk_size: PosInt = 16
+    # Tokens per forward/backward pass of the trainer and the reference, prompt and
+    # completion of each row counted at the length of the pass's longest row
+    # (pipeline/memory/packing.py): rows are sorted by length, longest first, and grouped
+    # while rows x longest <= pass_tokens (a longer row runs alone), so a pass costs about
+    # its real tokens, not the micro-batch's longest sample per row. 0: fixed chunks of
+    # chunk_size samples in batch order.
+    pass_tokens: NonNegInt = 16384
     # Rows of [tokens, vocabulary] logits alive at once when the trainer and the
     # reference compute log-probs (stages/models/logprobs.py: the output head runs on completion
     # tokens only, this many at a time, recomputed in backward): memory does not grow

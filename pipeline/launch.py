@@ -293,7 +293,7 @@ class Reporter:
                 metrics[f"queue/{name}/mean_depth"] = q["mean_depth"]
             metrics["samples/in_flight"] = drain["ledger"]["in_flight"] * self.cfg.rollout.n
             metrics.update(merge_guard_metrics(graph.stage_status))
-            metrics.update(collect_stage_metrics(graph.stage_status, ("critic/",)))
+            metrics.update(collect_stage_metrics(graph.stage_status, ("critic/", "ref/")))
             self._last_step_end = end
             self._recent = [sp for sp in self._recent if sp.end > end]
             # The row's time is the step's end (the trainer's clock), not this tick's.

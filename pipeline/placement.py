@@ -23,7 +23,7 @@ import os
 import subprocess
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.config import ConfigError, ConveyorConfig
 from pipeline.dtypes import DTYPE_BYTES
@@ -140,19 +140,23 @@ def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, 
 
 
 def estimate_pass_bytes(cfg: ConveyorConfig, shape: ModelShape, with_reference: bool) -> tuple[int, int]:
-    """(trainer, reference) bytes of one forward pass at its largest: ``train.chunk_size``
-    samples of ``data.max_prompt_len + rollout.max_tokens`` tokens (the source refuses
-    longer prompts), activations and the logits the head holds at once
+    """(trainer, reference) bytes of one forward pass at its largest: with
+    ``train.pass_tokens`` that many tokens (rows of any length fill a pass up to it), or
+    one row longer than it; with it 0, ``train.chunk_size`` samples (the reference's 16)
+    of ``data.max_prompt_len + rollout.max_tokens`` tokens (the source refuses longer
+    prompts); activations and the logits the head holds at once
     (``train.logit_chunk_tokens``, both stages; 0: all of them), with grad for the trainer; the
     reference's 0 when it does not share the GPU. The trainer's pass and the reference's
     can run at once on a streaming GPU, so both are reserved."""
     seq = cfg.data.max_prompt_len + cfg.rollout.max_tokens
     logit_tokens = cfg.train.logit_chunk_tokens or None
-    trainer = estimate_batch_bytes("trainer", shape, [seq] * cfg.train.chunk_size, chunk_size=cfg.train.chunk_size,
-                                   logit_tokens=logit_tokens)
-    reference = estimate_batch_bytes("reference", shape, [seq] * REFERENCE_CHUNK, chunk_size=REFERENCE_CHUNK,
-                                     logit_tokens=logit_tokens) if with_reference else 0
-    return trainer, reference
+
+    def largest(kind: Literal["trainer", "reference"], chunk: int) -> int:
+        # estimate_forward_bytes counts rows x width tokens: one row of the pass's tokens stands for its rows.
+        lens = [max(seq, cfg.train.pass_tokens)] if cfg.train.pass_tokens else [seq] * chunk
+        return estimate_batch_bytes(kind, shape, lens, chunk_size=chunk, logit_tokens=logit_tokens)
+
+    return largest("trainer", cfg.train.chunk_size), largest("reference", REFERENCE_CHUNK) if with_reference else 0
 
 
 def engines_per_gpu(plan: PlacementPlan) -> int:
@@ -358,7 +362,9 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
     planned = estimate_colocated_fraction(num_params, dtype, gpu_bytes, with_reference=with_reference,
                                           pass_bytes=trainer_pass + reference_pass, trainable_params=trainable)
     resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - trainer_pass - reference_pass
-    passes = (f" + trainer pass ~{trainer_pass / _GIB:.1f} GiB (train.chunk_size {cfg.train.chunk_size}, "
+    per_pass = (f"train.pass_tokens {cfg.train.pass_tokens}" if cfg.train.pass_tokens
+                else f"train.chunk_size {cfg.train.chunk_size}")
+    passes = (f" + trainer pass ~{trainer_pass / _GIB:.1f} GiB ({per_pass}, "
               f"train.logit_chunk_tokens {cfg.train.logit_chunk_tokens})" if shape else "")
     passes += f" + reference pass ~{reference_pass / _GIB:.1f} GiB" if reference_pass else ""
     notes.append(
@@ -380,8 +386,8 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
         raise PlacementError(
             f"placement: the model ({num_params / 1e6:.0f}M params, {dtype}) does not fit trainer, reference and "
             f"vLLM on one GPU of {gpu_bytes / _GIB:.0f} GiB (vLLM would get {max(planned, 0):.2f} of it; "
-            f"{notes[-1]}); lower train.chunk_size or train.logit_chunk_tokens, use more GPUs, a smaller model, "
-            f"or train.zero_stage with offload"
+            f"{notes[-1]}); lower train.pass_tokens (or train.chunk_size with it 0) or train.logit_chunk_tokens, "
+            f"use more GPUs, a smaller model, or train.zero_stage with offload"
         )
     return planned
 

@@ -43,8 +43,8 @@ STATES_DIR = "states"
 # differs from the recording's snapshot in any of them.
 _TRAINING_FIELDS = ("model.path", "model.dtype", "model.tiny", "algorithm", "train.lr", "train.weight_decay",
                     "train.grad_clip", "train.zero_stage", "train.prompts_per_step", "train.threads",
-                    "train.chunk_size", "rollout.n", "rollout.temperature", "rollout.logprobs", "run.seed",
-                    "dataflow.max_staleness")
+                    "train.chunk_size", "train.pass_tokens", "rollout.n", "rollout.temperature", "rollout.logprobs",
+                    "run.seed", "dataflow.max_staleness")
 
 Out = Callable[[str], None]
 

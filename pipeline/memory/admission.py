@@ -31,6 +31,7 @@ import numpy as np
 from pipeline.config import MemoryConfig
 from pipeline.dtypes import DTYPE_BYTES
 from pipeline.memory.oom import OomEvent
+from pipeline.memory.packing import plan_passes
 from pipeline.memory.readings import MemoryReading
 from pipeline.types import RolloutBatch
 
@@ -119,16 +120,18 @@ def estimate_forward_bytes(
 
 def estimate_batch_bytes(
     stage_kind: StageKind, shape: ModelShape, seq_lens: Sequence[int], *, chunk_size: int | None = None,
-    logit_tokens: int | None = None,
+    logit_tokens: int | None = None, pass_tokens: int = 0, unit_rows: int = 1,
 ) -> int:
     """Bytes one micro-batch adds to a stage; ``seq_lens`` has one total length per sample.
 
     rollout: the KV cache of every sample's full length (give prompt + max_tokens, see
     ``expand_rollout_seq_lens``) plus one decode step's float32 logits and probabilities
-    per sequence. reference / trainer: the largest forward pass over chunks of
-    ``chunk_size`` samples, each padded to its own longest (trainer: with grad, assuming
-    each chunk's backward runs before the next chunk's forward); ``logit_tokens``: rows
-    of logits alive at once (see ``estimate_forward_bytes``; None: the dense head).
+    per sequence. reference / trainer: the largest forward pass of the engine's plan
+    (``packing.plan_passes``: ``pass_tokens`` > 0 token-budget passes of whole
+    ``unit_rows`` units, else chunks of ``chunk_size`` samples), each padded to its own
+    longest (trainer: with grad, assuming each pass's backward runs before the next
+    pass's forward); ``logit_tokens``: rows of logits alive at once (see
+    ``estimate_forward_bytes``; None: the dense head).
     """
     lens = [int(n) for n in seq_lens]
     if not lens:
@@ -137,11 +140,11 @@ def estimate_batch_bytes(
         return estimate_kv_cache_bytes(shape, sum(lens)) + len(lens) * shape.vocab_size * 8
     if stage_kind not in ("reference", "trainer"):
         raise ValueError(f"stage_kind: expected 'rollout', 'reference' or 'trainer', got {stage_kind!r}")
-    step = chunk_size or len(lens)
+    passes = plan_passes(lens, pass_tokens, chunk_size or len(lens), unit_rows)
     return max(
-        estimate_forward_bytes(shape, len(chunk), max(chunk), with_grad=stage_kind == "trainer",
+        estimate_forward_bytes(shape, len(rows), max(lens[i] for i in rows), with_grad=stage_kind == "trainer",
                                logit_tokens=logit_tokens)
-        for chunk in (lens[i : i + step] for i in range(0, len(lens), step))
+        for rows in passes
     )
 
 
@@ -358,7 +361,8 @@ class AdmissionController:
                 # The stage holds nothing in flight and the device's free memory stayed
                 # below one group's estimate: only a smaller piece or a smaller
                 # neighbour can help.
-                knob = (f"{section}.chunk_size (samples per forward pass)" if section in ("train", "reference")
+                knob = ("train.pass_tokens (tokens per forward pass; 0: train.chunk_size samples per pass)"
+                        if section in ("train", "reference")
                         else "rollout.max_tokens") + (", lower rollout.gpu_memory_utilization or "
                                                       "rollout.kv_cache_gib (vLLM's share of a shared GPU)")
                 raise AdmissionTimeout(

@@ -6,8 +6,9 @@ Guarantees:
   completion_ids[i, :j])`` at the given temperature, and exactly 0 where ``j >=
   completion_lens[i]``. Padding never influences a real token: sequences are
   right-padded, so under the causal mask a real token attends only to real tokens.
-- Memory is bounded by ``chunk_size`` samples per forward pass, and never grows with the
-  vocabulary beyond one chunk of tokens: the output head is applied to the completion
+- Memory is bounded by one pass (``chunk_size`` samples, or the rows of a token-budget
+  plan, ``pipeline.memory.packing``, each pass trimmed to its own longest row), and
+  never grows with the vocabulary beyond one chunk of tokens: the output head is applied to the completion
   positions only, ``chunk_tokens`` rows at a time, each chunk's ``[tokens, vocab]``
   logits recomputed in backward rather than kept (``chunked_head``). Families whose
   head does more than ``lm_head`` plus soft-capping, and ZeRO-3's partitioned head,
@@ -19,11 +20,13 @@ Guarantees:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from pipeline.memory.packing import plan_passes
 from pipeline.types import RolloutBatch
 from stages.algorithms import compute_token_entropy, compute_token_logprobs
 
@@ -68,6 +71,26 @@ def build_model_inputs(
         torch.from_numpy(comp_mask.astype(np.float32)),
         torch.from_numpy(positions.astype(np.int64)),
     )
+
+
+def select_pass_inputs(
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], rows: np.ndarray,
+    completion_lens: np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows ``rows`` of ``build_model_inputs``' four tensors, trimmed to those rows:
+    input columns to their longest prompt + completion, completion columns to their
+    longest completion (``completion_lens``, [S]; a mask is never set beyond it). Prompt
+    and completion sit from column 0 with padding on the right only, so dropping the
+    columns past a pass's longest row drops padding only, and every kept token keeps its
+    position."""
+    input_ids, attention_mask, completion_mask, positions = inputs
+    rows = np.asarray(rows, dtype=np.int64)
+    index = torch.from_numpy(rows)
+    mask = attention_mask.index_select(0, index)
+    length = int(mask.sum(dim=1).max()) if rows.size else 0
+    width = min(int(np.asarray(completion_lens)[rows].max()), completion_mask.shape[1]) if rows.size else 0
+    return (input_ids.index_select(0, index)[:, :length], mask[:, :length],
+            completion_mask.index_select(0, index)[:, :width], positions.index_select(0, index)[:, :width])
 
 
 def accepts_logits_to_keep(model: Any) -> bool:
@@ -260,27 +283,26 @@ def compute_completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 16,
     chunk_tokens: int = LOGIT_CHUNK_TOKENS,
+    pass_tokens: int = 0,
+    passes: Sequence[np.ndarray] | None = None,
 ) -> torch.Tensor:
     """Log-prob of each completion token: [S, C] float32, aligned with
     ``batch.completion_ids``, zeros where padded (see the module guarantees);
-    ``chunk_tokens`` as in ``forward_completion_logprobs``."""
+    ``chunk_tokens`` as in ``forward_completion_logprobs``. The forward passes are
+    ``passes`` (row indices), else ``plan_passes`` of ``pass_tokens`` (0: chunks of
+    ``chunk_size`` samples); each pass is trimmed to its own rows (``select_pass_inputs``)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
-    input_ids, attention_mask, completion_mask, positions = build_model_inputs(batch)
+    inputs = build_model_inputs(batch)
+    if passes is None:
+        passes = plan_passes(np.asarray(batch.prompt_lens) + np.asarray(batch.completion_lens), pass_tokens,
+                             chunk_size)
     keep = accepts_logits_to_keep(model)
-    pieces = [
-        forward_completion_logprobs(
-            model,
-            input_ids[start : start + chunk_size],
-            attention_mask[start : start + chunk_size],
-            completion_mask[start : start + chunk_size],
-            positions[start : start + chunk_size],
-            temperature=temperature,
-            use_logits_to_keep=keep,
-            chunk_tokens=chunk_tokens,
-        )
-        for start in range(0, batch.num_samples, chunk_size)
-    ]
-    if not pieces:
-        return torch.zeros(completion_mask.shape, dtype=torch.float32)
-    return torch.cat(pieces, dim=0)
+    out = torch.zeros(inputs[2].shape, dtype=torch.float32)
+    for rows in passes:
+        piece = forward_completion_logprobs(model, *select_pass_inputs(inputs, rows, batch.completion_lens),
+                                            temperature=temperature,
+                                            use_logits_to_keep=keep, chunk_tokens=chunk_tokens)
+        out = out.to(piece.device)
+        out[torch.as_tensor(rows, device=piece.device), : piece.shape[1]] = piece
+    return out

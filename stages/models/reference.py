@@ -5,8 +5,11 @@ Guarantees:
   parameter frozen (``requires_grad=False``), and never changes afterwards.
 - ``compute`` returns a new ``RolloutBatch`` (the input is not mutated) whose
   ``ref_logprobs`` is float32 [S, C], aligned with ``completion_ids``, zero on padding,
-  computed under ``torch.no_grad()`` in ``chunk_size``-sample forward passes (see
-  ``stages/models/logprobs.py``).
+  computed under ``torch.no_grad()`` in the trainer's passes: ``pass_tokens`` padded
+  tokens a pass, rows grouped by length (``pipeline/memory/packing.py``), or
+  ``chunk_size``-sample passes with it 0 (see ``stages/models/logprobs.py``); the
+  grouping changes no value beyond float rounding. ``ref/padding_fraction`` (and
+  ``_unpacked``, for ``chunk_size`` chunks) count every pass it ran so far.
 - Log-probs are taken at ``temperature``, which should be the rollout temperature: the
   trainer scores the current policy at that temperature, and the KL penalty compares
   the two distributions, so both sides must use the same one.
@@ -33,6 +36,7 @@ from pipeline.dtypes import MODEL_DTYPES, resolve_dtype
 from pipeline.memory.admission import ModelShape, count_seq_lens, estimate_batch_bytes
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
+from pipeline.memory.packing import count_pass_tokens, padding_fraction, plan_passes
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
 from pipeline.plugins import register_stage
 from pipeline.types import RolloutBatch
@@ -66,6 +70,7 @@ class ReferenceModel:
         chunk_size: int = 16,
         device: str | None = None,
         logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS,
+        pass_tokens: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -74,7 +79,13 @@ class ReferenceModel:
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
         self.model_path = Path(model_path)
+        if pass_tokens < 0:
+            raise ValueError(f"train.pass_tokens: expected >= 0 (0: chunks of chunk_size samples), got {pass_tokens}")
         self.chunk_size = chunk_size
+        self.pass_tokens = pass_tokens
+        # Tokens of every pass so far: real (prompt + completion), computed (padding
+        # included), and what chunk_size chunks would have computed.
+        self.real_tokens = self.computed_tokens = self.unpacked_tokens = 0
         self.temperature = float(temperature)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=resolve_dtype(dtype, "model.dtype", MODEL_DTYPES))
@@ -86,13 +97,24 @@ class ReferenceModel:
 
     def compute(self, batch: RolloutBatch) -> RolloutBatch:
         """``batch`` with ``ref_logprobs`` [S, C] float32 filled in."""
+        lens = count_seq_lens(batch)
+        passes = plan_passes(lens, self.pass_tokens, self.chunk_size)
         with torch.no_grad():
             logprobs = compute_completion_logprobs(
                 self.model, batch, temperature=self.temperature, chunk_size=self.chunk_size,
-                chunk_tokens=self.logit_tokens or 0,
+                chunk_tokens=self.logit_tokens or 0, passes=passes,
             )
         ref = np.ascontiguousarray(logprobs.to("cpu", torch.float32).numpy(), dtype=np.float32)
+        real, computed = count_pass_tokens(lens, passes)
+        self.real_tokens += real
+        self.computed_tokens += computed
+        self.unpacked_tokens += count_pass_tokens(lens, plan_passes(lens, 0, self.chunk_size))[1]
         return msgspec.structs.replace(batch, ref_logprobs=ref)
+
+    def padding_metrics(self) -> dict[str, float]:
+        """``ref/padding_fraction`` and ``ref/padding_fraction_unpacked`` over every pass so far."""
+        return {"ref/padding_fraction": padding_fraction(self.real_tokens, self.computed_tokens),
+                "ref/padding_fraction_unpacked": padding_fraction(self.real_tokens, self.unpacked_tokens)}
 
 
 @register_stage("reference")
@@ -110,7 +132,7 @@ class ReferenceStage:
         path = Path(cfg.reference.path).expanduser() if cfg.reference.path else resolve_model_path(cfg.model)
         self.model = await asyncio.to_thread(
             ReferenceModel, path, cfg.model.dtype, temperature=cfg.scoring_temperature,
-            logit_chunk_tokens=cfg.train.logit_chunk_tokens,
+            logit_chunk_tokens=cfg.train.logit_chunk_tokens, pass_tokens=cfg.train.pass_tokens,
         )
         self.ctx = ctx
         self.shape = build_model_shape(self.model.model, cfg.model.dtype)
@@ -129,7 +151,7 @@ class ReferenceStage:
 
     def _estimate(self, piece: RolloutBatch) -> int:
         return estimate_batch_bytes("reference", self.shape, count_seq_lens(piece), chunk_size=self.model.chunk_size,
-                                    logit_tokens=self.model.logit_tokens)
+                                    logit_tokens=self.model.logit_tokens, pass_tokens=self.model.pass_tokens)
 
     async def _score_recovering(self, piece: RolloutBatch) -> RolloutBatch:
         if not self.guard.protected:
@@ -143,4 +165,4 @@ class ReferenceStage:
         return await self.guard.measure(self._estimate(piece), lambda: asyncio.to_thread(self.model.compute, piece))
 
     def status(self) -> dict[str, Any]:
-        return {"state": "scoring", "batches": self.batches, **self.guard.status()}
+        return {"state": "scoring", "batches": self.batches, **self.guard.status(), **self.model.padding_metrics()}

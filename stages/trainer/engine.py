@@ -30,7 +30,7 @@ import os
 import random
 import shutil
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +40,20 @@ import torch
 
 from pipeline.config import AlgorithmFields, LoraConfig, TrainConfig
 from pipeline.dtypes import resolve_dtype
+from pipeline.memory.packing import count_pass_tokens, plan_passes
 from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
 from stages.algorithms import build_policy_loss
 from stages.algorithms.aggregation import get_loss_aggregation
 from stages.models.checkpoint_names import checkpoint_state_dict, drop_tied_aliases, find_split_ties
-from stages.models.logprobs import accepts_logits_to_keep, build_model_inputs, find_chunkable_head, forward_completion_logprobs
+from stages.models.logprobs import (
+    accepts_logits_to_keep,
+    build_model_inputs,
+    find_chunkable_head,
+    forward_completion_logprobs,
+    select_pass_inputs,
+)
 from stages.models.tiny import resolve_model_path
 from stages.trainer.lr_schedule import build_lr_scheduler
 
@@ -138,16 +145,18 @@ def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dic
     }
 
 
-def compute_chunk_weights(completion_mask: torch.Tensor, bounds: list[tuple[int, int]], loss_agg: str) -> list[float]:
-    """Weight of each row chunk so that ``sum(w_k * loss(chunk_k)) == loss(all rows)``.
+def compute_chunk_weights(completion_mask: torch.Tensor, groups: Sequence[Sequence[int] | np.ndarray],
+                          loss_agg: str) -> list[float]:
+    """Weight of each pass (a group of row indices, any order, each row in at most one)
+    so that ``sum(w_k * loss(rows of group k)) == loss(all rows)``.
 
-    ``completion_mask`` [S, C]. token-mean: the chunk's share of valid tokens;
+    ``completion_mask`` [S, C]. token-mean: the group's share of valid tokens;
     seq-mean-token-sum-norm: its share of rows (the constant normaliser counts every row);
     other seq-mean-*: its share of sequences with at least one valid token (the sequences
-    ``aggregate_loss`` averages over). A chunk with no such tokens or sequences weighs 0.
+    ``aggregate_loss`` averages over). A group with no such tokens or sequences weighs 0.
     """
     units = get_loss_aggregation(loss_agg).row_units(completion_mask)
-    counts = [float(units[a:b].sum()) for a, b in bounds]
+    counts = [float(units[torch.as_tensor(np.asarray(rows, dtype=np.int64))].sum()) for rows in groups]
     total = sum(counts)
     return [c / total if total > 0 else 0.0 for c in counts]
 
@@ -159,6 +168,11 @@ def align_chunk_size(chunk_size: int, algo: AlgorithmFields) -> int:
     if not algo.offline:
         return chunk_size
     return max(2, chunk_size - chunk_size % 2)
+
+
+def count_unit_rows(algo: AlgorithmFields) -> int:
+    """Rows a pass never splits: an offline algorithm's (chosen, rejected) pair, else one."""
+    return 2 if algo.offline else 1
 
 
 def encode_rng_state() -> bytes:
@@ -338,8 +352,10 @@ class TrainerEngine:
 
     ``dtype`` is the model's (and rollout's) dtype: weights are exported in it and the
     engine trains in it with mixed precision where a GPU exists; on CPU it trains in
-    float32. ``chunk_size`` (default ``train.chunk_size``) bounds the samples per
-    forward/backward pass.
+    float32. A micro-batch runs in the passes ``plan_passes`` makes of it:
+    ``pass_tokens`` (default ``train.pass_tokens``) padded tokens per forward/backward
+    pass, rows grouped by length; 0: ``chunk_size`` (default ``train.chunk_size``)
+    consecutive samples per pass.
     """
 
     def __init__(
@@ -355,6 +371,7 @@ class TrainerEngine:
         total_steps: int = 0,
         lora: LoraConfig | None = None,
         serve_dtype: str | None = None,
+        pass_tokens: int | None = None,
     ) -> None:
         threads = train.threads if threads is None else threads
         if threads > 0:
@@ -366,6 +383,9 @@ class TrainerEngine:
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
         chunk_size = align_chunk_size(chunk_size, algo)
+        pass_tokens = train.pass_tokens if pass_tokens is None else pass_tokens
+        if pass_tokens < 0:
+            raise ValueError(f"train.pass_tokens: expected >= 0 (0: chunks of chunk_size samples), got {pass_tokens}")
         if temperature <= 0:
             # Log-probs at temperature 0 (greedy rollouts) are undefined: no ratio exists.
             raise ValueError(f"temperature: expected > 0 (the rollout sampling temperature), got {temperature}")
@@ -375,6 +395,8 @@ class TrainerEngine:
         self.temperature = float(temperature)
         self.sync_dtype = sync_dtype
         self.chunk_size = chunk_size
+        self.pass_tokens = pass_tokens
+        self.unit_rows = count_unit_rows(algo)
         self.version = 0
         self._pieces = 0  # backward passes since the last optimizer step
         # Small numbers the trainer stage keeps with the engine's state (the KL
@@ -432,6 +454,12 @@ class TrainerEngine:
 
     # ------------------------------------------------------------------ training
 
+    def plan_passes(self, batch: RolloutBatch) -> list[np.ndarray]:
+        """The row indices of each forward/backward pass ``train_micro_batch`` makes over
+        ``batch`` (``pipeline.memory.packing.plan_passes``; pairs stay whole)."""
+        lens = np.asarray(batch.prompt_lens) + np.asarray(batch.completion_lens)
+        return plan_passes(lens, self.pass_tokens, self.chunk_size, self.unit_rows)
+
     def train_micro_batch(self, batch: RolloutBatch, scale: float) -> dict[str, float]:
         """Accumulate ``scale * loss(batch)`` gradients; never steps the optimizer.
 
@@ -439,7 +467,10 @@ class TrainerEngine:
         (``stages.algorithms.assign_advantages``) before; the old policy is
         ``batch.behaviour_logprobs`` [S, C]; ``batch.ref_logprobs`` [S, C] adds the KL
         penalty when present and ``kl_coef > 0``. Returns the piece's metrics (``loss``
-        unscaled).
+        unscaled) and its pass counts: ``passes``, ``pass_real_tokens`` (prompt +
+        completion tokens), ``pass_tokens`` (what the passes computed, padding included)
+        and ``pass_tokens_unpacked`` (what chunks of ``chunk_size`` consecutive samples
+        would have).
         """
         if batch.advantages is None or batch.loss_mask is None:
             raise ValueError(f"batch {batch.batch_id}: no advantages; assign_advantages must run first")
@@ -449,34 +480,44 @@ class TrainerEngine:
         advantages = torch.as_tensor(np.asarray(batch.advantages, dtype=np.float32))
         input_ids, attention_mask, completion_mask, positions = build_model_inputs(batch)
         completion_mask = completion_mask * torch.as_tensor(np.asarray(batch.loss_mask), dtype=completion_mask.dtype)
+        inputs = (input_ids, attention_mask, completion_mask, positions)
         old = torch.as_tensor(np.asarray(batch.behaviour_logprobs, dtype=np.float32))
         # Tokens sampled by the weights being trained: their |logp - old| is sampler numerics.
         fresh = torch.as_tensor(np.asarray(batch.token_versions) == self.version)
         ref = None if batch.ref_logprobs is None else torch.as_tensor(np.asarray(batch.ref_logprobs, dtype=np.float32))
         kl_coef = self.algo.kl_coef if ref is not None else 0.0
 
-        bounds = [(a, min(a + self.chunk_size, batch.num_samples)) for a in range(0, batch.num_samples, self.chunk_size)]
-        weights = compute_chunk_weights(completion_mask, bounds, self.algo.loss_agg)
-        totals: dict[str, float] = {}
+        passes = self.plan_passes(batch)
+        weights = compute_chunk_weights(completion_mask, passes, self.algo.loss_agg)
+        totals: dict[str, float] = {**self._count_pass_tokens(batch, passes)}
         loss_total = 0.0
         fresh_tokens, mismatch_sum = 0.0, 0.0
         began = False  # set before a backward: one that fails midway has already written part
         try:
-            for (a, b), weight in zip(bounds, weights, strict=True):
+            for rows, weight in zip(passes, weights, strict=True):
                 entropy: list[torch.Tensor] = []
                 router: list[torch.Tensor] | None = [] if self.router_aux_loss_coef else None
+                ids, att, chunk_mask, pos = select_pass_inputs(inputs, rows, batch.completion_lens)
                 logprobs = forward_completion_logprobs(
-                    self.engine, input_ids[a:b], attention_mask[a:b], completion_mask[a:b], positions[a:b],
-                    temperature=self.temperature, use_logits_to_keep=self._keep, entropy_out=entropy,
-                    router_loss_out=router, chunk_tokens=self.logit_tokens or 0,
+                    self.engine, ids, att, chunk_mask, pos, temperature=self.temperature,
+                    use_logits_to_keep=self._keep, entropy_out=entropy, router_loss_out=router,
+                    chunk_tokens=self.logit_tokens or 0,
                 )
                 device = logprobs.device
-                chunk_mask = completion_mask[a:b].to(device)
-                prox = self._proximal(batch, a, logprobs) if self.keeps_anchor else None
+                chunk_mask = chunk_mask.to(device)
+                index, width = torch.from_numpy(rows), chunk_mask.shape[1]
+
+                def take(t: torch.Tensor, index: torch.Tensor = index, width: int = width,
+                         device: torch.device = device) -> torch.Tensor:
+                    """The pass's rows (and completion columns) of a per-sample [S] or [S, C] tensor."""
+                    t = t.index_select(0, index)
+                    return (t[:, :width] if t.dim() == 2 else t).to(device)
+
+                prox = self._proximal(batch, rows, logprobs) if self.keeps_anchor else None
                 loss, metrics = self._loss(
-                    logprobs, old[a:b].to(device), advantages[a:b].to(device), chunk_mask,
-                    ref_logprobs=None if ref is None else ref[a:b].to(device), kl_coef=kl_coef,
-                    fresh_mask=fresh[a:b].to(device), **({} if prox is None else {"prox_logprobs": prox}),
+                    logprobs, take(old), take(advantages), chunk_mask,
+                    ref_logprobs=None if ref is None else take(ref), kl_coef=kl_coef,
+                    fresh_mask=take(fresh), **({} if prox is None else {"prox_logprobs": prox}),
                 )
                 mismatch = (metrics.pop("logp_mismatch", 0.0), metrics.pop("logp_mismatch_tokens", 0.0))
                 fresh_tokens += mismatch[1]
@@ -515,20 +556,29 @@ class TrainerEngine:
             "scale": float(scale),
         }
 
-    def _proximal(self, batch: RolloutBatch, start: int, logprobs: torch.Tensor) -> torch.Tensor:
-        """The anchor [rows, C] of the chunk of ``batch`` from row ``start`` whose current
+    def _count_pass_tokens(self, batch: RolloutBatch, passes: list[np.ndarray]) -> dict[str, float]:
+        """The pass counts ``train_micro_batch`` reports (see there)."""
+        lens = np.asarray(batch.prompt_lens) + np.asarray(batch.completion_lens)
+        real, computed = count_pass_tokens(lens, passes)
+        unpacked = passes if self.pass_tokens == 0 else plan_passes(lens, 0, self.chunk_size, self.unit_rows)
+        return {"passes": float(len(passes)), "pass_real_tokens": float(real), "pass_tokens": float(computed),
+                "pass_tokens_unpacked": float(count_pass_tokens(lens, unpacked)[1])}
+
+    def _proximal(self, batch: RolloutBatch, rows: np.ndarray, logprobs: torch.Tensor) -> torch.Tensor:
+        """The anchor [rows, width] of the pass over ``batch``'s rows ``rows`` whose current
         log-probs are ``logprobs``: per sample, the log-probs its step's first pass
         computed (kept here by sample id until the step's last update); a sample seen for
         the first time keeps its own, detached. Positions past a completion keep the
-        current values (the loss masks them)."""
+        current values (the loss masks them). A pass's width covers each of its rows'
+        completion, whatever rows share it."""
         out = logprobs.detach().clone()
-        for row in range(logprobs.shape[0]):
-            sid, length = batch.sample_ids[start + row], int(batch.completion_lens[start + row])
+        for k, row in enumerate(rows):
+            sid, length = batch.sample_ids[row], int(batch.completion_lens[row])
             kept = self._anchors.get(sid)
             if kept is None:
-                self._anchors[sid] = out[row, :length].float().cpu().numpy()
+                self._anchors[sid] = out[k, :length].float().cpu().numpy()
             else:
-                out[row, :length] = torch.as_tensor(kept, dtype=out.dtype, device=out.device)
+                out[k, :length] = torch.as_tensor(kept, dtype=out.dtype, device=out.device)
         return out
 
     def pad_backwards(self, batch: RolloutBatch, count: int) -> None:

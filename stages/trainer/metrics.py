@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.memory.packing import padding_fraction
 from pipeline.types import RolloutBatch
 from stages.rewards.shaping import find_zero_variance_groups
 
@@ -74,3 +75,17 @@ def summarise_reward_extras(batches: Sequence[Any]) -> dict[str, float]:
     for key, mean in mean_per_sample_field(batches, "reward_extras").items():
         out[f"reward/extra/{key}" if key in _RESERVED_METRICS else f"reward/{key}"] = mean
     return out
+
+
+def summarise_pass_padding(metrics: Sequence[dict[str, float]], prefix: str = "actor") -> dict[str, float]:
+    """``<prefix>/padding_fraction`` (padded / computed tokens over the passes the
+    micro-batches' metrics count: ``TrainerEngine.train_micro_batch``), the same for chunks
+    of ``chunk_size`` consecutive samples (``_unpacked``) and ``<prefix>/passes``; empty
+    when a micro-batch did not count them."""
+    keys = ("passes", "pass_real_tokens", "pass_tokens", "pass_tokens_unpacked")
+    if not metrics or not all(k in m for m in metrics for k in keys):
+        return {}
+    real, packed, unpacked, passes = (sum(m[k] for m in metrics) for k in
+                                      ("pass_real_tokens", "pass_tokens", "pass_tokens_unpacked", "passes"))
+    return {f"{prefix}/padding_fraction": padding_fraction(real, packed),
+            f"{prefix}/padding_fraction_unpacked": padding_fraction(real, unpacked), f"{prefix}/passes": passes}

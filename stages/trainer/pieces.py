@@ -14,6 +14,10 @@ from collections.abc import Mapping
 from pipeline.types import RolloutBatch
 from stages.algorithms.aggregation import get_loss_aggregation
 
+# Counts a micro-batch's pieces add up (the passes' token counts: ``TrainerEngine.train_micro_batch``).
+SUMMED_METRICS = ("num_samples", "num_tokens", "scale", "passes", "pass_real_tokens", "pass_tokens",
+                  "pass_tokens_unpacked")
+
 
 def compute_piece_weight(piece: RolloutBatch, batch: RolloutBatch, loss_agg: str) -> float:
     """The piece's share of its micro-batch's loss: ``sum(w_k * loss_k)`` over pieces is
@@ -29,7 +33,7 @@ def compute_piece_weight(piece: RolloutBatch, batch: RolloutBatch, loss_agg: str
 
 def merge_piece_metrics(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
     """One micro-batch's metrics from its pieces': ``*_max`` the max; counts and scales
-    the sum; reward and advantage statistics pooled over samples; everything else
+    (``SUMMED_METRICS``) the sum; reward and advantage statistics pooled over samples; everything else
     (loss, pg_loss, kl, clip_frac, ratio_mean) weighted as the loss is."""
     if len(metrics) == 1:
         return dict(metrics[0])
@@ -46,7 +50,7 @@ def merge_piece_metrics(metrics: list[dict[str, float]], weights: list[float]) -
         values = [m[key] for m in metrics]
         if key.endswith("_max"):
             out[key] = max(values)
-        elif key in ("num_samples", "num_tokens", "scale"):
+        elif key in SUMMED_METRICS:
             out[key] = sum(values)
         elif key in ("reward_mean", "adv_abs_mean"):
             out[key] = pooled(key)

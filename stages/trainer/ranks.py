@@ -7,7 +7,8 @@ With N > 1 the stage's engine is a ``DataParallelEngine``: rank 0 is the stage's
 Guarantees:
 - every micro-batch is split into N balanced parts of whole GRPO groups, scaled so the
   step's gradient is the one-rank gradient up to float rounding, whatever the split;
-- all ranks run the same number of backward passes (zero-weight padding);
+- all ranks run the same number of backward passes (zero-weight padding), counted
+  from each part's own plan of passes;
 - optimizer steps, discards and state saves and loads run on every rank at once; rank 0
   alone exports, publishes and writes the Hugging Face checkpoint;
 - a resume needs the same ``num_ranks``;
@@ -20,7 +21,6 @@ Mechanisms: docs/architecture.md, "Data-parallel trainer".
 from __future__ import annotations
 
 import functools
-import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -59,10 +59,11 @@ def plan_rank_groups(num_groups: int, ranks: int) -> list[int]:
     return [base + (r < extra) for r in range(ranks)]
 
 
-def count_rank_passes(samples: list[int], chunk_size: int) -> list[int]:
+def count_rank_passes(passes: list[int]) -> list[int]:
     """Zero-weight passes each rank adds so that all make as many forward/backward
-    passes as the busiest (a rank makes ``ceil(samples / chunk_size)``)."""
-    passes = [math.ceil(n / chunk_size) for n in samples]
+    passes as the busiest (``passes``: what each rank's part makes, ``len`` of its
+    engine's ``plan_passes``: token-budget passes differ in number from rank to rank
+    even for parts of equal sample counts)."""
     return [max(passes) - p for p in passes]
 
 
@@ -252,9 +253,9 @@ class DataParallelEngine:
 
     # Rank 0's state and weights stand for the stage's engine.
     def __getattr__(self, name: str) -> Any:
-        if name in ("version", "module", "chunk_size", "logit_tokens", "algo", "extra_state", "gradients_tainted",
-                    "weights_on_gpu", "sync_dtype", "get_rng_state", "set_rng_state", "compiled_blocks",
-                    "compile_skipped"):
+        if name in ("version", "module", "chunk_size", "pass_tokens", "unit_rows", "plan_passes", "logit_tokens",
+                    "algo", "extra_state", "gradients_tainted", "weights_on_gpu", "sync_dtype", "get_rng_state",
+                    "set_rng_state", "compiled_blocks", "compile_skipped"):
             return getattr(self.local, name)
         raise AttributeError(name)
 
@@ -287,7 +288,8 @@ class DataParallelEngine:
         parts = split_for_ranks(batch, self.ranks)
         loss_agg = self.local.algo.loss_agg
         weights = [compute_piece_weight(p, batch, loss_agg) if real else 0.0 for p, real in parts]
-        pads = count_rank_passes([p.num_samples for p, _ in parts], self.local.chunk_size)
+        # Every part is planned here, by rank 0: each rank's engine plans its own part alike.
+        pads = count_rank_passes([len(self.local.plan_passes(p)) for p, _ in parts])
         scales = [self.ranks * scale * w for w in weights]
 
         def train_own() -> dict[str, float]:

@@ -45,6 +45,7 @@ from stages.algorithms.aggregation import get_loss_aggregation
 from stages.trainer.checkpoint import TrainerCheckpoints
 from stages.trainer.metrics import (
     summarise_batch_rewards,
+    summarise_pass_padding,
     summarise_reward_extras,
     summarise_rollout_extras,
     summarise_step_batches,
@@ -349,7 +350,8 @@ class TrainerStage:
     # ------------------------------------------------------------------ memory
     def _estimate(self, piece: RolloutBatch) -> int:
         return estimate_batch_bytes("trainer", self.shape, count_seq_lens(piece), chunk_size=self.engine.chunk_size,
-                                    logit_tokens=self.engine.logit_tokens)
+                                    logit_tokens=self.engine.logit_tokens, pass_tokens=self.engine.pass_tokens,
+                                    unit_rows=self.engine.unit_rows)
 
     async def _train(self, batch: RolloutBatch) -> list[tuple[RolloutBatch, dict[str, float]]]:
         """(piece, metrics) for each piece ``batch`` was trained as, in order."""
@@ -474,6 +476,7 @@ class TrainerStage:
             **{f"actor/{k}": float(max(p[k] for p in pieces))
                for k in ("ratio_max", "is_weight_max") if all(k in p for p in pieces)},
             **{f"actor/{k}": float(v) for k, v in step_out.items()},
+            **summarise_pass_padding(pieces),
             "actor/skipped_nonfinite": self.skipped_nonfinite,  # steps not applied so far in this launch
             **self._colocate_metrics,
         }

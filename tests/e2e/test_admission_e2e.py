@@ -101,6 +101,7 @@ def test_trainer_oom_mid_step_trains_every_sample_once(tmp_path, monkeypatch, ca
         "train.sync_interval=100",
         "rollout.n=8", "train.prompts_per_step=8", "dataflow.prompts_per_micro_batch=4", "algorithm.kl_coef=0",
         "dataflow.async_execution=false", "dataflow.max_staleness=99",
+        "train.pass_tokens=0",  # fixed chunks of 16 samples: the call counts below are theirs
     ])
     trainer = TrainerStage()
     ctx = FakeStageContext("trainer", cfg)

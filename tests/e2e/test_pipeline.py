@@ -181,6 +181,12 @@ def test_lockstep_without_sampler_logprobs_anchors_the_ratio_on_the_trainer(ray_
         # No token carries a sampler log-prob: the mismatch is not measured (absent, not 0).
         assert r["actor/clip_frac"] == 0.0 and "actor/logp_mismatch" not in r
         assert np.isfinite(r["actor/pg_loss"]) and np.isfinite(r["actor/grad_norm"]) and r["actor/grad_norm"] > 0
+        # The passes' padding reaches the rows, the trainer's and the reference's: 4 prompts
+        # x 8 samples a micro-batch, two micro-batches a step, each within one pass of
+        # train.pass_tokens; short sequences of unequal prompts pad a little.
+        assert r["actor/passes"] == 2 and 0 < r["actor/padding_fraction"] < 0.5
+        assert 0 < r["actor/padding_fraction_unpacked"] < 0.5
+        assert 0 < r["ref/padding_fraction"] < 0.5 and 0 < r["ref/padding_fraction_unpacked"] < 0.5
 
 
 @pytest.fixture(scope="module")

@@ -77,3 +77,19 @@ def test_reference_scores_at_the_rollout_temperature(checkpoint, policy):
 def test_reference_rejects_an_unknown_dtype(checkpoint):
     with pytest.raises(ValueError, match="dtype"):
         ReferenceModel(checkpoint, "float64")
+
+
+def test_token_budget_passes_score_alike_and_count_their_padding(checkpoint, policy):
+    # Sequences of 5 + 1, 5 + 3, 5 + 1 and 5 + 5 tokens. A budget of 12: 10 alone
+    # (2 x 10 > 12), then 8 alone (2 x 8 > 12), then the two 6-token rows: 10 + 8 + 12 =
+    # 30 computed for 30 real tokens, no padding. Chunks of 3 samples: 3 x 8 + 10 = 34.
+    batch = make_batch()
+    packed = ReferenceModel(checkpoint, "float32", threads=1, chunk_size=3, pass_tokens=12)
+    got = packed.compute(batch).ref_logprobs
+    with torch.no_grad():
+        want = compute_completion_logprobs(policy, batch, chunk_size=4).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert packed.padding_metrics() == pytest.approx({"ref/padding_fraction": 0.0,
+                                                      "ref/padding_fraction_unpacked": 1 - 30 / 34})
+    with pytest.raises(ValueError, match="train.pass_tokens"):
+        ReferenceModel(checkpoint, "float32", pass_tokens=-1)

@@ -17,9 +17,9 @@ from pipeline.memory.splitting import split_rollout_batch_at
 from tests.e2e.test_trainer_engine import make_batch
 
 
-def _config(tmp_path, ranks: int, zero_stage: int):
+def _config(tmp_path, ranks: int, zero_stage: int, *overrides: str):
     return load_config(None, [f"run.dir={tmp_path}", "run.progress=false", f"train.num_ranks={ranks}",
-                              f"train.zero_stage={zero_stage}", "train.lr=1e-3", "train.threads=1"])
+                              f"train.zero_stage={zero_stage}", "train.lr=1e-3", "train.threads=1", *overrides])
 
 
 @ray.remote(num_cpus=0)
@@ -81,8 +81,11 @@ def test_two_ranks_update_the_weights_as_one_rank(ray_cluster, single, tmp_path,
     """A step of three micro-batches of 3, 1 and 4 groups (the 1-group one leaves rank 1
     a zero-weight filler; 3 groups split 2 + 1; token counts differ per group) under
     token-mean gives the same weights, loss and grad norm on two ranks as on one, under
-    ZeRO 0 (1 across ranks), 2 and 3 (weights gathered from the partitions to compare)."""
-    pair = EngineHost.remote(_config(tmp_path, 2, zero_stage))
+    ZeRO 0 (1 across ranks), 2 and 3 (weights gathered from the partitions to compare).
+    The two ranks pack their parts into passes of 200 tokens (rows of 13 to 31 tokens:
+    the 4-group micro-batch makes 3 passes on rank 0 and 2 on rank 1, which adds a
+    zero-weight one) where the one rank runs each micro-batch in one pass."""
+    pair = EngineHost.remote(_config(tmp_path, 2, zero_stage, "train.pass_tokens=200"))
     batch = ray.get(single.on_policy.remote(make_batch(seed=11)))
     parts = [msgspec.structs.replace(p, batch_id=i) for i, p in enumerate(split_rollout_batch_at(batch, [3, 1, 4]))]
     from stages.trainer.stage import compute_micro_batch_scale, compute_step_grad_scale
@@ -114,6 +117,7 @@ def test_two_ranks_update_the_weights_as_one_rank(ray_cluster, single, tmp_path,
         assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-7)
         assert m2["num_samples"] == m1["num_samples"] and m2["num_tokens"] == m1["num_tokens"]
         assert m2["scale"] == pytest.approx(m1["scale"])
+        assert m2["passes"] > m1["passes"] == 1 and m2["pass_real_tokens"] == m1["pass_real_tokens"]
     ray.kill(pair)
 
 

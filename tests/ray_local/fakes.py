@@ -310,6 +310,9 @@ class FakeBlockedRankZero:
         self.release.wait()
         return {"loss": 0.0, "num_samples": batch.num_samples, "num_tokens": 0, "scale": scale}
 
+    def plan_passes(self, batch: RolloutBatch) -> list[list[int]]:
+        return [list(range(batch.num_samples))]
+
     def pad_backwards(self, batch: RolloutBatch, passes: int) -> None:
         return None
 

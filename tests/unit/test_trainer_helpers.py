@@ -38,26 +38,37 @@ def piece(completion_lens: list[int]) -> RolloutBatch:
 def test_chunk_weights_reproduce_the_loss_aggregation():
     # Rows hold 3, 1, 0 and 2 valid tokens; chunks are rows [0, 2) and [2, 4).
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]], dtype=torch.float32)
-    bounds = [(0, 2), (2, 4)]
+    bounds = [[0, 1], [2, 3]]
     # token-mean: 4 of 6 tokens, then 2 of 6.
     assert compute_chunk_weights(mask, bounds, "token-mean") == pytest.approx([4 / 6, 2 / 6])
     # seq-mean: sequences with a token are 2 in the first chunk, 1 in the second (the
     # empty row is not averaged over by aggregate_loss).
     assert compute_chunk_weights(mask, bounds, "seq-mean-token-mean") == pytest.approx([2 / 3, 1 / 3])
     assert compute_chunk_weights(mask, bounds, "seq-mean-token-sum") == pytest.approx([2 / 3, 1 / 3])
-    assert compute_chunk_weights(torch.zeros(2, 3), [(0, 1), (1, 2)], "token-mean") == [0.0, 0.0]
+    assert compute_chunk_weights(torch.zeros(2, 3), [[0], [1]], "token-mean") == [0.0, 0.0]
 
 
-def test_chunk_weights_make_chunked_token_mean_equal_the_whole():
+def test_chunk_weights_of_scattered_row_groups():
+    # The same rows grouped out of order, as token-budget passes group them: rows {3, 0}
+    # hold 2 + 3 = 5 tokens of 6 and 2 of the 3 non-empty sequences; rows {2, 1} 1 token
+    # and 1 sequence; seq-mean-token-sum-norm counts rows: 2 of 4 each.
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]], dtype=torch.float32)
+    groups = [np.array([3, 0]), np.array([2, 1])]
+    assert compute_chunk_weights(mask, groups, "token-mean") == pytest.approx([5 / 6, 1 / 6])
+    assert compute_chunk_weights(mask, groups, "seq-mean-token-mean") == pytest.approx([2 / 3, 1 / 3])
+    assert compute_chunk_weights(mask, groups, "seq-mean-token-sum-norm") == pytest.approx([1 / 2, 1 / 2])
+
+
+@pytest.mark.parametrize("groups", [[[0], [1, 2, 3]], [[3, 1], [0, 2]], [[2], [0, 3], [1]]])
+def test_chunk_weights_make_grouped_aggregation_equal_the_whole(groups):
     from stages.algorithms import aggregate_loss
 
     values = torch.tensor([[0.5, -1.0, 2.0], [3.0, 0.0, 0.0], [1.0, 1.0, 0.0], [-2.0, 4.0, 1.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)
-    bounds = [(0, 1), (1, 4)]
-    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
-        weights = compute_chunk_weights(mask, bounds, agg)
-        chunked = sum(w * aggregate_loss(values[a:b], mask[a:b], agg) for (a, b), w in zip(bounds, weights, strict=True))
-        assert float(chunked) == pytest.approx(float(aggregate_loss(values, mask, agg)), abs=1e-6)
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        weights = compute_chunk_weights(mask, groups, agg)
+        grouped = sum(w * aggregate_loss(values[rows], mask[rows], agg, 3) for rows, w in zip(groups, weights, strict=True))
+        assert float(grouped) == pytest.approx(float(aggregate_loss(values, mask, agg, 3)), abs=1e-6)
 
 
 def test_rng_state_round_trips_every_generator():
