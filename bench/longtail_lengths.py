@@ -23,12 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-import numpy as np
+from stages.rollout.occupancy import summarize_length_counts
 
 Z99 = NormalDist().inv_cdf(0.99)
 MAX_FIELD, MIN_FIELD = "max_tokens", "min_tokens"
@@ -74,7 +75,7 @@ class LengthSchedule:
 
     def describe(self, count: int) -> dict[str, Any]:
         """The schedule and its lengths over prompts 0..count-1 (median, p99, max, mean)."""
-        lens = np.asarray(self.lengths(count))
+        lens = self.lengths(count)
         low, high = self.bounds
         return {"median_target": self.median * self.scale, "p99_target": self.p99 * self.scale,
                 "floor": low, "cap": high, "scale": self.scale, "seed": self.seed, "sigma": self.sigma,
@@ -82,13 +83,9 @@ class LengthSchedule:
 
 
 def describe_lengths(lengths: Any) -> dict[str, Any]:
-    """median, p90, p99, max and mean of a sequence of lengths (numpy's percentiles, the
-    lower value: a length that occurred)."""
-    a = np.asarray(lengths)
-    if a.size == 0:
-        return {"samples": 0}
-    q = {k: int(np.percentile(a, p, method="lower")) for k, p in (("median", 50), ("p90", 90), ("p99", 99))}
-    return {"samples": int(a.size), "mean": float(a.mean()), **q, "max": int(a.max())}
+    """mean, median, p90, p99 and max of a sequence of lengths, as the rollout reports
+    what it generated (``summarize_length_counts``), so the two compare exactly."""
+    return summarize_length_counts(Counter(int(n) for n in lengths))
 
 
 def write_prompt_file(rows: list[dict[str, Any]], schedule: LengthSchedule, path: Path) -> Path:
