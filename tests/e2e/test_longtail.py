@@ -1,8 +1,8 @@
 """``bench longtail`` on CPU at tiny scale: per-row budgets through the whole pipeline,
 and the bench's Conveyor rows end to end with their JSON.
 
-The first test reads the micro-batches the rollout emitted (a recording of the
-rollout->reward edge) and checks each sample's length against its prompt's scheduled
+The first test reads the micro-batches the trainer received (a recording of the
+reward->trainer edge) and checks each sample's length against its prompt's scheduled
 length; the second runs the bench itself (slow: two launches).
 """
 
@@ -29,8 +29,9 @@ def test_every_sample_generates_exactly_its_prompts_scheduled_length(ray_cluster
     job.overrides = (*job.overrides, *small)
     job.prompts = 8
     job.prompts_path.write_text("".join(job.prompts_path.read_text().splitlines(keepends=True)[:8]))
-    row = run_conveyor_row("lockstep", job, tmp_path, ('record.edges=["rollout->reward"]',))
-    batches = [item.value for item in RecordingReader(tmp_path / "lockstep" / "recording").items()]
+    row = run_conveyor_row("lockstep", job, tmp_path, ('record.edges=["reward->trainer"]',))
+    batches = [item.value for item in RecordingReader(tmp_path / "lockstep" / "recording" / "trainer").items("reward->trainer")]
+    assert sum(b.num_samples for b in batches) == 16
     seen = {}
     for batch in batches:
         for i, n in enumerate(batch.completion_lens):
