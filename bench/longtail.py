@@ -65,6 +65,7 @@ class Job:
     overrides: tuple[str, ...] = ()
     reward: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    colocate_kv_gib: float | None = None  # the colocate row's KV cache (plan_colocate_kv_gib)
 
 
 def parse_systems(text: str | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -142,7 +143,30 @@ def prepare_job(model: str, steps: int, schedule: LengthSchedule, root: Path, re
         overrides.append(f"model.path={build_in_subprocess(model)}")
     if not on_gpu:
         overrides.append("model.dtype=float32")  # bf16 matmuls on a CPU are slow or missing
-    return Job(config, steps, schedule, model, count, path, tuple(overrides), reward)
+    job = Job(config, steps, schedule, model, count, path, tuple(overrides), reward)
+    job.colocate_kv_gib = plan_colocate_kv_gib(job) if on_gpu else None
+    return job
+
+
+def plan_colocate_kv_gib(job: Job) -> float:
+    """The colocate row's ``rollout.kv_cache_gib``: its step with the most tokens (each
+    sample at ``data.max_prompt_len`` + its length), x ``KV_HEADROOM``. Without it the
+    plan sizes the cache for every sample at the cap (``size_job_kv_cache``), which a
+    long tail makes several times what a step holds, more than a GPU has."""
+    import json
+
+    from pipeline.config import load_config
+    from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes
+    from pipeline.placement import KV_HEADROOM
+    from stages.models.tiny import resolve_model_path
+
+    cfg = load_config(job.config, list(job.overrides))
+    hf = json.loads((resolve_model_path(cfg.model) / "config.json").read_text())
+    dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    shape = ModelShape.from_hf_config({**hf, "torch_dtype": dtype})
+    lens, per = job.schedule.lengths(job.prompts), cfg.train.prompts_per_step
+    tokens = max(sum(cfg.data.max_prompt_len + n for n in lens[k:k + per]) for k in range(0, len(lens), per))
+    return round(estimate_kv_cache_bytes(shape, tokens * cfg.rollout.n) * KV_HEADROOM / (1 << 30) + 0.01, 2)
 
 
 def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (),
@@ -205,6 +229,9 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
             row = {"system": "conveyor-colocate", "status": "skipped",
                    "error": "placement: colocate time-shares a GPU; this machine has none"}
         else:
+            if name == "colocate" and job.colocate_kv_gib and not any(e.startswith("rollout.kv_cache_gib=")
+                                                                        for e in extra):
+                extra = (f"rollout.kv_cache_gib={job.colocate_kv_gib}", *extra)
             row = _attempt(f"conveyor-{name}", run_conveyor_row, name, job, where, extra, warmup, describe=_describe)
         row["label"], row["spec"] = label, name
         rows[label] = row
