@@ -220,3 +220,21 @@ def test_rows_and_ratios():
     assert r["streaming_over_fastest_peer"] == 2.0 and r["streaming_over_trl"] is None
     assert r["streaming_time_to_reward_over_lockstep"] == 0.4 and r["lockstep_tail_share"] == 0.6
     assert not math.isnan(r["streaming_samples_per_s"])
+
+
+def test_trls_prompts_are_found_by_the_token_ids_trl_makes_of_them():
+    from bench.longtail_trl import BudgetTable
+    from stages.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer("qwen3")  # has a chat template, as the real shapes do
+    rows = [{"prompt": [{"role": "user", "content": "123="}], "max_tokens": 5},
+            {"prompt": [{"role": "user", "content": "4123="}], "max_tokens": 9}]
+    table = BudgetTable(tok, rows)
+    # TRL tokenizes a conversational prompt with apply_chat_template(tokenize=True).
+    ids = tok.apply_chat_template([rows[1]["prompt"]], add_generation_prompt=True, tokenize=True,
+                                  return_dict=True)["input_ids"][0]
+    assert table.lookup(ids) == 9 and table.matched == {"ids": 1, "text": 0}
+    plain = BudgetTable(tok, [{"prompt": "77=", "max_tokens": 4}])
+    assert plain.lookup(tok("77=")["input_ids"]) == 4
+    with pytest.raises(KeyError, match="does not know"):
+        table.lookup(tok("999=")["input_ids"])
