@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu_scale": "bench.gpu_scale:run",  # 1 GPU vs 2 (skips what the GPUs present cannot run)
     "gpu_scale_8": "bench.gpu_scale_8:run",  # 8 GPUs (halved on 4-7); "skipped" on fewer
     "templates": "bench.templates:run",  # learning trends of the dpo, tool_rl and curriculum templates
+    "longtail": "bench.longtail:run",  # long-tail lengths: streaming, lock-step, colocate, TRL (--scale, --reward)
 }
 SOAKS = ("soak", "soak_memory")
 
@@ -51,10 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      "async,sync,colocate,trl; also async_in_process, ..., colocate_subprocess); "
                                      "a Conveyor row may carry overrides: colocate[train.chunk_size=256;run.seed=1]. "
                                      "gpu_scale: a subset of shared_1gpu,colocate_1gpu,disaggregated_2gpu,"
-                                     "replicas_ranks_2gpu")
+                                     "replicas_ranks_2gpu. longtail: streaming,lockstep,colocate,trl, overrides "
+                                     "as gpu_e2e's")
     p.add_argument("--model", help="gpu_e2e: the job at a real shape built locally (stages/models/shapes.py: "
                                    "qwen2.5_0.5b, qwen3_0.6b, qwen3_1.7b, qwen3_4b, qwen3_8b, llama3.2_1b, "
-                                   "llama3.1_8b, gemma3_1b); default rows engines,async,colocate,trl")
+                                   "llama3.1_8b, gemma3_1b); default rows engines,async,colocate,trl. "
+                                   "longtail: a shape or tiny (default qwen3_0.6b; tiny with --quick or --reward)")
+    p.add_argument("--scale", type=float, help="longtail: the completion lengths' factor (median 1k, p99 8k, cap 16k "
+                                               "tokens at 1; default 1 on a GPU, 1/64 on a CPU)")
+    p.add_argument("--steps", type=int, help="longtail: optimizer steps per row (default the config's)")
+    p.add_argument("--reward", action="store_true", help="longtail: the quickstart task with long-tail lengths, "
+                                                         "reporting each row's wall time to reach a reward")
     return p
 
 
@@ -74,20 +82,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is not None:
         from stages.models.shapes import get_shape
 
-        if args.name != "gpu_e2e":
-            parser.error(f"--model: only gpu_e2e runs at a chosen shape, not {args.name}")
+        if args.name not in ("gpu_e2e", "longtail"):
+            parser.error(f"--model: only gpu_e2e and longtail run at a chosen shape, not {args.name}")
         try:
-            get_shape(args.model)
+            if not (args.name == "longtail" and args.model == "tiny"):
+                get_shape(args.model)
         except ValueError as exc:
             parser.error(f"--model: {exc}")
+    for flag in ("scale", "steps", "reward"):
+        if getattr(args, flag) not in (None, False) and args.name != "longtail":
+            parser.error(f"--{flag}: only longtail takes it, not {args.name}")
+    if args.scale is not None and not args.scale > 0:
+        parser.error(f"--scale: expected > 0, got {args.scale}")
+    if args.steps is not None and args.steps < 2:
+        parser.error(f"--steps: expected >= 2 (one warm-up step, one measured), got {args.steps}")
     if args.systems is not None:
         from bench.gpu_e2e import check_rows, parse_systems
         from bench.gpu_scale import parse_configs
 
-        if args.name not in ("gpu_e2e", "gpu_scale"):
-            parser.error(f"--systems: only gpu_e2e and gpu_scale have rows to choose, not {args.name}")
+        if args.name not in ("gpu_e2e", "gpu_scale", "longtail"):
+            parser.error(f"--systems: only gpu_e2e, gpu_scale and longtail have rows to choose, not {args.name}")
         try:
-            check_rows(parse_systems(args.systems)) if args.name == "gpu_e2e" else parse_configs(args.systems)
+            if args.name == "longtail":
+                from bench.longtail import check_rows as check_longtail_rows
+                from bench.longtail import parse_systems as parse_longtail
+
+                check_longtail_rows(parse_longtail(args.systems), args.reward)
+            elif args.name == "gpu_e2e":
+                check_rows(parse_systems(args.systems))
+            else:
+                parse_configs(args.systems)
         except ValueError as exc:
             parser.error(str(exc))
     if args.name == "catalogue":
@@ -108,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             run = import_object(BENCHMARKS[name], f"bench {name}")
             extra = {"minutes": args.minutes} if args.minutes and name in SOAKS else {}
-            if args.systems and name in ("gpu_e2e", "gpu_scale"):
+            if args.systems and name in ("gpu_e2e", "gpu_scale", "longtail"):
                 extra["systems"] = args.systems
-            if args.model and name == "gpu_e2e":
+            if args.model and name in ("gpu_e2e", "longtail"):
                 extra["model"] = args.model
+            if name == "longtail":
+                extra.update({k: v for k, v in (("scale", args.scale), ("steps", args.steps)) if v is not None})
+                extra.update({"reward": True} if args.reward else {})
             payload = run(quick=args.quick, out_dir=args.out, **extra)
             ok = payload.get("status", "ok") in ("ok", "skipped")
             status = status or (0 if ok else 1)

@@ -23,6 +23,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
                 "async_over_sync", "async_over_trl", "colocate_over_trl"),
     "gpu_scale": ("best_two_gpu_over_one_gpu", "colocate_over_shared_1gpu"),
     "gpu_scale_8": ("async_samples_per_s_per_gpu", "async_over_sync"),
+    "longtail": ("streaming_samples_per_s", "streaming_over_lockstep", "streaming_over_fastest_peer",
+                 "lockstep_tail_share", "streaming_tail_share", "streaming_time_to_reward_over_lockstep"),
     "overlap": ("async_over_sync", "efficiency", "efficiency_balanced_10ms"),
     "ppo_vs_grpo": ("grpo_correctness_final", "ppo_correctness_final"),
     "queue_hop": ("small_hop_median_ms", "actor_call_rtt_median_ms", "largest_hop_bandwidth_gb_s"),

@@ -141,7 +141,15 @@ class DataConfig(msgspec.Struct, **_section()):
     ids, template and special tokens included. ``path`` may also be a Hub dataset id
     (``openai/gsm8k``): the ``split`` of ``config_name`` (None: the default or only one)
     at ``revision`` is fetched into the Hugging Face cache before the run starts
-    (``pipeline/hub.py``; ``split`` and ``config_name`` concern Hub ids only)."""
+    (``pipeline/hub.py``; ``split`` and ``config_name`` concern Hub ids only).
+    ``max_tokens_field`` / ``min_tokens_field``: columns holding a per-row generation
+    budget (long-tail length schedules, ``bench longtail``): the rollout generates at most
+    ``row[max_tokens_field]`` tokens for that row's samples, clamped to
+    ``rollout.max_tokens``, and at least ``row[min_tokens_field]`` (stop tokens are held
+    back until then; clamped to the row's maximum). Both may name the same column: exact
+    lengths. A null value is no budget for that row (``rollout.max_tokens``, no minimum);
+    any other value than a whole number (>= 1 for the maximum, >= 0 for the minimum) makes
+    the row a ``malformed`` row, named in the data report."""
 
     task: str = "first_digit"
     path: str | None = None
@@ -155,6 +163,8 @@ class DataConfig(msgspec.Struct, **_section()):
     num_prompts: NonNegInt = 0  # 0 = as many as the run needs
     shuffle: bool = True
     task_kwargs: dict[str, Any] = {}
+    max_tokens_field: Annotated[str, Meta(min_length=1)] | None = None
+    min_tokens_field: Annotated[str, Meta(min_length=1)] | None = None
     curriculum: CurriculumConfig | None = None  # needs data.path
     pairs: PairsConfig | None = None  # preference pairs (algorithm.name: dpo); needs data.path
 

@@ -30,7 +30,9 @@ class Prompt(msgspec.Struct, **_wire):
     text (for rewards and logs). An empty ``token_ids`` (a custom source) means the
     rollout tokenizes ``text`` itself with the tokenizer's special tokens. ``messages``:
     the chat messages ``text`` was rendered from (empty for a plain string prompt); a
-    reward model renders them under its own chat template.
+    reward model renders them under its own chat template. ``max_tokens`` /
+    ``min_tokens``: this row's generation budget (``data.max_tokens_field``), None for
+    the rollout's own; the rollout clamps it to ``rollout.max_tokens``.
     """
 
     prompt_id: str
@@ -41,6 +43,8 @@ class Prompt(msgspec.Struct, **_wire):
     data_source: str = ""
     extra_info: dict[str, Any] = {}
     index: int = -1
+    max_tokens: int | None = None
+    min_tokens: int | None = None
 
 
 class PromptBatch(msgspec.Struct, **_wire):

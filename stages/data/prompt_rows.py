@@ -9,6 +9,8 @@ fallbacks and rendering rules: docs/architecture.md, "Prompt rows".
 Guarantees:
 - ``Prompt.token_ids`` are computed once here and are what the model sees;
   ``data.max_prompt_len`` counts them; a plain prompt is never wrapped in a chat turn;
+- a per-row generation budget (``data.max_tokens_field`` / ``min_tokens_field``) is a
+  whole number or null; anything else makes the row ``malformed``, named;
 - a column the config names but the data lacks is a ``ConfigError`` listing the
   columns the data has; chat rows without a usable chat template are a ``ConfigError``
   naming ``data.chat_template`` and the model path;
@@ -41,17 +43,22 @@ class ColumnMap:
     prompt: str = "prompt"
     answer: tuple[str, ...] = ("ground_truth",)
     pair: tuple[str, ...] = ()  # (chosen, rejected) columns of preference pairs (data.pairs)
+    max_tokens: str | None = None  # data.max_tokens_field: the row's generation budget
+    min_tokens: str | None = None  # data.min_tokens_field
 
     @property
     def columns(self) -> list[str]:
         """The columns to read (Parquet and Arrow readers decode only these)."""
-        return [self.prompt, *self.answer[:1], *self.pair, DATA_SOURCE, EXTRA_INFO]
+        budget = [c for c in dict.fromkeys((self.max_tokens, self.min_tokens)) if c is not None]
+        return [self.prompt, *self.answer[:1], *self.pair, *budget, DATA_SOURCE, EXTRA_INFO]
 
 
 def resolve_columns(available: Sequence[str], prompt_key: str, answer_key: str, name: str,
-                    pairs: Any = None) -> ColumnMap:
+                    pairs: Any = None, budget: tuple[str | None, str | None] = (None, None)) -> ColumnMap:
     """The ``ColumnMap`` for data with ``available`` columns; see the module rules.
-    ``pairs`` (``data.pairs``): rows also hold a chosen and a rejected response."""
+    ``pairs`` (``data.pairs``): rows also hold a chosen and a rejected response.
+    ``budget``: (``data.max_tokens_field``, ``data.min_tokens_field``), each None or a
+    column the data must have."""
     listed = ", ".join(available) if available else "none found"
     if prompt_key in available:
         prompt = prompt_key
@@ -76,7 +83,36 @@ def resolve_columns(available: Sequence[str], prompt_key: str, answer_key: str, 
     for key, field_name in zip(pair, ("chosen_key", "rejected_key"), strict=False):
         if key not in available:
             raise ConfigError(f"data.pairs.{field_name}: {name} has no column {key!r} (its columns: {listed})")
-    return ColumnMap(prompt, answer, pair)
+    for key, field_name in zip(budget, ("max_tokens_field", "min_tokens_field"), strict=True):
+        if key is not None and key not in available:
+            raise ConfigError(f"data.{field_name}: {name} has no column {key!r} (its columns: {listed}); it "
+                              f"names the column holding each row's generation budget in tokens")
+    return ColumnMap(prompt, answer, pair, *budget)
+
+
+def budget_fields(data_cfg: Any) -> tuple[str | None, str | None]:
+    """(``data.max_tokens_field``, ``data.min_tokens_field``) of a ``DataConfig``."""
+    return getattr(data_cfg, "max_tokens_field", None), getattr(data_cfg, "min_tokens_field", None)
+
+
+def read_budget(row: dict[str, Any], cmap: ColumnMap, where: str) -> tuple[int | None, int | None]:
+    """A row's (max, min) generation budget in tokens, None where it has none; raises
+    ``RowError`` (``malformed``, naming the row and field) for a value that is not a
+    whole number >= 1 (the maximum) or >= 0 (the minimum), or a minimum above the maximum."""
+    out: list[int | None] = []
+    for key, low in ((cmap.max_tokens, 1), (cmap.min_tokens, 0)):
+        value = None if key is None else row.get(key)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # Parquet and pandas write whole numbers as floats beside nulls
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise RowError("malformed", f"{where}: field {key!r} must be a whole number of tokens >= {low} "
+                                        f"(or null: no budget), got {_short(value)}")
+        out.append(value)
+    high, low_ = out
+    if high is not None and low_ is not None and low_ > high:
+        raise RowError("malformed", f"{where}: field {cmap.min_tokens!r} ({low_}) is above field "
+                                    f"{cmap.max_tokens!r} ({high})")
+    return high, low_
 
 
 def extract_row(row: Any, cmap: ColumnMap, where: str) -> dict[str, Any]:
@@ -110,6 +146,8 @@ def extract_row(row: Any, cmap: ColumnMap, where: str) -> dict[str, Any]:
     for key in cmap.answer:
         answer = answer.get(key) if isinstance(answer, dict) else None
     out = {"prompt": prompt, "ground_truth": answer, "data_source": source, "extra_info": extra}
+    if cmap.max_tokens is not None or cmap.min_tokens is not None:
+        out["max_tokens"], out["min_tokens"] = read_budget(row, cmap, where)
     for key in cmap.pair:
         out[key] = check_response(row, key, isinstance(prompt, str), where)
     return out
@@ -303,7 +341,8 @@ def check_data_file(data_cfg: DataConfig, tokenizer: Any, model_path: str | Path
         data = open_data(data_cfg.path)
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc) if str(exc).startswith("data.path") else f"data.path: {exc}") from None
-    cmap = resolve_columns(data.columns, data_cfg.prompt_key, data_cfg.answer_key, data.name, data_cfg.pairs)
+    cmap = resolve_columns(data.columns, data_cfg.prompt_key, data_cfg.answer_key, data.name, data_cfg.pairs,
+                           budget_fields(data_cfg))
     renderer = PromptRenderer(tokenizer, data_cfg.chat_template, model_path, data_cfg.max_prompt_len)
     report = scan_data(data, cmap, renderer)
     if report.rows_usable == 0:

@@ -12,6 +12,8 @@ Guarantees:
 - data is read streaming (``stages/data/files.py``), never loaded whole;
 - prompts enter the pipeline only when the controller's ledger grants room, so a run
   never produces more prompts than it will train (plus replacements for drops);
+- a row's generation budget (``data.max_tokens_field`` / ``min_tokens_field``) rides on
+  its ``Prompt`` (``max_tokens``, ``min_tokens``) to the rollout;
 - every ``PromptBatch`` carries the optimizer step it is destined for, which the
   rollout uses for its staleness gate (with ``algorithm.drop_zero_variance_groups`` no
   later than the step the trainer is on: see ``generate``).
@@ -39,7 +41,14 @@ from pipeline.checkpoint import ConsumedPrompts
 from pipeline.plugins import register_stage
 from pipeline.types import Prompt, PromptBatch
 from stages.data.files import RowError, open_data
-from stages.data.prompt_rows import ColumnMap, PromptRenderer, load_tokenizer, render_rows, resolve_columns
+from stages.data.prompt_rows import (
+    ColumnMap,
+    PromptRenderer,
+    budget_fields,
+    load_tokenizer,
+    render_rows,
+    resolve_columns,
+)
 
 __all__ = ["PromptSource", "RowError", "iter_list_rows"]
 
@@ -117,7 +126,8 @@ class PromptSource:
     def _build_level_rows(self, seed: int, key: str, level: int) -> tuple[Iterator[tuple[int, str, Any]], ColumnMap]:
         """Endless (prompt index, where, raw row) over the data file's rows at ``level``."""
         data = open_data(self.data.path)
-        cmap = resolve_columns(data.columns, self.data.prompt_key, self.data.answer_key, data.name)
+        cmap = resolve_columns(data.columns, self.data.prompt_key, self.data.answer_key, data.name,
+                               budget=budget_fields(self.data))
         num_rows = data.index()
 
         def cycle() -> Iterator[tuple[int, str, Any]]:
@@ -138,11 +148,12 @@ class PromptSource:
         if self._rows is not None:
             rows = list(self._rows)
             keys = [str(k) for k in rows[0]] if rows and isinstance(rows[0], dict) else []
-            return iter_list_rows(rows, "rows"), resolve_columns(keys, self.data.prompt_key, self.data.answer_key, "rows")
+            return iter_list_rows(rows, "rows"), resolve_columns(keys, self.data.prompt_key, self.data.answer_key, "rows",
+                                                                 budget=budget_fields(self.data))
         if self.data.path:
             data = open_data(self.data.path)
             cmap = resolve_columns(data.columns, self.data.prompt_key, self.data.answer_key, data.name,
-                                   self.data.pairs)
+                                   self.data.pairs, budget_fields(self.data))
             num_rows = data.index()
 
             def cycle() -> Iterator[tuple[int, str, Any]]:
@@ -160,7 +171,8 @@ class PromptSource:
             rows = task.iter_rows(seed)
         else:
             rows = iter(task.generate_rows(seed, self.data.num_prompts or 100_000))
-        return ((i, f"task {self.data.task} row {i + 1}", row) for i, row in enumerate(rows)), ColumnMap()
+        return ((i, f"task {self.data.task} row {i + 1}", row) for i, row in enumerate(rows)), ColumnMap(
+            max_tokens=self.data.max_tokens_field, min_tokens=self.data.min_tokens_field)
 
     def _next_prompt(self) -> Prompt:
         """The next usable row as a ``Prompt``."""
@@ -185,7 +197,8 @@ class PromptSource:
         chat = row["prompt"] if isinstance(row.get("prompt"), list) else []
         return Prompt(prompt_id=f"p{index}", index=index, text=row["text"], token_ids=row["token_ids"],
                       messages=chat, ground_truth=row["ground_truth"], data_source=row["data_source"],
-                      extra_info={**row["extra_info"], **extra})
+                      extra_info={**row["extra_info"], **extra}, max_tokens=row.get("max_tokens"),
+                      min_tokens=row.get("min_tokens"))
 
     def _rendered_now(self) -> tuple[Iterator[tuple[int, str, Any]], dict[str, Any]]:
         """The rendered rows to draw from now, and what each prompt's ``extra_info`` gains."""

@@ -44,6 +44,10 @@ class SamplingSettings(msgspec.Struct, **_frozen):
     """How to sample. ``temperature == 0`` is greedy (then top_p/top_k are ignored and
     the n completions are identical); ``top_k == -1`` is off.
 
+    ``min_tokens``: stop tokens are held back until a completion has this many tokens
+    (vLLM's ``min_tokens``, transformers' ``min_new_tokens``); with ``min_tokens ==
+    max_tokens`` every completion has exactly ``max_tokens`` tokens.
+
     ``seed``: None draws from the engine's own random stream (the usual choice in RL:
     a prompt seen twice gets fresh samples). With a seed, completion i of prompt j is
     sampled with seed ``seed + j * n + i`` where the engine supports per-request seeds
@@ -55,6 +59,7 @@ class SamplingSettings(msgspec.Struct, **_frozen):
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 16
+    min_tokens: int = 0
     seed: int | None = None
     # False: the engine does not report the sampled tokens' log-probs; completions
     # carry NaN there (``rollout.logprobs``).
@@ -71,6 +76,9 @@ class SamplingSettings(msgspec.Struct, **_frozen):
             raise ValueError(f"sampling.top_k: expected -1 (off) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens: expected >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"sampling.min_tokens: expected in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +96,17 @@ def build_sampling_settings(cfg: RolloutConfig, seed: int | None = None) -> Samp
         seed=seed,
         logprobs=cfg.logprobs,
     )
+
+
+def apply_budget(sampling: SamplingSettings, max_tokens: int | None, min_tokens: int | None) -> SamplingSettings:
+    """``sampling`` under one row's generation budget (``Prompt.max_tokens`` /
+    ``min_tokens``, None: none): the maximum clamped to ``sampling.max_tokens``
+    (``rollout.max_tokens`` bounds every request), the minimum to that maximum."""
+    high = sampling.max_tokens if max_tokens is None else max(1, min(max_tokens, sampling.max_tokens))
+    low = min(min_tokens or 0, high)
+    if (high, low) == (sampling.max_tokens, sampling.min_tokens):
+        return sampling
+    return msgspec.structs.replace(sampling, max_tokens=high, min_tokens=low)
 
 
 class Completion(msgspec.Struct, **_frozen):

@@ -9,6 +9,8 @@ Guarantees (beyond ``stages.rollout.base``):
   that did not produce it). Calls do not interleave; concurrent calls queue.
 - Prompts of equal length are generated as one batch, so no padding enters a prompt
   and every sample equals an unbatched run up to floating-point rounding.
+- ``sampling.min_tokens`` holds the end-of-sequence ids back until a completion has that
+  many tokens (transformers' ``min_new_tokens``).
 - Behaviour log-probs are ``log_softmax`` of ``generate``'s processed scores (logits
   after temperature, top-k, top-p; greedy: the raw logits) at the sampled token. The
   checkpoint's own generation defaults (sampling flags, penalties) are ignored: only
@@ -164,6 +166,7 @@ class HFBackend:
         config = GenerationConfig(
             **flags,
             max_new_tokens=sampling.max_tokens,
+            min_new_tokens=sampling.min_tokens or None,
             eos_token_id=sorted(self._stop_ids) or None,
             pad_token_id=self._pad_id,
             return_dict_in_generate=True,

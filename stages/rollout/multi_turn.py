@@ -119,8 +119,9 @@ async def generate_with_tools(
         live = [t for t in flat if not t.done]
         if not live:
             break
-        # Later turns: one completion per trajectory, from everything it holds so far.
-        more = msgspec.structs.replace(sampling, n=1)
+        # Later turns: one completion per trajectory, from everything it holds so far
+        # (a row's minimum length applies to its first turn only).
+        more = msgspec.structs.replace(sampling, n=1, min_tokens=0)
         outs = await asyncio.gather(*(
             backend.generate([t.prompt_ids + t.ids], msgspec.structs.replace(more, max_tokens=sampling.max_tokens
                                                                               - len(t.ids))) for t in live))

@@ -14,7 +14,12 @@ Guarantees:
   (``required_serving_version``), so no sample is made only to be dropped;
 - under ``rollout.memory`` a micro-batch generates only once its KV cache fits; queues
   carry whole micro-batches only; colocated, no micro-batch generates on a sleeping
-  engine; with ``rollout.tools`` tool output is masked out of the loss.
+  engine; with ``rollout.tools`` tool output is masked out of the loss;
+- a prompt's own generation budget (``Prompt.max_tokens`` / ``min_tokens``, from
+  ``data.max_tokens_field``) is honoured per request, clamped to ``rollout.max_tokens``:
+  prompts of one budget share a backend call, the calls of a micro-batch run at once;
+- ``result()`` reports the samples in flight over time (``occupancy``: seconds at each
+  count, ``stages/rollout/occupancy.py``) and the completion lengths generated.
 Mechanisms: docs/architecture.md, "Rollout stage".
 """
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -37,7 +43,8 @@ from pipeline.plugins import register_stage
 from pipeline.types import PromptBatch, RolloutBatch, WeightConfirmation
 from pipeline.versions import required_serving_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
-from stages.rollout.base import GenerationResult
+from stages.rollout.base import GenerationResult, SamplingSettings, apply_budget
+from stages.rollout.occupancy import OccupancyMeter, summarize_length_counts
 
 
 def pad_rows(rows: list[list[Any]], dtype: Any, fill: Any = 0) -> np.ndarray:
@@ -96,6 +103,16 @@ def _join_results(parts: list[list[GenerationResult]]) -> list[GenerationResult]
     return [r for part in parts for r in part]
 
 
+def group_by_budget(prompts: list[Any], sampling: SamplingSettings) -> list[tuple[SamplingSettings, list[int]]]:
+    """The settings each prompt generates under (its own budget applied: ``apply_budget``)
+    and the indices of the prompts sharing them, in order of first appearance."""
+    groups: dict[tuple[int, int], tuple[SamplingSettings, list[int]]] = {}
+    for i, p in enumerate(prompts):
+        own = apply_budget(sampling, p.max_tokens, p.min_tokens)
+        groups.setdefault((own.max_tokens, own.min_tokens), (own, []))[1].append(i)
+    return list(groups.values())
+
+
 @register_stage("rollout")
 class RolloutStage:
     takes, gives = PromptBatch, RolloutBatch  # pipeline/contracts.py
@@ -113,6 +130,8 @@ class RolloutStage:
         self._weights_freed = False  # asleep with the weights' memory freed too
         self.sleeps, self.sleep_s_total, self.wake_s_total = 0, 0.0, 0.0
         self._generating = 0
+        self.occupancy = OccupancyMeter()  # samples in flight in the engine over time
+        self.length_counts: Counter[int] = Counter()  # completion length -> samples
 
     async def setup(self, ctx: Any) -> None:
         from transformers import AutoTokenizer
@@ -287,20 +306,47 @@ class RolloutStage:
                for p in pb.prompts}
 
         def estimate(piece: PromptBatch) -> int:
-            lens = [len(ids[p.prompt_id]) for p in piece.prompts]
-            return estimate_kv_cache_bytes(self.shape, sum(expand_rollout_seq_lens(lens, self.sampling.n,
-                                                                                   self.sampling.max_tokens)))
+            tokens = sum(sum(expand_rollout_seq_lens([len(ids[piece.prompts[i].prompt_id]) for i in idx],
+                                                     sampling.n, sampling.max_tokens))
+                         for sampling, idx in group_by_budget(piece.prompts, self.sampling))
+            return estimate_kv_cache_bytes(self.shape, tokens)
+
+        async def generate_group(prompts: list[Any], sampling: SamplingSettings) -> list[GenerationResult]:
+            prompt_ids = [ids[p.prompt_id] for p in prompts]
+            count = len(prompts) * sampling.n
+            self.occupancy.add(count, time.time())
+            try:
+                if self.cfg.rollout.tools is not None:
+                    from stages.rollout.multi_turn import generate_with_tools
+
+                    return await generate_with_tools(self.backend, self.tokenizer, prompt_ids,
+                                                     [p.text for p in prompts], sampling, self.tools,
+                                                     self.cfg.rollout.tools)
+                return await self.backend.generate(prompt_ids, sampling)
+            finally:
+                self.occupancy.remove(count, time.time())
 
         async def generate(piece: PromptBatch) -> list[GenerationResult]:
             self.guard.mark_attempt()
-            prompt_ids = [ids[p.prompt_id] for p in piece.prompts]
-            if self.cfg.rollout.tools is not None:
-                from stages.rollout.multi_turn import generate_with_tools
-
-                return await generate_with_tools(self.backend, self.tokenizer, prompt_ids,
-                                                 [p.text for p in piece.prompts], self.sampling, self.tools,
-                                                 self.cfg.rollout.tools)
-            return await self.backend.generate(prompt_ids, self.sampling)
+            groups = group_by_budget(piece.prompts, self.sampling)
+            if len(groups) == 1:
+                return await generate_group(piece.prompts, groups[0][0])
+            # One call per budget, all at once (the engine batches them); an error in one
+            # cancels the others, so a retried piece never generates twice.
+            tasks = [asyncio.ensure_future(generate_group([piece.prompts[i] for i in idx], sampling))
+                     for sampling, idx in groups]
+            try:
+                parts = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            out: list[Any] = [None] * len(piece.prompts)
+            for (_, idx), part in zip(groups, parts, strict=True):
+                for i, res in zip(idx, part, strict=True):
+                    out[i] = res
+            return out
 
         async def generate_recovering(piece: PromptBatch) -> list[GenerationResult]:
             if not self.guard.protected:
@@ -314,6 +360,7 @@ class RolloutStage:
         batch = build_rollout_batch(pb, results, self.sampling.n, self.pad_id)
         self.generated_samples += batch.num_samples
         self.generated_tokens += batch.completion_tokens
+        self.length_counts.update(int(n) for n in batch.completion_lens)
         return batch
 
     def status(self) -> dict[str, Any]:
@@ -331,7 +378,9 @@ class RolloutStage:
                 **({} if trims is None else {"host_memory_trims": trims, "host_memory_trimmed_mib":
                                              self.backend.host_memory_trimmed_bytes / 2**20}),
                 **({} if freed is None else {"sleep_freed_gib": {"min": freed[0] / 2**30, "max": freed[1] / 2**30}}),
-                **({} if engine is None else {"engine": engine})}
+                **({} if engine is None else {"engine": engine}),
+                "occupancy": {"seconds_at": self.occupancy.seconds_at(), "peak": self.occupancy.peak},
+                "completion_lengths": summarize_length_counts(self.length_counts)}
 
     async def shutdown(self) -> None:
         async with self._applying:  # never cancel an update (or a sleep) half-done inside the engine

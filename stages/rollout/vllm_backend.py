@@ -191,6 +191,7 @@ def build_sampling_params(
         top_p=sampling.top_p,
         top_k=0 if sampling.top_k == -1 else sampling.top_k,  # vLLM: 0 is off
         max_tokens=sampling.max_tokens,
+        min_tokens=sampling.min_tokens,
         seed=seed,
         logprobs=0 if sampling.logprobs and not tapped else None,  # the sampled token's only, or none
         output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,

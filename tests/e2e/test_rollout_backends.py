@@ -140,6 +140,21 @@ def test_logprobs_are_those_of_the_processed_distribution(loop, backend) -> None
     assert [r.completions[0].token_ids for r in results] == [g.completions[0].token_ids for g in greedy]
 
 
+def test_min_tokens_holds_every_completion_to_its_length(loop, backend) -> None:
+    """A row's budget (``bench longtail``: min = max) gives exact lengths. The control
+    shows the test can fail: the near-uniform tiny model samples <eos> (1 of 89 tokens)
+    often enough that without the minimum some of 32 samples stop before 40 tokens
+    (all 32 reach it with probability (88/89)^(40*32) < 1e-6). transformers generates
+    slowly on a CPU: its backend gets a shorter check."""
+    n = 40 if backend.__class__.__name__ == "VLLMBackend" else 12
+    if n == 40:
+        free = loop.run_until_complete(backend.generate(PROMPTS, SamplingSettings(n=8, max_tokens=n)))
+        assert any(len(c.token_ids) < n for r in free for c in r.completions)
+    held = loop.run_until_complete(backend.generate(PROMPTS, SamplingSettings(n=8, max_tokens=n, min_tokens=n)))
+    assert {len(c.token_ids) for r in held for c in r.completions} == {n}
+    assert {c.finish_reason for r in held for c in r.completions} == {"length"}
+
+
 def test_without_logprobs_the_same_samples_come_with_nan_in_their_place(loop, backend) -> None:
     """``rollout.logprobs: false``: the engine is asked for no log-probs; with the same
     seeds it draws the very tokens it draws with them, and every log-prob is NaN."""

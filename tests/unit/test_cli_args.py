@@ -57,7 +57,7 @@ def test_gpu_e2e_rows_are_chosen_by_name_and_a_bad_one_exits_2(capsys) -> None:
     assert info.value.code == 2 and "--systems: expected names from" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         bench_main(["overlap", "--systems", "async"])
-    assert info.value.code == 2 and "only gpu_e2e and gpu_scale have rows" in capsys.readouterr().err
+    assert info.value.code == 2 and "have rows to choose, not overlap" in capsys.readouterr().err
 
 
 def test_gpu_e2e_rows_repeat_in_order_and_carry_their_own_overrides(capsys) -> None:

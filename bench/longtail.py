@@ -1,0 +1,355 @@
+"""Long-tail generation lengths: streaming vs lock-step vs colocate vs TRL on one workload.
+
+Every row trains the same model on the same prompts, each prompt with its own completion
+length from ``bench.longtail_lengths.LengthSchedule`` (median ~1k tokens, p99 8k, cap 16k,
+times ``--scale``), held exactly in generation (per-row ``min_tokens`` = ``max_tokens``);
+same group size, sampling, learning rate, loss and steps. Rows (``--systems``, in order):
+
+- ``streaming``: ``configs/longtail.yaml`` as it is (asynchronous, default placement);
+- ``lockstep``: ``dataflow.async_execution=false``, ``dataflow.max_staleness=0``;
+- ``colocate``: lock-step and ``placement=colocate`` (a GPU only; skipped on a CPU);
+- ``trl``: TRL's ``GRPOTrainer``, vLLM colocated, each prompt's length put on its own
+  request (``bench.longtail_trl``); skipped, with the reason, without TRL or a GPU.
+
+A Conveyor row may carry overrides (``streaming[rollout.max_inflight=128]``). ``--reward``
+runs the quickstart's task (the embedded tiny model learns it by RL alone) with long-tail
+lengths instead and adds each row's wall time to reach a reward. Columns, the tail-wait
+definition and how to run it: docs/performance/longtail.md.
+
+Guarantees: the prompt file (and so every row's lengths) is written once per run; a
+failing Conveyor row fails the bench, a skipped or failing TRL row does not; the result
+JSON and PNG go through ``publish_result`` (commit, command line, machine).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import new_figure, note_config, publish_result
+from bench.e2e import REWARD_THRESHOLDS, _attempt, _version, summarize_curve
+from bench.gpu_e2e import _mean, compute_stage_rates, compute_steady_rate
+from bench.longtail_lengths import MAX_FIELD, MIN_FIELD, LengthSchedule, write_prompt_file
+from stages.rollout.occupancy import TAIL_THRESHOLD, compute_tail_wait
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "longtail.yaml"
+REWARD_CONFIG = ROOT / "configs" / "quickstart.yaml"
+SYSTEMS = ("streaming", "lockstep", "colocate", "trl")
+LOCKSTEP = ("dataflow.async_execution=false", "dataflow.max_staleness=0")
+MODES: dict[str, tuple[str, ...]] = {"streaming": (), "lockstep": LOCKSTEP, "colocate": (*LOCKSTEP, "placement=colocate")}
+# The quickstart job made to stream like configs/longtail.yaml: a prompt per micro-batch, many in flight.
+REWARD_STREAMING = ("dataflow.prompts_per_micro_batch=1", "rollout.max_inflight=64", "dataflow.queue_size=64",
+                    "dataflow.max_staleness=2", "data.shuffle=false")
+REWARD_TARGET = 0.5  # the reward threshold of the time-to-reward ratio (one of REWARD_THRESHOLDS)
+DEFAULT_MODEL = "qwen3_0.6b"
+_ROW = re.compile(r"(?P<name>[a-z]+)(?:\[(?P<overrides>[^\[\]]*)\])?")
+
+
+@dataclass
+class Job:
+    """What every row shares: the config, the overrides that put the prompt file (with its
+    lengths) and the model in it, the steps and the schedule."""
+
+    config: Path
+    steps: int
+    schedule: LengthSchedule
+    model: str
+    prompts: int
+    prompts_path: Path
+    overrides: tuple[str, ...] = ()
+    reward: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    colocate_kv_gib: float | None = None  # the colocate row's KV cache (plan_colocate_kv_gib)
+
+
+def parse_systems(text: str | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``--systems a,b[k=v;..]`` -> ((name, overrides), ...); ``ValueError`` naming a bad
+    row (an unknown name, an override without ``key=``, overrides on ``trl``)."""
+    if text is None:
+        return tuple((s, ()) for s in SYSTEMS)
+    rows = []
+    for spec in (m.strip() for m in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text) if m.strip()):
+        found = _ROW.fullmatch(spec)
+        if found is None or found["name"] not in SYSTEMS:
+            raise ValueError(f"--systems: expected names from {list(SYSTEMS)}, each with optional "
+                             f"[key=value;...] overrides, got {spec!r}")
+        overrides = tuple(o.strip() for o in (found["overrides"] or "").split(";") if o.strip())
+        bad = [o for o in overrides if not re.fullmatch(r"[A-Za-z_][\w.]*=.*", o)]
+        if bad or (overrides and found["name"] == "trl"):
+            raise ValueError(f"--systems: {spec!r}: a Conveyor row's overrides are key=value, the TRL row "
+                             f"takes none")
+        rows.append((found["name"], overrides))
+    if not rows:
+        raise ValueError(f"--systems: expected names from {list(SYSTEMS)}, got {text!r}")
+    return tuple(rows)
+
+
+def check_rows(specs: tuple[tuple[str, tuple[str, ...]], ...], reward: bool = False) -> None:
+    """Load the job as each Conveyor row runs it, so a bad override stops the bench before
+    any row starts (``ConfigError``, a ``ValueError``, naming the row)."""
+    from pipeline.config import ConfigError, load_config
+
+    for name, extra in dict.fromkeys(specs):
+        if extra:
+            try:
+                load_config(REWARD_CONFIG if reward else CONFIG, [*MODES[name], *extra])
+            except ConfigError as exc:
+                raise ConfigError(f"--systems: row {name}[{';'.join(extra)}]: {exc}") from None
+
+
+def build_rows(cfg: Any, count: int, chat: bool) -> list[dict[str, Any]]:
+    """The config task's first ``count`` distinct prompts (a repeated prompt is skipped,
+    so a prompt's text names its length for TRL's requests); ``chat``: as one user message."""
+    from stages.data.tasks import load_task
+
+    rows, seen = [], set()
+    for row in load_task(cfg.data.task, **cfg.data.task_kwargs).iter_rows(cfg.run.seed):
+        if row["prompt"] in seen:
+            continue
+        seen.add(row["prompt"])
+        rows.append({**row, "prompt": [{"role": "user", "content": row["prompt"]}]} if chat else row)
+        if len(rows) == count:
+            return rows
+    return rows
+
+
+def prepare_job(model: str, steps: int, schedule: LengthSchedule, root: Path, reward: bool = False,
+                on_gpu: bool = True) -> Job:
+    """Write the prompt file (``steps`` steps of prompts, each with its length) and build
+    the model (``tiny``: the config's embedded one; else a shape of
+    ``stages.models.shapes``, built locally unless cached)."""
+    from pipeline.config import load_config
+
+    config = REWARD_CONFIG if reward else CONFIG
+    cfg = load_config(config)
+    count = steps * cfg.train.prompts_per_step
+    path = write_prompt_file(build_rows(cfg, count, chat=model != "tiny"), schedule, root / "prompts.jsonl")
+    _, cap = schedule.bounds
+    overrides = [f"data.path={path}", f"data.max_tokens_field={MAX_FIELD}", f"data.min_tokens_field={MIN_FIELD}",
+                 "data.shuffle=false", f"rollout.max_tokens={cap}", *(REWARD_STREAMING if reward else ())]
+    if model == "tiny":
+        need = cfg.data.max_prompt_len + cap
+        if need > cfg.model.tiny.max_position_embeddings:
+            overrides.append(f"model.tiny.max_position_embeddings={need}")
+    else:
+        from stages.models.shapes import build_in_subprocess
+
+        overrides.append(f"model.path={build_in_subprocess(model)}")
+    if not on_gpu:
+        overrides.append("model.dtype=float32")  # bf16 matmuls on a CPU are slow or missing
+    job = Job(config, steps, schedule, model, count, path, tuple(overrides), reward)
+    job.colocate_kv_gib = plan_colocate_kv_gib(job) if on_gpu else None
+    return job
+
+
+def plan_colocate_kv_gib(job: Job) -> float:
+    """The colocate row's ``rollout.kv_cache_gib``: its step with the most tokens (each
+    sample at ``data.max_prompt_len`` + its length), x ``KV_HEADROOM``. Without it the
+    plan sizes the cache for every sample at the cap (``size_job_kv_cache``), which a
+    long tail makes several times what a step holds, more than a GPU has."""
+    import json
+
+    from pipeline.config import load_config
+    from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes
+    from pipeline.placement import KV_HEADROOM
+    from stages.models.tiny import resolve_model_path
+
+    cfg = load_config(job.config, list(job.overrides))
+    hf = json.loads((resolve_model_path(cfg.model) / "config.json").read_text())
+    dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    shape = ModelShape.from_hf_config({**hf, "torch_dtype": dtype})
+    lens, per = job.schedule.lengths(job.prompts), cfg.train.prompts_per_step
+    tokens = max(sum(cfg.data.max_prompt_len + n for n in lens[k:k + per]) for k in range(0, len(lens), per))
+    return round(estimate_kv_cache_bytes(shape, tokens * cfg.rollout.n) * KV_HEADROOM / (1 << 30) + 0.01, 2)
+
+
+def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (),
+                     warmup: int = 1) -> dict[str, Any]:
+    """One Conveyor row: the job with ``name``'s mode and ``extra`` overrides."""
+    from pipeline.config import load_config
+    from pipeline.launch import launch_run
+    from pipeline.metrics import read_metrics
+
+    overrides = [f"run.dir={root / name}", f"run.steps={job.steps}", "run.progress=false", f"run.name=longtail-{name}",
+                 "train.save_checkpoint=false", "run.tensorboard=false", *job.overrides, *MODES[name], *extra]
+    cfg = load_config(job.config, overrides)
+    note_config(cfg)
+    per_step = cfg.train.prompts_per_step * cfg.rollout.n
+    t0 = time.time()
+    summary = launch_run(cfg)
+    total = time.time() - t0
+    rows = read_metrics(cfg.run_dir)
+    times = [r["time"] for r in rows]
+    steady = rows[warmup:]
+    span = times[-1] - times[warmup - 1] if len(times) > warmup else 0.0
+    tokens = sum(r.get("response_length/mean", 0.0) * per_step for r in steady)
+    rollouts = [r for r in summary.get("rollout") or [] if r]
+    tails = [compute_tail_wait(r["occupancy"]["seconds_at"]) for r in rollouts if r.get("occupancy")]
+    return {
+        "system": f"conveyor-{name}", "overrides": overrides, "steps": summary["steps"],
+        "startup_s": times[0] - t0 if times else None, "total_s": total, "warmup_steps": warmup,
+        "samples_trained": summary["samples"]["trained"], "samples_dropped": summary["samples"]["dropped"],
+        "samples_per_s": compute_steady_rate(times, per_step, warmup),
+        "completion_tokens_per_s": tokens / span if span > 0 else None,
+        "step_s": _mean([r.get("time/step_s") for r in steady]),
+        **compute_stage_rates(steady, per_step),
+        "busy_share": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
+        "padding_fraction": _mean([r.get("actor/padding_fraction") for r in steady]),
+        "weight_sync_share": _mean([r.get("perf/weight_sync_share") for r in steady]),
+        "staleness_mean": _mean([r.get("staleness/mean") for r in steady]),
+        "tail": tails[0] if len(tails) == 1 else {"replicas": tails},
+        "tail_share": _mean([t.get("tail_share") for t in tails]),
+        "lengths": rollouts[0].get("completion_lengths") if len(rollouts) == 1 else
+        [r.get("completion_lengths") for r in rollouts],
+        **summarize_curve([(row["time"] - t0, row.get("reward/mean")) for row in rows]),
+    }
+
+
+def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Path, on_gpu: bool,
+             warmup: int) -> dict[str, dict[str, Any]]:
+    """Each row in order (a repeat labelled ``name#2``); a failure is a row with its error."""
+    from bench.longtail_trl import run_trl_isolated
+
+    rows: dict[str, dict[str, Any]] = {}
+    for i, (name, extra) in enumerate(specs):
+        label = name if name not in rows else f"{name}#{sum(k.split('#')[0] == name for k in rows) + 1}"
+        where = root / str(i)
+        if name == "trl":
+            why = None if _version("trl") else "trl is not installed (pip install -e '.[bench]')"
+            why = why or (None if on_gpu else "TRL's vLLM colocate mode needs a CUDA GPU")
+            row = ({"system": "trl-grpo-vllm-colocate", "status": "skipped", "error": why} if why else
+                   _attempt("trl-grpo", run_trl_isolated, job, where, warmup, describe=_describe))
+        elif name == "colocate" and not on_gpu:
+            row = {"system": "conveyor-colocate", "status": "skipped",
+                   "error": "placement: colocate time-shares a GPU; this machine has none"}
+        else:
+            if name == "colocate" and job.colocate_kv_gib and not any(e.startswith("rollout.kv_cache_gib=")
+                                                                        for e in extra):
+                extra = (f"rollout.kv_cache_gib={job.colocate_kv_gib}", *extra)
+            row = _attempt(f"conveyor-{name}", run_conveyor_row, name, job, where, extra, warmup, describe=_describe)
+        row["label"], row["spec"] = label, name
+        rows[label] = row
+    return rows
+
+
+def _describe(row: dict[str, Any]) -> str:
+    return (f"{row.get('samples_per_s') or 0:.2f} samples/s, tail share {row.get('tail_share')}, "
+            f"lengths {row.get('lengths')}")
+
+
+def _rate(row: dict[str, Any] | None) -> float | None:
+    return row.get("samples_per_s") if row and row.get("status") == "ok" else None
+
+
+def compute_ratios(rows: dict[str, dict[str, Any]], reward: bool) -> dict[str, Any]:
+    """Streaming over lock-step and over the fastest other row (samples/s; > 1 favours
+    streaming); with ``reward``, streaming's time to ``REWARD_TARGET`` over lock-step's
+    (< 1 favours streaming). A row that did not run gives None."""
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    first = {}
+    for row in rows.values():
+        first.setdefault(row["spec"], row)
+    s, lock = _rate(first.get("streaming")), _rate(first.get("lockstep"))
+    peers = {spec: _rate(r) for spec, r in first.items() if spec != "streaming" and _rate(r)}
+    fastest = max(peers, key=lambda k: peers[k]) if peers else None
+    out: dict[str, Any] = {
+        "streaming_samples_per_s": s, "lockstep_samples_per_s": lock,
+        "colocate_samples_per_s": _rate(first.get("colocate")), "trl_samples_per_s": _rate(first.get("trl")),
+        "streaming_over_lockstep": ratio(s, lock), "fastest_peer": fastest,
+        "streaming_over_fastest_peer": ratio(s, peers.get(fastest)) if fastest else None,
+        "streaming_over_trl": ratio(s, _rate(first.get("trl"))),
+        **{f"{spec}_tail_share": r.get("tail_share") for spec, r in first.items() if r.get("status") == "ok"},
+        "targets": {"streaming_over_lockstep": 2.5, "streaming_over_fastest_peer": 2.0},
+    }
+    if reward:
+        key = str(REWARD_TARGET)
+        times = {spec: (r.get("time_to_threshold_s") or {}).get(key) for spec, r in first.items()
+                 if r.get("status") == "ok"}
+        out.update({f"{spec}_time_to_reward_{key}_s": t for spec, t in times.items()})
+        out["streaming_time_to_reward_over_lockstep"] = ratio(times.get("streaming"), times.get("lockstep"))
+        out["targets"]["streaming_time_to_reward_over_lockstep"] = 0.5
+    return out
+
+
+def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | None = None, scale: float | None = None,
+        steps: int | None = None, reward: bool = False) -> dict[str, Any]:
+    """``model``: a shape of ``stages.models.shapes`` or ``tiny`` (default ``qwen3_0.6b``;
+    ``tiny`` with ``quick`` or ``reward``, or on a CPU); ``scale``: the lengths' factor (default 1 on a
+    GPU, 1/64 on a CPU); ``steps``: per row (default the config's; 3 with ``quick``)."""
+    import torch
+
+    from pipeline.config import load_config
+
+    on_gpu = torch.cuda.is_available()
+    specs = parse_systems(systems)
+    model = model or ("tiny" if quick or reward or not on_gpu else DEFAULT_MODEL)
+    scale = scale or (1.0 if on_gpu else 1 / 64)
+    config = REWARD_CONFIG if reward else CONFIG
+    steps = steps or (3 if quick else load_config(config).run.steps)
+    warmup = 1 if steps <= 4 else 2
+    schedule = LengthSchedule(scale=scale, seed=load_config(config).run.seed)
+    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-longtail-"))
+    try:
+        job = prepare_job(model, steps, schedule, root / "job", reward, on_gpu)
+        rows = run_rows(job, specs, root, on_gpu, warmup)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ok = all(r.get("status") in ("ok", "skipped") for r in rows.values() if r["spec"] != "trl")
+    payload = {
+        "status": "ok" if ok else "error", "quick": quick, "units": "samples = completions; tokens = completion "
+        "tokens; seconds", "params": {"config": str(config), "model": model, "steps": steps, "warmup_steps": warmup,
+                                     "reward_mode": reward, "systems": [n for n, _ in specs],
+                                     "tail_threshold": TAIL_THRESHOLD, "reward_thresholds": list(REWARD_THRESHOLDS),
+                                     "overrides": list(job.overrides)},
+        "schedule": job.schedule.describe(job.prompts),
+        "definitions": DEFINITIONS, "runs": rows, "ratios": compute_ratios(rows, reward),
+    }
+    label = "-".join([model, *(["reward"] if reward else []),
+                      *([] if systems is None else [n for n, _ in specs]), f"x{scale:g}"])
+    return publish_result(out_dir, "longtail", payload, plot, label)
+
+
+DEFINITIONS = {
+    "samples_per_s": "completions trained per second from the end of the warm-up steps to the end of the last step",
+    "completion_tokens_per_s": "completion tokens trained per second over the same window",
+    "startup_s": "launch to the end of the first step (engines, compilation, the first step)",
+    "busy_share": "per stage, the union of its busy spans over the run's window",
+    "padding_fraction": "the trainer's padded share of its token slots (actor/padding_fraction), where reported",
+    "tail_share": (f"of the time the rollout had a sample in flight, the share with fewer than {TAIL_THRESHOLD:g} x "
+                   "the peak count in flight; in lock-step that is each step's time from its median sample's end "
+                   "to its longest's"),
+    "lengths": "the completion lengths generated (median, p90, p99, max), beside the schedule's",
+    "time_to_threshold_s": "launch to the first step where the 5-step mean reward reaches the threshold",
+}
+
+
+def plot(payload: dict[str, Any]) -> Any:
+    fig, axes = new_figure(1, 3, size=(15, 4.5))
+    runs = [r for r in payload.get("runs", {}).values() if r.get("status") == "ok"]
+    ax = axes[0][0]
+    ax.bar([r["label"] for r in runs], [r.get("samples_per_s") or 0.0 for r in runs])
+    ax.set_ylabel("samples / s (after warm-up)")
+    ax.set_title(f"longtail ({payload.get('params', {}).get('model')}, scale "
+                 f"{payload.get('schedule', {}).get('scale', 1):g})")
+    ax = axes[0][1]
+    ax.bar([r["label"] for r in runs], [r.get("tail_share") or 0.0 for r in runs], color="tab:orange")
+    ax.set_ylabel("share of generation time in the tail")
+    ax.set_ylim(0, 1)
+    ax = axes[0][2]
+    for r in runs:
+        pts = [(t, v) for t, v in r.get("curve") or [] if v is not None]
+        if pts:
+            ts, vs = zip(*pts, strict=True)
+            ax.plot(ts, vs, label=r["label"], linewidth=1)
+    ax.set_xlabel("seconds since launch")
+    ax.set_ylabel("mean reward per step")
+    ax.legend(fontsize=8)
+    return fig

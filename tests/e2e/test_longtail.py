@@ -1,0 +1,69 @@
+"""``bench longtail`` on CPU at tiny scale: per-row budgets through the whole pipeline,
+and the bench's Conveyor rows end to end with their JSON.
+
+The first test reads the micro-batches the trainer received (a recording of the
+reward->trainer edge) and checks each sample's length against its prompt's scheduled
+length; the second runs the bench itself (slow: two launches).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from bench.longtail import prepare_job, run_conveyor_row
+from bench.longtail_lengths import LengthSchedule
+from pipeline.recorder import RecordingReader
+from stages.rollout.occupancy import summarize_length_counts
+
+SCALE = 1 / 64  # median 16 tokens, p99 128, cap 256
+
+
+def test_every_sample_generates_exactly_its_prompts_scheduled_length(ray_cluster, tmp_path):
+    schedule = LengthSchedule(scale=SCALE)
+    job = prepare_job("tiny", 2, schedule, tmp_path / "job", on_gpu=False)
+    # 4 prompts x 2 samples a step, 2 steps: every prompt of the file once.
+    small = ("train.prompts_per_step=4", "rollout.n=2", "rollout.max_inflight=4", "dataflow.queue_size=4")
+    job.overrides = (*job.overrides, *small)
+    job.prompts = 8
+    job.prompts_path.write_text("".join(job.prompts_path.read_text().splitlines(keepends=True)[:8]))
+    row = run_conveyor_row("lockstep", job, tmp_path, ('record.edges=["reward->trainer"]',))
+    batches = [item.value for item in RecordingReader(tmp_path / "lockstep" / "recording" / "trainer").items("reward->trainer")]
+    assert sum(b.num_samples for b in batches) == 16
+    seen = {}
+    for batch in batches:
+        for i, n in enumerate(batch.completion_lens):
+            prompt = batch.prompts[i // batch.group_size]
+            assert int(n) == prompt.max_tokens == schedule.length(prompt.index), (prompt.index, int(n))
+            seen[prompt.index] = int(n)
+    assert sorted(seen) == list(range(8))
+    assert len(set(seen.values())) > 1  # the lengths differ from prompt to prompt
+    assert row["lengths"] == summarize_length_counts(Counter(n for n in schedule.lengths(8) for _ in range(2)))
+    assert row["tail"]["generating_s"] > 0 and 0 <= row["tail_share"] <= 1
+
+
+@pytest.mark.slow
+def test_the_bench_runs_its_conveyor_rows_and_writes_its_json(ray_cluster, tmp_path):
+    from bench.longtail import run
+
+    out = run(quick=True, out_dir=tmp_path, systems="streaming,lockstep,trl", steps=2)
+    doc = json.loads(out["result_path"].read_text())
+    assert doc["benchmark"] == "longtail" and doc["status"] == "ok"
+    assert out["result_path"].with_suffix(".png").is_file()
+    runs = doc["runs"]
+    assert runs["streaming"]["status"] == runs["lockstep"]["status"] == "ok"
+    assert runs["trl"]["status"] == "skipped" and runs["trl"]["error"]  # no GPU (or no TRL) here
+    schedule = LengthSchedule(scale=SCALE)
+    expected = summarize_length_counts(Counter(n for n in schedule.lengths(doc["schedule"]["prompts"])
+                                               for _ in range(8)))
+    # Lock-step trains the file's prompts once each, in order: the lengths it generated
+    # are the schedule's, sample for sample.
+    assert runs["lockstep"]["lengths"] == expected
+    for name in ("streaming", "lockstep"):
+        r = runs[name]
+        assert r["steps"] == 2 and r["samples_per_s"] > 0 and r["completion_tokens_per_s"] > 0
+        assert set(r["busy_share"]) >= {"rollout", "trainer"} and 0 <= r["tail_share"] <= 1
+    assert doc["ratios"]["streaming_over_lockstep"] > 0
+    assert doc["provenance"]["commit"] and doc["definitions"]["tail_share"]

@@ -1,0 +1,240 @@
+"""The long-tail bench's pure parts: the length schedule, the tail-wait figure, the
+per-row budget from data row to sampling settings, and TRL's per-request hook (on a fake
+vLLM ``LLM``, since TRL and a GPU are absent here)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from bench.longtail import compute_ratios, parse_systems
+from bench.longtail_lengths import LengthSchedule, write_prompt_file
+from bench.longtail_trl import install_budgets
+from pipeline.config import ConfigError, load_config
+from pipeline.types import Prompt
+from stages.data.files import RowError
+from stages.data.prompt_rows import ColumnMap, extract_row, resolve_columns
+from stages.rollout.base import SamplingSettings, apply_budget
+from stages.rollout.occupancy import OccupancyMeter, compute_tail_wait, integrate_events, summarize_length_counts
+from stages.rollout.stage import group_by_budget
+
+
+def test_the_schedule_is_lognormal_with_its_median_and_p99_and_clipped_to_its_cap():
+    lens = np.array(LengthSchedule().lengths(20_000))
+    # Lognormal with median 1024 and p99 8192 (sigma = ln 8 / 2.326 = 0.894): the sample
+    # quantiles of 20k draws sit within a few percent of the targets.
+    assert abs(np.median(lens) / 1024 - 1) < 0.05
+    assert abs(np.percentile(lens, 99) / 8192 - 1) < 0.10
+    assert lens.max() <= 16384 and lens.min() >= 32
+    assert (lens == 16384).mean() < 0.002  # P(z > ln 16 / 0.894 = 3.1) ~ 0.001: the cap bites rarely
+    # The tail is heavy: the mean (1024 * exp(0.894^2 / 2) = 1522) is well above the median.
+    assert abs(lens.mean() / 1522 - 1) < 0.05
+
+
+def test_a_prompts_length_depends_on_its_index_and_the_seed_only():
+    s = LengthSchedule(seed=3)
+    assert s.lengths(50) == [LengthSchedule(seed=3).length(i) for i in range(50)]  # same on every call
+    assert s.lengths(10) == s.lengths(200)[:10]  # asking for more never changes earlier ones
+    assert s.lengths(50) != LengthSchedule(seed=4).lengths(50)
+    # --scale keeps the shape: each length is the full one times the factor, to rounding.
+    half = LengthSchedule(seed=3, scale=0.5)
+    assert all(abs(h - f / 2) <= 1 for h, f in zip(half.lengths(200), s.lengths(200), strict=True))
+    with pytest.raises(ValueError, match="--scale"):
+        LengthSchedule(scale=0)
+
+
+def test_the_prompt_file_holds_each_rows_length_as_both_bounds(tmp_path):
+    s = LengthSchedule(scale=1 / 64)
+    rows = [{"prompt": f"{i}=", "ground_truth": str(i), "data_source": "copy"} for i in range(5)]
+    lines = [json.loads(x) for x in write_prompt_file(rows, s, tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [r["max_tokens"] for r in lines] == [r["min_tokens"] for r in lines] == s.lengths(5)
+
+
+def test_tail_wait_of_a_lockstep_step_is_the_time_after_its_median_sample_ended():
+    # Five samples start at t=0 and end at 1, 2, 3, 4 and 10. In flight: 5 for 1 s, 4, 3
+    # and 2 for 1 s each, 1 for 6 s. Fewer than 0.5 x 5 = 2.5 in flight from t=3 (the
+    # median, third, sample's end) to t=10: 7 of 10 s.
+    levels = integrate_events([(0, 5), (1, -1), (2, -1), (3, -1), (4, -1), (10, -1)])
+    assert levels == {5: 1.0, 4: 1.0, 3: 1.0, 2: 1.0, 1: 6.0}
+    tail = compute_tail_wait(levels)
+    assert tail["tail_s"] == pytest.approx(7.0) and tail["tail_share"] == pytest.approx(0.7)
+    assert tail["peak_in_flight"] == 5 and tail["generating_s"] == pytest.approx(10.0)
+    # mean occupancy: (5 + 4 + 3 + 2 + 6 * 1) / 10 s / 5 slots = 0.4
+    assert tail["mean_occupancy"] == pytest.approx(0.4)
+
+
+def test_streaming_that_refills_the_engine_has_no_tail_and_idle_time_is_not_tail():
+    # Each sample that ends is replaced at once: 4 in flight from 0 to 9 (a swap takes no
+    # time), none from 9 to 12 (idle: waiting for prompts or weights, not for a tail),
+    # then 2 for a second (2 is not below 0.5 x 4) and 1 for a second (the only tail).
+    events = [(0, 4), *[(t, d) for k in range(1, 9) for t, d in ((k, -1), (k, 1))], (9, -4), (12, 2), (13, -1),
+              (14, -1)]
+    tail = compute_tail_wait(integrate_events(events))
+    assert tail["tail_s"] == pytest.approx(1.0) and tail["tail_share"] == pytest.approx(1 / 11)
+    assert tail["idle_s"] == pytest.approx(3.0)
+    assert tail["generating_s"] == pytest.approx(11.0)
+    # Keys read back from JSON are strings.
+    assert compute_tail_wait({"4": 9.0, "1": 1.0}) == compute_tail_wait({4: 9.0, 1: 1.0})
+
+
+def test_the_meter_refuses_to_count_below_zero_and_reports_up_to_now():
+    m = OccupancyMeter()
+    m.add(2, 0.0)
+    with pytest.raises(ValueError, match="only 2 samples in flight"):
+        m.remove(3, 1.0)
+    assert m.seconds_at(now=4.0) == {2: 4.0} and m.seconds_at() == {}
+
+
+def test_length_counts_give_exact_quantiles():
+    # 98 samples of length 10, one of 500, one of 900: median 10; the 99th sample (p99
+    # needs 99 of 100 at or below) is 500; max 900.
+    out = summarize_length_counts({10: 98, "500": 1, 900: 1})
+    assert out == {"samples": 100, "mean": (980 + 500 + 900) / 100, "median": 10, "p90": 10, "p99": 500, "max": 900}
+
+
+def _cmap(**kw):
+    return ColumnMap(max_tokens="max_tokens", min_tokens="min_tokens", **kw)
+
+
+def test_a_rows_budget_is_read_and_a_bad_value_names_the_row_and_field():
+    assert extract_row({"prompt": "1=", "max_tokens": 40, "min_tokens": 40}, _cmap(), "r")["max_tokens"] == 40
+    assert extract_row({"prompt": "1=", "max_tokens": 40.0, "min_tokens": None}, _cmap(), "r")["min_tokens"] is None
+    for bad, field in (({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "12"}, "max_tokens"),
+                       ({"max_tokens": True}, "max_tokens"), ({"min_tokens": -1}, "min_tokens"),
+                       ({"max_tokens": 2.5}, "max_tokens")):
+        with pytest.raises(RowError, match=f"data.jsonl row 7: field '{field}' must be a whole number") as err:
+            extract_row({"prompt": "1=", **bad}, _cmap(), "data.jsonl row 7")
+        assert err.value.reason == "malformed"
+    with pytest.raises(RowError, match="row 3: field 'min_tokens' \\(9\\) is above field 'max_tokens' \\(4\\)"):
+        extract_row({"prompt": "1=", "max_tokens": 4, "min_tokens": 9}, _cmap(), "row 3")
+    with pytest.raises(ConfigError, match="data.max_tokens_field: f.jsonl has no column 'budget'"):
+        resolve_columns(["prompt"], "prompt", "ground_truth", "f.jsonl", budget=("budget", None))
+    # The budget columns are read (Parquet decodes only the columns asked for).
+    assert "max_tokens" in _cmap().columns and _cmap().columns.count("max_tokens") == 1
+
+
+def test_the_config_takes_budget_fields():
+    cfg = load_config(None, ["data.max_tokens_field=n", "data.min_tokens_field=n"])
+    assert (cfg.data.max_tokens_field, cfg.data.min_tokens_field) == ("n", "n")
+    with pytest.raises(ConfigError, match="max_tokens_field"):
+        load_config(None, ["data.max_tokens_field="])
+
+
+def test_a_budget_is_clamped_to_the_rollouts_maximum_and_prompts_of_one_budget_share_a_call():
+    base = SamplingSettings(n=4, max_tokens=100)
+    assert apply_budget(base, None, None) is base
+    assert (apply_budget(base, 30, 30).max_tokens, apply_budget(base, 30, 30).min_tokens) == (30, 30)
+    assert (apply_budget(base, 500, 400).max_tokens, apply_budget(base, 500, 400).min_tokens) == (100, 100)
+    with pytest.raises(ValueError, match="sampling.min_tokens"):
+        SamplingSettings(max_tokens=4, min_tokens=5)
+    prompts = [Prompt(prompt_id=f"p{i}", text="1=", max_tokens=m, min_tokens=m) for i, m in
+               enumerate([30, 500, 30, None, 100])]
+    groups = [(s.max_tokens, s.min_tokens, idx) for s, idx in group_by_budget(prompts, base)]
+    # 500 clamps to 100, the same budget as prompt 4's; None is the rollout's own (no minimum).
+    assert groups == [(30, 30, [0, 2]), (100, 100, [1, 4]), (100, 0, [3])]
+
+
+def test_vllm_requests_carry_the_minimum():
+    pytest.importorskip("vllm")
+    from stages.rollout.vllm_backend import build_sampling_params
+
+    params = build_sampling_params(SamplingSettings(max_tokens=12, min_tokens=12), seed=None)
+    assert (params.max_tokens, params.min_tokens) == (12, 12)
+
+
+class FakeParams:
+    """A stand-in for vLLM's SamplingParams: what TRL's call passes."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens, self.min_tokens = max_tokens, 0
+
+    def clone(self) -> FakeParams:
+        out = FakeParams(self.max_tokens)
+        out.min_tokens = self.min_tokens
+        return out
+
+
+class FakeLLM:
+    """A stand-in for vLLM's ``LLM``: ``generate`` steps a fake engine until every
+    request is done, one token per step, and records the params it was given."""
+
+    class Output:
+        def __init__(self, n: int, finished: bool) -> None:
+            self.outputs = [type("C", (), {"token_ids": list(range(n))})()]
+            self.finished = finished
+
+    def __init__(self) -> None:
+        self.seen: list[FakeParams] = []
+        self.llm_engine = type("Engine", (), {})()
+        self.llm_engine.step = self._step
+        self._left: list[int] = []
+
+    def _step(self) -> list[FakeLLM.Output]:
+        self._left = [n - 1 for n in self._left]
+        done = [self.Output(0, True) for n in self._left if n == 0]
+        self._left = [n for n in self._left if n > 0]
+        return done
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=False):
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        self.seen = params
+        self._left = [p.max_tokens for p in params]
+        while self._left:
+            self.llm_engine.step()
+        return [self.Output(p.max_tokens, True) for p in params]
+
+
+def test_trls_generate_call_gets_one_request_per_prompt_with_its_length():
+    class Table:
+        def lookup(self, ids):
+            return {(1, 2): 3, (1, 5): 7}[tuple(ids)]
+
+    llm, meter, lengths = FakeLLM(), OccupancyMeter(), {}
+    install_budgets(llm, Table(), meter, lengths)
+    llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1, 5]}, {"prompt_token_ids": [1, 2]}],
+                 sampling_params=FakeParams(16), use_tqdm=False)
+    assert [(p.max_tokens, p.min_tokens) for p in llm.seen] == [(3, 3), (7, 7), (3, 3)]
+    assert lengths == {3: 2, 7: 1}
+    assert meter.level == 0 and meter.peak == 3
+    with pytest.raises(KeyError):
+        llm.generate([{"prompt_token_ids": [9]}], sampling_params=FakeParams(16))
+
+
+def test_rows_and_ratios():
+    assert parse_systems("streaming,lockstep[rollout.max_inflight=8],trl") == (
+        ("streaming", ()), ("lockstep", ("rollout.max_inflight=8",)), ("trl", ()))
+    for bad in ("async", "trl[a=1]", "lockstep[oops]"):
+        with pytest.raises(ValueError, match="--systems"):
+            parse_systems(bad)
+    rows = {"streaming": {"spec": "streaming", "status": "ok", "samples_per_s": 30.0, "tail_share": 0.1,
+                          "time_to_threshold_s": {"0.5": 40.0}},
+            "lockstep": {"spec": "lockstep", "status": "ok", "samples_per_s": 10.0, "tail_share": 0.6,
+                         "time_to_threshold_s": {"0.5": 100.0}},
+            "colocate": {"spec": "colocate", "status": "ok", "samples_per_s": 15.0},
+            "trl": {"spec": "trl", "status": "skipped"}}
+    r = compute_ratios(rows, reward=True)
+    assert r["streaming_over_lockstep"] == 3.0 and r["fastest_peer"] == "colocate"
+    assert r["streaming_over_fastest_peer"] == 2.0 and r["streaming_over_trl"] is None
+    assert r["streaming_time_to_reward_over_lockstep"] == 0.4 and r["lockstep_tail_share"] == 0.6
+    assert not math.isnan(r["streaming_samples_per_s"])
+
+
+def test_trls_prompts_are_found_by_the_token_ids_trl_makes_of_them():
+    from bench.longtail_trl import BudgetTable
+    from stages.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer("qwen3")  # has a chat template, as the real shapes do
+    rows = [{"prompt": [{"role": "user", "content": "123="}], "max_tokens": 5},
+            {"prompt": [{"role": "user", "content": "4123="}], "max_tokens": 9}]
+    table = BudgetTable(tok, rows)
+    # TRL tokenizes a conversational prompt with apply_chat_template(tokenize=True).
+    ids = tok.apply_chat_template([rows[1]["prompt"]], add_generation_prompt=True, tokenize=True,
+                                  return_dict=True)["input_ids"][0]
+    assert table.lookup(ids) == 9 and table.matched == {"ids": 1, "text": 0}
+    plain = BudgetTable(tok, [{"prompt": "77=", "max_tokens": 4}])
+    assert plain.lookup(tok("77=")["input_ids"]) == 4
+    with pytest.raises(KeyError, match="does not know"):
+        table.lookup(tok("999=")["input_ids"])
