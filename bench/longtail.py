@@ -9,7 +9,9 @@ same group size, sampling, learning rate, loss and steps. Rows (``--systems``, i
 - ``lockstep``: ``dataflow.async_execution=false``, ``dataflow.max_staleness=0``;
 - ``colocate``: lock-step and ``placement=colocate`` (a GPU only; skipped on a CPU);
 - ``trl``: TRL's ``GRPOTrainer``, vLLM colocated, each prompt's length put on its own
-  request (``bench.longtail_trl``); skipped, with the reason, without TRL or a GPU.
+  request (``bench.longtail_trl``); skipped, with the reason, without TRL or a GPU;
+- ``verl``: verl's GRPO trainer (``bench.peers.verl_grpo``, its ``sync`` mode), each
+  prompt's length on its own requests; skipped, with the reason, without verl or a GPU.
 
 A Conveyor row may carry overrides (``streaming[rollout.max_inflight=128]``). ``--reward``
 runs the quickstart's task (the embedded tiny model learns it by RL alone) with long-tail
@@ -40,7 +42,8 @@ from stages.rollout.occupancy import TAIL_THRESHOLD, compute_tail_wait
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "longtail.yaml"
 REWARD_CONFIG = ROOT / "configs" / "quickstart.yaml"
-SYSTEMS = ("streaming", "lockstep", "colocate", "trl")
+SYSTEMS = ("streaming", "lockstep", "colocate", "trl", "verl")
+PEERS = ("trl", "verl")
 LOCKSTEP = ("dataflow.async_execution=false", "dataflow.max_staleness=0")
 MODES: dict[str, tuple[str, ...]] = {"streaming": (), "lockstep": LOCKSTEP, "colocate": (*LOCKSTEP, "placement=colocate")}
 # The quickstart job made to stream like configs/longtail.yaml: a prompt per micro-batch, many in flight.
@@ -70,7 +73,7 @@ class Job:
 
 def parse_systems(text: str | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """``--systems a,b[k=v;..]`` -> ((name, overrides), ...); ``ValueError`` naming a bad
-    row (an unknown name, an override without ``key=``, overrides on ``trl``)."""
+    row (an unknown name, an override without ``key=``, overrides on a peer)."""
     if text is None:
         return tuple((s, ()) for s in SYSTEMS)
     rows = []
@@ -81,9 +84,9 @@ def parse_systems(text: str | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
                              f"[key=value;...] overrides, got {spec!r}")
         overrides = tuple(o.strip() for o in (found["overrides"] or "").split(";") if o.strip())
         bad = [o for o in overrides if not re.fullmatch(r"[A-Za-z_][\w.]*=.*", o)]
-        if bad or (overrides and found["name"] == "trl"):
-            raise ValueError(f"--systems: {spec!r}: a Conveyor row's overrides are key=value, the TRL row "
-                             f"takes none")
+        if bad or (overrides and found["name"] in PEERS):
+            raise ValueError(f"--systems: {spec!r}: a Conveyor row's overrides are key=value, the peers' "
+                             f"rows ({', '.join(PEERS)}) take none")
         rows.append((found["name"], overrides))
     if not rows:
         raise ValueError(f"--systems: expected names from {list(SYSTEMS)}, got {text!r}")
@@ -211,6 +214,27 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
     }
 
 
+def run_verl_row(job: Job, root: Path, warmup: int) -> dict[str, Any]:
+    """verl's GRPO trainer on the job: the same prompts with their lengths, group size,
+    learning rate, steps and sampling (``bench.peers.verl_grpo``)."""
+    import json
+
+    from bench.peers.verl_grpo import VerlJob, run_verl
+    from pipeline.config import load_config
+    from stages.models.tiny import resolve_model_path
+
+    cfg = load_config(job.config, list(job.overrides))
+    rows = [json.loads(line) for line in Path(job.prompts_path).read_text().splitlines() if line.strip()]
+    vjob = VerlJob(model_path=str(resolve_model_path(cfg.model)), task=cfg.data.task,
+                   task_kwargs=dict(cfg.data.task_kwargs), steps=job.steps,
+                   prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.n, lr=cfg.train.lr,
+                   max_prompt_tokens=cfg.data.max_prompt_len, max_completion_tokens=cfg.rollout.max_tokens,
+                   micro_batch_samples=cfg.train.chunk_size, temperature=cfg.rollout.temperature,
+                   seed=cfg.run.seed, gpu_memory_utilization=0.45)
+    root.mkdir(parents=True, exist_ok=True)
+    return run_verl(vjob, rows, root, warmup)
+
+
 def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Path, on_gpu: bool,
              warmup: int) -> dict[str, dict[str, Any]]:
     """Each row in order (a repeat labelled ``name#2``); a failure is a row with its error."""
@@ -220,7 +244,12 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
     for i, (name, extra) in enumerate(specs):
         label = name if name not in rows else f"{name}#{sum(k.split('#')[0] == name for k in rows) + 1}"
         where = root / str(i)
-        if name == "trl":
+        if name == "verl":
+            why = None if _version("verl") else "verl is not installed (docs/performance/peers.md)"
+            why = why or (None if on_gpu else "verl's vLLM rollout and FSDP actor need a CUDA GPU")
+            row = ({"system": "verl-grpo-sync", "status": "skipped", "error": why} if why else
+                   _attempt("verl-grpo", run_verl_row, job, where, warmup, describe=_describe))
+        elif name == "trl":
             why = None if _version("trl") else "trl is not installed (pip install -e '.[bench]')"
             why = why or (None if on_gpu else "TRL's vLLM colocate mode needs a CUDA GPU")
             row = ({"system": "trl-grpo-vllm-colocate", "status": "skipped", "error": why} if why else
@@ -248,7 +277,7 @@ def _rate(row: dict[str, Any] | None) -> float | None:
 
 
 def compute_ratios(rows: dict[str, dict[str, Any]], reward: bool) -> dict[str, Any]:
-    """Streaming over lock-step and over the fastest other row (samples/s; > 1 favours
+    """Streaming over lock-step and over the fastest peer, TRL or verl (samples/s; > 1 favours
     streaming); with ``reward``, streaming's time to ``REWARD_TARGET`` over lock-step's
     (< 1 favours streaming). A row that did not run gives None."""
     def ratio(a: float | None, b: float | None) -> float | None:
@@ -258,14 +287,16 @@ def compute_ratios(rows: dict[str, dict[str, Any]], reward: bool) -> dict[str, A
     for row in rows.values():
         first.setdefault(row["spec"], row)
     s, lock = _rate(first.get("streaming")), _rate(first.get("lockstep"))
-    peers = {spec: _rate(r) for spec, r in first.items() if spec != "streaming" and _rate(r)}
+    peers = {spec: _rate(r) for spec, r in first.items() if spec in PEERS and _rate(r)}
     fastest = max(peers, key=lambda k: peers[k]) if peers else None
     out: dict[str, Any] = {
         "streaming_samples_per_s": s, "lockstep_samples_per_s": lock,
         "colocate_samples_per_s": _rate(first.get("colocate")), "trl_samples_per_s": _rate(first.get("trl")),
         "streaming_over_lockstep": ratio(s, lock), "fastest_peer": fastest,
         "streaming_over_fastest_peer": ratio(s, peers.get(fastest)) if fastest else None,
+        "verl_samples_per_s": _rate(first.get("verl")),
         "streaming_over_trl": ratio(s, _rate(first.get("trl"))),
+        "streaming_over_verl": ratio(s, _rate(first.get("verl"))),
         **{f"{spec}_tail_share": r.get("tail_share") for spec, r in first.items() if r.get("status") == "ok"},
         "targets": {"streaming_over_lockstep": 2.5, "streaming_over_fastest_peer": 2.0},
     }
@@ -302,7 +333,7 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
         rows = run_rows(job, specs, root, on_gpu, warmup)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    ok = all(r.get("status") in ("ok", "skipped") for r in rows.values() if r["spec"] != "trl")
+    ok = all(r.get("status") in ("ok", "skipped") for r in rows.values() if r["spec"] not in PEERS)
     payload = {
         "status": "ok" if ok else "error", "quick": quick, "units": "samples = completions; tokens = completion "
         "tokens; seconds", "params": {"config": str(config), "model": model, "steps": steps, "warmup_steps": warmup,

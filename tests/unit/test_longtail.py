@@ -206,7 +206,7 @@ def test_trls_generate_call_gets_one_request_per_prompt_with_its_length():
 def test_rows_and_ratios():
     assert parse_systems("streaming,lockstep[rollout.max_inflight=8],trl") == (
         ("streaming", ()), ("lockstep", ("rollout.max_inflight=8",)), ("trl", ()))
-    for bad in ("async", "trl[a=1]", "lockstep[oops]"):
+    for bad in ("async", "trl[a=1]", "verl[a=1]", "lockstep[oops]"):
         with pytest.raises(ValueError, match="--systems"):
             parse_systems(bad)
     rows = {"streaming": {"spec": "streaming", "status": "ok", "samples_per_s": 30.0, "tail_share": 0.1,
@@ -214,10 +214,13 @@ def test_rows_and_ratios():
             "lockstep": {"spec": "lockstep", "status": "ok", "samples_per_s": 10.0, "tail_share": 0.6,
                          "time_to_threshold_s": {"0.5": 100.0}},
             "colocate": {"spec": "colocate", "status": "ok", "samples_per_s": 15.0},
-            "trl": {"spec": "trl", "status": "skipped"}}
+            "trl": {"spec": "trl", "status": "skipped"},
+            "verl": {"spec": "verl", "status": "ok", "samples_per_s": 12.0}}
     r = compute_ratios(rows, reward=True)
-    assert r["streaming_over_lockstep"] == 3.0 and r["fastest_peer"] == "colocate"
-    assert r["streaming_over_fastest_peer"] == 2.0 and r["streaming_over_trl"] is None
+    # The peers are TRL and verl; Conveyor's own colocate row (15.0) is not one: 30 / 12.
+    assert r["streaming_over_lockstep"] == 3.0 and r["fastest_peer"] == "verl"
+    assert r["streaming_over_fastest_peer"] == 2.5 and r["streaming_over_trl"] is None
+    assert r["streaming_over_verl"] == 2.5
     assert r["streaming_time_to_reward_over_lockstep"] == 0.4 and r["lockstep_tail_share"] == 0.6
     assert not math.isnan(r["streaming_samples_per_s"])
 
@@ -238,3 +241,11 @@ def test_trls_prompts_are_found_by_the_token_ids_trl_makes_of_them():
     assert plain.lookup(tok("77=")["input_ids"]) == 4
     with pytest.raises(KeyError, match="does not know"):
         table.lookup(tok("999=")["input_ids"])
+
+
+def test_the_verl_row_without_verl_or_a_gpu_is_skipped_with_its_reason(tmp_path):
+    from bench.longtail import run_rows
+
+    rows = run_rows(job=None, specs=(("verl", ()),), root=tmp_path, on_gpu=False, warmup=1)
+    assert rows["verl"]["status"] == "skipped"
+    assert "verl" in rows["verl"]["error"]
