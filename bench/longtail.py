@@ -25,6 +25,7 @@ JSON and PNG go through ``publish_result`` (commit, command line, machine).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import tempfile
@@ -264,6 +265,8 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
             row = _attempt(f"conveyor-{name}", run_conveyor_row, name, job, where, extra, warmup, describe=_describe)
         row["label"], row["spec"] = label, name
         rows[label] = row
+        # Each row on the console as it ends: a bench stopped later keeps what it measured.
+        print(f"longtail row {label}: {json.dumps(row, default=str)}", flush=True)
     return rows
 
 
