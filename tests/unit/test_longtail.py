@@ -138,7 +138,6 @@ def test_a_budget_is_clamped_to_the_rollouts_maximum_and_prompts_of_one_budget_s
 
 
 def test_vllm_requests_carry_the_minimum():
-    pytest.importorskip("vllm")
     from stages.rollout.vllm_backend import build_sampling_params
 
     params = build_sampling_params(SamplingSettings(max_tokens=12, min_tokens=12), seed=None)
