@@ -22,9 +22,10 @@ Guarantees:
   count, ``stages/rollout/occupancy.py``) and the completion lengths generated;
 - an engine whose process died (``EngineDied``) is rebuilt in place, up to
   ``rollout.max_engine_restarts`` times (``stages/rollout/restarts.py``): the new one
-  serves the version the dead one served, read back and matched to its fingerprint
-  before anything generates on it, and every micro-batch that was in flight generates
-  again, whole, under its own prompt ids (one output per input, as before the death).
+  serves the version the dead one served (or, where that payload is gone from the
+  trainer's ``cuda_ipc`` ring, the newest published), read back and matched to its
+  fingerprint before anything generates on it, and every micro-batch that was in
+  flight generates again, whole, under its own prompt ids (one output per input).
 Mechanisms: docs/architecture.md, "Rollout stage".
 """
 
@@ -237,13 +238,27 @@ class RolloutStage:
 
     async def _serve_again(self, backend: Any) -> None:
         """Load into a rebuilt ``backend`` the version served before its death, read
-        back and matched to the fingerprint that version was served with."""
+        back and matched to the fingerprint that version was served with. Only where
+        that payload can no longer be read (a ``cuda_ipc`` ring slot the trainer has
+        rewritten since) the newest published version is served instead, read back."""
         update, payload, expected = self._serving
         if update is None:
             version, live = 0, await backend.live_fingerprint()
         else:
             version = update.version
-            live = await backend.update_weights(await self._read_payload(update, payload), version)  # read back
+            try:
+                live = await backend.update_weights(await self._read_payload(update, payload), version)  # read back
+            except WeightSyncError as err:
+                newer, newer_payload = await self.ctx.controller.latest_update()
+                if newer is None or newer.version <= version:
+                    raise
+                self.ctx.log.warning("served_weights_gone", policy_version=version, serving=newer.version,
+                                     error=str(err))
+                live = await backend.update_weights(await self._read_payload(newer, newer_payload), newer.version)
+                # The watcher finds this version newer than the one it last saw, and
+                # confirms it to the controller.
+                self._serving = (newer, newer_payload, tuple(live))
+                return
         if expected is None or not fingerprints_match(tuple(expected), tuple(live)):
             raise WeightSyncError(
                 f"{self.ctx.worker_id}: the rebuilt rollout engine's weights (fingerprint {tuple(live)}) are not "

@@ -403,12 +403,14 @@ class FakeDyingBackend:
     call (its warm-up is the first); engines past the list live. Each ``generate`` takes
     ``GENERATE_S``; completions are two tokens tagged with the version served. A fresh
     engine serves the checkpoint (fingerprint ``CHECKPOINT``, read at construction); an
-    update serves ``fake_fingerprint(data)``. Every engine built in this process is kept
-    in ``built``, its calls in ``events``."""
+    update serves ``fake_fingerprint(data)``; a payload in ``GONE`` is refused with
+    ``WeightSyncError`` before anything loads (a ``cuda_ipc`` ring slot rewritten since).
+    Every engine built in this process is kept in ``built``, its calls in ``events``."""
 
     GENERATE_S = 0.3
     CHECKPOINT = (1.0, 1.0)
     DIE_AT: tuple[int, ...] = ()
+    GONE: frozenset[bytes] = frozenset()
     built: ClassVar[list[FakeDyingBackend]] = []
 
     def __init__(self, model_path: Any, rollout_cfg: Any, dtype: str) -> None:
@@ -451,7 +453,11 @@ class FakeDyingBackend:
         raise EngineDied("fake engine process killed while generating")
 
     async def update_weights(self, data: bytes, version: int, verify: bool = True) -> tuple[float, float]:
+        from pipeline.weights import WeightSyncError
+
         self._check()
+        if data in self.GONE:
+            raise WeightSyncError(f"fake: the payload of version {version} was rewritten before it loaded")
         self.events.append(("update", version))
         self.version, self.live = version, fake_fingerprint(data)
         return self.live

@@ -33,6 +33,7 @@ CONFIG = {
 def fresh_fakes(monkeypatch):
     monkeypatch.setattr(FakeDyingBackend, "built", [])
     monkeypatch.setattr(FakeDyingBackend, "CHECKPOINT", (1.0, 1.0))
+    monkeypatch.setattr(FakeDyingBackend, "GONE", frozenset())
 
 
 def batch(batch_id: int, step: int = 2) -> PromptBatch:
@@ -95,11 +96,7 @@ def test_an_engine_dead_during_an_update_is_rebuilt_and_the_update_lands(ray_clu
         stage.backend.kill()  # idle: the next update finds it dead
         await controller.publish(*update(2))
         out = await stage.process(batch(5, step=3))  # needs version 2
-        for _ in range(100):
-            served = (await controller.summary())["served"].get("rollout:0", {})
-            if served.get("version") == 2:
-                break
-            await asyncio.sleep(0.05)
+        served = await served_version(controller, 2)
         status = stage.status()
         await stage.shutdown()
         return out, served, status
@@ -110,6 +107,36 @@ def test_an_engine_dead_during_an_update_is_rebuilt_and_the_update_lands(ray_clu
     assert set(out.token_versions.ravel()) == {2}
     assert served["version"] == 2 and tuple(served["fingerprint"]) == fake_fingerprint(b"weights-v2")
     assert status["engine_restarts"] == 1 and status["reissued_batches"] == 0
+
+
+async def served_version(controller: ControllerClient, version: int) -> dict:
+    """The controller's record of what rollout:0 serves, once it says ``version``."""
+    while True:  # the confirmation rides on the watcher's next wait
+        served = (await controller.summary())["served"].get("rollout:0", {})
+        if served.get("version") == version:
+            return served
+        await asyncio.sleep(0.05)
+
+
+def test_a_served_payload_gone_from_the_trainers_ring_gives_way_to_the_newest_version(ray_cluster, monkeypatch):
+    """cuda_ipc keeps two versions in the trainer's GPU ring: a rebuild after the trainer
+    moved two versions on cannot load the served one again, and serves the newest."""
+
+    async def scenario():
+        stage, controller = await started_stage()
+        monkeypatch.setattr(FakeDyingBackend, "GONE", frozenset({b"weights-v1"}))
+        stage.backend.kill()
+        await controller.publish(*update(2))  # the watcher's update finds the engine dead
+        out = await stage.process(batch(5, step=3))
+        served = await served_version(controller, 2)
+        await stage.shutdown()
+        return out, served
+
+    out, served = asyncio.run(scenario())
+    rebuilt = FakeDyingBackend.built[1]
+    assert rebuilt.events[:3] == [("start",), ("generate", 0), ("update", 2)]
+    assert set(out.token_versions.ravel()) == {2}
+    assert tuple(served["fingerprint"]) == fake_fingerprint(b"weights-v2")
 
 
 def test_a_death_past_max_engine_restarts_fails_the_stage_naming_the_key(ray_cluster):
