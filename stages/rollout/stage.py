@@ -22,10 +22,11 @@ Guarantees:
   count, ``stages/rollout/occupancy.py``) and the completion lengths generated;
 - an engine whose process died (``EngineDied``) is rebuilt in place, up to
   ``rollout.max_engine_restarts`` times (``stages/rollout/restarts.py``): the new one
-  serves the version the dead one served (or, where that payload is gone from the
-  trainer's ``cuda_ipc`` ring, the newest published), read back and matched to its
-  fingerprint before anything generates on it, and every micro-batch that was in
-  flight generates again, whole, under its own prompt ids (one output per input).
+  serves the version the dead one served, read back and matched to its fingerprint
+  before anything generates on it (where that payload is gone from the trainer's
+  ``cuda_ipc`` ring, the checkpoint until the newest version lands), and every
+  micro-batch that was in flight generates again, whole, under its own prompt ids,
+  once the engine serves the version it needs (one output per input, as ever).
 Mechanisms: docs/architecture.md, "Rollout stage".
 """
 
@@ -139,9 +140,11 @@ class RolloutStage:
         self._generating = 0
         self.occupancy = OccupancyMeter()  # samples in flight in the engine over time
         self.length_counts: Counter[int] = Counter()  # completion length -> samples
-        # (update, payload, fingerprint) of the weights served now; update None: the
-        # checkpoint. What a rebuilt engine loads again (the payload is held for it).
-        self._serving: tuple[Any, Any, tuple[float, float] | None] = (None, None, None)
+        # What a rebuilt engine loads again: (update, payload, fingerprint) of the weights
+        # served now (the payload is held for it), None for the checkpoint, whose
+        # fingerprint the engine read back at set-up.
+        self._serving: tuple[Any, Any, tuple[float, float]] | None = None
+        self._checkpoint_fingerprint: tuple[float, float] | None = None
         self.reissued_batches = 0  # micro-batches generated again after an engine death
 
     async def setup(self, ctx: Any) -> None:
@@ -168,7 +171,7 @@ class RolloutStage:
         self.restarts = EngineRestarts(cfg.rollout.max_engine_restarts, ctx.worker_id)
         if self._rebuildable:
             # What an engine rebuilt before the first update is checked against.
-            self._serving = (None, None, tuple(await self.backend.live_fingerprint()))
+            self._checkpoint_fingerprint = tuple(await self.backend.live_fingerprint())
         hf_config = json.loads((model_path / "config.json").read_text())
         self.shape = ModelShape.from_hf_config({**hf_config, "torch_dtype": dtype})
         # Admission's KV budget: the cache the engine made (vLLM reports its blocks), else
@@ -238,47 +241,34 @@ class RolloutStage:
 
     async def _serve_again(self, backend: Any) -> None:
         """Load into a rebuilt ``backend`` the version served before its death, read
-        back and matched to the fingerprint that version was served with. Only where
-        that payload can no longer be read (a ``cuda_ipc`` ring slot the trainer has
-        rewritten since) the newest published version is served instead, read back."""
-        update, payload, expected = self._serving
-        if update is None:
-            version, live = 0, await backend.live_fingerprint()
-        else:
-            version = update.version
-            try:
-                live = await backend.update_weights(await self._read_payload(update, payload), version)  # read back
+        back and matched to the fingerprint it was served with. A payload that cannot
+        load again while a newer version is published (a ``cuda_ipc`` ring slot the
+        trainer has rewritten since) leaves it on the checkpoint, as after set-up: the
+        watcher applies the newest version, and micro-batches wait for the one they need."""
+        if self._serving is not None:
+            update, payload, expected = self._serving
+            data = await self._read_payload(update, payload)
+            try:  # read back (verify on), as every update with weight_sync_monitor
+                live = await backend.update_weights(data, update.version)
             except WeightSyncError as err:
-                newer, newer_payload = await self.ctx.controller.latest_update()
-                if newer is None or newer.version <= version:
+                newer, _ = await self.ctx.controller.latest_update()
+                if newer is None or newer.version <= update.version:
                     raise
-                self.ctx.log.warning("served_weights_gone", policy_version=version, serving=newer.version,
+                self.ctx.log.warning("served_weights_gone", policy_version=update.version, newest=newer.version,
                                      error=str(err))
-                live = await backend.update_weights(await self._read_payload(newer, newer_payload), newer.version)
-                # The watcher finds this version newer than the one it last saw, and
-                # confirms it to the controller.
-                self._serving = (newer, newer_payload, tuple(live))
+                self._serving = None
+            else:
+                self._check_served(update.version, expected, live)
                 return
+        # The checkpoint: a fresh engine's, or one whose refused load left it there.
+        self._check_served(0, self._checkpoint_fingerprint, await backend.live_fingerprint())
+
+    def _check_served(self, version: int, expected: tuple[float, float] | None, live: Any) -> None:
         if expected is None or not fingerprints_match(tuple(expected), tuple(live)):
             raise WeightSyncError(
                 f"{self.ctx.worker_id}: the rebuilt rollout engine's weights (fingerprint {tuple(live)}) are not "
                 f"version v{version} that the dead engine served (fingerprint {expected})"
             )
-
-    async def _generate_surviving(self, pb: PromptBatch) -> RolloutBatch:
-        """``pb``'s batch; after an engine death, generated again, whole, on the rebuilt
-        engine (what the dead one made for it is dropped)."""
-        while True:
-            epoch = self.restarts.epoch
-            try:
-                return await self._generate_batch(pb)
-            except Exception as exc:
-                death = find_engine_death(exc)
-                if death is None:
-                    raise
-                await self._restart_engine(epoch, death)
-            self.reissued_batches += 1
-            self.ctx.log.info("batch_reissued", batch_id=pb.batch_id, prompts=len(pb.prompts))
 
     async def _load_update(self, data: bytes, version: int, verify: bool) -> Any:
         """The backend's ``update_weights``, on a rebuilt engine after an engine death.
@@ -417,14 +407,24 @@ class RolloutStage:
         if self._watch_error is not None:
             raise self._watch_error
         df, tr = self.cfg.dataflow, self.cfg.train
-        await self._wait_for_version(required_serving_version(pb.step, df.max_staleness, tr.sync_interval), pb.batch_id)
-        self._generating += 1  # no await since the version wait: a sleep cannot start in between
-        try:
-            return await self._generate_surviving(pb)
-        finally:
-            async with self._idle:
-                self._generating -= 1
-                self._idle.notify_all()
+        need = required_serving_version(pb.step, df.max_staleness, tr.sync_interval)
+        while True:  # once more, whole, on a rebuilt engine after each engine death
+            epoch = self.restarts.epoch
+            await self._wait_for_version(need, pb.batch_id)
+            self._generating += 1  # no await since the version wait: a sleep cannot start in between
+            try:
+                return await self._generate_batch(pb)
+            except Exception as exc:
+                death = find_engine_death(exc)
+                if death is None:
+                    raise
+            finally:
+                async with self._idle:
+                    self._generating -= 1
+                    self._idle.notify_all()
+            await self._restart_engine(epoch, death)
+            self.reissued_batches += 1
+            self.ctx.log.info("batch_reissued", batch_id=pb.batch_id, prompts=len(pb.prompts))
 
     async def _generate_batch(self, pb: PromptBatch) -> RolloutBatch:
         ids = {p.prompt_id: p.token_ids or self.tokenizer(p.text, add_special_tokens=True)["input_ids"]

@@ -404,13 +404,15 @@ class FakeDyingBackend:
     ``GENERATE_S``; completions are two tokens tagged with the version served. A fresh
     engine serves the checkpoint (fingerprint ``CHECKPOINT``, read at construction); an
     update serves ``fake_fingerprint(data)``; a payload in ``GONE`` is refused with
-    ``WeightSyncError`` before anything loads (a ``cuda_ipc`` ring slot rewritten since).
+    ``WeightSyncError`` before anything loads (a ``cuda_ipc`` ring slot rewritten since);
+    with ``START_GATE`` set, ``start`` waits for it.
     Every engine built in this process is kept in ``built``, its calls in ``events``."""
 
     GENERATE_S = 0.3
     CHECKPOINT = (1.0, 1.0)
     DIE_AT: tuple[int, ...] = ()
     GONE: frozenset[bytes] = frozenset()
+    START_GATE: asyncio.Event | None = None
     built: ClassVar[list[FakeDyingBackend]] = []
 
     def __init__(self, model_path: Any, rollout_cfg: Any, dtype: str) -> None:
@@ -433,6 +435,8 @@ class FakeDyingBackend:
             raise EngineDied("fake engine process killed")
 
     async def start(self) -> None:
+        if self.START_GATE is not None:
+            await self.START_GATE.wait()
         self.events.append(("start",))
 
     async def generate(self, prompt_token_ids: list[list[int]], sampling: Any) -> list[Any]:

@@ -34,6 +34,7 @@ def fresh_fakes(monkeypatch):
     monkeypatch.setattr(FakeDyingBackend, "built", [])
     monkeypatch.setattr(FakeDyingBackend, "CHECKPOINT", (1.0, 1.0))
     monkeypatch.setattr(FakeDyingBackend, "GONE", frozenset())
+    monkeypatch.setattr(FakeDyingBackend, "START_GATE", None)
 
 
 def batch(batch_id: int, step: int = 2) -> PromptBatch:
@@ -120,23 +121,35 @@ async def served_version(controller: ControllerClient, version: int) -> dict:
 
 def test_a_served_payload_gone_from_the_trainers_ring_gives_way_to_the_newest_version(ray_cluster, monkeypatch):
     """cuda_ipc keeps two versions in the trainer's GPU ring: a rebuild after the trainer
-    moved two versions on cannot load the served one again, and serves the newest."""
+    moved two versions on cannot load the served one again; the new engine starts from
+    the checkpoint, takes the newest version, and what was in flight waits for it
+    rather than generating on the checkpoint."""
 
     async def scenario():
         stage, controller = await started_stage()
-        monkeypatch.setattr(FakeDyingBackend, "GONE", frozenset({b"weights-v1"}))
+        gate = asyncio.Event()
+        monkeypatch.setattr(FakeDyingBackend, "START_GATE", gate)  # the rebuild waits here
+        inflight = [asyncio.create_task(stage.process(batch(b))) for b in (1, 2)]
+        await asyncio.sleep(FakeDyingBackend.GENERATE_S / 3)
         stage.backend.kill()
-        await controller.publish(*update(2))  # the watcher's update finds the engine dead
-        out = await stage.process(batch(5, step=3))
+        monkeypatch.setattr(FakeDyingBackend, "GONE", frozenset({b"weights-v1"}))  # its slot rewritten
+        await controller.publish(*update(2))
+        gate.set()
+        outs = await asyncio.gather(*inflight)
         served = await served_version(controller, 2)
+        status = stage.status()
         await stage.shutdown()
-        return out, served
+        return outs, served, status
 
-    out, served = asyncio.run(scenario())
+    outs, served, status = asyncio.run(scenario())
     rebuilt = FakeDyingBackend.built[1]
-    assert rebuilt.events[:3] == [("start",), ("generate", 0), ("update", 2)]
-    assert set(out.token_versions.ravel()) == {2}
+    # Warm-up on the checkpoint, version 2 (v1 refused), then the two micro-batches.
+    assert rebuilt.events == [("start",), ("generate", 0), ("update", 2), ("generate", 2), ("generate", 2),
+                              ("shutdown",)]
+    for out in outs:
+        assert set(out.token_versions.ravel()) == {2}
     assert tuple(served["fingerprint"]) == fake_fingerprint(b"weights-v2")
+    assert status["engine_restarts"] == 1 and status["reissued_batches"] == 2
 
 
 def test_a_death_past_max_engine_restarts_fails_the_stage_naming_the_key(ray_cluster):
