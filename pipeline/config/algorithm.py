@@ -7,16 +7,13 @@ Each algorithm (``stages/algorithms/<name>.py``) declares its struct, a tagged s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
 
 from pipeline.config.base import NonNegFloat, NonNegInt, PosInt, _section
 from pipeline.config.train import KLControlConfig
-
-if TYPE_CHECKING:
-    from pipeline.config.root import ConveyorConfig
 
 
 class AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
@@ -81,8 +78,9 @@ class AlgorithmFields(msgspec.Struct, **_section(tag_field="name")):
     def name(self) -> str:
         return str(self.__struct_config__.tag)
 
-    def check(self, cfg: ConveyorConfig) -> None:
-        """The algorithm's own cross-section rules (``ConfigError`` naming the field); none here."""
+    def check(self, cfg: Any) -> None:
+        """The algorithm's own cross-section rules over the whole config (a ``ConveyorConfig``,
+        which holds this section: not imported here), ``ConfigError`` naming the field; none here."""
 
 
 # algorithm.name -> its config struct. Filled by ``register_algorithm_config`` when the
