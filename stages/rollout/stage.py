@@ -142,8 +142,10 @@ class RolloutStage:
         self.ctx = ctx
         cfg = ctx.config
         self.cfg = cfg
+        began = time.monotonic()
         model_path = resolve_model_path(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.startup_phases = {"model_files": time.monotonic() - began}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
         self.backend = build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
@@ -152,6 +154,7 @@ class RolloutStage:
             raise ValueError(f"placement: colocate needs a rollout backend that can sleep and wake up; "
                              f"rollout.backend {cfg.rollout.backend!r} cannot")
         await self.backend.start()
+        self.startup_phases["engine"] = time.monotonic() - began - self.startup_phases["model_files"]
         self.sampling = build_sampling_settings(cfg.rollout, None)
         if cfg.rollout.tools is not None:
             from stages.rollout.tools import load_tools
@@ -159,7 +162,9 @@ class RolloutStage:
             self.tools = load_tools(cfg.rollout.tools.functions)
         # Warm the engine up (its first call compiles and allocates) before timing starts.
         warm = [self.tokenizer(p, add_special_tokens=True)["input_ids"] for p in ("0", "1")]
+        warming = time.monotonic()
         await self.backend.generate(warm, msgspec.structs.replace(self.sampling, max_tokens=1))
+        self.startup_phases["warm_up"] = time.monotonic() - warming
         hf_config = json.loads((model_path / "config.json").read_text())
         self.shape = ModelShape.from_hf_config({**hf_config, "torch_dtype": dtype})
         # Admission's KV budget: the cache the engine made (vLLM reports its blocks), else
