@@ -21,7 +21,7 @@ from pipeline.config import ConveyorConfig
 
 HEADER = """# Configuration reference
 
-Generated from the config structs of `pipeline/config.py` by
+Generated from the config structs of `pipeline/config/` by
 `python -m pipeline.config_doc > docs/configuration.md`; do not edit by hand. One YAML
 file, every key typed and bounded; dotted overrides on the command line
 (`train.lr=1e-5`); a bad value stops the launch with its path and exit status 2.

@@ -254,6 +254,7 @@ class Reporter:
         # (the trace's markers; the trace holds the latest spans only).
         self.step_count = 0
         self.first_step: dict[str, Any] | None = None
+        self.startup: dict[str, Any] = {}  # where the time to the first step went
         self.last_step: dict[str, Any] | None = None
         self.syncs: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_SYNC_MARKERS)
         self.last_drain: dict[str, Any] = {}
@@ -309,6 +310,10 @@ class Reporter:
             self.writer.log(int(step["step"]), {k: v for k, v in metrics.items()
                                                 if _is_number(v) and k not in ("step", "time")}, at=end)
             self.step_count += 1
+            if self.first_step is None:
+                self.startup = describe_startup(graph.startup, self.started - self.launched, end - self.launched)
+                log.info("startup", **{k: v for k, v in self.startup.items() if k != "stages"},
+                         slowest=slowest_setup(self.startup))
             self.first_step = self.first_step or metrics
             self.last_step = metrics
             if self._progress:
@@ -494,6 +499,29 @@ def _drive(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan, run_dir: Path
     return finish_run(cfg, run_dir, result, reporter, checks, resumes)
 
 
+def describe_startup(runner: dict[str, Any], preflight_s: float, first_step_s: float) -> dict[str, Any]:
+    """Where the time from launch to the end of the first step went, in seconds:
+    pre-flight and planning, Ray, Ray starting the stage processes, their set-ups
+    (concurrent; each replica's own timings under ``stages``) and the first step after
+    them (generation, scoring and training of step 1)."""
+    parts = {"preflight_s": round(preflight_s, 2), "ray_s": runner.get("ray_s", 0.0),
+             "actors_s": runner.get("actors_s", 0.0), "setup_s": runner.get("setup_s", 0.0)}
+    return {"first_step_s": round(first_step_s, 2), **parts,
+            "first_step_after_setup_s": round(first_step_s - sum(parts.values()), 2),
+            "stages": runner.get("stages", {})}
+
+
+def slowest_setup(startup: dict[str, Any]) -> str | None:
+    """``rollout:0 61.2 s (engine 48.0, warm_up 9.1)``: the set-up the run waited for."""
+    stages = startup.get("stages") or {}
+    if not stages:
+        return None
+    name, t = max(stages.items(), key=lambda kv: kv[1].get("setup_s", 0.0))
+    phases = ", ".join(f"{k.removesuffix('_s')} {v:g}" for k, v in t.items()
+                       if k not in ("setup_s", "process_age_s", "constructed_s"))
+    return f"{name} {t.get('setup_s', 0.0):g} s" + (f" ({phases})" if phases else "")
+
+
 def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter, status: str,
                           **detail: Any) -> dict[str, Any]:
     """``summary.json`` of a run that did not drain: what the driver saw until then."""
@@ -504,6 +532,7 @@ def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter
                **({} if found is not None else {"resume_why": NOTHING_TO_RESUME}),
                "checkpoint": str(found[0]) if found is not None else None,  # the last good one
                "wall_s": time.time() - reporter.started,
+               "startup": reporter.startup,
                "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
                "samples_trained": int((reporter.last_step or {}).get("samples/trained", 0))}
     write_summary(run_dir, add_run_totals(summary, reporter))
@@ -622,6 +651,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "controller_calls": result.controller["calls"],
         "queues": result.queues,
         "stages": {name: {"busy_s": t.seconds.get("busy", 0.0), "busy_ratio": t.busy_ratio} for name, t in agg.items()},
+        "startup": reporter.startup,
         "reward_first": reporter.first_step.get("reward/mean") if reporter.first_step else None,
         "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
         "admission": summarise_admission(result.reports),

@@ -98,6 +98,10 @@ class Graph:
     # The latest status of each stage replica, under the name its spans carry
     # ("rollout" for replica 0, "rollout:1" ...), as the last telemetry pull found it.
     stage_status: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Where the start-up went, in seconds: ``ray_s``, ``actors_s`` (Ray starting the stage
+    # processes), ``setup_s`` (their set-ups, concurrent) and ``stages`` (each replica's
+    # own timings, ``StageActor.setup``).
+    startup: dict[str, Any] = field(default_factory=dict)
 
     async def collect_telemetry(self) -> list[Span]:
         """One ``telemetry`` call per stage replica: keeps their statuses, returns (and
@@ -173,12 +177,14 @@ def run_dataflow(
 ) -> RunResult:
     """Run ``df`` to the end; see the module docstring for the two modes."""
     df.validate()
+    began = time.monotonic()
     if config is not None:
         async_execution = config.dataflow.async_execution if async_execution is None else async_execution
         micro_batches_per_step = micro_batches_per_step or config.micro_batches_per_step
         init_ray(config.run.address)
     else:
         init_ray()
+    ray_s = round(time.monotonic() - began, 2)
     async_mode = True if async_execution is None else bool(async_execution)
     if not async_mode and len(df.sources) != 1:
         raise ValueError(f"lock-step mode needs one source node (its steps are the barrier), not {sorted(df.sources)}")
@@ -188,7 +194,7 @@ def run_dataflow(
         STOP_SIGNALS.check()
         coro = _run(
             df, config, async_mode, micro_batches_per_step or 1,
-            target_prompts, prompts_per_step, taps or {}, on_tick, tick_s,
+            target_prompts, prompts_per_step, taps or {}, on_tick, tick_s, ray_s,
         )
         try:
             import uvloop
@@ -209,6 +215,7 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
                          forward_interval_s=FORWARD_INTERVAL_S if async_mode else 0.0)
         queues[q.name] = q
     level = config.run.log_level if config is not None else os.environ.get("CONVEYOR_LOG_LEVEL", "info")
+    began = time.monotonic()
     pg = await _create_placement_group(df)
     actors: dict[str, list[Any]] = {}
     window = (dedup_window(df, config.dataflow.prompts_per_micro_batch, config.train.prompts_per_step)
@@ -233,7 +240,10 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
     keys = [(name, r) for name, reps in actors.items() for r in range(len(reps))]
     pids = await _await_stages(graph, [(actors[n][r].process_id.remote(), n) for n, r in keys], "starting")
     graph.processes = dict(zip(keys, pids, strict=True))
-    await _await_stages(graph, [(actors[n][r].setup.remote(controller), n) for n, r in keys], "setting_up")
+    started = time.monotonic()
+    timings = await _await_stages(graph, [(actors[n][r].setup.remote(controller), n) for n, r in keys], "setting_up")
+    graph.startup = {"actors_s": round(started - began, 2), "setup_s": round(time.monotonic() - started, 2),
+                     "stages": {f"{n}:{r}": t for (n, r), t in zip(keys, timings, strict=True)}}
     for key, (host, pid) in graph.processes.items():
         graph.spawned[key] = _children(host, pid)
     return graph
@@ -378,7 +388,7 @@ async def _teardown(graph: Graph) -> None:
 async def _run(
     df: DataFlow, config: Any, async_mode: bool, mb_per_step: int, target_prompts: int,
     prompts_per_step: int, taps: dict[str, str],
-    on_tick: Callable[[Graph], Any] | None, tick_s: float,
+    on_tick: Callable[[Graph], Any] | None, tick_s: float, ray_s: float = 0.0,
 ) -> RunResult:
     controller = ControllerClient(ControllerActor.remote(target_prompts, prompts_per_step,
                                                          _resumed_counts(config), barrier=not async_mode))
@@ -387,6 +397,7 @@ async def _run(
         try:
             STOP_SIGNALS.check()
             graph = await _start(df, config, controller, taps, async_mode)  # tears down what it made if it fails
+            graph.startup["ray_s"] = ray_s
             interrupts.running = True
         except BaseException as exc:
             if isinstance(exc, RunInterrupted):

@@ -143,14 +143,14 @@ class StageActor:
         self._constructed_s = time.monotonic() - created  # imports and the core's constructor
 
     # ---------------------------------------------------------------- lifecycle
-    async def setup(self, controller: ControllerClient) -> str:
+    async def setup(self, controller: ControllerClient) -> dict[str, float]:
         """Set the stage up (again after a restart), with the controller's handle.
 
         The handle comes here, not with the constructor's arguments: Ray runs a
         restarted actor's constructor again with its first arguments, and warns at
         creation (``core_worker.cc``, once per run) that an argument holding an object
         reference (an actor handle does) may be gone by then. The runner calls ``setup``
-        after every restart anyway.
+        after every restart anyway. Returns where the start-up went, in seconds.
         """
         self.ctx.controller = controller
         self._state = "setup"
@@ -160,10 +160,12 @@ class StageActor:
             await self.core.setup(self.ctx)
         self._state = "ready"
         # Where a stage's start-up went: its process's age covers Ray starting it too.
-        age = time.time() - psutil.Process().create_time()
-        self.ctx.log.info("stage ready", process_age_s=round(age, 2), constructed_s=round(self._constructed_s, 2),
-                          setup_s=round(time.monotonic() - began, 2))
-        return self.name
+        timings = {"process_age_s": round(time.time() - psutil.Process().create_time(), 2),
+                   "constructed_s": round(self._constructed_s, 2), "setup_s": round(time.monotonic() - began, 2),
+                   # The core's own phases (``startup_phases``: name -> seconds), where it times them.
+                   **{f"{k}_s": round(v, 2) for k, v in getattr(self.core, "startup_phases", {}).items()}}
+        self.ctx.log.info("stage ready", **timings)
+        return timings
 
     def _open_taps(self) -> None:
         if self._tap is None:

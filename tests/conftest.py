@@ -23,6 +23,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 TIERS = ("unit", "ray_local", "e2e", "gpu")
+# torch.distributed's rendezvous variables as the session found them: a trainer engine
+# built in this process sets them for a world of one, and a Ray cluster started later
+# would hand its workers a port this process still listens on.
+RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_SESSION_RENDEZVOUS = {key: os.environ.get(key) for key in RENDEZVOUS}
 _TESTS = Path(__file__).resolve().parent
 
 
@@ -46,6 +51,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def runs_slow(config: pytest.Config) -> bool:
     """``--slow``, or a ``-m`` expression that names ``slow`` (it then decides alone)."""
     return config.getoption("--slow") or "slow" in (config.getoption("markexpr") or "")
+
+
+@pytest.fixture(autouse=True)
+def _restore_rendezvous_env():
+    yield
+    for key, value in _SESSION_RENDEZVOUS.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

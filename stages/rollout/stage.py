@@ -156,8 +156,10 @@ class RolloutStage:
         self.ctx = ctx
         cfg = ctx.config
         self.cfg = cfg
+        began = time.monotonic()
         model_path = resolve_model_path(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.startup_phases = {"model_files": time.monotonic() - began}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
         self.colocated = cfg.placement.mode == "colocate"
@@ -167,11 +169,13 @@ class RolloutStage:
 
             self.tools = load_tools(cfg.rollout.tools.functions)
         self._new_backend = lambda: build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
-        self.backend = await self._start_backend()
+        self.backend = await self._start_backend(self.startup_phases)
         self.restarts = EngineRestarts(cfg.rollout.max_engine_restarts, ctx.worker_id)
         if self._rebuildable:
             # What an engine rebuilt before the first update is checked against.
+            reading = time.monotonic()
             self._checkpoint_fingerprint = tuple(await self.backend.live_fingerprint())
+            self.startup_phases["fingerprint"] = time.monotonic() - reading
         hf_config = json.loads((model_path / "config.json").read_text())
         self.shape = ModelShape.from_hf_config({**hf_config, "torch_dtype": dtype})
         # Admission's KV budget: the cache the engine made (vLLM reports its blocks), else
@@ -186,9 +190,10 @@ class RolloutStage:
         self._watchers = [asyncio.create_task(self._watch(loop)) for loop in
                           (self._watch_weights, *([self._watch_sleep_requests] if self.colocated else []))]
 
-    async def _start_backend(self) -> Any:
+    async def _start_backend(self, phases: dict[str, float] | None = None) -> Any:
         """A new backend of ``rollout.backend``, started and warmed up, serving the
-        checkpoint (version 0)."""
+        checkpoint (version 0); ``phases`` gets the seconds of ``engine`` and ``warm_up``."""
+        began = time.monotonic()
         backend = self._new_backend()
         if self.colocated and not (hasattr(backend, "sleep") and hasattr(backend, "wake_up")):
             raise ValueError(f"placement: colocate needs a rollout backend that can sleep and wake up; "
@@ -196,7 +201,10 @@ class RolloutStage:
         await backend.start()
         # Warm the engine up (its first call compiles and allocates) before timing starts.
         warm = [self.tokenizer(p, add_special_tokens=True)["input_ids"] for p in ("0", "1")]
+        warming = time.monotonic()
         await backend.generate(warm, msgspec.structs.replace(self.sampling, max_tokens=1))
+        if phases is not None:
+            phases.update(engine=warming - began, warm_up=time.monotonic() - warming)
         return backend
 
     # ------------------------------------------------------------------ engine restarts

@@ -206,6 +206,7 @@ class TrainerStage:
         self.colocated = cfg.placement.mode == "colocate"
         self.holds_step = holds_whole_step(cfg)
         self.step_samples = cfg.train.prompts_per_step * cfg.rollout.n
+        began = time.monotonic()
         if cfg.train.num_ranks > 1:
             from stages.trainer.ranks import build_data_parallel_engine
 
@@ -215,6 +216,7 @@ class TrainerStage:
             from stages.trainer.engine import build_trainer_engine  # imports torch: not at module level
 
             self.engine = await asyncio.to_thread(build_trainer_engine, cfg)
+        self.startup_phases = {"engine": time.monotonic() - began}  # model, optimizer, DeepSpeed
         module = self.engine.module
         self.shape = build_model_shape(module, str(next(module.parameters()).dtype).removeprefix("torch."))
         self.guard = MemoryGuard(ctx.name, cfg.train.memory, spans=ctx.spans)
@@ -235,7 +237,9 @@ class TrainerStage:
 
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         if cfg.run.resume_from:
+            restoring = time.monotonic()
             version = await asyncio.to_thread(self.checkpoints.restore, cfg.run.resume_from)
+            self.startup_phases["restore"] = time.monotonic() - restoring
             self.kl_ctrl.load_state(self.engine.extra_state)  # the coefficient the run had reached
             self._step_rng = self.engine.get_rng_state()
             # The rollout starts from the checkpoint's model, not the base one.

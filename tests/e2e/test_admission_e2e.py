@@ -22,6 +22,7 @@ from pipeline.launch import launch_run
 from pipeline.metrics import read_metrics
 from pipeline.recorder import RecordingReader, RecordingWriter
 from tests.ray_local.fakes import FakeOomAfterCall, FakeStageContext, make_fake_rollout_batch
+from tests.toy import TOY
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 STEPS = 4
@@ -95,6 +96,7 @@ def test_trainer_oom_mid_step_trains_every_sample_once(tmp_path, monkeypatch, ca
                        "MASTER_PORT": str(find_free_port())}.items():
         monkeypatch.setenv(key, value)
     cfg = load_config(None, [
+        *TOY,
         # The tiny model's rate (the default suits a pretrained checkpoint): updates large
         # enough that a wrong recovery shows in the weights.
         f"run.dir={tmp_path / 'run'}", "train.lr=3e-4", "train.threads=1", "train.save_checkpoint=false",

@@ -17,6 +17,7 @@ from pipeline.config import load_config
 from stages.trainer.engine import find_free_port
 from stages.trainer.stage import NONFINITE, NonFiniteSteps, TrainerStage
 from tests.ray_local.fakes import FakeStageContext, make_fake_rollout_batch
+from tests.toy import TOY
 
 
 def _step(trainer: TrainerStage, first_id: int, poisoned: bool) -> None:
@@ -35,6 +36,7 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
                        "MASTER_PORT": str(find_free_port())}.items():
         monkeypatch.setenv(key, value)
     cfg = load_config(None, [
+        *TOY,
         f"run.dir={tmp_path / 'run'}", "train.threads=1", "train.save_checkpoint=false", "train.sync_interval=1",
         "rollout.n=8", "train.prompts_per_step=8", "dataflow.prompts_per_micro_batch=4", "algorithm.kl_coef=0",
         "train.checkpoint_every=1", "train.max_bad_steps=2",

@@ -127,11 +127,23 @@ def test_run_outputs_are_written(streaming_run):
     # construction (imports) and its setup (the engines start there: vLLM's takes seconds).
     setup = {}
     for name in ("source", "rollout", "reward", "reference", "trainer"):
-        ready = re.search(r"stage ready +constructed_s=([\d.]+) process_age_s=([\d.]+) .*setup_s=([\d.]+)",
-                          logs[f"{name}.log"])
+        ready = re.search(r"stage ready +(.*)", logs[f"{name}.log"])
         assert ready, (name, logs[f"{name}.log"][-2000:])
-        setup[name] = float(ready.group(3))
-    assert setup["rollout"] > 0.5, setup
+        setup[name] = dict(re.findall(r"(\w+_s)=([\d.]+)", ready.group(1)))
+        assert {"constructed_s", "process_age_s", "setup_s"} <= set(setup[name]), (name, ready.group(1))
+    assert float(setup["rollout"]["setup_s"]) > 0.5, setup
+    # The summary has the same, and where the time to the first step went; the
+    # rollout's and the trainer's own phases are inside their set-ups.
+    startup = summary["startup"]
+    assert set(startup["stages"]) == {"source:0", "rollout:0", "reward:0", "reference:0", "trainer:0"}
+    rollout, trainer = startup["stages"]["rollout:0"], startup["stages"]["trainer:0"]
+    assert 0 < rollout["engine_s"] + rollout["warm_up_s"] <= rollout["setup_s"], rollout
+    assert 0 < trainer["engine_s"] <= trainer["setup_s"], trainer
+    parts = ("preflight_s", "ray_s", "actors_s", "setup_s", "first_step_after_setup_s")
+    # Ray is up before this test's launch (the session's cluster): its share is ~0 here.
+    assert startup["ray_s"] >= 0 and all(startup[k] > 0 for k in parts if k != "ray_s"), startup
+    assert sum(startup[k] for k in parts) == pytest.approx(startup["first_step_s"], abs=0.05), startup
+    assert startup["setup_s"] >= max(t["setup_s"] for t in startup["stages"].values()) - 0.05, startup
     # On CPU vLLM reports the sampled tokens' log-probs itself: the sampler tap needs its
     # GPU model runner, and the engine says so instead of failing.
     assert re.search(r"engine started .*logprobs='vLLM outputs'.*sampler_tap_unavailable=.the model runner is "

@@ -26,6 +26,7 @@ from pipeline.log import get_logger
 from pipeline.recorder import RecordingReader, RecordingWriter, rewrite_item
 from pipeline.types import Prompt, RolloutBatch
 from tests.ray_local.fakes import FakeControllerClient
+from tests.toy import TOY
 
 EDGE = "reference->trainer"
 STEPS, PER_STEP, GROUP = 4, 2, 4
@@ -100,6 +101,7 @@ async def record_trainer_run(cfg: ConveyorConfig, root: Path) -> None:
 def run_dir(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("replay")
     cfg = load_config(None, [
+        *TOY,
         f"model.cache_dir={base / 'models'}", f"run.dir={base / 'run'}", "run.name=replay-test",
         "train.threads=1", "train.lr=1e-3", "train.prompts_per_step=2", "train.save_checkpoint=false",
         "train.sync_interval=100", "dataflow.max_staleness=99", "dataflow.async_execution=false",

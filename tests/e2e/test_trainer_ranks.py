@@ -15,10 +15,11 @@ import ray
 from pipeline.config import load_config
 from pipeline.memory.splitting import split_rollout_batch_at
 from tests.e2e.test_trainer_engine import make_batch
+from tests.toy import TOY
 
 
 def _config(tmp_path, ranks: int, zero_stage: int, *overrides: str):
-    return load_config(None, [f"run.dir={tmp_path}", "run.progress=false", f"train.num_ranks={ranks}",
+    return load_config(None, [*TOY, f"run.dir={tmp_path}", "run.progress=false", f"train.num_ranks={ranks}",
                               f"train.zero_stage={zero_stage}", "train.lr=1e-3", "train.threads=1", *overrides])
 
 

@@ -107,7 +107,7 @@ def test_default_learning_rate_suits_a_pretrained_checkpoint():
 def test_algorithm_name_picks_its_fields():
     cfg = load_config(None, [])
     assert cfg.algorithm.name == "grpo" and cfg.algorithm.norm_adv_by_std is True
-    assert cfg.algorithm.loss_norm_tokens == cfg.rollout.max_tokens == 8  # constant normaliser default
+    assert cfg.algorithm.loss_norm_tokens == cfg.rollout.max_tokens == 512  # constant normaliser default
     cfg = load_config(None, ["algorithm.name=reinforce_plus_plus", "algorithm.gamma=0.9", "rollout.n=1"])
     assert (cfg.algorithm.name, cfg.algorithm.gamma, cfg.rollout.n) == ("reinforce_plus_plus", 0.9, 1)
     cfg = load_config(None, ["algorithm.name=grpo", "algorithm.norm_adv_by_std=false", "algorithm.loss_norm_tokens=3"])

@@ -1,0 +1,34 @@
+"""``dataflow``: overlap, staleness, micro-batch sizes and custom nodes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pipeline.config.base import NonNegInt, PosInt, _section
+
+
+class NodeSpec(msgspec.Struct, **_section()):
+    """A custom DataFlow node from YAML: ``node_class`` is ``module:attr``."""
+
+    name: str
+    node_class: str
+    input_from: str | None = None
+    kwargs: dict[str, Any] = {}
+
+
+class DataflowConfig(msgspec.Struct, **_section()):
+    """``max_staleness`` is η: 0 with ``async_execution: false`` is exactly on-policy.
+
+    With ``async_execution: true`` generation of step k's samples may begin once the
+    rollout serves version ``k - max_staleness``; η = 0 still overlaps stages inside a
+    step but never trains on a sample older than the current weights.
+    """
+
+    async_execution: bool = True
+    max_staleness: NonNegInt = 1
+    prompts_per_micro_batch: PosInt = 4
+    queue_size: PosInt = 4  # default bound (micro-batches) of every edge
+    queue_sizes: dict[str, PosInt] = {}  # per edge, "producer->consumer": bound
+    nodes: list[NodeSpec] = []  # custom graph; empty = the built-in RL graph
