@@ -1,8 +1,9 @@
 """The controller: one small async actor that owns the run's shared state.
 
 It owns no compute and no tensors. It holds the prompt ledger, the policy version board,
-the trainer's per-step metrics, the lock-step barrier, colocated GPU turns and the
-curriculum level (docs/architecture.md, "Controller"). Stages reach it only through
+the trainer's per-step metrics, the lock-step barrier, colocated GPU turns, the
+curriculum level and the staleness bound of each step (``max_staleness: auto`` raises it
+from the driver; docs/architecture.md, "Controller"). Stages reach it only through
 ``ControllerClient`` (typed, one remote call per method), and only where the data needs it.
 
 Guarantees:
@@ -10,6 +11,8 @@ Guarantees:
 - versions on the board only grow; a worker confirms only weights it has loaded, and a
   fingerprint mismatch never reaches the board (it fails the worker);
 - lock-step: prompts of step k are admitted only once the trainer finished step k - 1;
+- every admission carries its step's η, which only grows and never changes for a step
+  that has admitted prompts (``pipeline.versions.StalenessSchedule``);
 - colocated: the trainer trains only once every rollout worker confirmed its GPU free;
 - call budget: at most one call per micro-batch, one per optimizer step, one per weight
   update per rollout worker (plus drops and colocated turns); telemetry never comes
@@ -21,12 +24,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
 from pipeline.types import WeightConfirmation, WeightUpdate
-from pipeline.versions import Ledger
+from pipeline.versions import Ledger, StalenessSchedule
 
 # The step metric carrying the curriculum's level (stages/data/curriculum.py sets it).
 CURRICULUM_LEVEL = "curriculum/level"
@@ -39,12 +42,18 @@ PUBLISH_TIMES_KEPT = 64
 @ray.remote(num_cpus=0, max_concurrency=1000, enable_task_events=False)  # as QueueActor's
 class ControllerActor:
     def __init__(self, target_prompts: int, prompts_per_step: int,
-                 resumed: dict[str, Any] | None = None, barrier: bool = False) -> None:
+                 resumed: dict[str, Any] | None = None, barrier: bool = False,
+                 max_staleness: int | None = None, auto_staleness: bool = False) -> None:
         """``resumed``: ``{"version", "trained_prompts", "dropped"}`` of the checkpoint a
         resumed run starts from; its prompts count as trained or dropped, none in flight.
-        ``barrier``: lock-step, the admission of step k waits for trainer version k."""
+        ``barrier``: lock-step, the admission of step k waits for trainer version k.
+        ``max_staleness``: η at the start (None: admissions carry none, the stages use
+        their config's); ``auto_staleness``: the driver may raise it (``set_max_staleness``)."""
         self.ledger = Ledger(target=target_prompts, prompts_per_step=prompts_per_step)
         self.barrier = barrier
+        self._staleness = None if max_staleness is None else StalenessSchedule(start=max_staleness)
+        self._auto_staleness = auto_staleness
+        self._staleness_log: list[dict[str, Any]] = []
         self._cond = asyncio.Condition()
         self._update: WeightUpdate | None = None
         self._payload: list[Any] = []
@@ -65,15 +74,31 @@ class ControllerActor:
             self._trainer_version = int(resumed["version"])
 
     # ---------------------------------------------------------------- prompt ledger
-    async def admit_prompts(self, want: int, with_level: bool = False) -> tuple[int, ...]:
+    async def admit_prompts(self, want: int, detail: bool = False) -> tuple[Any, ...]:
         """Wait until there is room (and, in lock-step, until the step the prompts are
         destined for is the trainer's next); (granted, step). (0, -1): no more needed.
-        ``with_level``: (granted, step, curriculum level or None)."""
+        ``detail``: (granted, step, curriculum level or None, the step's η or None)."""
         self.calls["admit_prompts"] += 1
         async with self._cond:
             await self._cond.wait_for(lambda: (self.ledger.room > 0 and self._step_open()) or self._done())
             granted, step = (0, -1) if self._done() else self.ledger.admit(want)
-            return (granted, step, self._curriculum_level) if with_level else (granted, step)
+            if not detail:
+                return granted, step
+            eta = self._staleness.at(step) if self._staleness is not None and granted else None
+            return granted, step, self._curriculum_level, eta
+
+    def set_max_staleness(self, eta: int, reason: str) -> int:
+        """``max_staleness: auto``'s new η (the driver's decision, ``pipeline/staleness.py``):
+        it applies from the first step none of whose prompts were admitted yet, which this
+        returns. Refused without ``auto`` and below the current η."""
+        self.calls["set_max_staleness"] += 1
+        if self._staleness is None or not self._auto_staleness:
+            raise ValueError("set_max_staleness: this run's dataflow.max_staleness is not 'auto'")
+        before = self._staleness.current
+        first = self._staleness.raise_to(eta)
+        self._staleness_log.append({"from_step": first, "before": before, "after": eta, "reason": reason,
+                                    "time": time.time()})
+        return first
 
     def _step_open(self) -> bool:
         # Lock-step's barrier: step k = live // prompts_per_step opens at trainer version k.
@@ -207,8 +232,12 @@ class ControllerActor:
         return {"steps": steps, "syncs": syncs, **self.summary()}
 
     def summary(self) -> dict[str, Any]:
+        staleness = None if self._staleness is None else {
+            "current": self._staleness.current, "start": self._staleness.start, "auto": self._auto_staleness,
+            "changes": list(self._staleness_log)}
         return {
             "ledger": self.ledger.summary(),
+            "max_staleness": staleness,
             "trainer_version": self._trainer_version,
             "served": dict(self._served),
             "stop_reason": self._stop_reason,
@@ -219,6 +248,16 @@ class ControllerActor:
 async def resolve_payload(payload: Any) -> bytes:
     """A published payload's bytes: inline ones as they are, a reference fetched."""
     return payload if isinstance(payload, bytes) else await payload
+
+
+class Admission(NamedTuple):
+    """What one admission grants: ``granted`` prompts for ``step`` ((0, -1): no more),
+    the curriculum level the trainer last reported and the step's η (None: the config's)."""
+
+    granted: int
+    step: int
+    level: int | None
+    max_staleness: int | None
 
 
 class ControllerClient:
@@ -254,9 +293,14 @@ class ControllerClient:
     async def admit_prompts(self, want: int) -> tuple[int, int]:
         return await self.actor.admit_prompts.remote(want)
 
-    async def admit_prompts_at_level(self, want: int) -> tuple[int, int, int | None]:
-        """``admit_prompts`` plus the curriculum level the trainer last reported (None: none yet)."""
-        return await self.actor.admit_prompts.remote(want, True)
+    async def admit(self, want: int) -> Admission:
+        """``admit_prompts`` with the curriculum level the trainer last reported and the
+        step's staleness bound."""
+        return Admission(*await self.actor.admit_prompts.remote(want, True))
+
+    async def set_max_staleness(self, eta: int, reason: str) -> int:
+        """The driver's η for ``max_staleness: auto``; returns the first step it applies to."""
+        return await self.actor.set_max_staleness.remote(eta, reason)
 
     async def trainer_version(self) -> int:
         return await self.actor.trainer_version.remote()

@@ -63,6 +63,7 @@ from pipeline.profiler import (
 )
 from pipeline.runner import STOP_SIGNALS, Graph, RunInterrupted, RunResult, run_dataflow
 from pipeline.stage import StageError
+from pipeline.staleness import AutoStaleness, measure_step
 
 log = get_logger(stage="driver")
 RESTARTABLE_STAGES = ("rollout", "reward", "reward_model", "reference")
@@ -259,6 +260,7 @@ class Reporter:
         self.processes: dict[str, list[Any]] = {}
         self.restarts: dict[str, int] = {}
         self._object_store = _ObjectStoreGauge()
+        self.staleness = AutoStaleness(cfg.dataflow.max_staleness_cap) if cfg.auto_staleness else None
         # Visible to ``conveyor status`` while actors are still starting.
         self._write_status({"trainer_version": 0, "served": {}, "status": {},
                             "ledger": {"in_flight": 0}}, {}, state="starting")
@@ -294,6 +296,10 @@ class Reporter:
             metrics["samples/in_flight"] = drain["ledger"]["in_flight"] * self.cfg.rollout.n
             metrics.update(merge_guard_metrics(graph.stage_status))
             metrics.update(collect_stage_metrics(graph.stage_status, ("critic/", "ref/")))
+            if self.staleness is not None:
+                await self.staleness.after_step(graph.controller, int(step["step"]),
+                                                measure_step(self._recent, (self._last_step_end, end)),
+                                                int(drain["max_staleness"]["current"]))
             self._last_step_end = end
             self._recent = [sp for sp in self._recent if sp.end > end]
             # The row's time is the step's end (the trainer's clock), not this tick's.
@@ -325,10 +331,18 @@ class Reporter:
             "processes": self.processes,
             "restarts": self.restarts,
             "object_store_used_bytes": self._object_store.read(),
+            "max_staleness": self.describe_staleness(drain),
         }
         tmp = self.run_dir / "status.json.tmp"
         tmp.write_text(json.dumps(status, default=str))
         tmp.replace(self.run_dir / "status.json")
+
+    def describe_staleness(self, drain: dict[str, Any]) -> dict[str, Any] | None:
+        """η now and, with ``auto``, every decision with its reason (status and summary)."""
+        board = drain.get("max_staleness")
+        if board is None:
+            return None
+        return {**board, "decisions": list(self.staleness.log) if self.staleness else []}
 
     def close(self, state: str = "completed") -> None:
         """Flush the metrics and leave ``status.json`` saying how the run ended
@@ -460,7 +474,8 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
 def _drive(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan, run_dir: Path, taps: dict[str, str],
            reporter: Reporter, checks: PreflightReport, resumes: list[dict[str, Any]]) -> dict[str, Any]:
     log.info("launch", run_dir=str(run_dir), mode="async" if cfg.dataflow.async_execution else "sync",
-             stages=df.topological_order(), placement=plan.describe() if plan.available_gpus else "cpu")
+             max_staleness=cfg.describe_staleness, stages=df.topological_order(),
+             placement=plan.describe() if plan.available_gpus else "cpu")
     ended = "failed"
     try:
         result = run_dataflow(
@@ -612,6 +627,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "reward_first": reporter.first_step.get("reward/mean") if reporter.first_step else None,
         "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
         "admission": summarise_admission(result.reports),
+        "max_staleness": reporter.describe_staleness(result.controller),
     }
     write_summary(run_dir, add_run_totals(summary, reporter))
     reporter.writer.finish(summary, [run_dir / SUMMARY_FILE, run_dir / "timeline.png"])

@@ -11,7 +11,8 @@ Guarantees:
   back, a mismatch stopping the run before a token is sampled from them;
 - at shutdown every worker serves and has verified the final policy;
 - generation for step k waits for the newest version step k may train with
-  (``required_serving_version``), so no sample is made only to be dropped;
+  (``required_serving_version`` under the micro-batch's own bound, ``batch_bound``), so
+  no sample is made only to be dropped; that wait is a ``wait_version`` span;
 - under ``rollout.memory`` a micro-batch generates only once its KV cache fits; queues
   carry whole micro-batches only; colocated, no micro-batch generates on a sleeping
   engine; with ``rollout.tools`` tool output is masked out of the loss;
@@ -41,7 +42,7 @@ from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, split_prompt_batch
 from pipeline.plugins import register_stage
 from pipeline.types import PromptBatch, RolloutBatch, WeightConfirmation
-from pipeline.versions import required_serving_version
+from pipeline.versions import batch_bound, required_serving_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
 from stages.rollout.base import GenerationResult, SamplingSettings, apply_budget
 from stages.rollout.occupancy import OccupancyMeter, summarize_length_counts
@@ -96,6 +97,7 @@ def build_rollout_batch(pb: PromptBatch, results: list[GenerationResult], n: int
         finish_reasons=reasons,
         loss_mask=loss_mask,
         rollout_extras=extras,
+        max_staleness=pb.max_staleness,
     )
 
 
@@ -271,7 +273,7 @@ class RolloutStage:
             return
         timeout = self.cfg.train.weight_sync_timeout_s
         t0 = time.time()
-        with self.ctx.spans.span("wait_input", batch_id):
+        with self.ctx.spans.span("wait_version", batch_id):
             async with self._version_changed:
                 try:
                     await asyncio.wait_for(
@@ -291,8 +293,8 @@ class RolloutStage:
     async def process(self, pb: PromptBatch) -> RolloutBatch:
         if self._watch_error is not None:
             raise self._watch_error
-        df, tr = self.cfg.dataflow, self.cfg.train
-        await self._wait_for_version(required_serving_version(pb.step, df.max_staleness, tr.sync_interval), pb.batch_id)
+        eta = batch_bound(pb.max_staleness, self.cfg.initial_max_staleness)
+        await self._wait_for_version(required_serving_version(pb.step, eta, self.cfg.train.sync_interval), pb.batch_id)
         self._generating += 1  # no await since the version wait: a sleep cannot start in between
         try:
             return await self._generate_batch(pb)

@@ -1,0 +1,201 @@
+"""``dataflow.max_staleness: auto``: choose η from the run's measured steps (pure, no Ray).
+
+A run with ``auto`` starts at ``max(1, train.sync_interval - 1)``. The driver measures
+each step's window from the stages' spans (``measure_step``): the trainer's busy time,
+the rollout's generating time and the time the staleness limit alone held the rollout
+back (its ``wait_version`` spans while nothing of it generated). ``AutoStaleness`` sums
+``WINDOW_STEPS`` steps after ``WARMUP_STEPS`` and asks ``decide_max_staleness``.
+
+The rule (docs/architecture.md, "Staleness and overlap"):
+- the trainer idle less than ``MIN_SHARE`` of the window: trainer-bound, η stays;
+- the trainer waits but the limit held the rollout back less than ``MIN_SHARE``:
+  generation (or scoring) is the bottleneck, a larger η would change nothing, η stays;
+- both: the limit serialises the loop. With η the loop of η + 1 steps (generate, score,
+  train, publish, load) takes (η + 1) × the measured step time, and the busier of
+  rollout and trainer, busy ``b`` of it, sets the pace it could have; the smallest η
+  whose η + 1 steps in flight cover the loop is ``ceil((η + 1) / b) - 1``; at least
+  η + 1, at most ``dataflow.max_staleness_cap``.
+Guarantees: η never falls (samples already generated under a higher bound stay
+trainable), never exceeds the cap, and a decision always carries its reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.log import get_logger
+from pipeline.profiler import Interval, clip_intervals, merge_intervals, sum_intervals
+from pipeline.types import Span
+
+WARMUP_STEPS = 2  # engine start, compilation and the first weight loads: not measured
+WINDOW_STEPS = 4  # steps summed per decision
+MIN_SHARE = 0.1  # trainer idle, rollout held back: below this share of the window, nothing to gain
+# Slack on the target: a measured busy share a little under the model's still counts as covered.
+TARGET_SLACK = 0.1
+_log = get_logger(stage="driver")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds of one window (or a sum of windows): its length, the trainer's busy time,
+    the rollout's generating time and the time the staleness limit alone held it back
+    (both averaged over rollout replicas)."""
+
+    window_s: float = 0.0
+    trainer_busy_s: float = 0.0
+    rollout_generating_s: float = 0.0
+    rollout_gated_s: float = 0.0
+
+    def __add__(self, other: StepTimes) -> StepTimes:
+        return StepTimes(self.window_s + other.window_s, self.trainer_busy_s + other.trainer_busy_s,
+                         self.rollout_generating_s + other.rollout_generating_s,
+                         self.rollout_gated_s + other.rollout_gated_s)
+
+    def share(self, seconds: float) -> float:
+        return seconds / self.window_s if self.window_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StalenessDecision:
+    """η after a decision (``before`` when it stays) and why, as the log line says it."""
+
+    before: int
+    after: int
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        return self.after != self.before
+
+    def describe(self) -> str:
+        move = f"{self.before} -> {self.after}" if self.changed else f"stays {self.before}"
+        return f"max_staleness auto: {move} ({self.reason})"
+
+
+def _subtract(intervals: Sequence[Interval], holes: Sequence[Interval]) -> list[Interval]:
+    """``intervals`` minus ``holes`` (both merged, sorted)."""
+    out: list[Interval] = []
+    for start, end in intervals:
+        cursor = start
+        for h0, h1 in holes:
+            if h1 <= cursor or h0 >= end:
+                continue
+            if h0 > cursor:
+                out.append((cursor, h0))
+            cursor = max(cursor, h1)
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def _is_rollout(stage: str) -> bool:
+    return stage == "rollout" or stage.startswith("rollout:")
+
+
+def measure_step(spans: Iterable[Span], window: Interval) -> StepTimes:
+    """``StepTimes`` of ``window`` from the stages' spans. A rollout micro-batch's
+    ``wait_version`` span sits inside its ``busy`` span: it generates for the rest of it.
+    The rollout is held back by the limit when one of its micro-batches waits so and
+    none generates."""
+    busy: dict[str, dict[int, list[Interval]]] = {}
+    gated: dict[str, dict[int, list[Interval]]] = {}
+    trainer: list[Interval] = []
+    for s in spans:
+        if s.stage == "trainer" and s.kind == "busy":
+            trainer.append((s.start, s.end))
+        elif _is_rollout(s.stage) and s.kind in ("busy", "wait_version"):
+            into = busy if s.kind == "busy" else gated
+            into.setdefault(s.stage, {}).setdefault(s.batch_id, []).append((s.start, s.end))
+    generating, held = [], []
+    for replica in set(busy) | set(gated):
+        waits = gated.get(replica, {})
+        gen = merge_intervals(iv for batch, ivs in busy.get(replica, {}).items()
+                              for iv in _subtract(merge_intervals(ivs), merge_intervals(waits.get(batch, []))))
+        gen = clip_intervals(gen, window)
+        generating.append(sum_intervals(gen))
+        wait_all = clip_intervals(merge_intervals(iv for ivs in waits.values() for iv in ivs), window)
+        held.append(sum_intervals(_subtract(wait_all, gen)))
+    mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
+    return StepTimes(window_s=max(0.0, window[1] - window[0]),
+                     trainer_busy_s=sum_intervals(clip_intervals(merge_intervals(trainer), window)),
+                     rollout_generating_s=mean(generating), rollout_gated_s=mean(held))
+
+
+def decide_max_staleness(current: int, cap: int, times: StepTimes) -> StalenessDecision:
+    """η after ``times`` were measured at η = ``current`` (the rule in the module doc)."""
+    trainer_busy = times.share(times.trainer_busy_s)
+    waited = 1.0 - trainer_busy
+    held = times.share(times.rollout_gated_s)
+    generating = times.share(times.rollout_generating_s)
+    measured = f"trainer waited {waited:.0%} of step time for rollout; rollout blocked by staleness {held:.0%}"
+    if waited < MIN_SHARE:
+        return StalenessDecision(current, current, f"trainer busy {trainer_busy:.0%} of step time: the trainer "
+                                                   f"is the bottleneck, a larger η would not make it faster")
+    if held < MIN_SHARE:
+        return StalenessDecision(current, current, f"{measured}: generation or scoring is the bottleneck, "
+                                                   f"a larger η would not make it faster")
+    if current >= cap:
+        return StalenessDecision(current, current, f"{measured}; at dataflow.max_staleness_cap {cap}")
+    busier, pace = max(("rollout", generating), ("trainer", trainer_busy), key=lambda kv: kv[1])
+    target = math.ceil((current + 1) / max(pace, 1e-3) - TARGET_SLACK) - 1
+    after = min(cap, max(current + 1, target))
+    capped = f", capped at dataflow.max_staleness_cap {cap}" if target > cap else ""
+    return StalenessDecision(current, after, f"{measured}; {busier} busy {pace:.0%}: {current + 1} step(s) in "
+                                             f"flight need η {target}{capped}")
+
+
+class AutoStaleness:
+    """When to decide: after ``warmup`` steps, every ``window`` steps, measured from
+    the step the current η applies from (the steps before it were generated under the
+    old one); no more once η is at ``cap``. ``observe`` returns a decision or None;
+    ``after_step`` (the driver's) also hands a raise to the controller and logs it."""
+
+    def __init__(self, cap: int, warmup: int = WARMUP_STEPS, window: int = WINDOW_STEPS) -> None:
+        self.cap, self.window = cap, window
+        self.measure_from = warmup  # the first step a window may count
+        self.decisions: list[StalenessDecision] = []
+        self.log: list[dict[str, object]] = []  # every decision with its step, for status and summary
+        self.current: int | None = None  # η now; the controller's until this raises it
+        self._sum = StepTimes()
+        self._steps = 0
+
+    async def after_step(self, controller: Any, step: int, times: StepTimes, known: int) -> StalenessDecision | None:
+        """One trained step's times; ``known``: η as the controller last reported it.
+        A raise goes to the controller (``set_max_staleness``), which applies it from
+        the first step it has not admitted yet."""
+        self.current = known if self.current is None else max(self.current, known)
+        decision = self.observe(step, times, self.current)
+        if decision is None:
+            return None
+        entry: dict[str, object] = {"step": step, "before": decision.before, "after": decision.after,
+                                    "reason": decision.reason}
+        if decision.changed:
+            first = await controller.set_max_staleness(decision.after, decision.reason)
+            self.applied_from(first)
+            self.current = decision.after
+            entry["from_step"] = first
+            _log.info(decision.describe(), step=step, from_step=first)
+        elif len(self.decisions) == 1:  # the first verdict is always shown; later ones that keep η at debug
+            _log.info(decision.describe(), step=step)
+        else:
+            _log.debug(decision.describe(), step=step)
+        self.log.append(entry)
+        return decision
+
+    def observe(self, step: int, times: StepTimes, current: int) -> StalenessDecision | None:
+        if step < self.measure_from or (current >= self.cap and self.decisions):
+            return None
+        self._sum, self._steps = self._sum + times, self._steps + 1
+        if self._steps < self.window:
+            return None
+        decision = decide_max_staleness(current, self.cap, self._sum)
+        self._sum, self._steps = StepTimes(), 0
+        self.decisions.append(decision)
+        return decision
+
+    def applied_from(self, step: int) -> None:
+        """The new η applies from ``step``: measure from the step after it."""
+        self.measure_from = max(self.measure_from, step + 1)

@@ -1,0 +1,252 @@
+"""``dataflow.max_staleness: auto``: the measurement, the rule, when it decides, the
+schedule of η by step and the config rules. Expected values are derived in comments."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import numpy as np
+import pytest
+
+from pipeline.config import ConfigError, decode_config
+from pipeline.memory.splitting import merge_rollout_batches, split_rollout_batch
+from pipeline.staleness import AutoStaleness, StepTimes, decide_max_staleness, measure_step
+from pipeline.types import Prompt, PromptBatch, RolloutBatch, Span
+from pipeline.versions import StalenessSchedule, batch_bound, is_too_stale, required_serving_version
+from stages.rollout.base import Completion, GenerationResult
+from stages.rollout.stage import build_rollout_batch
+
+
+def span(stage: str, kind: str, start: float, end: float, batch_id: int = -1) -> Span:
+    return Span(stage=stage, kind=kind, start=start, end=end, batch_id=batch_id)
+
+
+# ------------------------------------------------------------------ measurement
+
+def test_a_version_wait_inside_a_busy_span_is_not_generation():
+    spans = [
+        # Batch 1 is busy [0, 10] but held by the staleness limit for [0, 4] of it;
+        # batch 2 generates [2, 6] meanwhile.
+        span("rollout", "busy", 0.0, 10.0, 1), span("rollout", "wait_version", 0.0, 4.0, 1),
+        span("rollout", "busy", 2.0, 6.0, 2),
+        span("trainer", "busy", 1.0, 3.0, 5), span("trainer", "busy", 5.0, 9.0, 6),
+        span("trainer", "wait_input", 3.0, 5.0),  # not busy: not counted
+        span("reward", "busy", 0.0, 10.0, 1),  # other stages do not count
+    ]
+    t = measure_step(spans, (0.0, 10.0))
+    # generating: batch 1's [4, 10] u batch 2's [2, 6] = [2, 10] = 8 s; held back: the
+    # wait [0, 4] minus the generating [2, 10] = [0, 2] = 2 s; trainer [1,3] u [5,9] = 6 s.
+    assert t == StepTimes(window_s=10.0, trainer_busy_s=6.0, rollout_generating_s=8.0, rollout_gated_s=2.0)
+
+
+def test_measurement_is_clipped_to_the_window_and_averaged_over_replicas():
+    spans = [
+        span("rollout", "busy", -5.0, 4.0, 1), span("rollout", "wait_version", -5.0, 1.0, 1),
+        span("rollout:1", "busy", 0.0, 2.0, 2),
+        span("rollout:1", "busy", 6.0, 8.0, 3), span("rollout:1", "wait_version", 6.0, 7.0, 3),
+        span("trainer", "busy", 8.0, 12.0, 4),
+    ]
+    t = measure_step(spans, (0.0, 10.0))
+    # replica 0: generates [1, 4] = 3 s, held [0, 1] = 1 s; replica 1: generates [0, 2] u
+    # [7, 8] = 3 s, held [6, 7] = 1 s. Means: 3 and 1. Trainer: [8, 10] = 2 s of the window.
+    assert t == StepTimes(window_s=10.0, trainer_busy_s=2.0, rollout_generating_s=3.0, rollout_gated_s=1.0)
+
+
+# ------------------------------------------------------------------ the rule
+
+def test_trainer_bound_stays():
+    # The trainer is busy 95% of the window: it is the bottleneck, even though the limit
+    # holds the rollout back half the time (it is ahead and waits for the trainer).
+    d = decide_max_staleness(1, 4, StepTimes(window_s=10.0, trainer_busy_s=9.5, rollout_generating_s=4.0,
+                                             rollout_gated_s=5.0))
+    assert (d.before, d.after, d.changed) == (1, 1, False)
+    assert "trainer busy 95% of step time" in d.reason and "bottleneck" in d.reason
+    assert d.describe().startswith("max_staleness auto: stays 1 (trainer busy 95%")
+
+
+def test_rollout_bound_stays():
+    # The trainer waits 40% but the limit held the rollout back 5% only: generation is
+    # the bottleneck; letting it run further ahead would not make it generate faster.
+    d = decide_max_staleness(1, 4, StepTimes(window_s=10.0, trainer_busy_s=6.0, rollout_generating_s=9.0,
+                                             rollout_gated_s=0.5))
+    assert not d.changed
+    assert d.reason.startswith("trainer waited 40% of step time for rollout; rollout blocked by staleness 5%")
+    assert "generation or scoring is the bottleneck" in d.reason
+
+
+def test_rollout_held_back_by_the_gate_rises_to_the_loop_the_busier_stage_covers():
+    # R = T = L (generate, train, and the rest of the loop take one unit each). At η = 1
+    # the loop of 2 steps takes 3 units: a step takes 1.5, each stage is busy 1/1.5 = 67%,
+    # the trainer waits 33%, the rollout waits for weights 33%. Covering the loop needs
+    # η + 1 >= 3 steps in flight: (1 + 1) / 0.667 = 3.0, ceil(3.0 - 0.1) - 1 = 2.
+    d = decide_max_staleness(1, 4, StepTimes(window_s=1.5, trainer_busy_s=1.0, rollout_generating_s=1.0,
+                                             rollout_gated_s=0.5))
+    assert (d.before, d.after) == (1, 2)
+    assert d.describe().startswith(
+        "max_staleness auto: 1 -> 2 (trainer waited 33% of step time for rollout; rollout blocked by staleness 33%")
+    # A longer loop: the rollout busy 60%, the trainer 50%, held back 30%: (1 + 1) / 0.6 =
+    # 3.33, ceil(3.23) - 1 = 3.
+    d = decide_max_staleness(1, 4, StepTimes(window_s=10.0, trainer_busy_s=5.0, rollout_generating_s=6.0,
+                                             rollout_gated_s=3.0))
+    assert d.after == 3 and "rollout busy 60%: 2 step(s) in flight need η 3" in d.reason
+    # A target just above an integer is noise, not another step: (1 + 1) / 0.66 = 3.03 -> 2.
+    d = decide_max_staleness(1, 4, StepTimes(window_s=100.0, trainer_busy_s=66.0, rollout_generating_s=60.0,
+                                             rollout_gated_s=30.0))
+    assert d.after == 2
+
+
+def test_a_raise_is_at_least_one_and_at_most_the_cap():
+    # Busy 90% of a window where both signals show (each stage idles 10% at least): the
+    # model's target (1 + 1) / 0.9 = 2.2 -> 2 - 1 = 1 would not move; one step more.
+    d = decide_max_staleness(1, 4, StepTimes(window_s=10.0, trainer_busy_s=8.9, rollout_generating_s=9.0,
+                                             rollout_gated_s=1.0))
+    assert d.after == 2
+    # Busy 25%: (1 + 1) / 0.25 = 8 -> 7, capped at 4.
+    d = decide_max_staleness(1, 4, StepTimes(window_s=10.0, trainer_busy_s=2.5, rollout_generating_s=2.5,
+                                             rollout_gated_s=6.0))
+    assert d.after == 4 and "capped at dataflow.max_staleness_cap 4" in d.reason
+    d = decide_max_staleness(4, 4, StepTimes(window_s=10.0, trainer_busy_s=2.5, rollout_generating_s=2.5,
+                                             rollout_gated_s=6.0))
+    assert not d.changed and d.reason.endswith("at dataflow.max_staleness_cap 4")
+
+
+# ------------------------------------------------------------------ when it decides
+
+GATED = StepTimes(window_s=1.5, trainer_busy_s=1.0, rollout_generating_s=1.0, rollout_gated_s=0.5)  # -> η 2 at η 1
+
+
+class FakeController:
+    """The controller's ``set_max_staleness``: η applies from the next unadmitted step."""
+
+    def __init__(self, next_step: int) -> None:
+        self.next_step, self.calls = next_step, []
+
+    async def set_max_staleness(self, eta: int, reason: str) -> int:
+        self.calls.append((eta, reason))
+        return self.next_step
+
+
+def test_decisions_wait_for_the_warmup_and_a_whole_window_then_measure_from_the_new_eta():
+    auto = AutoStaleness(cap=3, warmup=2, window=2)
+    controller = FakeController(next_step=7)
+
+    def after(step: int, times: StepTimes, known: int):
+        return asyncio.run(auto.after_step(controller, step, times, known))
+
+    assert after(0, GATED, 1) is None and after(1, GATED, 1) is None  # warm-up
+    assert after(2, GATED, 1) is None  # the window has one step of two
+    d = after(3, GATED, 1)
+    # Steps 2 and 3 summed: shares as GATED's, so 1 -> 2, applied from step 7 on.
+    assert (d.before, d.after) == (1, 2) and controller.calls == [(2, d.reason)]
+    assert auto.measure_from == 8 and auto.current == 2
+    assert auto.log == [{"step": 3, "before": 1, "after": 2, "reason": d.reason, "from_step": 7}]
+    # Steps generated under η 1 are not measured for η 2; the controller's older report is not taken back.
+    assert after(4, GATED, 1) is None and after(7, GATED, 1) is None
+    assert after(8, GATED, 1) is None
+    d = after(9, GATED, 2)
+    # At η 2, GATED's shares give (2 + 1) / 0.667 = 4.5 -> 4, capped at 3.
+    assert (d.before, d.after) == (2, 3)
+    assert after(20, GATED, 3) is None and after(21, GATED, 3) is None  # at the cap: no more decisions
+    assert len(controller.calls) == 2
+
+
+def test_a_verdict_that_keeps_eta_calls_nothing_and_decisions_go_on():
+    auto = AutoStaleness(cap=4, warmup=0, window=1)
+    controller = FakeController(next_step=3)
+    busy = StepTimes(window_s=1.0, trainer_busy_s=1.0, rollout_generating_s=0.2, rollout_gated_s=0.8)
+    for step in range(3):
+        d = asyncio.run(auto.after_step(controller, step, busy, 1))
+        assert d is not None and not d.changed
+    assert controller.calls == [] and [e["step"] for e in auto.log] == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ η by step
+
+def test_schedule_applies_a_raise_from_the_first_step_not_admitted_and_never_lowers():
+    s = StalenessSchedule(start=1)
+    assert [s.at(k) for k in (0, 0, 1, 2)] == [1, 1, 1, 1]
+    assert s.raise_to(3) == 3  # steps 0..2 have prompts: the new η starts at step 3
+    # A drop's replacement for step 1 keeps step 1's η; step 3 and later get 3.
+    assert (s.at(1), s.at(3), s.at(5), s.current) == (1, 3, 3, 3)
+    assert s.raise_to(3) == 6 and s.changes == [(3, 3)]  # no change: nothing recorded
+    with pytest.raises(ValueError, match="below the current 3"):
+        s.raise_to(2)
+
+
+@pytest.mark.parametrize(("start", "raised", "interval"), [(1, 2, 1), (1, 4, 2), (2, 3, 3)])
+def test_every_step_generates_only_samples_its_bound_trains(start, raised, interval):
+    """Whatever η a step's micro-batches carry, the version the rollout waits for under
+    it is trainable at that step under the same η, and published before the step."""
+    s = StalenessSchedule(start=start)
+    for k in range(10):
+        s.at(k)
+    s.raise_to(raised)
+    for k in range(30):
+        eta = s.at(k)
+        v = required_serving_version(k, eta, interval)
+        assert not is_too_stale(k, v, eta) and v <= k
+
+
+def test_a_batch_carries_its_bound_from_admission_to_the_trainer():
+    pb = PromptBatch(batch_id=3, step=5, prompts=[Prompt(prompt_id="p0", text="1=", token_ids=[1, 2])],
+                     max_staleness=2)
+    done = GenerationResult(prompt_token_ids=[1, 2], completions=[
+        Completion(token_ids=[3], logprobs=[-0.1], token_versions=[4], text="3", finish_reason="stop"),
+        Completion(token_ids=[4], logprobs=[-0.2], token_versions=[4], text="4", finish_reason="stop")])
+    batch = build_rollout_batch(pb, [done], n=2, pad_id=0)
+    assert batch.max_staleness == 2 and batch_bound(batch.max_staleness, 1) == 2
+    assert batch_bound(None, 1) == 1  # a custom source that sets none: the config's
+    # Pieces keep it; merged pieces take the strictest (a regrouping may mix bounds).
+    pieces = split_rollout_batch(msgspec.structs.replace(batch), 1)
+    assert merge_rollout_batches(pieces).max_staleness == 2
+    other = msgspec.structs.replace(batch, sample_ids=["p1/0", "p1/1"],
+                                    prompts=[Prompt(prompt_id="p1", text="2=")], max_staleness=1)
+    assert merge_rollout_batches([batch, other]).max_staleness == 1
+    assert merge_rollout_batches([msgspec.structs.replace(batch, max_staleness=None),
+                                  msgspec.structs.replace(other, max_staleness=None)]).max_staleness is None
+    assert isinstance(batch, RolloutBatch) and np.asarray(batch.token_versions).min() == 4
+
+
+# ------------------------------------------------------------------ config
+
+def test_auto_starts_at_one_or_the_sync_interval_and_describes_itself():
+    cfg = decode_config({"dataflow": {"max_staleness": "auto"}})
+    assert cfg.auto_staleness and cfg.initial_max_staleness == 1 and cfg.dataflow.max_staleness_cap == 4
+    assert cfg.describe_staleness == "auto (from 1, at most 4)"
+    # Weights every 3 steps: a step may generate on weights 2 steps old, so η starts at 2.
+    cfg = decode_config({"dataflow": {"max_staleness": "auto", "max_staleness_cap": 5}, "train": {"sync_interval": 3}})
+    assert cfg.initial_max_staleness == 2 and cfg.describe_staleness == "auto (from 2, at most 5)"
+    fixed = decode_config({"dataflow": {"max_staleness": 2}})
+    assert not fixed.auto_staleness and fixed.initial_max_staleness == 2 and fixed.describe_staleness == "2"
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"dataflow": {"max_staleness": "auto", "async_execution": False}},
+     "dataflow.max_staleness: 'auto' needs dataflow.async_execution: true"),
+    ({"dataflow": {"max_staleness": "auto"}, "train": {"sync_interval": 7}},
+     "dataflow.max_staleness_cap: expected >= train.sync_interval - 1 (6)"),
+    # Settings that are exact only on-policy (η = 0) refuse it, naming the key.
+    ({"dataflow": {"max_staleness": "auto"}, "rollout": {"logprobs": False}},
+     "dataflow.max_staleness: expected 0 (samples trained by the weights that generated them), got 'auto' "
+     "with rollout.logprobs: false"),
+    ({"placement": "colocate", "dataflow": {"max_staleness": "auto", "async_execution": False}},
+     "dataflow.max_staleness: expected 0 (a step generates on the weights of the step before), got 'auto' "
+     "with placement: colocate"),
+    ({"dataflow": {"max_staleness": "fast"}},
+     "dataflow.max_staleness: expected an integer >= 0 or one of ['auto'], got 'fast'"),
+    ({"dataflow": {"max_staleness_cap": 0}}, "dataflow.max_staleness_cap: expected int >= 1, got 0"),
+])
+def test_auto_is_refused_where_it_cannot_apply(raw, message):
+    with pytest.raises(ConfigError) as err:
+        decode_config(raw)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_auto_is_refused_for_an_offline_algorithm(tmp_path):
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text('{"prompt": "1=", "chosen": "1", "rejected": "2"}\n')
+    with pytest.raises(ConfigError, match=r"dataflow.max_staleness: 'auto' tunes how far generation runs ahead of "
+                                          r"training; algorithm 'dpo' trains on data rows"):
+        decode_config({"algorithm": {"name": "dpo", "kl_coef": 0}, "data": {"path": str(rows), "pairs": {}},
+                       "rollout": {"n": 2}, "dataflow": {"max_staleness": "auto"}})
