@@ -10,8 +10,12 @@ the stages and never reaches the controller.
 
 from __future__ import annotations
 
+import pytest
+import ray
+
 from bench.fake_cores import GenerationLengths
 from bench.overlap import Scenario, build_overlap_dataflow
+from pipeline.controller import ControllerActor
 from pipeline.runner import RunResult, run_dataflow
 
 STEPS, MICRO_BATCHES_PER_STEP, PROMPTS_PER_MICRO_BATCH = 6, 4, 2
@@ -64,3 +68,31 @@ def test_lockstep_is_a_step_barrier_over_the_same_queues(ray_cluster):
     calls = dict(result.controller["calls"])
     assert calls.pop("finish_step") == STEPS and calls.pop("wait_for_update") == STEPS + 1
     assert calls == {"admit_prompts": micro_batches + 1}
+
+
+def test_admissions_carry_their_steps_staleness_bound_and_a_raise_starts_at_an_unadmitted_step(ray_cluster):
+    """``max_staleness: auto``: the driver's raise applies from the first step none of
+    whose prompts were admitted, so every micro-batch of a step carries one bound."""
+    actor = ControllerActor.remote(16, 4, None, max_staleness=1, auto_staleness=True)
+    admit = lambda: ray.get(actor.admit_prompts.remote(4, True))
+    # (granted, step, curriculum level, η): steps 0 and 1 admitted under η 1.
+    assert [admit(), admit()] == [(4, 0, None, 1), (4, 1, None, 1)]
+    assert ray.get(actor.set_max_staleness.remote(3, "measured")) == 2
+    assert admit() == (4, 2, None, 3)
+    # A drop reopens room; its replacement joins step 2, under step 2's η.
+    ray.get(actor.record_dropped.remote(4, "stale"))
+    assert admit() == (4, 2, None, 3)
+    board = ray.get(actor.summary.remote())["max_staleness"]
+    assert board["current"] == 3 and board["start"] == 1 and board["auto"]
+    assert [(c["from_step"], c["before"], c["after"], c["reason"]) for c in board["changes"]] == [(2, 1, 3, "measured")]
+    with pytest.raises(ray.exceptions.RayTaskError, match="below the current 3"):
+        ray.get(actor.set_max_staleness.remote(2, "lower"))
+    # A fixed η is not the driver's to change; without one, admissions carry none.
+    fixed = ControllerActor.remote(16, 4, None, max_staleness=1)
+    with pytest.raises(ray.exceptions.RayTaskError, match="not 'auto'"):
+        ray.get(fixed.set_max_staleness.remote(2, "no"))
+    bare = ControllerActor.remote(16, 4)
+    assert ray.get(bare.admit_prompts.remote(4, True)) == (4, 0, None, None)
+    assert ray.get(bare.admit_prompts.remote(4)) == (4, 1)
+    for a in (actor, fixed, bare):
+        ray.kill(a)
