@@ -2,8 +2,8 @@
 
 It owns no compute and no tensors. It holds the prompt ledger, the policy version board,
 the trainer's per-step metrics, the lock-step barrier, colocated GPU turns, the
-curriculum level and the staleness bound of each step (``max_staleness: auto`` raises it
-from the driver; docs/architecture.md, "Controller"). Stages reach it only through
+curriculum level and the staleness bound η (``max_staleness: auto``: the driver raises it;
+docs/architecture.md, "Controller"). Stages reach it only through
 ``ControllerClient`` (typed, one remote call per method), and only where the data needs it.
 
 Guarantees:
@@ -11,8 +11,7 @@ Guarantees:
 - versions on the board only grow; a worker confirms only weights it has loaded, and a
   fingerprint mismatch never reaches the board (it fails the worker);
 - lock-step: prompts of step k are admitted only once the trainer finished step k - 1;
-- every admission carries its step's η, which only grows and never changes for a step
-  that has admitted prompts (``pipeline.versions.StalenessSchedule``);
+- η only grows; every weight update a rollout worker is handed carries η as it stands;
 - colocated: the trainer trains only once every rollout worker confirmed its GPU free;
 - call budget: at most one call per micro-batch, one per optimizer step, one per weight
   update per rollout worker (plus drops and colocated turns); telemetry never comes
@@ -24,12 +23,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import ray
 
 from pipeline.types import WeightConfirmation, WeightUpdate
-from pipeline.versions import Ledger, StalenessSchedule
+from pipeline.versions import Ledger
 
 # The step metric carrying the curriculum's level (stages/data/curriculum.py sets it).
 CURRICULUM_LEVEL = "curriculum/level"
@@ -47,13 +46,13 @@ class ControllerActor:
         """``resumed``: ``{"version", "trained_prompts", "dropped"}`` of the checkpoint a
         resumed run starts from; its prompts count as trained or dropped, none in flight.
         ``barrier``: lock-step, the admission of step k waits for trainer version k.
-        ``max_staleness``: η at the start (None: admissions carry none, the stages use
-        their config's); ``auto_staleness``: the driver may raise it (``set_max_staleness``)."""
+        ``max_staleness``: η at the start (None: the stages keep their config's);
+        ``auto_staleness``: the driver may raise it (``set_max_staleness``)."""
         self.ledger = Ledger(target=target_prompts, prompts_per_step=prompts_per_step)
         self.barrier = barrier
-        self._staleness = None if max_staleness is None else StalenessSchedule(start=max_staleness)
+        self._max_staleness = self._start_staleness = max_staleness
         self._auto_staleness = auto_staleness
-        self._staleness_log: list[dict[str, Any]] = []
+        self._staleness_changes: list[dict[str, Any]] = []
         self._cond = asyncio.Condition()
         self._update: WeightUpdate | None = None
         self._payload: list[Any] = []
@@ -74,31 +73,15 @@ class ControllerActor:
             self._trainer_version = int(resumed["version"])
 
     # ---------------------------------------------------------------- prompt ledger
-    async def admit_prompts(self, want: int, detail: bool = False) -> tuple[Any, ...]:
+    async def admit_prompts(self, want: int, with_level: bool = False) -> tuple[int, ...]:
         """Wait until there is room (and, in lock-step, until the step the prompts are
         destined for is the trainer's next); (granted, step). (0, -1): no more needed.
-        ``detail``: (granted, step, curriculum level or None, the step's η or None)."""
+        ``with_level``: (granted, step, curriculum level or None)."""
         self.calls["admit_prompts"] += 1
         async with self._cond:
             await self._cond.wait_for(lambda: (self.ledger.room > 0 and self._step_open()) or self._done())
             granted, step = (0, -1) if self._done() else self.ledger.admit(want)
-            if not detail:
-                return granted, step
-            eta = self._staleness.at(step) if self._staleness is not None and granted else None
-            return granted, step, self._curriculum_level, eta
-
-    def set_max_staleness(self, eta: int, reason: str) -> int:
-        """``max_staleness: auto``'s new η (the driver's decision, ``pipeline/staleness.py``):
-        it applies from the first step none of whose prompts were admitted yet, which this
-        returns. Refused without ``auto`` and below the current η."""
-        self.calls["set_max_staleness"] += 1
-        if self._staleness is None or not self._auto_staleness:
-            raise ValueError("set_max_staleness: this run's dataflow.max_staleness is not 'auto'")
-        before = self._staleness.current
-        first = self._staleness.raise_to(eta)
-        self._staleness_log.append({"from_step": first, "before": before, "after": eta, "reason": reason,
-                                    "time": time.time()})
-        return first
+            return (granted, step, self._curriculum_level) if with_level else (granted, step)
 
     def _step_open(self) -> bool:
         # Lock-step's barrier: step k = live // prompts_per_step opens at trainer version k.
@@ -130,6 +113,19 @@ class ControllerActor:
             self.ledger.record_dropped(prompts, reason)
             self._cond.notify_all()
 
+    def set_max_staleness(self, eta: int, reason: str) -> None:
+        """``max_staleness: auto``'s new η (the driver's decision, ``pipeline/staleness.py``);
+        rollout workers take it with their next weight update. Refused without ``auto`` and
+        below the current η (samples generated under it may still be in flight)."""
+        self.calls["set_max_staleness"] += 1
+        if self._max_staleness is None or not self._auto_staleness:
+            raise ValueError("set_max_staleness: this run's dataflow.max_staleness is not 'auto'")
+        if eta < self._max_staleness:
+            raise ValueError(f"set_max_staleness: {eta} is below the current {self._max_staleness}; η only grows")
+        self._staleness_changes.append({"version": self._trainer_version, "before": self._max_staleness,
+                                        "after": eta, "reason": reason, "time": time.time()})
+        self._max_staleness = eta
+
     def trainer_version(self) -> int:
         self.calls["trainer_version"] += 1
         return self._trainer_version
@@ -156,9 +152,11 @@ class ControllerActor:
             del self._published_at[next(iter(self._published_at))]
 
     async def wait_for_update(self, newer_than: int, timeout_s: float | None,
-                              confirmed: WeightConfirmation | None = None) -> tuple[WeightUpdate | None, list[Any]]:
-        """Wait for a published version newer than ``newer_than`` (None on timeout).
-        ``confirmed``: the update the worker applied since its last call.
+                              confirmed: WeightConfirmation | None = None,
+                              ) -> tuple[WeightUpdate | None, list[Any], int | None]:
+        """Wait for a published version newer than ``newer_than`` (None on timeout); with
+        it its payload and η as it stands. ``confirmed``: the update the worker applied
+        since its last call.
 
         A stop does not end the wait: after an interrupt, what is in flight drains, and
         micro-batches of later steps still need the versions the trainer publishes.
@@ -173,10 +171,10 @@ class ControllerActor:
                     timeout_s,
                 )
             except TimeoutError:
-                return None, []
+                return None, [], self._max_staleness
             if self._update is None or self._update.version <= newer_than:
-                return None, []
-            return self._update, self._payload
+                return None, [], self._max_staleness
+            return self._update, self._payload, self._max_staleness
 
     def latest_update(self) -> tuple[WeightUpdate | None, list[Any]]:
         self.calls["latest_update"] += 1
@@ -232,9 +230,9 @@ class ControllerActor:
         return {"steps": steps, "syncs": syncs, **self.summary()}
 
     def summary(self) -> dict[str, Any]:
-        staleness = None if self._staleness is None else {
-            "current": self._staleness.current, "start": self._staleness.start, "auto": self._auto_staleness,
-            "changes": list(self._staleness_log)}
+        staleness = None if self._max_staleness is None else {
+            "current": self._max_staleness, "start": self._start_staleness, "auto": self._auto_staleness,
+            "changes": list(self._staleness_changes)}
         return {
             "ledger": self.ledger.summary(),
             "max_staleness": staleness,
@@ -248,16 +246,6 @@ class ControllerActor:
 async def resolve_payload(payload: Any) -> bytes:
     """A published payload's bytes: inline ones as they are, a reference fetched."""
     return payload if isinstance(payload, bytes) else await payload
-
-
-class Admission(NamedTuple):
-    """What one admission grants: ``granted`` prompts for ``step`` ((0, -1): no more),
-    the curriculum level the trainer last reported and the step's η (None: the config's)."""
-
-    granted: int
-    step: int
-    level: int | None
-    max_staleness: int | None
 
 
 class ControllerClient:
@@ -293,14 +281,9 @@ class ControllerClient:
     async def admit_prompts(self, want: int) -> tuple[int, int]:
         return await self.actor.admit_prompts.remote(want)
 
-    async def admit(self, want: int) -> Admission:
-        """``admit_prompts`` with the curriculum level the trainer last reported and the
-        step's staleness bound."""
-        return Admission(*await self.actor.admit_prompts.remote(want, True))
-
-    async def set_max_staleness(self, eta: int, reason: str) -> int:
-        """The driver's η for ``max_staleness: auto``; returns the first step it applies to."""
-        return await self.actor.set_max_staleness.remote(eta, reason)
+    async def admit_prompts_at_level(self, want: int) -> tuple[int, int, int | None]:
+        """``admit_prompts`` plus the curriculum level the trainer last reported (None: none yet)."""
+        return await self.actor.admit_prompts.remote(want, True)
 
     async def trainer_version(self) -> int:
         return await self.actor.trainer_version.remote()
@@ -317,11 +300,17 @@ class ControllerClient:
         await self.actor.publish.remote(update, [payload])
 
     async def wait_for_update(self, newer_than: int, timeout_s: float | None = None,
-                              confirmed: WeightConfirmation | None = None) -> tuple[WeightUpdate | None, Any]:
-        """(update, its payload: an ``ObjectRef`` or inline bytes, see ``resolve_payload``),
-        or (None, None) on timeout."""
-        update, payload = await self.actor.wait_for_update.remote(newer_than, timeout_s, confirmed)
-        return update, payload[0] if payload else None
+                              confirmed: WeightConfirmation | None = None,
+                              ) -> tuple[WeightUpdate | None, Any, int | None]:
+        """(update, its payload: an ``ObjectRef`` or inline bytes, see ``resolve_payload``,
+        η as it stands: None where the controller was given none), or (None, None, η) on
+        timeout."""
+        update, payload, eta = await self.actor.wait_for_update.remote(newer_than, timeout_s, confirmed)
+        return update, payload[0] if payload else None, eta
+
+    async def set_max_staleness(self, eta: int, reason: str) -> None:
+        """The driver's η for ``max_staleness: auto`` (see the actor's method)."""
+        await self.actor.set_max_staleness.remote(eta, reason)
 
     async def latest_update(self) -> tuple[WeightUpdate | None, Any]:
         update, payload = await self.actor.latest_update.remote()

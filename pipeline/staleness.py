@@ -6,22 +6,20 @@ the rollout's generating time and the time the staleness limit alone held the ro
 back (its ``wait_version`` spans while nothing of it generated). ``AutoStaleness`` sums
 ``WINDOW_STEPS`` steps after ``WARMUP_STEPS`` and asks ``decide_max_staleness``.
 
-The rule (docs/architecture.md, "Staleness and overlap"):
+The rule (docs/architecture.md, "Staleness and overlap"), per window:
 - the trainer idle less than ``MIN_SHARE`` of the window: trainer-bound, η stays;
 - the trainer waits but the limit held the rollout back less than ``MIN_SHARE``:
   generation (or scoring) is the bottleneck, a larger η would change nothing, η stays;
-- both: the limit serialises the loop. With η the loop of η + 1 steps (generate, score,
-  train, publish, load) takes (η + 1) × the measured step time, and the busier of
-  rollout and trainer, busy ``b`` of it, sets the pace it could have; the smallest η
-  whose η + 1 steps in flight cover the loop is ``ceil((η + 1) / b) - 1``; at least
-  η + 1, at most ``dataflow.max_staleness_cap``.
-Guarantees: η never falls (samples already generated under a higher bound stay
-trainable), never exceeds the cap, and a decision always carries its reason.
+- both: the trainer waits for data the limit keeps the rollout from making: η + 1, at
+  most ``dataflow.max_staleness_cap``, then measured again under the new η.
+So η rises one step at a time from below and stops at the smallest η under which the
+trainer no longer waits because of the limit. Guarantees: η never falls (samples
+generated under a higher bound stay trainable), never exceeds the cap, and every
+decision carries its reason.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +31,6 @@ from pipeline.types import Span
 WARMUP_STEPS = 2  # engine start, compilation and the first weight loads: not measured
 WINDOW_STEPS = 4  # steps summed per decision
 MIN_SHARE = 0.1  # trainer idle, rollout held back: below this share of the window, nothing to gain
-# Slack on the target: a measured busy share a little under the model's still counts as covered.
-TARGET_SLACK = 0.1
-_log = get_logger(stage="driver")
 
 
 @dataclass(frozen=True)
@@ -127,10 +122,11 @@ def measure_step(spans: Iterable[Span], window: Interval) -> StepTimes:
 def decide_max_staleness(current: int, cap: int, times: StepTimes) -> StalenessDecision:
     """η after ``times`` were measured at η = ``current`` (the rule in the module doc)."""
     trainer_busy = times.share(times.trainer_busy_s)
-    waited = 1.0 - trainer_busy
+    waited = times.share(times.window_s - times.trainer_busy_s)
     held = times.share(times.rollout_gated_s)
     generating = times.share(times.rollout_generating_s)
-    measured = f"trainer waited {waited:.0%} of step time for rollout; rollout blocked by staleness {held:.0%}"
+    measured = (f"trainer waited {waited:.0%} of step time for data; rollout blocked by staleness {held:.0%}, "
+                f"generating {generating:.0%}")
     if waited < MIN_SHARE:
         return StalenessDecision(current, current, f"trainer busy {trainer_busy:.0%} of step time: the trainer "
                                                    f"is the bottleneck, a larger η would not make it faster")
@@ -139,19 +135,14 @@ def decide_max_staleness(current: int, cap: int, times: StepTimes) -> StalenessD
                                                    f"a larger η would not make it faster")
     if current >= cap:
         return StalenessDecision(current, current, f"{measured}; at dataflow.max_staleness_cap {cap}")
-    busier, pace = max(("rollout", generating), ("trainer", trainer_busy), key=lambda kv: kv[1])
-    target = math.ceil((current + 1) / max(pace, 1e-3) - TARGET_SLACK) - 1
-    after = min(cap, max(current + 1, target))
-    capped = f", capped at dataflow.max_staleness_cap {cap}" if target > cap else ""
-    return StalenessDecision(current, after, f"{measured}; {busier} busy {pace:.0%}: {current + 1} step(s) in "
-                                             f"flight need η {target}{capped}")
+    return StalenessDecision(current, current + 1, measured)
 
 
 class AutoStaleness:
-    """When to decide: after ``warmup`` steps, every ``window`` steps, measured from
-    the step the current η applies from (the steps before it were generated under the
-    old one); no more once η is at ``cap``. ``observe`` returns a decision or None;
-    ``after_step`` (the driver's) also hands a raise to the controller and logs it."""
+    """When to decide: after ``warmup`` steps, every ``window`` steps; after a raise,
+    measured again only from the steps generated under the new η (``applied``); no more
+    once η is at ``cap``. ``observe`` returns a decision or None; ``after_step`` (the
+    driver's) also hands a raise to the controller and logs it."""
 
     def __init__(self, cap: int, warmup: int = WARMUP_STEPS, window: int = WINDOW_STEPS) -> None:
         self.cap, self.window = cap, window
@@ -164,24 +155,24 @@ class AutoStaleness:
 
     async def after_step(self, controller: Any, step: int, times: StepTimes, known: int) -> StalenessDecision | None:
         """One trained step's times; ``known``: η as the controller last reported it.
-        A raise goes to the controller (``set_max_staleness``), which applies it from
-        the first step it has not admitted yet."""
+        A raise goes to the controller (``set_max_staleness``); the rollout takes it with
+        its next weight update."""
         self.current = known if self.current is None else max(self.current, known)
         decision = self.observe(step, times, self.current)
         if decision is None:
             return None
         entry: dict[str, object] = {"step": step, "before": decision.before, "after": decision.after,
                                     "reason": decision.reason}
+        log = get_logger(stage="driver")  # here, not at import: the run's log level applies
         if decision.changed:
-            first = await controller.set_max_staleness(decision.after, decision.reason)
-            self.applied_from(first)
+            await controller.set_max_staleness(decision.after, decision.reason)
+            self.applied(step, decision.after)
             self.current = decision.after
-            entry["from_step"] = first
-            _log.info(decision.describe(), step=step, from_step=first)
+            log.info(decision.describe(), step=step)
         elif len(self.decisions) == 1:  # the first verdict is always shown; later ones that keep η at debug
-            _log.info(decision.describe(), step=step)
+            log.info(decision.describe(), step=step)
         else:
-            _log.debug(decision.describe(), step=step)
+            log.debug(decision.describe(), step=step)
         self.log.append(entry)
         return decision
 
@@ -196,6 +187,8 @@ class AutoStaleness:
         self.decisions.append(decision)
         return decision
 
-    def applied_from(self, step: int) -> None:
-        """The new η applies from ``step``: measure from the step after it."""
-        self.measure_from = max(self.measure_from, step + 1)
+    def applied(self, step: int, eta: int) -> None:
+        """η was raised to ``eta`` after ``step``. The rollout takes it with the next weight
+        update (published after step + 1); what it generated before, up to the old η
+        steps ahead, trains first: measure from step + 2 + ``eta`` on."""
+        self.measure_from = max(self.measure_from, step + 2 + eta)

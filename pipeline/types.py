@@ -49,15 +49,11 @@ class Prompt(msgspec.Struct, **_wire):
 
 class PromptBatch(msgspec.Struct, **_wire):
     """A micro-batch of prompts: the source's output. ``step`` is the optimizer step
-    whose train batch these prompts are destined for (0-based). ``max_staleness``: the
-    staleness bound η the controller set for that step when it admitted them (None: the
-    config's ``dataflow.max_staleness``); the rollout waits for weights by it and the
-    trainer gates the samples by it."""
+    whose train batch these prompts are destined for (0-based)."""
 
     batch_id: int
     step: int
     prompts: list[Prompt]
-    max_staleness: int | None = None
 
     @property
     def sample_ids(self) -> list[str]:
@@ -82,8 +78,8 @@ class RolloutBatch(msgspec.Struct, **_wire):
     loss sees; never set beyond a completion's length), values and returns float32
     (critic-based algorithms only).
     ``policy_version`` is the oldest version that produced any token of the batch; the
-    staleness of the batch is measured against it, and bounded by ``max_staleness``
-    (its prompts', see ``PromptBatch``).
+    staleness of the batch is measured against it, and bounded by ``max_staleness``: the
+    η the rollout generated it under (None: the config's ``dataflow.max_staleness``).
     """
 
     batch_id: int

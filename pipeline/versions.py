@@ -10,10 +10,9 @@ Invariants stated where they are enforced:
 - ``required_serving_version`` is only an economy: it holds generation of step k's prompts
   until the rollout serves a version trainable at step k, so samples are rarely produced
   only to be dropped. η = 0 in sync mode is exactly on-policy.
-- A micro-batch's bound is the η its prompts were admitted under (``batch_bound``): the
-  rollout waits and the trainer gates by the same number, even while ``max_staleness:
-  auto`` raises η (``StalenessSchedule``: a new η applies only to steps none of whose
-  prompts were admitted yet, so every micro-batch of a step has one bound).
+- A micro-batch's bound is the η the rollout generated it under, which it carries
+  (``batch_bound``): the rollout waits and the trainer gates by the same number while
+  ``max_staleness: auto`` raises η; a bound never exceeds the η in force, which only grows.
 - ``Ledger`` reconciles: admitted = trained + dropped + in flight, per prompt, at all times.
 """
 
@@ -33,8 +32,8 @@ def is_too_stale(trainer_version: int, policy_version: int, max_staleness: int) 
 
 
 def batch_bound(batch_max_staleness: int | None, default: int) -> int:
-    """The η a micro-batch is held to: the one it was admitted under, else ``default``
-    (the config's; a custom source that sets none)."""
+    """The η a micro-batch is held to: the one it was generated under, else ``default``
+    (the config's; a custom rollout that sets none)."""
     return default if batch_max_staleness is None else batch_max_staleness
 
 
@@ -122,37 +121,3 @@ class Ledger:
             "reconciles": self.admitted == self.trained + self.dropped_total + self.in_flight,
         }
 
-
-@dataclass
-class StalenessSchedule:
-    """η by step: ``start`` from step 0, each ``raise_to`` from the first step none of
-    whose prompts were admitted yet. η only grows, and every step keeps the one η it
-    had when its first prompt was admitted (a drop's replacement joins an earlier step
-    under that step's η)."""
-
-    start: int
-    changes: list[tuple[int, int]] = field(default_factory=list)  # (from step, η), ascending
-    highest_admitted: int = -1
-
-    @property
-    def current(self) -> int:
-        return self.changes[-1][1] if self.changes else self.start
-
-    def at(self, step: int) -> int:
-        """The η of ``step``, recording that it has admitted prompts."""
-        self.highest_admitted = max(self.highest_admitted, step)
-        eta = self.start
-        for first, value in self.changes:
-            if step >= first:
-                eta = value
-        return eta
-
-    def raise_to(self, eta: int) -> int:
-        """Apply ``eta`` from the next step not admitted yet; returns that step. Refuses
-        to lower η: in-flight samples of later steps were generated under the higher one."""
-        if eta < self.current:
-            raise ValueError(f"max_staleness: {eta} is below the current {self.current}; η only grows")
-        first = self.highest_admitted + 1
-        if eta > self.current:
-            self.changes.append((first, eta))
-        return first

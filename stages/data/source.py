@@ -211,9 +211,12 @@ class PromptSource:
     async def generate(self) -> AsyncIterator[PromptBatch]:
         batch_id = 0
         while True:
-            granted, step, level, max_staleness = await self.ctx.controller.admit(self.per_batch)
-            if self.level is not None and level is not None:
-                self.level = level
+            want = self.per_batch
+            if self.level is not None:
+                granted, step, level = await self.ctx.controller.admit_prompts_at_level(want)
+                self.level = self.level if level is None else level
+            else:
+                granted, step = await self.ctx.controller.admit_prompts(want)
             if granted == 0:
                 return
             if getattr(self, "_current_step_only", False):
@@ -226,7 +229,7 @@ class PromptSource:
             prompts = [self._next_prompt() for _ in range(granted)]
             self.emitted_prompts += len(prompts)
             self.issued.add(p.index for p in prompts)
-            yield PromptBatch(batch_id=batch_id, step=step, prompts=prompts, max_staleness=max_staleness)
+            yield PromptBatch(batch_id=batch_id, step=step, prompts=prompts)
             batch_id += 1
 
     def status(self) -> dict[str, Any]:

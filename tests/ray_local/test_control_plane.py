@@ -70,29 +70,30 @@ def test_lockstep_is_a_step_barrier_over_the_same_queues(ray_cluster):
     assert calls == {"admit_prompts": micro_batches + 1}
 
 
-def test_admissions_carry_their_steps_staleness_bound_and_a_raise_starts_at_an_unadmitted_step(ray_cluster):
-    """``max_staleness: auto``: the driver's raise applies from the first step none of
-    whose prompts were admitted, so every micro-batch of a step carries one bound."""
+def test_weight_updates_carry_eta_which_only_the_driver_raises_and_only_upwards(ray_cluster):
+    """``max_staleness: auto``: the driver's raise reaches each rollout worker with its
+    next weight update (no call of its own); η never falls."""
+    from pipeline.types import WeightUpdate
+
     actor = ControllerActor.remote(16, 4, None, max_staleness=1, auto_staleness=True)
-    admit = lambda: ray.get(actor.admit_prompts.remote(4, True))
-    # (granted, step, curriculum level, η): steps 0 and 1 admitted under η 1.
-    assert [admit(), admit()] == [(4, 0, None, 1), (4, 1, None, 1)]
-    assert ray.get(actor.set_max_staleness.remote(3, "measured")) == 2
-    assert admit() == (4, 2, None, 3)
-    # A drop reopens room; its replacement joins step 2, under step 2's η.
-    ray.get(actor.record_dropped.remote(4, "stale"))
-    assert admit() == (4, 2, None, 3)
+    update = WeightUpdate(version=1, sha256="0" * 64, fingerprint=(0.0, 0.0), num_bytes=1)
+    ray.get(actor.publish.remote(update, [b"w"]))
+    assert ray.get(actor.wait_for_update.remote(0, 1.0))[2] == 1
+    ray.get(actor.set_max_staleness.remote(3, "measured"))
+    got, payload, eta = ray.get(actor.wait_for_update.remote(0, 1.0))
+    assert (got.version, payload, eta) == (1, [b"w"], 3)
+    assert ray.get(actor.wait_for_update.remote(1, 0.01)) == (None, [], 3)  # timed out: η all the same
     board = ray.get(actor.summary.remote())["max_staleness"]
-    assert board["current"] == 3 and board["start"] == 1 and board["auto"]
-    assert [(c["from_step"], c["before"], c["after"], c["reason"]) for c in board["changes"]] == [(2, 1, 3, "measured")]
+    assert (board["current"], board["start"], board["auto"]) == (3, 1, True)
+    assert [(c["before"], c["after"], c["reason"]) for c in board["changes"]] == [(1, 3, "measured")]
     with pytest.raises(ray.exceptions.RayTaskError, match="below the current 3"):
         ray.get(actor.set_max_staleness.remote(2, "lower"))
-    # A fixed η is not the driver's to change; without one, admissions carry none.
+    # A fixed η is not the driver's to change; without one, updates carry none.
     fixed = ControllerActor.remote(16, 4, None, max_staleness=1)
     with pytest.raises(ray.exceptions.RayTaskError, match="not 'auto'"):
         ray.get(fixed.set_max_staleness.remote(2, "no"))
     bare = ControllerActor.remote(16, 4)
-    assert ray.get(bare.admit_prompts.remote(4, True)) == (4, 0, None, None)
-    assert ray.get(bare.admit_prompts.remote(4)) == (4, 1)
+    assert ray.get(bare.wait_for_update.remote(0, 0.01)) == (None, [], None)
+    assert ray.get(bare.summary.remote())["max_staleness"] is None
     for a in (actor, fixed, bare):
         ray.kill(a)

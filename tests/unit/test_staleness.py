@@ -13,7 +13,7 @@ from pipeline.config import ConfigError, decode_config
 from pipeline.memory.splitting import merge_rollout_batches, split_rollout_batch
 from pipeline.staleness import AutoStaleness, StepTimes, decide_max_staleness, measure_step
 from pipeline.types import Prompt, PromptBatch, RolloutBatch, Span
-from pipeline.versions import StalenessSchedule, batch_bound, is_too_stale, required_serving_version
+from pipeline.versions import batch_bound, is_too_stale, required_serving_version
 from stages.rollout.base import Completion, GenerationResult
 from stages.rollout.stage import build_rollout_batch
 
@@ -71,65 +71,52 @@ def test_rollout_bound_stays():
     d = decide_max_staleness(1, 4, StepTimes(window_s=10.0, trainer_busy_s=6.0, rollout_generating_s=9.0,
                                              rollout_gated_s=0.5))
     assert not d.changed
-    assert d.reason.startswith("trainer waited 40% of step time for rollout; rollout blocked by staleness 5%")
+    assert d.reason.startswith("trainer waited 40% of step time for data; rollout blocked by staleness 5%, "
+                               "generating 90%")
     assert "generation or scoring is the bottleneck" in d.reason
 
 
-def test_rollout_held_back_by_the_gate_rises_to_the_loop_the_busier_stage_covers():
+def test_rollout_held_back_while_the_trainer_waits_rises_one_step():
     # R = T = L (generate, train, and the rest of the loop take one unit each). At η = 1
     # the loop of 2 steps takes 3 units: a step takes 1.5, each stage is busy 1/1.5 = 67%,
-    # the trainer waits 33%, the rollout waits for weights 33%. Covering the loop needs
-    # η + 1 >= 3 steps in flight: (1 + 1) / 0.667 = 3.0, ceil(3.0 - 0.1) - 1 = 2.
+    # the trainer waits 33% and the rollout waits for weights 33%: one step more.
     d = decide_max_staleness(1, 4, StepTimes(window_s=1.5, trainer_busy_s=1.0, rollout_generating_s=1.0,
                                              rollout_gated_s=0.5))
-    assert (d.before, d.after) == (1, 2)
-    assert d.describe().startswith(
-        "max_staleness auto: 1 -> 2 (trainer waited 33% of step time for rollout; rollout blocked by staleness 33%")
-    # A longer loop: the rollout busy 60%, the trainer 50%, held back 30%: (1 + 1) / 0.6 =
-    # 3.33, ceil(3.23) - 1 = 3.
-    d = decide_max_staleness(1, 4, StepTimes(window_s=10.0, trainer_busy_s=5.0, rollout_generating_s=6.0,
-                                             rollout_gated_s=3.0))
-    assert d.after == 3 and "rollout busy 60%: 2 step(s) in flight need η 3" in d.reason
-    # A target just above an integer is noise, not another step: (1 + 1) / 0.66 = 3.03 -> 2.
-    d = decide_max_staleness(1, 4, StepTimes(window_s=100.0, trainer_busy_s=66.0, rollout_generating_s=60.0,
-                                             rollout_gated_s=30.0))
-    assert d.after == 2
+    assert (d.before, d.after, d.changed) == (1, 2, True)
+    assert d.describe() == ("max_staleness auto: 1 -> 2 (trainer waited 33% of step time for data; rollout "
+                            "blocked by staleness 33%, generating 67%)")
+    # Both signals just at the threshold (10%) count; just below does not.
+    at = StepTimes(window_s=10.0, trainer_busy_s=9.0, rollout_generating_s=9.0, rollout_gated_s=1.0)
+    assert decide_max_staleness(2, 4, at).after == 3
+    below = StepTimes(window_s=10.0, trainer_busy_s=9.0, rollout_generating_s=9.0, rollout_gated_s=0.99)
+    assert not decide_max_staleness(2, 4, below).changed
 
 
-def test_a_raise_is_at_least_one_and_at_most_the_cap():
-    # Busy 90% of a window where both signals show (each stage idles 10% at least): the
-    # model's target (1 + 1) / 0.9 = 2.2 -> 2 - 1 = 1 would not move; one step more.
-    d = decide_max_staleness(1, 4, StepTimes(window_s=10.0, trainer_busy_s=8.9, rollout_generating_s=9.0,
-                                             rollout_gated_s=1.0))
-    assert d.after == 2
-    # Busy 25%: (1 + 1) / 0.25 = 8 -> 7, capped at 4.
-    d = decide_max_staleness(1, 4, StepTimes(window_s=10.0, trainer_busy_s=2.5, rollout_generating_s=2.5,
-                                             rollout_gated_s=6.0))
-    assert d.after == 4 and "capped at dataflow.max_staleness_cap 4" in d.reason
+def test_at_the_cap_eta_stays():
     d = decide_max_staleness(4, 4, StepTimes(window_s=10.0, trainer_busy_s=2.5, rollout_generating_s=2.5,
                                              rollout_gated_s=6.0))
     assert not d.changed and d.reason.endswith("at dataflow.max_staleness_cap 4")
+    assert d.reason.startswith("trainer waited 75% of step time for data; rollout blocked by staleness 60%")
 
 
 # ------------------------------------------------------------------ when it decides
 
-GATED = StepTimes(window_s=1.5, trainer_busy_s=1.0, rollout_generating_s=1.0, rollout_gated_s=0.5)  # -> η 2 at η 1
+GATED = StepTimes(window_s=1.5, trainer_busy_s=1.0, rollout_generating_s=1.0, rollout_gated_s=0.5)  # one step more
 
 
 class FakeController:
-    """The controller's ``set_max_staleness``: η applies from the next unadmitted step."""
+    """The controller's ``set_max_staleness``, recorded."""
 
-    def __init__(self, next_step: int) -> None:
-        self.next_step, self.calls = next_step, []
+    def __init__(self) -> None:
+        self.calls = []
 
-    async def set_max_staleness(self, eta: int, reason: str) -> int:
+    async def set_max_staleness(self, eta: int, reason: str) -> None:
         self.calls.append((eta, reason))
-        return self.next_step
 
 
 def test_decisions_wait_for_the_warmup_and_a_whole_window_then_measure_from_the_new_eta():
     auto = AutoStaleness(cap=3, warmup=2, window=2)
-    controller = FakeController(next_step=7)
+    controller = FakeController()
 
     def after(step: int, times: StepTimes, known: int):
         return asyncio.run(auto.after_step(controller, step, times, known))
@@ -137,15 +124,16 @@ def test_decisions_wait_for_the_warmup_and_a_whole_window_then_measure_from_the_
     assert after(0, GATED, 1) is None and after(1, GATED, 1) is None  # warm-up
     assert after(2, GATED, 1) is None  # the window has one step of two
     d = after(3, GATED, 1)
-    # Steps 2 and 3 summed: shares as GATED's, so 1 -> 2, applied from step 7 on.
+    # Steps 2 and 3 summed: shares as GATED's, so 1 -> 2.
     assert (d.before, d.after) == (1, 2) and controller.calls == [(2, d.reason)]
-    assert auto.measure_from == 8 and auto.current == 2
-    assert auto.log == [{"step": 3, "before": 1, "after": 2, "reason": d.reason, "from_step": 7}]
-    # Steps generated under η 1 are not measured for η 2; the controller's older report is not taken back.
-    assert after(4, GATED, 1) is None and after(7, GATED, 1) is None
-    assert after(8, GATED, 1) is None
-    d = after(9, GATED, 2)
-    # At η 2, GATED's shares give (2 + 1) / 0.667 = 4.5 -> 4, capped at 3.
+    assert auto.log == [{"step": 3, "before": 1, "after": 2, "reason": d.reason}]
+    # The rollout takes η 2 with the update published after step 4; what it generated
+    # before, up to 2 steps ahead, trains first: measured again from step 3 + 2 + 2 = 7.
+    assert auto.measure_from == 7 and auto.current == 2
+    # The controller's older report (1) does not take the raise back.
+    assert after(4, GATED, 1) is None and after(6, GATED, 1) is None
+    assert after(7, GATED, 1) is None
+    d = after(8, GATED, 2)
     assert (d.before, d.after) == (2, 3)
     assert after(20, GATED, 3) is None and after(21, GATED, 3) is None  # at the cap: no more decisions
     assert len(controller.calls) == 2
@@ -153,7 +141,7 @@ def test_decisions_wait_for_the_warmup_and_a_whole_window_then_measure_from_the_
 
 def test_a_verdict_that_keeps_eta_calls_nothing_and_decisions_go_on():
     auto = AutoStaleness(cap=4, warmup=0, window=1)
-    controller = FakeController(next_step=3)
+    controller = FakeController()
     busy = StepTimes(window_s=1.0, trainer_busy_s=1.0, rollout_generating_s=0.2, rollout_gated_s=0.8)
     for step in range(3):
         d = asyncio.run(auto.after_step(controller, step, busy, 1))
@@ -161,51 +149,31 @@ def test_a_verdict_that_keeps_eta_calls_nothing_and_decisions_go_on():
     assert controller.calls == [] and [e["step"] for e in auto.log] == [0, 1, 2]
 
 
-# ------------------------------------------------------------------ η by step
+# ------------------------------------------------------------------ the bound a batch carries
 
-def test_schedule_applies_a_raise_from_the_first_step_not_admitted_and_never_lowers():
-    s = StalenessSchedule(start=1)
-    assert [s.at(k) for k in (0, 0, 1, 2)] == [1, 1, 1, 1]
-    assert s.raise_to(3) == 3  # steps 0..2 have prompts: the new η starts at step 3
-    # A drop's replacement for step 1 keeps step 1's η; step 3 and later get 3.
-    assert (s.at(1), s.at(3), s.at(5), s.current) == (1, 3, 3, 3)
-    assert s.raise_to(3) == 6 and s.changes == [(3, 3)]  # no change: nothing recorded
-    with pytest.raises(ValueError, match="below the current 3"):
-        s.raise_to(2)
-
-
-@pytest.mark.parametrize(("start", "raised", "interval"), [(1, 2, 1), (1, 4, 2), (2, 3, 3)])
-def test_every_step_generates_only_samples_its_bound_trains(start, raised, interval):
-    """Whatever η a step's micro-batches carry, the version the rollout waits for under
-    it is trainable at that step under the same η, and published before the step."""
-    s = StalenessSchedule(start=start)
-    for k in range(10):
-        s.at(k)
-    s.raise_to(raised)
-    for k in range(30):
-        eta = s.at(k)
-        v = required_serving_version(k, eta, interval)
-        assert not is_too_stale(k, v, eta) and v <= k
-
-
-def test_a_batch_carries_its_bound_from_admission_to_the_trainer():
-    pb = PromptBatch(batch_id=3, step=5, prompts=[Prompt(prompt_id="p0", text="1=", token_ids=[1, 2])],
-                     max_staleness=2)
+def test_a_batch_carries_the_bound_it_was_generated_under_to_the_trainer():
+    pb = PromptBatch(batch_id=3, step=5, prompts=[Prompt(prompt_id="p0", text="1=", token_ids=[1, 2])])
     done = GenerationResult(prompt_token_ids=[1, 2], completions=[
-        Completion(token_ids=[3], logprobs=[-0.1], token_versions=[4], text="3", finish_reason="stop"),
-        Completion(token_ids=[4], logprobs=[-0.2], token_versions=[4], text="4", finish_reason="stop")])
-    batch = build_rollout_batch(pb, [done], n=2, pad_id=0)
+        Completion(token_ids=[3], logprobs=[-0.1], token_versions=[3], text="3", finish_reason="stop"),
+        Completion(token_ids=[4], logprobs=[-0.2], token_versions=[3], text="4", finish_reason="stop")])
+    batch = build_rollout_batch(pb, [done], n=2, pad_id=0, max_staleness=2)
     assert batch.max_staleness == 2 and batch_bound(batch.max_staleness, 1) == 2
-    assert batch_bound(None, 1) == 1  # a custom source that sets none: the config's
-    # Pieces keep it; merged pieces take the strictest (a regrouping may mix bounds).
-    pieces = split_rollout_batch(msgspec.structs.replace(batch), 1)
-    assert merge_rollout_batches(pieces).max_staleness == 2
+    # Step 5 generated on v3 under η 2 (required_serving_version(5, 2, 1) = 3): trainable at
+    # step 5 under its own bound, not under the config's 1.
+    assert required_serving_version(5, 2, 1) == 3 and batch.policy_version == 3
+    assert not is_too_stale(5, batch.policy_version, batch_bound(batch.max_staleness, 1))
+    assert is_too_stale(5, batch.policy_version, 1)
+    assert batch_bound(None, 1) == 1  # a custom rollout that sets none: the config's
+    # Pieces keep it; merged pieces (a regrouping may mix bounds) take the largest, each
+    # having been at most the η in force, which only grows.
+    pieces = split_rollout_batch(batch, 1)
+    assert [p.max_staleness for p in pieces] == [2] and merge_rollout_batches(pieces).max_staleness == 2
     other = msgspec.structs.replace(batch, sample_ids=["p1/0", "p1/1"],
                                     prompts=[Prompt(prompt_id="p1", text="2=")], max_staleness=1)
-    assert merge_rollout_batches([batch, other]).max_staleness == 1
+    assert merge_rollout_batches([other, batch]).max_staleness == 2
     assert merge_rollout_batches([msgspec.structs.replace(batch, max_staleness=None),
                                   msgspec.structs.replace(other, max_staleness=None)]).max_staleness is None
-    assert isinstance(batch, RolloutBatch) and np.asarray(batch.token_versions).min() == 4
+    assert isinstance(batch, RolloutBatch) and np.asarray(batch.token_versions).min() == 3
 
 
 # ------------------------------------------------------------------ config
