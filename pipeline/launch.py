@@ -34,6 +34,7 @@ from pipeline.checkpoint import find_latest_checkpoint, prepare_run_dir, reconci
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
 from pipeline.dtypes import DTYPE_BYTES
+from pipeline.gpu_split import choose_gpu_split, detect_free_gpu_bytes, to_colocate
 from pipeline.log import configure_logging, get_logger
 from pipeline.memory.admission import ModelShape
 from pipeline.memory.guard import merge_guard_metrics
@@ -160,26 +161,35 @@ def load_script_dataflow(cfg: ConveyorConfig) -> DataFlow:
 def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPlan]:
     """Detect the cluster's GPUs, plan and check the placement (``PlacementError``, a
     ``ConfigError``, for an impossible plan) and return the config with vLLM's memory
-    share the plan chose."""
+    share the plan chose (on one GPU, colocated where ``pipeline/gpu_split.py`` says so)."""
     import msgspec
 
     stages = build_dataflow(cfg).topological_order()
     check_resources(cfg, stages, detect_nodes(cfg.run.address))
     available, gpu_bytes = detect_gpus(cfg.run.address)
     shape = read_model_shape(cfg) if available else None
+    split = choose_gpu_split(cfg, stages, available, shape, gpu_bytes,
+                             detect_free_gpu_bytes(cfg.run.address) if available == 1 else 0)
+    if split is not None and split.mode == "colocate":
+        cfg = to_colocate(cfg)
     plan = plan_placement(cfg, stages, available, gpu_bytes=gpu_bytes, shape=shape)
+    if split is not None:
+        plan = dataclasses.replace(plan, split=split.mode, notes=[split.reason, *plan.notes])
     check_plan(cfg, plan)
     rollout = cfg.rollout
     if plan.rollout_memory_fraction != rollout.gpu_memory_utilization:
         rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=plan.rollout_memory_fraction)
     engines = engines_per_gpu(plan)
-    kv = size_job_kv_cache(cfg, shape, engines) if shape is not None else None
+    streamed = split is not None and split.mode == "streaming" and split.sized
+    kv = size_job_kv_cache(cfg, shape, engines, streamed) if shape is not None else None
     if kv is not None:
         rollout = msgspec.structs.replace(rollout, kv_cache_gib=kv[0] / (1 << 30), max_model_len=kv[1])
         plan.notes.append(kv[2])
     share = rollout.gpu_memory_utilization
-    where = "colocate" if cfg.placement.mode == "colocate" else f"{engines} vLLM engines on one GPU"
-    if ((cfg.placement.mode == "colocate" or engines > 1) and shape is not None and gpu_bytes and share is not None
+    where = ("colocate" if cfg.placement.mode == "colocate" else f"{engines} vLLM engines on one GPU" if engines > 1
+             else "streaming on one GPU")
+    if ((cfg.placement.mode == "colocate" or engines > 1 or streamed) and shape is not None and gpu_bytes
+            and share is not None
             and rollout.kv_cache_gib is not None and cfg.rollout.gpu_memory_utilization is None):
         # The KV cache has a size (planned or the user's) and the share is the plan's.
         startup = colocated_startup_fraction(shape, int(rollout.kv_cache_gib * (1 << 30)), gpu_bytes)
@@ -475,7 +485,7 @@ def _drive(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan, run_dir: Path
            reporter: Reporter, checks: PreflightReport, resumes: list[dict[str, Any]]) -> dict[str, Any]:
     log.info("launch", run_dir=str(run_dir), mode="async" if cfg.dataflow.async_execution else "sync",
              max_staleness=cfg.describe_staleness, stages=df.topological_order(),
-             placement=plan.describe() if plan.available_gpus else "cpu")
+             placement=plan.describe() if plan.available_gpus else "cpu", split=plan.split)
     ended = "failed"
     try:
         result = run_dataflow(
