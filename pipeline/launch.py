@@ -64,7 +64,7 @@ from pipeline.profiler import (
 )
 from pipeline.runner import STOP_SIGNALS, Graph, RunInterrupted, RunResult, run_dataflow
 from pipeline.stage import StageError
-from pipeline.staleness import AutoStaleness, measure_step
+from pipeline.staleness import AutoStaleness
 
 log = get_logger(stage="driver")
 RESTARTABLE_STAGES = ("rollout", "reward", "reward_model", "reference")
@@ -308,7 +308,7 @@ class Reporter:
             metrics.update(collect_stage_metrics(graph.stage_status, ("critic/", "ref/")))
             if self.staleness is not None:
                 await self.staleness.after_step(graph.controller, int(step["step"]),
-                                                measure_step(self._recent, (self._last_step_end, end)),
+                                                self.staleness.measure(step, self._recent, (self._last_step_end, end)),
                                                 int(drain["max_staleness"]["current"]))
             self._last_step_end = end
             self._recent = [sp for sp in self._recent if sp.end > end]

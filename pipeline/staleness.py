@@ -1,17 +1,17 @@
 """``dataflow.max_staleness: auto``: choose η from the run's measured steps (pure, no Ray).
 
 A run with ``auto`` starts at ``max(1, train.sync_interval - 1)``. The driver measures
-each step's window from the stages' spans (``measure_step``): the trainer's busy time,
+each step's window (``measure_step``): from the stages' spans the trainer's busy time,
 the rollout's generating time and the time the staleness limit alone held the rollout
-back (its ``wait_version`` spans while nothing of it generated). ``AutoStaleness`` sums
-``WINDOW_STEPS`` steps after ``WARMUP_STEPS`` and asks ``decide_max_staleness``.
-
-The rule (docs/architecture.md, "Staleness and overlap"), per window:
+back (its ``wait_version`` spans while nothing of it generated); from the trainer's
+metrics the samples it trained and dropped as stale. ``AutoStaleness`` sums
+``WINDOW_STEPS`` steps after ``WARMUP_STEPS`` and asks ``decide_max_staleness``:
 - the trainer idle less than ``MIN_SHARE`` of the window: trainer-bound, η stays;
-- the trainer waits but the limit held the rollout back less than ``MIN_SHARE``:
-  generation (or scoring) is the bottleneck, a larger η would change nothing, η stays;
-- both: the trainer waits for data the limit keeps the rollout from making: η + 1, at
-  most ``dataflow.max_staleness_cap``, then measured again under the new η.
+- the trainer waits, and the limit held the rollout back ``MIN_SHARE`` of the window or
+  more, or ``MIN_SHARE`` of the samples were dropped as stale (generation thrown away,
+  long samples outliving η): η + 1, at most ``dataflow.max_staleness_cap``, measured
+  again under the new η;
+- the trainer waits for neither: generation (or scoring) is the bottleneck, η stays.
 So η rises one step at a time from below and stops at the smallest η under which the
 trainer no longer waits because of the limit. Guarantees: η never falls (samples
 generated under a higher bound stay trainable), never exceeds the cap, and every
@@ -35,19 +35,27 @@ MIN_SHARE = 0.1  # trainer idle, rollout held back: below this share of the wind
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Seconds of one window (or a sum of windows): its length, the trainer's busy time,
-    the rollout's generating time and the time the staleness limit alone held it back
-    (both averaged over rollout replicas)."""
+    """One window (or a sum of windows): its length, the trainer's busy time, the
+    rollout's generating time and the time the staleness limit alone held it back (both
+    averaged over rollout replicas), in seconds; the samples trained and dropped as stale."""
 
     window_s: float = 0.0
     trainer_busy_s: float = 0.0
     rollout_generating_s: float = 0.0
     rollout_gated_s: float = 0.0
+    samples_trained: int = 0
+    samples_stale: int = 0
 
     def __add__(self, other: StepTimes) -> StepTimes:
         return StepTimes(self.window_s + other.window_s, self.trainer_busy_s + other.trainer_busy_s,
                          self.rollout_generating_s + other.rollout_generating_s,
-                         self.rollout_gated_s + other.rollout_gated_s)
+                         self.rollout_gated_s + other.rollout_gated_s,
+                         self.samples_trained + other.samples_trained, self.samples_stale + other.samples_stale)
+
+    @property
+    def stale_share(self) -> float:
+        made = self.samples_trained + self.samples_stale
+        return self.samples_stale / made if made else 0.0
 
     def share(self, seconds: float) -> float:
         return seconds / self.window_s if self.window_s > 0 else 0.0
@@ -90,8 +98,9 @@ def _is_rollout(stage: str) -> bool:
     return stage == "rollout" or stage.startswith("rollout:")
 
 
-def measure_step(spans: Iterable[Span], window: Interval) -> StepTimes:
-    """``StepTimes`` of ``window`` from the stages' spans. A rollout micro-batch's
+def measure_step(spans: Iterable[Span], window: Interval, trained: int = 0, stale: int = 0) -> StepTimes:
+    """``StepTimes`` of ``window`` from the stages' spans (``trained``, ``stale``: the
+    step's samples, from the trainer's metrics). A rollout micro-batch's
     ``wait_version`` span sits inside its ``busy`` span: it generates for the rest of it.
     The rollout is held back by the limit when one of its micro-batches waits so and
     none generates."""
@@ -116,7 +125,8 @@ def measure_step(spans: Iterable[Span], window: Interval) -> StepTimes:
     mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
     return StepTimes(window_s=max(0.0, window[1] - window[0]),
                      trainer_busy_s=sum_intervals(clip_intervals(merge_intervals(trainer), window)),
-                     rollout_generating_s=mean(generating), rollout_gated_s=mean(held))
+                     rollout_generating_s=mean(generating), rollout_gated_s=mean(held),
+                     samples_trained=trained, samples_stale=stale)
 
 
 def decide_max_staleness(current: int, cap: int, times: StepTimes) -> StalenessDecision:
@@ -125,12 +135,13 @@ def decide_max_staleness(current: int, cap: int, times: StepTimes) -> StalenessD
     waited = times.share(times.window_s - times.trainer_busy_s)
     held = times.share(times.rollout_gated_s)
     generating = times.share(times.rollout_generating_s)
+    stale = times.stale_share
     measured = (f"trainer waited {waited:.0%} of step time for data; rollout blocked by staleness {held:.0%}, "
-                f"generating {generating:.0%}")
+                f"generating {generating:.0%}" + (f"; {stale:.0%} of samples dropped as stale" if stale else ""))
     if waited < MIN_SHARE:
         return StalenessDecision(current, current, f"trainer busy {trainer_busy:.0%} of step time: the trainer "
                                                    f"is the bottleneck, a larger η would not make it faster")
-    if held < MIN_SHARE:
+    if held < MIN_SHARE and stale < MIN_SHARE:
         return StalenessDecision(current, current, f"{measured}: generation or scoring is the bottleneck, "
                                                    f"a larger η would not make it faster")
     if current >= cap:
@@ -152,6 +163,15 @@ class AutoStaleness:
         self.current: int | None = None  # η now; the controller's until this raises it
         self._sum = StepTimes()
         self._steps = 0
+        self._counts: tuple[int, int] | None = None  # the trainer's samples trained and stale so far
+
+    def measure(self, metrics: dict[str, Any], spans: Iterable[Span], window: Interval) -> StepTimes:
+        """A trained step's ``StepTimes``: the spans of its window, and from its metrics
+        (the trainer's running ``samples/trained`` and ``samples/dropped_stale``) the
+        samples since the step before (none for the first step seen)."""
+        counts = (int(metrics.get("samples/trained", 0)), int(metrics.get("samples/dropped_stale", 0)))
+        before, self._counts = self._counts or counts, counts
+        return measure_step(spans, window, max(0, counts[0] - before[0]), max(0, counts[1] - before[1]))
 
     async def after_step(self, controller: Any, step: int, times: StepTimes, known: int) -> StalenessDecision | None:
         """One trained step's times; ``known``: η as the controller last reported it.

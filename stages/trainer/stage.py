@@ -467,6 +467,7 @@ class TrainerStage:
             "timing_s/weight_publish": sync_s,
             **summarise_step_batches(batches, self._take_zero_variance()),
             "samples/dropped_zero_variance": self.dropped.get("zero_variance", 0),
+            "samples/dropped_stale": self.dropped.get("stale", 0),
             **kl_metrics,
             **self.checkpoints.step_curriculum(batches),
             **{f"actor/{k}": float(np.average([p[k] for p in pieces], weights=weight))

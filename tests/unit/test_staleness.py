@@ -92,6 +92,29 @@ def test_rollout_held_back_while_the_trainer_waits_rises_one_step():
     assert not decide_max_staleness(2, 4, below).changed
 
 
+def test_samples_dropped_as_stale_while_the_trainer_waits_raise_it():
+    # Long samples outlive η: 20 of 100 made were dropped as stale (generation thrown
+    # away) while the trainer waited 30%, though the limit barely held the rollout back.
+    waits = dict(window_s=10.0, trainer_busy_s=7.0, rollout_generating_s=9.5, rollout_gated_s=0.2)
+    d = decide_max_staleness(1, 4, StepTimes(**waits, samples_trained=80, samples_stale=20))
+    assert d.after == 2 and d.reason == ("trainer waited 30% of step time for data; rollout blocked by staleness 2%, "
+                                         "generating 95%; 20% of samples dropped as stale")
+    # 5 of 100 is not worth a step of staleness; a trainer-bound run is not helped by either.
+    assert not decide_max_staleness(1, 4, StepTimes(**waits, samples_trained=95, samples_stale=5)).changed
+    busy = dict(waits, trainer_busy_s=9.5)
+    assert not decide_max_staleness(1, 4, StepTimes(**busy, samples_trained=50, samples_stale=50)).changed
+
+
+def test_measure_counts_a_steps_samples_from_the_trainers_running_totals():
+    auto = AutoStaleness(cap=4)
+    spans = [span("trainer", "busy", 0.0, 1.0, 1)]
+    first = auto.measure({"samples/trained": 64, "samples/dropped_stale": 8}, spans, (0.0, 2.0))
+    assert (first.samples_trained, first.samples_stale, first.trainer_busy_s) == (0, 0, 1.0)  # nothing before it
+    second = auto.measure({"samples/trained": 128, "samples/dropped_stale": 24}, spans, (1.0, 2.0))
+    assert (second.samples_trained, second.samples_stale, second.trainer_busy_s) == (64, 16, 0.0)
+    assert (first + second).stale_share == 16 / 80
+
+
 def test_at_the_cap_eta_stays():
     d = decide_max_staleness(4, 4, StepTimes(window_s=10.0, trainer_busy_s=2.5, rollout_generating_s=2.5,
                                              rollout_gated_s=6.0))
