@@ -348,11 +348,13 @@ class Reporter:
         tmp.replace(self.run_dir / "status.json")
 
     def describe_staleness(self, drain: dict[str, Any]) -> dict[str, Any] | None:
-        """η now and, with ``auto``, every decision with its reason (status and summary)."""
+        """η now and, with ``auto``, the first verdict and every raise with its reason,
+        and the latest verdict (status and summary)."""
         board = drain.get("max_staleness")
         if board is None:
             return None
-        return {**board, "decisions": list(self.staleness.log) if self.staleness else []}
+        auto = self.staleness
+        return {**board, "decisions": list(auto.log) if auto else [], "latest": auto.latest if auto else None}
 
     def close(self, state: str = "completed") -> None:
         """Flush the metrics and leave ``status.json`` saying how the run ended

@@ -158,8 +158,11 @@ class AutoStaleness:
     def __init__(self, cap: int, warmup: int = WARMUP_STEPS, window: int = WINDOW_STEPS) -> None:
         self.cap, self.window = cap, window
         self.measure_from = warmup  # the first step a window may count
-        self.decisions: list[StalenessDecision] = []
-        self.log: list[dict[str, object]] = []  # every decision with its step, for status and summary
+        self.verdicts = 0
+        # For status and summary, bounded in a long run: the first verdict and every raise
+        # (at most cap of them), and the latest verdict.
+        self.log: list[dict[str, object]] = []
+        self.latest: dict[str, object] | None = None
         self.current: int | None = None  # η now; the controller's until this raises it
         self._sum = StepTimes()
         self._steps = 0
@@ -188,23 +191,22 @@ class AutoStaleness:
             await controller.set_max_staleness(decision.after, decision.reason)
             self.applied(step, decision.after)
             self.current = decision.after
-            log.info(decision.describe(), step=step)
-        elif len(self.decisions) == 1:  # the first verdict is always shown; later ones that keep η at debug
-            log.info(decision.describe(), step=step)
-        else:
-            log.debug(decision.describe(), step=step)
-        self.log.append(entry)
+        shown = decision.changed or self.verdicts == 1  # verdicts that keep η after the first: debug level
+        (log.info if shown else log.debug)(decision.describe(), step=step)
+        if shown:
+            self.log.append(entry)
+        self.latest = entry
         return decision
 
     def observe(self, step: int, times: StepTimes, current: int) -> StalenessDecision | None:
-        if step < self.measure_from or (current >= self.cap and self.decisions):
+        if step < self.measure_from or (current >= self.cap and self.verdicts):
             return None
         self._sum, self._steps = self._sum + times, self._steps + 1
         if self._steps < self.window:
             return None
         decision = decide_max_staleness(current, self.cap, self._sum)
         self._sum, self._steps = StepTimes(), 0
-        self.decisions.append(decision)
+        self.verdicts += 1
         return decision
 
     def applied(self, step: int, eta: int) -> None:

@@ -113,9 +113,8 @@ def describe_live_staleness(board: dict[str, Any] | None) -> list[str]:
     if not board or not board.get("auto"):
         return []
     lines = [f"max_staleness auto: {board['current']} now (started at {board['start']})"]
-    decisions = board.get("decisions") or []
-    if decisions:
-        d = decisions[-1]
+    d = board.get("latest")
+    if d:
         move = f"{d['before']} -> {d['after']}" if d["after"] != d["before"] else f"stays {d['before']}"
         lines.append(f"  after step {d['step']}: {move} ({d['reason']})")
     return lines

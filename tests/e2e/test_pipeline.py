@@ -267,6 +267,7 @@ def test_auto_staleness_decides_from_measured_steps_and_every_step_keeps_its_bou
     raises = [(d["before"], d["after"], d["reason"]) for d in decisions if d["after"] != d["before"]]
     assert [(c["before"], c["after"], c["reason"]) for c in board["changes"]] == raises
     assert board["current"] == (raises[-1][1] if raises else 1) <= 3
+    assert board["latest"]["step"] >= decisions[-1]["step"] and board["latest"]["after"] == board["current"]
     # The console line: the verdict and its reason, as ``StalenessDecision.describe`` says it.
     first = decisions[0]
     move = f"{first['before']} -> {first['after']}" if first["after"] != first["before"] else f"stays {first['before']}"

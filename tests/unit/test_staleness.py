@@ -169,7 +169,8 @@ def test_a_verdict_that_keeps_eta_calls_nothing_and_decisions_go_on():
     for step in range(3):
         d = asyncio.run(auto.after_step(controller, step, busy, 1))
         assert d is not None and not d.changed
-    assert controller.calls == [] and [e["step"] for e in auto.log] == [0, 1, 2]
+    # Only the first verdict that keeps η is kept (and shown at info level), and the latest.
+    assert controller.calls == [] and [e["step"] for e in auto.log] == [0] and auto.latest["step"] == 2
 
 
 # ------------------------------------------------------------------ the bound a batch carries
@@ -241,3 +242,13 @@ def test_auto_is_refused_for_an_offline_algorithm(tmp_path):
                                           r"training; algorithm 'dpo' trains on data rows"):
         decode_config({"algorithm": {"name": "dpo", "kl_coef": 0}, "data": {"path": str(rows), "pairs": {}},
                        "rollout": {"n": 2}, "dataflow": {"max_staleness": "auto"}})
+
+
+def test_conveyor_status_shows_eta_and_the_latest_verdict():
+    from pipeline.status import describe_live_staleness
+
+    latest = {"step": 9, "before": 2, "after": 2, "reason": "trainer busy 95% of step time: ..."}
+    board = {"current": 2, "start": 1, "auto": True, "decisions": [], "latest": latest}
+    assert describe_live_staleness(board) == ["max_staleness auto: 2 now (started at 1)",
+                                              "  after step 9: stays 2 (trainer busy 95% of step time: ...)"]
+    assert describe_live_staleness({**board, "auto": False}) == [] and describe_live_staleness(None) == []
