@@ -131,11 +131,10 @@ def measure_step(spans: Iterable[Span], window: Interval, trained: int = 0, stal
 
 def decide_max_staleness(current: int, cap: int, times: StepTimes) -> StalenessDecision:
     """η after ``times`` were measured at η = ``current`` (the rule in the module doc)."""
-    trainer_busy = times.share(times.trainer_busy_s)
-    waited = times.share(times.window_s - times.trainer_busy_s)
-    held = times.share(times.rollout_gated_s)
-    generating = times.share(times.rollout_generating_s)
-    stale = times.stale_share
+    # Whole percent, as the reason shows them: a share shown as 10% counts as 10%.
+    trainer_busy, waited, held, generating, stale = (round(x, 2) for x in (
+        times.share(times.trainer_busy_s), times.share(times.window_s - times.trainer_busy_s),
+        times.share(times.rollout_gated_s), times.share(times.rollout_generating_s), times.stale_share))
     measured = (f"trainer waited {waited:.0%} of step time for data; rollout blocked by staleness {held:.0%}, "
                 f"generating {generating:.0%}" + (f"; {stale:.0%} of samples dropped as stale" if stale else ""))
     if waited < MIN_SHARE:
