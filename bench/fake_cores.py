@@ -157,7 +157,7 @@ class FakeRolloutCore:
         try:
             confirmed = None
             while True:
-                update, payload = await self.ctx.controller.wait_for_update(self.version, None, confirmed)
+                update, payload, _ = await self.ctx.controller.wait_for_update(self.version, None, confirmed)
                 if update is None:
                     return  # the run is stopping
                 t0 = time.time()

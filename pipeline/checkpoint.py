@@ -93,7 +93,8 @@ class ResumeState(msgspec.Struct, kw_only=True):
     ``data.curriculum``: the source resumes at its level, the trainer with its window.
     ``num_ranks``: the data-parallel trainer ranks that wrote it (each saved its own
     optimizer partition, so only as many ranks can load it); None in checkpoints
-    written before it was recorded.
+    written before it was recorded. ``max_staleness``: the η the last step trained
+    under (``max_staleness: auto`` resumes from it); None before any step or record.
     """
 
     schema: int = SCHEMA_VERSION
@@ -104,6 +105,7 @@ class ResumeState(msgspec.Struct, kw_only=True):
     recent_metrics: list[dict[str, Any]] = []
     curriculum: dict[str, Any] | None = None
     num_ranks: int | None = None
+    max_staleness: int | None = None
 
 
 def checkpoint_name(version: int) -> str:

@@ -1,8 +1,9 @@
 """The controller: one small async actor that owns the run's shared state.
 
 It owns no compute and no tensors. It holds the prompt ledger, the policy version board,
-the trainer's per-step metrics, the lock-step barrier, colocated GPU turns and the
-curriculum level (docs/architecture.md, "Controller"). Stages reach it only through
+the trainer's per-step metrics, the lock-step barrier, colocated GPU turns, the
+curriculum level and the staleness bound η (``max_staleness: auto``: the driver raises it;
+docs/architecture.md, "Controller"). Stages reach it only through
 ``ControllerClient`` (typed, one remote call per method), and only where the data needs it.
 
 Guarantees:
@@ -10,6 +11,7 @@ Guarantees:
 - versions on the board only grow; a worker confirms only weights it has loaded, and a
   fingerprint mismatch never reaches the board (it fails the worker);
 - lock-step: prompts of step k are admitted only once the trainer finished step k - 1;
+- η only grows; every weight update a rollout worker is handed carries η as it stands;
 - colocated: the trainer trains only once every rollout worker confirmed its GPU free;
 - call budget: at most one call per micro-batch, one per optimizer step, one per weight
   update per rollout worker (plus drops and colocated turns); telemetry never comes
@@ -39,12 +41,18 @@ PUBLISH_TIMES_KEPT = 64
 @ray.remote(num_cpus=0, max_concurrency=1000, enable_task_events=False)  # as QueueActor's
 class ControllerActor:
     def __init__(self, target_prompts: int, prompts_per_step: int,
-                 resumed: dict[str, Any] | None = None, barrier: bool = False) -> None:
+                 resumed: dict[str, Any] | None = None, barrier: bool = False,
+                 max_staleness: int | None = None, auto_staleness: bool = False) -> None:
         """``resumed``: ``{"version", "trained_prompts", "dropped"}`` of the checkpoint a
         resumed run starts from; its prompts count as trained or dropped, none in flight.
-        ``barrier``: lock-step, the admission of step k waits for trainer version k."""
+        ``barrier``: lock-step, the admission of step k waits for trainer version k.
+        ``max_staleness``: η at the start (None: the stages keep their config's);
+        ``auto_staleness``: the driver may raise it (``set_max_staleness``)."""
         self.ledger = Ledger(target=target_prompts, prompts_per_step=prompts_per_step)
         self.barrier = barrier
+        self._max_staleness = self._start_staleness = max_staleness
+        self._auto_staleness = auto_staleness
+        self._staleness_changes: list[dict[str, Any]] = []
         self._cond = asyncio.Condition()
         self._update: WeightUpdate | None = None
         self._payload: list[Any] = []
@@ -105,6 +113,19 @@ class ControllerActor:
             self.ledger.record_dropped(prompts, reason)
             self._cond.notify_all()
 
+    def set_max_staleness(self, eta: int, reason: str) -> None:
+        """``max_staleness: auto``'s new η (the driver's decision, ``pipeline/staleness.py``);
+        rollout workers take it with their next weight update. Refused without ``auto`` and
+        below the current η (samples generated under it may still be in flight)."""
+        self.calls["set_max_staleness"] += 1
+        if self._max_staleness is None or not self._auto_staleness:
+            raise ValueError("set_max_staleness: this run's dataflow.max_staleness is not 'auto'")
+        if eta < self._max_staleness:
+            raise ValueError(f"set_max_staleness: {eta} is below the current {self._max_staleness}; η only grows")
+        self._staleness_changes.append({"version": self._trainer_version, "before": self._max_staleness,
+                                        "after": eta, "reason": reason, "time": time.time()})
+        self._max_staleness = eta
+
     def trainer_version(self) -> int:
         self.calls["trainer_version"] += 1
         return self._trainer_version
@@ -131,9 +152,11 @@ class ControllerActor:
             del self._published_at[next(iter(self._published_at))]
 
     async def wait_for_update(self, newer_than: int, timeout_s: float | None,
-                              confirmed: WeightConfirmation | None = None) -> tuple[WeightUpdate | None, list[Any]]:
-        """Wait for a published version newer than ``newer_than`` (None on timeout).
-        ``confirmed``: the update the worker applied since its last call.
+                              confirmed: WeightConfirmation | None = None,
+                              ) -> tuple[WeightUpdate | None, list[Any], int | None]:
+        """Wait for a published version newer than ``newer_than`` (None on timeout); with
+        it its payload and η as it stands. ``confirmed``: the update the worker applied
+        since its last call.
 
         A stop does not end the wait: after an interrupt, what is in flight drains, and
         micro-batches of later steps still need the versions the trainer publishes.
@@ -148,10 +171,10 @@ class ControllerActor:
                     timeout_s,
                 )
             except TimeoutError:
-                return None, []
+                return None, [], self._max_staleness
             if self._update is None or self._update.version <= newer_than:
-                return None, []
-            return self._update, self._payload
+                return None, [], self._max_staleness
+            return self._update, self._payload, self._max_staleness
 
     def latest_update(self) -> tuple[WeightUpdate | None, list[Any]]:
         self.calls["latest_update"] += 1
@@ -207,8 +230,12 @@ class ControllerActor:
         return {"steps": steps, "syncs": syncs, **self.summary()}
 
     def summary(self) -> dict[str, Any]:
+        staleness = None if self._max_staleness is None else {
+            "current": self._max_staleness, "start": self._start_staleness, "auto": self._auto_staleness,
+            "changes": list(self._staleness_changes)}
         return {
             "ledger": self.ledger.summary(),
+            "max_staleness": staleness,
             "trainer_version": self._trainer_version,
             "served": dict(self._served),
             "stop_reason": self._stop_reason,
@@ -273,11 +300,17 @@ class ControllerClient:
         await self.actor.publish.remote(update, [payload])
 
     async def wait_for_update(self, newer_than: int, timeout_s: float | None = None,
-                              confirmed: WeightConfirmation | None = None) -> tuple[WeightUpdate | None, Any]:
-        """(update, its payload: an ``ObjectRef`` or inline bytes, see ``resolve_payload``),
-        or (None, None) on timeout."""
-        update, payload = await self.actor.wait_for_update.remote(newer_than, timeout_s, confirmed)
-        return update, payload[0] if payload else None
+                              confirmed: WeightConfirmation | None = None,
+                              ) -> tuple[WeightUpdate | None, Any, int | None]:
+        """(update, its payload: an ``ObjectRef`` or inline bytes, see ``resolve_payload``,
+        η as it stands: None where the controller was given none), or (None, None, η) on
+        timeout."""
+        update, payload, eta = await self.actor.wait_for_update.remote(newer_than, timeout_s, confirmed)
+        return update, payload[0] if payload else None, eta
+
+    async def set_max_staleness(self, eta: int, reason: str) -> None:
+        """The driver's η for ``max_staleness: auto`` (see the actor's method)."""
+        await self.actor.set_max_staleness.remote(eta, reason)
 
     async def latest_update(self) -> tuple[WeightUpdate | None, Any]:
         update, payload = await self.actor.latest_update.remote()

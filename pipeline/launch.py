@@ -34,6 +34,7 @@ from pipeline.checkpoint import find_latest_checkpoint, prepare_run_dir, reconci
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
 from pipeline.dtypes import DTYPE_BYTES
+from pipeline.gpu_split import choose_gpu_split, detect_free_gpu_bytes, to_colocate
 from pipeline.log import configure_logging, get_logger
 from pipeline.memory.admission import ModelShape
 from pipeline.memory.guard import merge_guard_metrics
@@ -63,6 +64,7 @@ from pipeline.profiler import (
 )
 from pipeline.runner import STOP_SIGNALS, Graph, RunInterrupted, RunResult, run_dataflow
 from pipeline.stage import StageError
+from pipeline.staleness import AutoStaleness
 
 log = get_logger(stage="driver")
 RESTARTABLE_STAGES = ("rollout", "reward", "reward_model", "reference")
@@ -159,26 +161,35 @@ def load_script_dataflow(cfg: ConveyorConfig) -> DataFlow:
 def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPlan]:
     """Detect the cluster's GPUs, plan and check the placement (``PlacementError``, a
     ``ConfigError``, for an impossible plan) and return the config with vLLM's memory
-    share the plan chose."""
+    share the plan chose (on one GPU, colocated where ``pipeline/gpu_split.py`` says so)."""
     import msgspec
 
     stages = build_dataflow(cfg).topological_order()
     check_resources(cfg, stages, detect_nodes(cfg.run.address))
     available, gpu_bytes = detect_gpus(cfg.run.address)
     shape = read_model_shape(cfg) if available else None
+    split = choose_gpu_split(cfg, stages, available, shape, gpu_bytes,
+                             detect_free_gpu_bytes(cfg.run.address) if available == 1 else 0)
+    if split is not None and split.mode == "colocate":
+        cfg = to_colocate(cfg)
     plan = plan_placement(cfg, stages, available, gpu_bytes=gpu_bytes, shape=shape)
+    if split is not None:
+        plan = dataclasses.replace(plan, split=split.mode, notes=[split.reason, *plan.notes])
     check_plan(cfg, plan)
     rollout = cfg.rollout
     if plan.rollout_memory_fraction != rollout.gpu_memory_utilization:
         rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=plan.rollout_memory_fraction)
     engines = engines_per_gpu(plan)
-    kv = size_job_kv_cache(cfg, shape, engines) if shape is not None else None
+    streamed = split is not None and split.mode == "streaming" and split.sized
+    kv = size_job_kv_cache(cfg, shape, engines, streamed) if shape is not None else None
     if kv is not None:
         rollout = msgspec.structs.replace(rollout, kv_cache_gib=kv[0] / (1 << 30), max_model_len=kv[1])
         plan.notes.append(kv[2])
     share = rollout.gpu_memory_utilization
-    where = "colocate" if cfg.placement.mode == "colocate" else f"{engines} vLLM engines on one GPU"
-    if ((cfg.placement.mode == "colocate" or engines > 1) and shape is not None and gpu_bytes and share is not None
+    where = ("colocate" if cfg.placement.mode == "colocate" else f"{engines} vLLM engines on one GPU" if engines > 1
+             else "streaming on one GPU")
+    if ((cfg.placement.mode == "colocate" or engines > 1 or streamed) and shape is not None and gpu_bytes
+            and share is not None
             and rollout.kv_cache_gib is not None and cfg.rollout.gpu_memory_utilization is None):
         # The KV cache has a size (planned or the user's) and the share is the plan's.
         startup = colocated_startup_fraction(shape, int(rollout.kv_cache_gib * (1 << 30)), gpu_bytes)
@@ -268,6 +279,7 @@ class Reporter:
         self.processes: dict[str, list[Any]] = {}
         self.restarts: dict[str, int] = {}
         self._object_store = _ObjectStoreGauge()
+        self.staleness = AutoStaleness(cfg.dataflow.max_staleness_cap) if cfg.auto_staleness else None
         # Visible to ``conveyor status`` while actors are still starting.
         self._write_status({"trainer_version": 0, "served": {}, "status": {},
                             "ledger": {"in_flight": 0}}, {}, state="starting")
@@ -304,6 +316,10 @@ class Reporter:
             metrics.update(merge_guard_metrics(graph.stage_status))
             metrics.update(collect_stage_metrics(graph.stage_status, ("critic/", "ref/")))
             metrics.update(count_engine_restarts(graph.stage_status))
+            if self.staleness is not None:
+                await self.staleness.after_step(graph.controller, int(step["step"]),
+                                                self.staleness.measure(step, self._recent, (self._last_step_end, end)),
+                                                int(drain["max_staleness"]["current"]))
             self._last_step_end = end
             self._recent = [sp for sp in self._recent if sp.end > end]
             # The row's time is the step's end (the trainer's clock), not this tick's.
@@ -339,10 +355,20 @@ class Reporter:
             "processes": self.processes,
             "restarts": self.restarts,
             "object_store_used_bytes": self._object_store.read(),
+            "max_staleness": self.describe_staleness(drain),
         }
         tmp = self.run_dir / "status.json.tmp"
         tmp.write_text(json.dumps(status, default=str))
         tmp.replace(self.run_dir / "status.json")
+
+    def describe_staleness(self, drain: dict[str, Any]) -> dict[str, Any] | None:
+        """η now and, with ``auto``, the first verdict and every raise with its reason,
+        and the latest verdict (status and summary)."""
+        board = drain.get("max_staleness")
+        if board is None:
+            return None
+        auto = self.staleness
+        return {**board, "decisions": list(auto.log) if auto else [], "latest": auto.latest if auto else None}
 
     def close(self, state: str = "completed") -> None:
         """Flush the metrics and leave ``status.json`` saying how the run ended
@@ -474,7 +500,8 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
 def _drive(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan, run_dir: Path, taps: dict[str, str],
            reporter: Reporter, checks: PreflightReport, resumes: list[dict[str, Any]]) -> dict[str, Any]:
     log.info("launch", run_dir=str(run_dir), mode="async" if cfg.dataflow.async_execution else "sync",
-             stages=df.topological_order(), placement=plan.describe() if plan.available_gpus else "cpu")
+             max_staleness=cfg.describe_staleness, stages=df.topological_order(),
+             placement=plan.describe() if plan.available_gpus else "cpu", split=plan.split)
     ended = "failed"
     try:
         result = run_dataflow(
@@ -655,6 +682,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "reward_first": reporter.first_step.get("reward/mean") if reporter.first_step else None,
         "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
         "admission": summarise_admission(result.reports),
+        "max_staleness": reporter.describe_staleness(result.controller),
     }
     write_summary(run_dir, add_run_totals(summary, reporter))
     reporter.writer.finish(summary, [run_dir / SUMMARY_FILE, run_dir / "timeline.png"])

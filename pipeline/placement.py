@@ -62,6 +62,7 @@ class PlacementPlan:
     stages: dict[str, StagePlacement]
     rollout_memory_fraction: float | None = None  # vLLM's gpu_memory_utilization
     notes: list[str] = field(default_factory=list)
+    split: str | None = None  # one GPU, placement auto: "streaming" or "colocate" (pipeline/gpu_split.py)
 
     @property
     def bundles(self) -> int:
@@ -168,16 +169,32 @@ def engines_per_gpu(plan: PlacementPlan) -> int:
     return max(rollout.gpus.count(g) for g in set(rollout.gpus))
 
 
-def size_job_kv_cache(cfg: ConveyorConfig, shape: ModelShape, engines_sharing: int = 1) -> tuple[int, int, str] | None:
+def estimate_job_kv_bytes(cfg: ConveyorConfig, shape: ModelShape, lockstep: bool) -> tuple[int, int, int]:
+    """(bytes, sequences, tokens each) of the KV cache one vLLM engine needs for the
+    job: every sequence a worker can have generating at once (``max_inflight``
+    micro-batches; lock-step: at most a step's) at its longest, × ``KV_HEADROOM``
+    (``size_job_kv_cache`` says why)."""
+    ro = cfg.rollout
+    inflight = min(ro.max_inflight, cfg.micro_batches_per_step) if lockstep else ro.max_inflight
+    sequences = inflight * cfg.dataflow.prompts_per_micro_batch * ro.n
+    seq_tokens = cfg.data.max_prompt_len + ro.max_tokens
+    return math.ceil(estimate_kv_cache_bytes(shape, sequences * seq_tokens) * KV_HEADROOM), sequences, seq_tokens
+
+
+def size_job_kv_cache(cfg: ConveyorConfig, shape: ModelShape, engines_sharing: int = 1,
+                      streaming_split: bool = False) -> tuple[int, int, str] | None:
     """(bytes of KV cache, longest sequence) for one vLLM engine, sized to the job, and
-    a note for the plan; None where it is not planned: neither ``placement: colocate``
-    nor ``engines_sharing`` > 1 rollout replicas on one GPU, the user chose
+    a note for the plan; None where it is not planned: neither ``placement: colocate``,
+    ``engines_sharing`` > 1 rollout replicas on one GPU nor ``streaming_split`` (one GPU
+    shared with the trainer, ``pipeline/gpu_split.py``), the user chose
     (``rollout.kv_cache_gib``, ``rollout.gpu_memory_utilization`` or
     ``rollout.max_model_len`` set), or ``rollout.tools`` (multi-turn rollouts submit
     each turn as a new request, whose length this plan does not bound). ``shape``: the
     model in the rollout's dtype.
 
     Why it is planned there:
+    - Streaming on one GPU, the cache beyond what the job can fill is memory the
+      trainer's passes no longer have.
     - A colocated engine sleeps every step, freeing its KV cache, and maps it again on
       waking: the time both take grows with the cache, which vLLM otherwise makes as
       large as its share allows.
@@ -197,14 +214,12 @@ def size_job_kv_cache(cfg: ConveyorConfig, shape: ModelShape, engines_sharing: i
     """
     ro = cfg.rollout
     colocated = cfg.placement.mode == "colocate"
-    if ((not colocated and engines_sharing < 2) or ro.tools is not None
+    if ((not colocated and engines_sharing < 2 and not streaming_split) or ro.tools is not None
             or any(v is not None for v in (ro.kv_cache_gib, ro.gpu_memory_utilization, ro.max_model_len))):
         return None
-    inflight = ro.max_inflight if cfg.dataflow.async_execution else min(ro.max_inflight, cfg.micro_batches_per_step)
-    sequences = inflight * cfg.dataflow.prompts_per_micro_batch * ro.n
-    seq_tokens = cfg.data.max_prompt_len + ro.max_tokens
-    kv = math.ceil(estimate_kv_cache_bytes(shape, sequences * seq_tokens) * KV_HEADROOM)
-    where = "colocate" if colocated else f"{engines_sharing} vLLM engines on one GPU"
+    kv, sequences, seq_tokens = estimate_job_kv_bytes(cfg, shape, not cfg.dataflow.async_execution)
+    where = ("colocate" if colocated else f"{engines_sharing} vLLM engines on one GPU" if engines_sharing > 1
+             else "streaming on one GPU")
     note = (f"{where}: vLLM's KV cache sized to the job, {kv / _GIB:.2f} GiB ({sequences} sequences x "
             f"{seq_tokens} tokens, x{KV_HEADROOM:g}; max_model_len {seq_tokens}); rollout.kv_cache_gib sets it")
     return kv, seq_tokens, note
@@ -357,15 +372,18 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
     dtype = cfg.model.dtype
     with_reference = "reference" in mates
     trainer_pass, reference_pass = estimate_pass_bytes(cfg, shape, with_reference) if shape else (0, 0)
+    # Colocated, the trainer's passes run while vLLM sleeps: its share leaves room for the reference's only.
+    beside = 0 if cfg.placement.mode == "colocate" else trainer_pass
     lora = cfg.model.lora
     trainable = estimate_lora_params(shape, lora.rank) if lora.enabled and shape else None
     planned = estimate_colocated_fraction(num_params, dtype, gpu_bytes, with_reference=with_reference,
-                                          pass_bytes=trainer_pass + reference_pass, trainable_params=trainable)
-    resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - trainer_pass - reference_pass
+                                          pass_bytes=beside + reference_pass, trainable_params=trainable)
+    resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - beside - reference_pass
     per_pass = (f"train.pass_tokens {cfg.train.pass_tokens}" if cfg.train.pass_tokens
                 else f"train.chunk_size {cfg.train.chunk_size}")
     passes = (f" + trainer pass ~{trainer_pass / _GIB:.1f} GiB ({per_pass}, "
-              f"train.logit_chunk_tokens {cfg.train.logit_chunk_tokens})" if shape else "")
+              f"train.logit_chunk_tokens {cfg.train.logit_chunk_tokens}"
+              f"{'; while vLLM sleeps' if beside != trainer_pass else ''})" if shape else "")
     passes += f" + reference pass ~{reference_pass / _GIB:.1f} GiB" if reference_pass else ""
     notes.append(
         f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident{passes} of "

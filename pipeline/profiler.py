@@ -22,7 +22,9 @@ Span kinds are those of ``pipeline.types.Span`` plus ``transfer``: time a stage 
 moving a micro-batch across a queue hop (fetching the object behind the ``ObjectRef``
 after ``get`` returned, or putting it), the communication overhead that
 ``perf/queue_transfer_share`` reports. Waiting for an item to exist is ``wait_input``;
-being blocked by a full queue is ``wait_output``.
+being blocked by a full queue is ``wait_output``; a rollout micro-batch held by the
+staleness limit until the weights it needs are served is ``wait_version`` (inside that
+micro-batch's ``busy`` span: ``pipeline/staleness.py`` tells the two apart).
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ from typing import Any
 
 from pipeline.types import Span
 
-SPAN_KINDS: tuple[str, ...] = ("busy", "wait_input", "wait_output", "sync", "oom", "transfer")
+SPAN_KINDS: tuple[str, ...] = ("busy", "wait_input", "wait_output", "sync", "oom", "transfer", "wait_version")
 KIND_COLOURS: dict[str, str] = {  # drawing order of the timeline, rare kinds on top
     "wait_input": "#c7c7c7", "wait_output": "#ff7f0e", "transfer": "#9467bd",
-    "busy": "#2ca02c", "sync": "#1f77b4", "oom": "#d62728",
+    "busy": "#2ca02c", "wait_version": "#bcbd22", "sync": "#1f77b4", "oom": "#d62728",
 }
 Interval = tuple[float, float]
 

@@ -32,7 +32,7 @@ from pipeline.config import ConfigError, ConveyorConfig, load_config, to_dict
 from pipeline.plugins import load_builtin
 from pipeline.recorder import INDEX, MANIFEST, STEPS_DIR, RecordedItem, RecordingError, RecordingReader, describe_item
 from pipeline.types import RolloutBatch, StepRecord
-from pipeline.versions import is_too_stale
+from pipeline.versions import batch_bound, is_too_stale
 
 RTOL = 1e-6
 ATOL = 1e-9
@@ -137,7 +137,7 @@ def build_replay_plan(reader: RecordingReader, cfg: ConveyorConfig, *, stage: st
             raise ReplayError(f"step {step}: no StepRecord {reader.root / STEPS_DIR / f'{step:08d}.msgpack'}"
                               f"{_step_file_error(reader, step)} (recorded steps: {have})")
         records.append(by_step[step])
-    batches = _find_step_batches(reader, edge, records, cfg.dataflow.max_staleness)
+    batches = _find_step_batches(reader, edge, records, cfg.initial_max_staleness)
     return ReplayPlan(recording=reader.root, edge=edge, state_version=version, state_path=states[version],
                       from_step=from_step, records=records, batches=batches,
                       step_samples=cfg.train.prompts_per_step * cfg.rollout.n)
@@ -172,7 +172,10 @@ def _find_step_batches(reader: RecordingReader, edge: str, records: list[StepRec
         for bid in record.batch_ids:
             # Of several items with one batch id, the trainer trained the first not too
             # stale at its version (step s runs at version s) and dropped the others.
-            fresh = [i for i in queues[bid] if not is_too_stale(record.step, i.header.policy_version, max_staleness)]
+            # Each item against its own bound (``max_staleness: auto`` raises it during a run).
+            fresh = [i for i in queues[bid] if not is_too_stale(
+                record.step, i.header.policy_version,
+                batch_bound(getattr(i.value, "max_staleness", None), max_staleness))]
             fresh = fresh or queues[bid]
             if not fresh:
                 errors = [str(e) for e in reader.errors if f"-b{bid}." in Path(e.path).name]

@@ -390,8 +390,9 @@ async def _run(
     prompts_per_step: int, taps: dict[str, str],
     on_tick: Callable[[Graph], Any] | None, tick_s: float, ray_s: float = 0.0,
 ) -> RunResult:
-    controller = ControllerClient(ControllerActor.remote(target_prompts, prompts_per_step,
-                                                         _resumed_counts(config), barrier=not async_mode))
+    resumed = _resumed_counts(config)
+    controller = ControllerClient(ControllerActor.remote(target_prompts, prompts_per_step, resumed,
+                                                         barrier=not async_mode, **_staleness_start(config, resumed)))
     interrupts = _Interrupts(controller)
     try:
         try:
@@ -449,7 +450,21 @@ def _resumed_counts(config: Any) -> dict[str, Any] | None:
     from pipeline.checkpoint import load_resume_state
 
     state = load_resume_state(path)
-    return {"version": state.version, "trained_prompts": state.trained_prompts, "dropped": dict(state.dropped)}
+    return {"version": state.version, "trained_prompts": state.trained_prompts, "dropped": dict(state.dropped),
+            "max_staleness": state.max_staleness}
+
+
+def _staleness_start(config: Any, resumed: dict[str, Any] | None) -> dict[str, Any]:
+    """The controller's staleness arguments: η at the start (with ``max_staleness: auto``
+    a resumed run's is the one its checkpoint's last step trained under) and whether the
+    driver may raise it; none without a config (the stages then use their own)."""
+    if config is None or not hasattr(config, "initial_max_staleness"):
+        return {}
+    auto = bool(config.auto_staleness)
+    eta = config.initial_max_staleness
+    if auto and resumed and resumed.get("max_staleness") is not None:
+        eta = min(max(eta, int(resumed["max_staleness"])), config.dataflow.max_staleness_cap)
+    return {"max_staleness": eta, "auto_staleness": auto}
 
 
 class _Interrupts:

@@ -19,7 +19,7 @@ from pipeline.placement import PlacementPlan
 def render_plan(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan | None = None) -> Group:
     desc = df.describe()
     stages = Table(title=f"stages ({'async' if cfg.dataflow.async_execution else 'sync'} mode, "
-                   f"max_staleness {cfg.dataflow.max_staleness})")
+                   f"max_staleness {cfg.describe_staleness})")
     for col in ("stage", "class", "input", "replicas", "concurrency"):
         stages.add_column(col)
     for s in desc["stages"]:
@@ -105,4 +105,16 @@ def render_live(status: dict[str, Any]) -> Group:
         queues.add_column(col)
     for name, q in status.get("queues", {}).items():
         queues.add_row(name, str(q["depth"]), str(q["bound"]), f"{q['put_wait_s']:.1f}", f"{q['get_wait_s']:.1f}")
-    return Group(head, stages, workers, queues)
+    return Group(head, *describe_live_staleness(status.get("max_staleness")), stages, workers, queues)
+
+
+def describe_live_staleness(board: dict[str, Any] | None) -> list[str]:
+    """``max_staleness: auto``: η now and its latest decision with the reason."""
+    if not board or not board.get("auto"):
+        return []
+    lines = [f"max_staleness auto: {board['current']} now (started at {board['start']})"]
+    d = board.get("latest")
+    if d:
+        move = f"{d['before']} -> {d['after']}" if d["after"] != d["before"] else f"stays {d['before']}"
+        lines.append(f"  after step {d['step']}: {move} ({d['reason']})")
+    return lines

@@ -78,7 +78,8 @@ class RolloutBatch(msgspec.Struct, **_wire):
     loss sees; never set beyond a completion's length), values and returns float32
     (critic-based algorithms only).
     ``policy_version`` is the oldest version that produced any token of the batch; the
-    staleness of the batch is measured against it.
+    staleness of the batch is measured against it, and bounded by ``max_staleness``: the
+    η the rollout generated it under (None: the config's ``dataflow.max_staleness``).
     """
 
     batch_id: int
@@ -109,6 +110,7 @@ class RolloutBatch(msgspec.Struct, **_wire):
     # reason -> indices of prompts an upstream stage dropped (already counted in the
     # controller's ledger); they ride to the trainer, which owns the run's done set.
     dropped_prompts: dict[str, list[int]] = {}
+    max_staleness: int | None = None
 
     @property
     def num_samples(self) -> int:
@@ -171,7 +173,9 @@ class WeightConfirmation(msgspec.Struct, **_wire):
 
 class Span(msgspec.Struct, **_wire):
     """A period one stage spent in one state: busy, wait_input, wait_output, transfer
-    (moving an item through the object store), sync (weights) or oom (recovering)."""
+    (moving an item through the object store), sync (weights), oom (recovering) or
+    wait_version (a rollout's micro-batch held until the weights its staleness bound
+    needs are served; inside that micro-batch's busy span)."""
 
     stage: str
     kind: str

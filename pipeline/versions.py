@@ -10,6 +10,9 @@ Invariants stated where they are enforced:
 - ``required_serving_version`` is only an economy: it holds generation of step k's prompts
   until the rollout serves a version trainable at step k, so samples are rarely produced
   only to be dropped. η = 0 in sync mode is exactly on-policy.
+- A micro-batch's bound is the η the rollout generated it under, which it carries
+  (``batch_bound``): the rollout waits and the trainer gates by the same number while
+  ``max_staleness: auto`` raises η; a bound never exceeds the η in force, which only grows.
 - ``Ledger`` reconciles: admitted = trained + dropped + in flight, per prompt, at all times.
 """
 
@@ -26,6 +29,12 @@ def compute_staleness(trainer_version: int, policy_version: int) -> int:
 def is_too_stale(trainer_version: int, policy_version: int, max_staleness: int) -> bool:
     """The gate at the trainer: drop when ``trainer_version - policy_version > max_staleness``."""
     return compute_staleness(trainer_version, policy_version) > max_staleness
+
+
+def batch_bound(batch_max_staleness: int | None, default: int) -> int:
+    """The η a micro-batch is held to: the one it was generated under, else ``default``
+    (the config's; a custom rollout that sets none)."""
+    return default if batch_max_staleness is None else batch_max_staleness
 
 
 def required_serving_version(step: int, max_staleness: int, sync_interval: int) -> int:
@@ -111,3 +120,4 @@ class Ledger:
             "in_flight": self.in_flight,
             "reconciles": self.admitted == self.trained + self.dropped_total + self.in_flight,
         }
+

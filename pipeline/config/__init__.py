@@ -44,6 +44,7 @@ from pipeline.config.checks import (
     check_pairs,
     check_reward_sources,
     check_sampler_logprobs,
+    check_staleness,
 )
 from pipeline.config.data import CurriculumConfig, DataConfig, PairsConfig
 from pipeline.config.dataflow import DataflowConfig, NodeSpec
@@ -65,7 +66,7 @@ __all__ = [
     "RewardConfig", "RewardSourceConfig", "RolloutConfig", "RunConfig", "TinyArchitecture", "TinyModelConfig",
     "ToolsConfig", "TrainConfig", "algorithm_configs", "apply_overrides", "check_algorithm", "check_colocate",
     "check_config", "check_curriculum", "check_lora", "check_pairs", "check_reward_sources",
-    "check_sampler_logprobs", "decode_algorithm", "decode_config", "default_algorithm", "load_config",
+    "check_sampler_logprobs", "check_staleness", "decode_algorithm", "decode_config", "default_algorithm", "load_config",
     "parse_override", "register_algorithm_config", "to_dict",
 ]
 

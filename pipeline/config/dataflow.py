@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -24,10 +24,15 @@ class DataflowConfig(msgspec.Struct, **_section()):
     With ``async_execution: true`` generation of step k's samples may begin once the
     rollout serves version ``k - max_staleness``; η = 0 still overlaps stages inside a
     step but never trains on a sample older than the current weights.
+
+    ``max_staleness: auto`` starts at ``max(1, train.sync_interval - 1)`` and raises η,
+    at most to ``max_staleness_cap``, where the measured steps show the trainer waiting
+    for a rollout that the staleness limit holds back (``pipeline/staleness.py``).
     """
 
     async_execution: bool = True
-    max_staleness: NonNegInt = 1
+    max_staleness: NonNegInt | Literal["auto"] = 1
+    max_staleness_cap: PosInt = 4  # the most ``max_staleness: auto`` may choose
     prompts_per_micro_batch: PosInt = 4
     queue_size: PosInt = 4  # default bound (micro-batches) of every edge
     queue_sizes: dict[str, PosInt] = {}  # per edge, "producer->consumer": bound

@@ -33,7 +33,9 @@ class PlacementEntry(msgspec.Struct, **_section()):
 
 
 class PlacementConfig(msgspec.Struct, **_section()):
-    """``placement: auto`` (the default, an empty mapping) lets the planner choose GPUs;
+    """``placement: auto`` (the default, an empty mapping) lets the planner choose GPUs
+    (on one GPU also whether vLLM streams beside the trainer or takes turns with it,
+    from the memory plan: ``pipeline/gpu_split.py``);
     naming GPUs (or ``num_gpus``) for any stage makes the plan explicit: stages not
     named then get no GPU. ``placement: colocate`` (``mode: colocate``) puts every GPU
     stage on the trainer ranks' GPUs and time-shares them: vLLM sleeps (its weights and

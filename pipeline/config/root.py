@@ -62,6 +62,26 @@ class ConveyorConfig(msgspec.Struct, **_section()):
     def micro_batches_per_step(self) -> int:
         return -(-self.train.prompts_per_step // self.dataflow.prompts_per_micro_batch)
 
+    @property
+    def auto_staleness(self) -> bool:
+        """``dataflow.max_staleness: auto``: η is chosen from the run's measured steps."""
+        return self.dataflow.max_staleness == "auto"
+
+    @property
+    def describe_staleness(self) -> str:
+        """``1``, or ``auto (from 1, at most 4)``: for the launch line and ``conveyor status``."""
+        if not self.auto_staleness:
+            return str(self.dataflow.max_staleness)
+        return f"auto (from {self.initial_max_staleness}, at most {self.dataflow.max_staleness_cap})"
+
+    @property
+    def initial_max_staleness(self) -> int:
+        """η at the start of a run: ``dataflow.max_staleness``, or with ``auto`` the
+        smallest η that still overlaps steps and trains every sync interval's samples,
+        ``max(1, train.sync_interval - 1)``."""
+        eta = self.dataflow.max_staleness
+        return max(1, self.train.sync_interval - 1) if eta == "auto" else int(eta)
+
 
 def to_dict(cfg: ConveyorConfig) -> dict[str, Any]:
     """The fully resolved config as plain data (written next to every run)."""

@@ -219,6 +219,9 @@ def merge_rollout_batches(pieces: Sequence[RolloutBatch]) -> RolloutBatch:
         "rollout_extras": {k: [x for p in pieces for x in p.rollout_extras[k]] for k in first.rollout_extras},
         "policy_version": min(p.policy_version for p in pieces),
         "dropped_prompts": _merge_drops(pieces),
+        # Regrouped pieces may have been generated under different bounds: each was at most
+        # the η in force, which only grows, so the largest is too.
+        "max_staleness": max((p.max_staleness for p in pieces if p.max_staleness is not None), default=None),
     }
     for name in _ROW_ARRAYS:
         fields[name] = _merge_optional(name, [getattr(p, name) for p in pieces], pad=False)

@@ -11,7 +11,9 @@ Guarantees:
   back, a mismatch stopping the run before a token is sampled from them;
 - at shutdown every worker serves and has verified the final policy;
 - generation for step k waits for the newest version step k may train with
-  (``required_serving_version``), so no sample is made only to be dropped;
+  (``required_serving_version`` under η as the controller last handed it with a weight
+  update), so no sample is made only to be dropped; that wait is a ``wait_version``
+  span, and the micro-batch carries the η it was generated under to the trainer's gate;
 - under ``rollout.memory`` a micro-batch generates only once its KV cache fits; queues
   carry whole micro-batches only; colocated, no micro-batch generates on a sleeping
   engine; with ``rollout.tools`` tool output is masked out of the loss;
@@ -64,8 +66,10 @@ def pad_rows(rows: list[list[Any]], dtype: Any, fill: Any = 0) -> np.ndarray:
     return out
 
 
-def build_rollout_batch(pb: PromptBatch, results: list[GenerationResult], n: int, pad_id: int) -> RolloutBatch:
-    """Assemble the wire batch: sample ``i*n + j`` is completion j of prompt i."""
+def build_rollout_batch(pb: PromptBatch, results: list[GenerationResult], n: int, pad_id: int,
+                        max_staleness: int | None = None) -> RolloutBatch:
+    """Assemble the wire batch: sample ``i*n + j`` is completion j of prompt i;
+    ``max_staleness``: the η it was generated under."""
     if len(results) != len(pb.prompts):
         raise ValueError(f"batch {pb.batch_id}: {len(results)} generation results for {len(pb.prompts)} prompts")
     prompt_rows, comp_rows, lp_rows, ver_rows = [], [], [], []
@@ -104,6 +108,7 @@ def build_rollout_batch(pb: PromptBatch, results: list[GenerationResult], n: int
         finish_reasons=reasons,
         loss_mask=loss_mask,
         rollout_extras=extras,
+        max_staleness=max_staleness,
     )
 
 
@@ -139,6 +144,7 @@ class RolloutStage:
         self.sleeps, self.sleep_s_total, self.wake_s_total = 0, 0.0, 0.0
         self._generating = 0
         self.occupancy = OccupancyMeter()  # samples in flight in the engine over time
+        self.max_staleness: int | None = None  # η as the controller last handed it (max_staleness: auto raises it)
         self.length_counts: Counter[int] = Counter()  # completion length -> samples
         # What a rebuilt engine loads again: (update, payload, fingerprint) of the weights
         # served now (the payload is held for it), None for the checkpoint, whose
@@ -318,7 +324,9 @@ class RolloutStage:
         confirmed = None  # the confirmation of an update rides on the next wait
         while True:
             newer = max(self.backend.version, self._asleep_for) if self.asleep else self.backend.version
-            update, payload = await self.ctx.controller.wait_for_update(newer, None, confirmed)
+            update, payload, eta = await self.ctx.controller.wait_for_update(newer, None, confirmed)
+            if eta is not None:
+                self.max_staleness = eta  # before the update lands: its version waits use it
             if update is None:
                 return  # the run is stopping
             if self.asleep and update.version <= self._asleep_for:
@@ -389,39 +397,45 @@ class RolloutStage:
         """The engine is awake and serves version ``need`` or newer."""
         return self.backend.version >= need and not self.asleep
 
-    async def _wait_for_version(self, need: int, batch_id: int) -> None:
-        if self._serves(need) and self._watch_error is None:
-            return
+    def _bound(self) -> int:
+        """η now: the config's, or the higher one ``max_staleness: auto`` chose since."""
+        return max(self.cfg.initial_max_staleness, self.max_staleness or 0)
+
+    def _needs(self, step: int) -> int:
+        return required_serving_version(step, self._bound(), self.cfg.train.sync_interval)
+
+    async def _wait_for_version(self, step: int, batch_id: int) -> int:
+        """Until the engine serves a version step ``step`` may train with under η as it
+        stands then (a raise while waiting lowers the version needed); returns that η."""
+        if self._serves(self._needs(step)) and self._watch_error is None:
+            return self._bound()
         timeout = self.cfg.train.weight_sync_timeout_s
         t0 = time.time()
-        with self.ctx.spans.span("wait_input", batch_id):
+        with self.ctx.spans.span("wait_version", batch_id):
             async with self._version_changed:
                 try:
-                    await asyncio.wait_for(
-                        self._version_changed.wait_for(lambda: self._serves(need) or self._watch_error is not None),
-                        timeout,
-                    )
+                    await asyncio.wait_for(self._version_changed.wait_for(
+                        lambda: self._serves(self._needs(step)) or self._watch_error is not None), timeout)
                 except TimeoutError:
                     raise WeightSyncError(
                         f"{self.ctx.worker_id}: waited {time.time() - t0:.0f}s (train.weight_sync_timeout_s) for "
-                        f"policy version {need} to generate batch {batch_id}; still serving "
+                        f"policy version {self._needs(step)} to generate batch {batch_id}; still serving "
                         f"v{self.backend.version}"
                     ) from None
         if self._watch_error is not None:
             raise self._watch_error
+        return self._bound()
 
     # ------------------------------------------------------------------ generation
     async def process(self, pb: PromptBatch) -> RolloutBatch:
         if self._watch_error is not None:
             raise self._watch_error
-        df, tr = self.cfg.dataflow, self.cfg.train
-        need = required_serving_version(pb.step, df.max_staleness, tr.sync_interval)
         while True:  # once more, whole, on a rebuilt engine after each engine death
             epoch = self.restarts.epoch
-            await self._wait_for_version(need, pb.batch_id)
+            eta = await self._wait_for_version(pb.step, pb.batch_id)
             self._generating += 1  # no await since the version wait: a sleep cannot start in between
             try:
-                return await self._generate_batch(pb)
+                return await self._generate_batch(pb, eta)
             except Exception as exc:
                 death = find_engine_death(exc)
                 if death is None:
@@ -434,7 +448,7 @@ class RolloutStage:
             self.reissued_batches += 1
             self.ctx.log.info("batch_reissued", batch_id=pb.batch_id, prompts=len(pb.prompts))
 
-    async def _generate_batch(self, pb: PromptBatch) -> RolloutBatch:
+    async def _generate_batch(self, pb: PromptBatch, max_staleness: int) -> RolloutBatch:
         ids = {p.prompt_id: p.token_ids or self.tokenizer(p.text, add_special_tokens=True)["input_ids"]
                for p in pb.prompts}
 
@@ -490,7 +504,7 @@ class RolloutStage:
 
         results = await self.guard.run(pb, generate_recovering, estimate=estimate, split=split_prompt_batch,
                                        merge=_join_results, size=count_groups, key=pb.batch_id, concurrent=True)
-        batch = build_rollout_batch(pb, results, self.sampling.n, self.pad_id)
+        batch = build_rollout_batch(pb, results, self.sampling.n, self.pad_id, max_staleness)
         self.generated_samples += batch.num_samples
         self.generated_tokens += batch.completion_tokens
         self.length_counts.update(int(n) for n in batch.completion_lens)

@@ -14,6 +14,8 @@ Guarantees:
 - ``restore`` loads the trainer engine's state (model, optimizer, RNG, version) and the
   counters from ``run.resume_from``; the resumed run continues from that version. It
   refuses a checkpoint written by another ``train.num_ranks`` before loading anything.
+- It keeps the staleness bound of the last step trained, from which a resumed
+  ``max_staleness: auto`` run goes on.
 - With ``data.curriculum`` it advances the curriculum once per step from the step's
   rewards (``step_curriculum``) and checkpoints its state with the prompts consumed.
 """
@@ -61,6 +63,7 @@ class TrainerCheckpoints:
         self.last_written = -1
         self.dirty = False  # something was recorded since the last write
         self.failed_writes, self.last_error = 0, ""  # writes that failed (on_checkpoint_error: continue)
+        self.max_staleness: int | None = None  # the η the last step trained under (max_staleness: auto resumes it)
         self.curriculum_cfg = cfg.data.curriculum
         self.curriculum = start_curriculum(self.curriculum_cfg) if self.curriculum_cfg else None
 
@@ -78,6 +81,7 @@ class TrainerCheckpoints:
                              f"but its state says {state.version}")
         self.trained_prompts, self.dropped, self.consumed = state.trained_prompts, dict(state.dropped), state.consumed
         self.last_written = state.version
+        self.max_staleness = state.max_staleness
         if self.curriculum is not None and state.curriculum is not None:
             self.curriculum = msgspec.convert(state.curriculum, CurriculumState)
         return state.version
@@ -93,6 +97,8 @@ class TrainerCheckpoints:
 
     def record_step(self, batches: list[RolloutBatch], metrics: dict[str, Any]) -> None:
         self.dirty = True
+        if "dataflow/max_staleness" in metrics:
+            self.max_staleness = int(metrics["dataflow/max_staleness"])
         self.recent_metrics.append(metrics)
         self.trained_prompts += sum(len(b.prompts) for b in batches)
         self.consumed.add(p.index for b in batches for p in b.prompts)
@@ -134,7 +140,7 @@ class TrainerCheckpoints:
         state = ResumeState(version=self.engine.version, trained_prompts=self.trained_prompts,
                             dropped=dict(self.dropped), consumed=self.consumed, recent_metrics=self.recent_metrics,
                             curriculum=msgspec.to_builtins(self.curriculum) if self.curriculum else None,
-                            num_ranks=self.train_cfg.num_ranks)
+                            num_ranks=self.train_cfg.num_ranks, max_staleness=self.max_staleness)
         path = write_checkpoint(self.run_dir, state, self.engine.save_state, self.keep)
         self.last_written, self.recent_metrics, self.dirty = self.engine.version, [], False
         return path

@@ -258,6 +258,49 @@ def reward_rise(rows: list[dict]) -> tuple[float, float]:
     return float(rewards[:10].mean()), float(rewards[-20:].mean())
 
 
+AUTO_STEPS = 24  # a decision after the warm-up and each window, and room for a raise to show
+
+
+def test_auto_staleness_decides_from_measured_steps_and_every_step_keeps_its_bound(ray_cluster, tmp_path, capfd):
+    """``dataflow.max_staleness: auto`` on the quickstart: whatever the measured steps
+    make it choose on this machine, the first verdict is logged with its reason after
+    the warm-up and one window, every step reports its bound, no trained sample is
+    staler than its step's bound, and the bound only grows, within the cap."""
+    from pipeline.staleness import WARMUP_STEPS, WINDOW_STEPS
+
+    summary, rows = _launch(tmp_path, f"run.steps={AUTO_STEPS}", "dataflow.max_staleness=auto",
+                            "dataflow.max_staleness_cap=3")
+    assert summary["status"] == "completed" and summary["samples"]["reconciles"]
+    assert summary["samples"]["trained"] == AUTO_STEPS * 8 * 8 and len(rows) == AUTO_STEPS
+    board = summary["max_staleness"]
+    decisions = board["decisions"]
+    assert board["auto"] and board["start"] == 1 and decisions, board
+    assert decisions[0]["step"] == WARMUP_STEPS + WINDOW_STEPS - 1 and all(d["reason"] for d in decisions)
+    raises = [(d["before"], d["after"], d["reason"]) for d in decisions if d["after"] != d["before"]]
+    assert [(c["before"], c["after"], c["reason"]) for c in board["changes"]] == raises
+    assert board["current"] == (raises[-1][1] if raises else 1) <= 3
+    assert board["latest"]["step"] >= decisions[-1]["step"] and board["latest"]["after"] == board["current"]
+    # The console line: the verdict and its reason, as ``StalenessDecision.describe`` says it.
+    first = decisions[0]
+    move = f"{first['before']} -> {first['after']}" if first["after"] != first["before"] else f"stays {first['before']}"
+    err = capfd.readouterr().err
+    assert f"max_staleness auto: {move} ({first['reason']})" in err, err[-3000:]
+    assert "trainer waited" in first["reason"] or "trainer busy" in first["reason"]
+    # Every step: its bound, never below the start nor above what the driver chose,
+    # growing only; and the staleness accounting within it.
+    bounds = [r["dataflow/max_staleness"] for r in rows]
+    assert bounds == sorted(bounds) and 1 <= bounds[0] and bounds[-1] <= board["current"], bounds
+    for r in rows:
+        assert r["staleness/max"] <= r["dataflow/max_staleness"], r
+        hist = {int(k.rsplit("/", 1)[1]): v for k, v in r.items() if k.startswith("staleness/hist/")}
+        assert max(hist) <= r["dataflow/max_staleness"] and sum(hist.values()) == 8 * 8, r
+    # A higher bound shows only on steps after the verdict that chose it.
+    for d in decisions:
+        if d["after"] != d["before"]:
+            assert all(r["step"] > d["step"] for r in rows if r["dataflow/max_staleness"] == d["after"])
+    assert json.loads((tmp_path / "status.json").read_text())["max_staleness"]["current"] == board["current"]
+
+
 @pytest.mark.slow  # a third 100-step run; streaming at staleness 1 learns in every run (test_reward_rises)
 def test_staleness_2_with_truncated_importance_weights_learns_like_sync(ray_cluster, tmp_path, lockstep_run):
     """eta = 2 with the decoupled objective (importance weights current/behaviour truncated

@@ -79,9 +79,9 @@ def test_a_payload_travels_by_value_or_by_reference(ray_cluster):
 
     async def scenario() -> tuple[object, bytes, object, bytes]:
         await controller.publish(update(1, small), small)
-        _, first = await controller.wait_for_update(0, 10.0)
+        _, first, _ = await controller.wait_for_update(0, 10.0)
         await controller.publish(update(2, large), ray_cluster.put(large))
-        _, second = await controller.wait_for_update(1, 10.0)
+        _, second, _ = await controller.wait_for_update(1, 10.0)
         return first, await resolve_payload(first), second, await resolve_payload(second)
 
     first, first_data, second, second_data = asyncio.run(scenario())

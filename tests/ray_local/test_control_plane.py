@@ -10,8 +10,12 @@ the stages and never reaches the controller.
 
 from __future__ import annotations
 
+import pytest
+import ray
+
 from bench.fake_cores import GenerationLengths
 from bench.overlap import Scenario, build_overlap_dataflow
+from pipeline.controller import ControllerActor
 from pipeline.runner import RunResult, run_dataflow
 
 STEPS, MICRO_BATCHES_PER_STEP, PROMPTS_PER_MICRO_BATCH = 6, 4, 2
@@ -64,3 +68,32 @@ def test_lockstep_is_a_step_barrier_over_the_same_queues(ray_cluster):
     calls = dict(result.controller["calls"])
     assert calls.pop("finish_step") == STEPS and calls.pop("wait_for_update") == STEPS + 1
     assert calls == {"admit_prompts": micro_batches + 1}
+
+
+def test_weight_updates_carry_eta_which_only_the_driver_raises_and_only_upwards(ray_cluster):
+    """``max_staleness: auto``: the driver's raise reaches each rollout worker with its
+    next weight update (no call of its own); η never falls."""
+    from pipeline.types import WeightUpdate
+
+    actor = ControllerActor.remote(16, 4, None, max_staleness=1, auto_staleness=True)
+    update = WeightUpdate(version=1, sha256="0" * 64, fingerprint=(0.0, 0.0), num_bytes=1)
+    ray.get(actor.publish.remote(update, [b"w"]))
+    assert ray.get(actor.wait_for_update.remote(0, 1.0))[2] == 1
+    ray.get(actor.set_max_staleness.remote(3, "measured"))
+    got, payload, eta = ray.get(actor.wait_for_update.remote(0, 1.0))
+    assert (got.version, payload, eta) == (1, [b"w"], 3)
+    assert ray.get(actor.wait_for_update.remote(1, 0.01)) == (None, [], 3)  # timed out: η all the same
+    board = ray.get(actor.summary.remote())["max_staleness"]
+    assert (board["current"], board["start"], board["auto"]) == (3, 1, True)
+    assert [(c["before"], c["after"], c["reason"]) for c in board["changes"]] == [(1, 3, "measured")]
+    with pytest.raises(ray.exceptions.RayTaskError, match="below the current 3"):
+        ray.get(actor.set_max_staleness.remote(2, "lower"))
+    # A fixed η is not the driver's to change; without one, updates carry none.
+    fixed = ControllerActor.remote(16, 4, None, max_staleness=1)
+    with pytest.raises(ray.exceptions.RayTaskError, match="not 'auto'"):
+        ray.get(fixed.set_max_staleness.remote(2, "no"))
+    bare = ControllerActor.remote(16, 4)
+    assert ray.get(bare.wait_for_update.remote(0, 0.01)) == (None, [], None)
+    assert ray.get(bare.summary.remote())["max_staleness"] is None
+    for a in (actor, fixed, bare):
+        ray.kill(a)

@@ -210,3 +210,30 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, policy):
     # Nothing half-written left: the good checkpoint alone, and found.
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [good.name]
     assert find_latest_checkpoint(tmp_path)[0] == good
+
+
+def test_a_resumed_auto_staleness_run_starts_at_the_eta_its_last_step_trained_under(tmp_path):
+    """``max_staleness: auto``: the checkpoint keeps the bound of the last step it covers
+    and the resumed run's controller starts there (within the start and the cap); a
+    fixed η is the config's whatever the checkpoint says."""
+    from pipeline.config import load_config
+    from pipeline.runner import _resumed_counts, _staleness_start
+    from stages.trainer.checkpoint import TrainerCheckpoints
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "dataflow.max_staleness=auto"])
+    checkpoints = TrainerCheckpoints(cfg, FakeEngine(4, _save("4")))
+    checkpoints.record_step([], {"dataflow/max_staleness": 1})
+    checkpoints.record_step([], {"dataflow/max_staleness": 3})
+    path = checkpoints.write()
+    assert find_latest_checkpoint(tmp_path)[1].max_staleness == 3
+    resumed = load_config(None, [f"run.dir={tmp_path}", "dataflow.max_staleness=auto", f"run.resume_from={path}"])
+    counts = _resumed_counts(resumed)
+    assert counts["max_staleness"] == 3
+    assert _staleness_start(resumed, counts) == {"max_staleness": 3, "auto_staleness": True}
+    assert _staleness_start(resumed, None) == {"max_staleness": 1, "auto_staleness": True}  # a fresh run
+    # A checkpoint beyond a lowered cap resumes at the cap; a fixed η stays the config's.
+    capped = load_config(None, ["dataflow.max_staleness=auto", "dataflow.max_staleness_cap=2"])
+    assert _staleness_start(capped, counts)["max_staleness"] == 2
+    fixed = load_config(None, ["dataflow.max_staleness=1"])
+    assert _staleness_start(fixed, counts) == {"max_staleness": 1, "auto_staleness": False}
+    assert _staleness_start(None, counts) == {}

@@ -20,7 +20,7 @@ def test_every_section_and_key_is_documented():
     # Every top-level section is a heading, and a few keys chosen by hand appear as rows.
     for f in msgspec.structs.fields(ConveyorConfig):
         assert f"## `{f.name}" in text
-    assert "| `max_staleness` | int >= 0 | `1` |" in text
+    assert "| `max_staleness` | int >= 0 \\| \"auto\" | `1` |" in text
     assert "## `algorithm (name: ppo)`" in text
 
 

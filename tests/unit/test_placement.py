@@ -374,15 +374,18 @@ def test_a_colocated_engine_asks_vllm_at_start_up_only_for_its_weights_and_cache
                        num_params=268_700_000, dtype_bytes=2)
     gpu = 140 * GIB
     monkeypatch.setattr(launch, "detect_gpus", lambda address: (1, gpu))
+    monkeypatch.setattr(launch, "detect_free_gpu_bytes", lambda address: 0)
     monkeypatch.setattr(launch, "read_model_shape", lambda cfg: shape)
     job = {**COLOCATE, "train": {"prompts_per_step": 32},
            "dataflow": {**COLOCATE["dataflow"], "prompts_per_micro_batch": 8},
            "rollout": {"n": 8, "max_tokens": 128, "max_inflight": 4}, "data": {"max_prompt_len": 64}}
-    # What the trainer and the reference hold at rest, and their largest passes (16
-    # samples of 64 + 128 tokens each, the 64-token vocabulary's logits a small part).
-    passes = sum(estimate_pass_bytes(config(**job), shape, with_reference=True))
-    share = estimate_colocated_fraction(shape.num_params, "bfloat16", gpu, with_reference=True, pass_bytes=passes)
-    assert passes > 0 and share == pytest.approx(0.861 - passes / gpu, abs=1e-3)
+    # What the trainer and the reference hold at rest, and the reference's largest pass
+    # (16 samples of 64 + 128 tokens each, the 64-token vocabulary's logits a small part):
+    # the trainer's runs while vLLM sleeps, so vLLM's share need not leave room for it.
+    trainer_pass, reference_pass = estimate_pass_bytes(config(**job), shape, with_reference=True)
+    share = estimate_colocated_fraction(shape.num_params, "bfloat16", gpu, with_reference=True,
+                                        pass_bytes=reference_pass)
+    assert trainer_pass > 0 and share == pytest.approx(0.861 - reference_pass / gpu, abs=1e-3)
     cfg, p = launch.plan_run_placement(config(**job))
     # 0.50 GiB of weights + the 3.75 GiB cache, over 140 GiB, + 0.1: 0.1304, rounded up.
     assert cfg.rollout.kv_cache_gib == 3.75 and p.rollout_memory_fraction == cfg.rollout.gpu_memory_utilization == 0.131
@@ -401,9 +404,18 @@ def test_a_colocated_engine_asks_vllm_at_start_up_only_for_its_weights_and_cache
     cfg, p = launch.plan_run_placement(config(**{**job, "rollout": {**job["rollout"], "kv_cache_gib": 120.0}}))
     assert cfg.rollout.gpu_memory_utilization == round(share, 3)
     assert any(f"more than its share {round(share, 3):g}" in n for n in p.notes), p.notes
-    # Shared (not colocated) placement on one GPU: the share is vLLM's whole budget.
-    cfg, p = launch.plan_run_placement(config(rollout=job["rollout"]))
-    assert cfg.rollout.gpu_memory_utilization == round(share, 3) and cfg.rollout.kv_cache_gib is None
+    # Streaming on one GPU (placement auto): the share leaves room for the trainer's pass
+    # too; the job's cache fits in it, so it is sized to the job as well (4 micro-batches
+    # in flight: 3.75 GiB) and vLLM asks for 0.131 at start-up.
+    streaming = estimate_colocated_fraction(shape.num_params, "bfloat16", gpu, with_reference=True,
+                                            pass_bytes=trainer_pass + reference_pass)
+    cfg, p = launch.plan_run_placement(config(rollout=job["rollout"], train=job["train"], data=job["data"],
+                                              dataflow={"prompts_per_micro_batch": 8}))
+    assert p.split == "streaming" and cfg.rollout.kv_cache_gib == 3.75
+    assert cfg.rollout.gpu_memory_utilization == 0.131 < round(streaming, 3)
+    # With the share the user chose, vLLM sizes its cache from it.
+    cfg, p = launch.plan_run_placement(config(rollout={**job["rollout"], "gpu_memory_utilization": 0.5}))
+    assert p.split is None and cfg.rollout.gpu_memory_utilization == 0.5 and cfg.rollout.kv_cache_gib is None
 
 
 def test_the_eight_gpu_config_plans_two_tp2_replicas_beside_four_zero3_ranks():

@@ -1,0 +1,150 @@
+"""One GPU under ``placement: auto``: streaming or colocate, from the memory plan and the
+device's measured free memory, faked here (``FakeGpu``). Figures derived in comments.
+
+The job: gpu_small's shape (268.7M parameters, bf16, 16 layers x 16 KV heads x 64 dims
+x K and V x 2 bytes = 64 KiB of KV cache a token), 32 prompts a step in micro-batches of
+8, n = 8, 64 + 128 tokens a sequence. In GiB: trainer 268.7e6 x 20 B = 5.005 resident,
+reference 0.500, vLLM's weights 0.500; the largest passes (``estimate_pass_bytes``:
+16,384 tokens of the trainer's, 16 sequences of the reference's) 12.001 and 0.751; the
+job's KV cache 4 micro-batches x 8 x 8 = 256 sequences x 192 tokens x 64 KiB x 1.25 =
+3.75 (lock-step too: a step has 4 micro-batches). On a GPU of T GiB with O GiB held by
+others, with the 10% reserve on each side:
+- streaming: vLLM has 0.9 T - (5.005 + 0.500 + 12.001 + 0.751) - O = 0.9 T - 18.257 - O
+  and needs 0.500 + 3.75 + 0.1 T = 4.250 + 0.1 T;
+- colocate: the trainer's pass runs while vLLM sleeps: 0.9 T - 6.256 - O for the same need.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import pipeline.launch as launch
+from pipeline.config import decode_config
+from pipeline.gpu_split import choose_gpu_split, to_colocate
+from pipeline.memory.admission import ModelShape
+
+GIB = 1 << 30
+SHAPE = ModelShape(num_layers=16, num_kv_heads=16, head_dim=64, hidden_size=1024, vocab_size=64,
+                   num_params=268_700_000, dtype_bytes=2)
+JOB = {"model": {"dtype": "bfloat16"}, "train": {"prompts_per_step": 32}, "dataflow": {"prompts_per_micro_batch": 8},
+       "rollout": {"n": 8, "max_tokens": 128, "max_inflight": 4}, "data": {"max_prompt_len": 64}}
+STAGES = ["source", "rollout", "reward", "reference", "trainer"]
+
+
+def job(**sections):
+    return decode_config({**JOB, **{k: {**JOB.get(k, {}), **v} for k, v in sections.items()}})
+
+
+class FakeGpu:
+    """One GPU of ``total_gib``, ``free_gib`` of it free (None: ``nvidia-smi`` says nothing),
+    in place of the launch's detection; the model's shape read as ``SHAPE``."""
+
+    def __init__(self, monkeypatch, total_gib: float, free_gib: float | None = None) -> None:
+        monkeypatch.setattr(launch, "detect_gpus", lambda address: (1, int(total_gib * GIB)))
+        monkeypatch.setattr(launch, "detect_free_gpu_bytes",
+                            lambda address: 0 if free_gib is None else int(free_gib * GIB))
+        monkeypatch.setattr(launch, "read_model_shape", lambda cfg: SHAPE)
+
+
+def test_streaming_when_the_jobs_cache_fits_beside_the_trainer_and_its_cache_is_sized_to_the_job(monkeypatch):
+    FakeGpu(monkeypatch, 40)
+    cfg, plan = launch.plan_run_placement(job())
+    # 0.9 x 40 - 18.257 = 17.7 GiB left; needed 4.250 + 4.0 = 8.25.
+    assert plan.split == "streaming" and cfg.dataflow.async_execution
+    assert plan.notes[0] == (
+        "placement auto: streaming on one GPU: vLLM's weights 0.50 GiB + KV cache 3.75 GiB (256 sequences x 192 "
+        "tokens) + 10% reserve = 8.3 GiB fit in the 17.7 GiB the trainer and reference leave beside their largest "
+        "passes")
+    # The cache is the job's, not the 17.7 GiB left: vLLM asks at start-up for (0.500 +
+    # 3.75) / 40 + 0.1 = 0.2063 -> 0.207 of the GPU, not the share 1 - 18.257 / 40 - 0.1 = 0.444.
+    assert cfg.rollout.kv_cache_gib == 3.75 and cfg.rollout.max_model_len == 192
+    assert cfg.rollout.gpu_memory_utilization == plan.rollout_memory_fraction == 0.207
+    assert any(n.startswith("streaming on one GPU: vLLM asks for 0.207 of the GPU at start-up") and "0.444" in n
+               for n in plan.notes), plan.notes
+
+
+def test_colocate_when_only_taking_turns_leaves_the_cache_room(monkeypatch):
+    FakeGpu(monkeypatch, 24)
+    cfg, plan = launch.plan_run_placement(job(dataflow={"max_staleness": "auto"}))
+    # Streaming: 0.9 x 24 - 18.257 = 3.3 GiB for 4.250 + 2.4 = 6.65; taking turns:
+    # 0.9 x 24 - 6.256 = 15.3 GiB for the same 6.65.
+    assert plan.split == "colocate"
+    assert plan.notes[0] == (
+        "placement auto: colocate on one GPU: streaming does not fit (the job needs 6.7 GiB (weights 0.50 GiB + KV "
+        "cache 3.75 GiB (256 sequences x 192 tokens) + 10% reserve), the trainer and reference leave 3.3 GiB beside "
+        "their largest passes); taking turns vLLM has 15.3 GiB for 6.7 GiB (weights 0.50 GiB + KV cache 3.75 GiB "
+        "(256 sequences x 192 tokens) + 10% reserve); lock-step and on-policy (dataflow.async_execution true -> "
+        "false, dataflow.max_staleness auto -> 0)")
+    assert cfg.placement.mode == "colocate" and cfg.rollout.sleep_mode and not cfg.dataflow.async_execution
+    assert cfg.dataflow.max_staleness == 0 and not cfg.auto_staleness
+    # Colocated, vLLM's share leaves room for the reference's pass only: 1 - 6.256 / 24 -
+    # 0.1 = 0.639; it asks at start-up for (0.500 + 3.75) / 24 + 0.1 = 0.2771 -> 0.278.
+    assert cfg.rollout.kv_cache_gib == 3.75 and cfg.rollout.gpu_memory_utilization == 0.278
+    assert any("vLLM asks for 0.278 of the GPU at start-up" in n and "0.639" in n for n in plan.notes), plan.notes
+
+
+def test_memory_other_processes_hold_counts(monkeypatch):
+    # 40 GiB with 15 held by others: streaming has 17.743 - 15 = 2.7 GiB for 8.25; taking
+    # turns 36 - 6.256 - 15 = 14.7 GiB.
+    FakeGpu(monkeypatch, 40, free_gib=25)
+    cfg, plan = launch.plan_run_placement(job())
+    assert plan.split == "colocate" and cfg.placement.mode == "colocate"
+    assert "leave 2.7 GiB beside their largest passes; 15.0 GiB held by other processes" in plan.notes[0]
+    assert "taking turns vLLM has 14.7 GiB for 8.3 GiB" in plan.notes[0]
+    # Already lock-step and on-policy: nothing else changes.
+    _, plan = launch.plan_run_placement(job(dataflow={"async_execution": False, "max_staleness": 0}))
+    assert plan.split == "colocate" and plan.notes[0].endswith("lock-step and on-policy")
+
+
+def test_streaming_with_what_is_left_where_colocate_cannot_run_or_fit():
+    # PPO trains a critic, which does not give the GPU back while vLLM generates.
+    ppo = job(algorithm={"name": "ppo"})
+    choice = choose_gpu_split(ppo, [*STAGES, "critic"], 1, SHAPE, 24 * GIB)
+    assert choice.mode == "streaming" and not choice.sized
+    assert choice.reason.startswith("placement auto: streaming on one GPU with the memory left, KV cache from "
+                                    "vLLM's share (fewer sequences at once): the job needs 6.7 GiB")
+    assert "; colocate is not possible: algorithm.name: 'ppo' trains a critic" in choice.reason
+    # 12 GiB: streaming has 10.8 - 18.257 < 0, taking turns 10.8 - 6.256 = 4.5 GiB for 4.250 + 1.2 = 5.45.
+    choice = choose_gpu_split(job(), STAGES, 1, SHAPE, 12 * GIB)
+    assert choice.mode == "streaming" and choice.reason.endswith("colocate does not fit either: 5.5 GiB for 4.5 GiB")
+    assert "the trainer and reference leave 0.0 GiB" in choice.reason
+
+
+@pytest.mark.parametrize(("sections", "stages", "gpus"), [
+    ({}, STAGES, 0),  # CPU
+    ({}, STAGES, 2),  # disaggregated
+    ({"placement": "colocate", "dataflow": {"async_execution": False, "max_staleness": 0}}, STAGES, 1),
+    ({"placement": {"rollout": [0], "trainer": [0]}}, STAGES, 1),  # placed by hand
+    ({"rollout": {"kv_cache_gib": 2.0}}, STAGES, 1),  # the user sized vLLM
+    ({"rollout": {"gpu_memory_utilization": 0.3}}, STAGES, 1),
+    ({"rollout": {"max_model_len": 512}}, STAGES, 1),
+    ({"rollout": {"backend": "hf"}}, STAGES, 1),
+    ({}, ["source", "reference", "trainer"], 1),  # nothing generates
+])
+def test_no_split_is_chosen_where_the_user_chose_it_or_there_is_no_one_gpu(sections, stages, gpus):
+    raw = {**JOB, **sections}
+    if "rollout" in sections:
+        raw["rollout"] = {**JOB["rollout"], **sections["rollout"]}
+    assert choose_gpu_split(decode_config(raw), stages, gpus, SHAPE, 24 * GIB) is None
+    assert choose_gpu_split(job(), STAGES, 1, None, 24 * GIB) is None  # shape unknown
+    assert choose_gpu_split(job(), STAGES, 1, SHAPE, 0) is None  # memory unknown
+
+
+def test_to_colocate_changes_only_what_taking_turns_needs():
+    cfg = to_colocate(job(train={"sync_interval": 2}, dataflow={"max_staleness": 1}))
+    assert (cfg.placement.mode, cfg.dataflow.async_execution, cfg.dataflow.max_staleness, cfg.train.sync_interval,
+            cfg.rollout.sleep_mode) == ("colocate", False, 0, 1, True)
+    assert (cfg.rollout.n, cfg.train.prompts_per_step, cfg.data.max_prompt_len) == (8, 32, 64)
+
+
+def test_status_prints_the_choice_and_its_reason(monkeypatch):
+    from rich.console import Console
+
+    from pipeline.status import render_plan
+
+    FakeGpu(monkeypatch, 24)
+    cfg, plan = launch.plan_run_placement(job())
+    console = Console(width=400, record=True)
+    console.print(render_plan(cfg, launch.build_dataflow(cfg, plan), plan))
+    text = console.export_text()
+    assert "sync mode, max_staleness 0" in text and "placement auto: colocate on one GPU: streaming does not fit" in text
