@@ -10,7 +10,7 @@ Guarantees:
 
 Section names follow the seed config users know: ``model``, ``data``, ``rollout``,
 ``reward``, ``reference``, ``train``, ``algorithm``, ``dataflow``, ``placement``, ``run``,
-``record``.
+``record``, ``eval``.
 """
 
 from __future__ import annotations
@@ -677,6 +677,44 @@ class RecordConfig(msgspec.Struct, **_section()):
     state_every: NonNegInt = 10  # trainer state saved every k steps (replay starts there)
 
 
+class EvalConfig(msgspec.Struct, **_section()):
+    """Held-out evaluation between steps (``stages/evaluation/``; docs/evaluation.md). Off
+    while ``path`` is null. ``path``: a local JSONL or Parquet file, a ``datasets``
+    directory or a Hub dataset id (``split`` of ``config_name`` at ``revision``, fetched
+    before the run starts like ``data.path``), its prompt and answer in ``prompt_key``
+    and ``answer_key``, rendered like the training data (``data.chat_template``,
+    ``data.max_prompt_len``); the first ``num_prompts`` usable rows in file order (0: all).
+
+    Rollout worker 0 evaluates exactly one published policy version at a time: the
+    version after every ``every`` optimizer steps (0: none between), version 0 (or a
+    resumed run's first) with ``before_train``, and the final weights at the end. Each
+    prompt gets one greedy completion and, with ``temperature`` > 0, ``n`` samples at that
+    temperature (``seed``: per-request seeds), up to ``max_tokens`` tokens (null:
+    ``rollout.max_tokens``), scored by the run's ``reward.function``; a sample passes at a
+    reward >= ``pass_threshold`` (pass@k from the unbiased estimator). Results: ``eval/*``
+    rows in ``metrics.jsonl``, ``summary.json``'s ``eval`` and ``eval.png``. Nothing an
+    evaluation generates enters a queue, the ledger or the trainer."""
+
+    path: Annotated[str, Meta(min_length=1)] | None = None
+    split: Annotated[str, Meta(min_length=1)] = "test"
+    config_name: str | None = None
+    revision: str | None = None
+    prompt_key: Annotated[str, Meta(min_length=1)] = "prompt"
+    answer_key: Annotated[str, Meta(min_length=1)] = "ground_truth"
+    num_prompts: NonNegInt = 0  # 0 = every usable row
+    every: NonNegInt = 0  # optimizer steps between evaluations; 0 = only before_train and the final one
+    before_train: bool = False
+    n: PosInt = 1  # samples per prompt at ``temperature`` (pass@k for k <= n); > 1 needs temperature > 0
+    temperature: NonNegFloat = 0.0  # 0: the greedy completion alone
+    max_tokens: PosInt | None = None
+    pass_threshold: float = 1.0
+    seed: NonNegInt = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+
 class ConveyorConfig(msgspec.Struct, **_section()):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -690,6 +728,7 @@ class ConveyorConfig(msgspec.Struct, **_section()):
     placement: PlacementConfig = PlacementConfig()
     run: RunConfig = RunConfig()
     record: RecordConfig = RecordConfig()
+    eval: EvalConfig = EvalConfig()
 
     @property
     def run_dir(self) -> Path:
@@ -1000,6 +1039,7 @@ def check_config(cfg: ConveyorConfig) -> None:
     check_lora(cfg.model.lora)
     check_curriculum(cfg.data)
     check_pairs(cfg)
+    check_eval(cfg)
     cfg.algorithm.check(cfg)  # the algorithm's own rules, in its module
     if cfg.reward.path is not None and cfg.reward.function != "task":
         raise ConfigError(
@@ -1101,6 +1141,23 @@ def check_curriculum(data: DataConfig) -> None:
     if cur.demote_below is not None and cur.demote_below >= cur.promote_at:
         raise ConfigError(f"data.curriculum.demote_below: expected < promote_at ({cur.promote_at}), "
                           f"got {cur.demote_below}")
+
+
+def check_eval(cfg: ConveyorConfig) -> None:
+    """``eval``: a rollout to generate with, published versions to evaluate, and samples
+    that can differ when there are several."""
+    ev = cfg.eval
+    if not ev.enabled:
+        return
+    if cfg.algorithm.offline:
+        raise ConfigError(f"eval.path: evaluation generates with the rollout, and algorithm.name "
+                          f"{cfg.algorithm.name!r} runs none")
+    if ev.every % cfg.train.sync_interval:
+        raise ConfigError(f"eval.every: expected a multiple of train.sync_interval ({cfg.train.sync_interval}): "
+                          f"only published versions can be evaluated, got {ev.every}")
+    if ev.n > 1 and ev.temperature == 0:
+        raise ConfigError(f"eval.n: expected 1 with eval.temperature 0 (greedy completions are all the same), "
+                          f"got {ev.n}; set eval.temperature above 0 for pass@k")
 
 
 def check_pairs(cfg: ConveyorConfig) -> None:
