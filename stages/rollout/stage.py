@@ -289,8 +289,10 @@ class RolloutStage:
         await self.backend.wake_up(tags)
         self.wake_s_total += time.time() - t0
 
-    async def _apply(self, update: Any, payload_ref: Any) -> WeightConfirmation:
+    async def _apply(self, update: Any, payload_ref: Any) -> WeightConfirmation | None:
         async with self._applying:
+            if update.version <= self.backend.version:
+                return None  # ``finalize`` applied it (or a newer one) meanwhile
             return await self._apply_locked(update, payload_ref)
 
     async def _apply_locked(self, update: Any, payload_ref: Any, wake_kv: bool = True) -> WeightConfirmation:
