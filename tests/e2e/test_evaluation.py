@@ -16,7 +16,7 @@ from pipeline.metrics import is_eval_row, read_metrics
 from stages.evaluation.metrics import eval_metric_names
 
 QUICKSTART_EVAL = Path(__file__).parents[2] / "configs" / "quickstart_eval.yaml"
-STEPS, EVERY = 80, 40
+STEPS, EVERY = 120, 40
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +31,14 @@ def eval_run(ray_cluster, tmp_path_factory):
 def test_eval_rows_come_at_the_versions_due(eval_run):
     run_dir, summary, rows = eval_run
     evals = [r for r in rows if is_eval_row(r)]
-    # before training, every 40 steps; the final version (80) was due already: evaluated once
-    assert [r["step"] for r in evals] == [0, 40, 80]
+    # before training, every 40 steps; the final version (120) was due already: evaluated once
+    assert [r["step"] for r in evals] == [0, 40, 80, 120]
     assert all(set(r) == {"step", "time", *eval_metric_names(4)} for r in evals)
     assert all(r["eval/prompts"] == 64 and r["eval/reward_errors"] == 0 for r in evals)
     assert [r["step"] for r in rows if not is_eval_row(r)] == list(range(STEPS))
     ev = summary["eval"]
-    assert ev["evals"] == 3 and ev["skipped"] == []
-    assert [(ev[k]["version"], ev[k]["kind"]) for k in ("first", "last")] == [(0, "before_train"), (80, "periodic")]
+    assert ev["evals"] == 4 and ev["skipped"] == []
+    assert [(ev[k]["version"], ev[k]["kind"]) for k in ("first", "last")] == [(0, "before_train"), (120, "periodic")]
     assert ev["best"]["eval/reward_mean"] == max(r["eval/reward_mean"] for r in evals)
     assert (run_dir / "eval.png").is_file()
 
@@ -52,7 +52,7 @@ def test_evaluation_stays_out_of_the_training_accounting(eval_run):
     # The rollout counts the samples it sent down the queues: the evaluations' are not among them.
     assert summary["rollout"][0]["samples"] == s["produced"]
     calls = summary["controller_calls"]
-    assert calls["report_eval"] == 3 and calls["finish_step"] == STEPS
+    assert calls["report_eval"] == 4 and calls["finish_step"] == STEPS
 
 
 def test_the_greedy_held_out_reward_rises(eval_run):

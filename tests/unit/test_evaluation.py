@@ -4,7 +4,6 @@ driver's log and rows, the held-out prompts and the evaluator against a fake eng
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from pathlib import Path
