@@ -178,9 +178,12 @@ class ControllerActor:
             due = sorted(v for v in self._held if v > newer_than) if evaluating else []
             return self._held[due[0]] if due else (self._update, self._payload)
 
-    def latest_update(self) -> tuple[WeightUpdate | None, list[Any]]:
+    def latest_update(self, newer_than: int = -1, evaluating: bool = False) -> tuple[WeightUpdate | None, list[Any]]:
+        """The newest published update (None before any), at once; ``evaluating``: the
+        oldest held version newer than ``newer_than`` comes first, as in ``wait_for_update``."""
         self.calls["latest_update"] += 1
-        return self._update, self._payload
+        due = sorted(v for v in self._held if v > newer_than) if evaluating else []
+        return self._held[due[0]] if due else (self._update, self._payload)
 
     def confirm(self, confirmed: WeightConfirmation) -> None:
         """A rollout worker now serves ``confirmed.version`` (outside the watch loop:
@@ -317,8 +320,8 @@ class ControllerClient:
         update, payload = await self.actor.wait_for_update.remote(newer_than, timeout_s, confirmed, evaluating)
         return update, payload[0] if payload else None
 
-    async def latest_update(self) -> tuple[WeightUpdate | None, Any]:
-        update, payload = await self.actor.latest_update.remote()
+    async def latest_update(self, newer_than: int = -1, evaluating: bool = False) -> tuple[WeightUpdate | None, Any]:
+        update, payload = await self.actor.latest_update.remote(newer_than, evaluating)
         return update, payload[0] if payload else None
 
     async def confirm(self, confirmed: WeightConfirmation) -> None:

@@ -438,14 +438,16 @@ class RolloutStage:
             self.occupancy.remove(count, time.time())
 
     async def finalize(self) -> None:
-        """The final evaluation (an ``Evaluator``'s worker): the newest published weights,
-        unless they were evaluated already."""
+        """The final evaluation (an ``Evaluator``'s worker): the versions still due, oldest
+        first, then the newest published weights, unless they were evaluated already."""
         if self.evaluator is None or self._watch_error is not None:
             return
-        update, payload = await self.ctx.controller.latest_update()
+        while True:
+            update, payload = await self.ctx.controller.latest_update(self.backend.version, True)
+            if update is None or update.version <= self.backend.version:
+                break
+            await self._apply_and_evaluate(update, payload, self.evaluator.kind(update.version) or "final")
         async with self._applying:
-            if update is not None and update.version > self.backend.version:
-                await self.ctx.controller.confirm(await self._apply_locked(update, payload))
             if self.asleep:
                 self.ctx.log.warning("final_eval_skipped", policy_version=self.backend.version,
                                      reason="the engine sleeps and no newer weights wake it")
