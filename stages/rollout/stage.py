@@ -31,6 +31,7 @@ Mechanisms: docs/architecture.md, "Rollout stage".
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections import Counter
@@ -253,7 +254,8 @@ class RolloutStage:
         self._generating += 1  # a colocated sleep waits for it
         try:
             with self.ctx.spans.span("eval"):
-                result = await self.evaluator.evaluate(self._generate_prompts, version, kind, self.ctx.worker_id)
+                result = await self.evaluator.evaluate(functools.partial(self._generate_prompts, metered=False),
+                                                       version, kind, self.ctx.worker_id)
         finally:
             async with self._idle:
                 self._generating -= 1
@@ -421,11 +423,12 @@ class RolloutStage:
         self.length_counts.update(int(n) for n in batch.completion_lens)
         return batch
 
-    async def _generate_prompts(self, prompt_ids: list[list[int]], texts: list[str],
-                                sampling: SamplingSettings) -> list[GenerationResult]:
+    async def _generate_prompts(self, prompt_ids: list[list[int]], texts: list[str], sampling: SamplingSettings,
+                                metered: bool = True) -> list[GenerationResult]:
         """One engine call for the prompts' token ids (their ``texts`` for the tools loop
-        when ``rollout.tools`` is set): training and evaluation generate alike."""
-        count = len(prompt_ids) * sampling.n
+        when ``rollout.tools`` is set): training and evaluation generate alike; only
+        ``metered`` calls (training's) count in ``occupancy``."""
+        count = len(prompt_ids) * sampling.n if metered else 0
         self.occupancy.add(count, time.time())
         try:
             if self.cfg.rollout.tools is not None:

@@ -400,8 +400,9 @@ class FakeAnsweringBackend:
     that answers better with each version, as training would make it: to a prompt
     ``<d>...=`` a greedy completion answers ``d`` from version 2 on, sampled completion j
     once ``j < version - 1``; any other answer is ``x``. Each ``generate`` takes
-    ``GENERATE_S`` and logs ("generate", version at its start, version at its end,
-    temperature); ``update_weights`` logs ("update", version)."""
+    ``GENERATE_S`` (after ``gate``, when one is set, opens) and logs ("generate", version
+    at its start, version at its end, temperature); ``update_weights`` logs ("update",
+    version)."""
 
     GENERATE_S = 0.1
 
@@ -411,6 +412,7 @@ class FakeAnsweringBackend:
         self.tok = AutoTokenizer.from_pretrained(model_path)
         self.version = 0
         self.events: list[tuple[Any, ...]] = []
+        self.gate: asyncio.Event | None = None
 
     async def start(self) -> None:
         return None
@@ -418,6 +420,8 @@ class FakeAnsweringBackend:
     async def generate(self, prompt_token_ids: list[list[int]], sampling: Any) -> list[Any]:
         from stages.rollout.base import Completion, GenerationResult
 
+        if self.gate is not None:
+            await self.gate.wait()
         began = self.version
         await asyncio.sleep(self.GENERATE_S)
         self.events.append(("generate", began, self.version, sampling.temperature))

@@ -49,11 +49,13 @@ def test_worker_zero_evaluates_each_due_version_on_its_own_weights(ray_cluster):
         stage = EvalRolloutStage()
         ctx = FakeStageContext("rollout", cfg)
         ctx.controller = controller
-        await stage.setup(ctx)  # the watcher starts evaluating version 0 (before_train)
+        await stage.setup(ctx)  # the watcher will evaluate version 0 (before_train) first
         backend = stage.backend
-        # While it does, the trainer publishes four versions and a training micro-batch arrives.
+        backend.gate = asyncio.Event()  # closed: that evaluation generates nothing yet
+        # Meanwhile the trainer publishes four versions; then a training micro-batch arrives.
         for version in range(1, 5):
             await controller.publish(*update(version))
+        backend.gate.set()
         batch = PromptBatch(batch_id=0, step=0, prompts=[Prompt(prompt_id="p0", text="41="),
                                                          Prompt(prompt_id="p1", text="52=")])
         trained = await stage.process(batch)
@@ -82,8 +84,9 @@ def test_worker_zero_evaluates_each_due_version_on_its_own_weights(ray_cluster):
     assert [by_version[v]["eval/pass@2"] for v in (0, 2, 4, 6, 7)] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert all(m["eval/prompts"] == 6.0 for m in by_version.values())
     # Held back for the evaluations: 1 and 3 were never applied (nothing was due there),
-    # 2 and 4 were although newer ones had been published; 5 may have been, as it came
-    # alone; no generation saw a change of weights.
+    # 2 and 4 were although newer ones had been published; at the end 5 may have been
+    # applied on its way (the watcher may have seen it alone); no generation saw a change
+    # of weights.
     applied = [e[1] for e in events if e[0] == "update"]
     assert applied in ([2, 4, 6, 7], [2, 4, 5, 6, 7])
     generations = [e for e in events if e[0] == "generate"]
