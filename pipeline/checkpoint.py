@@ -40,6 +40,7 @@ from typing import Any
 import msgspec
 
 from pipeline.config import ConfigError
+from pipeline.metrics import is_eval_row
 
 SCHEMA_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"
@@ -52,7 +53,7 @@ SAFE_RESUME_KEYS = (
     "run.overwrite", "run.dir", "run.max_restarts", "run.auto_resume", "rollout.max_engine_restarts",
     "train.checkpoint_every", "train.keep_checkpoints", "train.weight_sync_timeout_s", "train.save_checkpoint",
     "train.on_checkpoint_error", "train.max_bad_steps",
-    "record.", "placement.",
+    "record.", "placement.", "eval.",  # evaluation reads the weights, never changes them
     # Where vLLM's memory goes, not what is learned (runs saved before the planned KV
     # cache hold kv_cache_gib: 1.0; resume them with rollout.kv_cache_gib=null).
     "rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.max_model_len",
@@ -241,7 +242,9 @@ def restore_metrics(path: Path, rows: list[dict[str, Any]]) -> int:
     last = -1
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
-            last = max(last, int(json.loads(line)["step"]))
+            row = json.loads(line)
+            if not is_eval_row(row):  # an evaluation's step is a version, not a logged step
+                last = max(last, int(row["step"]))
     missing = sorted((r for r in rows if int(r["step"]) > last), key=lambda r: int(r["step"]))
     if missing:
         with path.open("a", encoding="utf-8") as f:
@@ -252,7 +255,8 @@ def restore_metrics(path: Path, rows: list[dict[str, Any]]) -> int:
 
 def truncate_metrics(path: Path, before_step: int) -> int:
     """Keep the rows of ``metrics.jsonl`` for steps below ``before_step`` (the resumed run
-    logs the later ones again); a torn line is dropped too. Returns the lines removed."""
+    logs the later ones again), and the evaluations of versions up to ``before_step`` (the
+    checkpoint's weights and older ones); a torn line is dropped too. Returns the lines removed."""
     if not path.is_file():
         return 0
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -262,7 +266,8 @@ def truncate_metrics(path: Path, before_step: int) -> int:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < before_step:
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and (
+                row["step"] < before_step or (is_eval_row(row) and row["step"] == before_step)):
             kept.append(line if line.endswith("\n") else line + "\n")
     if len(kept) == len(lines):
         return 0

@@ -2,8 +2,8 @@
 
 It owns no compute and no tensors. It holds the prompt ledger, the policy version board,
 the trainer's per-step metrics, the lock-step barrier, colocated GPU turns, the
-curriculum level and the staleness bound η (``max_staleness: auto``: the driver raises it;
-docs/architecture.md, "Controller"). Stages reach it only through
+curriculum level, the staleness bound η (``max_staleness: auto``: the driver raises it)
+and the evaluations' results (docs/architecture.md, "Controller"). Stages reach it only through
 ``ControllerClient`` (typed, one remote call per method), and only where the data needs it.
 
 Guarantees:
@@ -13,8 +13,13 @@ Guarantees:
 - lock-step: prompts of step k are admitted only once the trainer finished step k - 1;
 - η only grows; every weight update a rollout worker is handed carries η as it stands;
 - colocated: the trainer trains only once every rollout worker confirmed its GPU free;
+- evaluation (``eval``): the weights of every version the ``EvalSchedule`` calls due stay
+  here until its result is reported (at most ``MAX_HELD_EVAL_VERSIONS``; older ones are
+  given up and named in ``evals_skipped``), and the worker that evaluates is handed the
+  oldest of them first, so it evaluates exactly those versions, in order;
 - call budget: at most one call per micro-batch, one per optimizer step, one per weight
-  update per rollout worker (plus drops and colocated turns); telemetry never comes
+  update per rollout worker (plus drops, colocated turns and, per evaluation, the
+  evaluating worker's confirmation and its result); telemetry never comes
   here; ``calls`` counts calls by method so tests and ``summary.json`` check the budget.
 """
 
@@ -27,7 +32,8 @@ from typing import Any
 
 import ray
 
-from pipeline.types import WeightConfirmation, WeightUpdate
+from pipeline.evaluation import EvalSchedule
+from pipeline.types import EvalResult, WeightConfirmation, WeightUpdate
 from pipeline.versions import Ledger
 
 # The step metric carrying the curriculum's level (stages/data/curriculum.py sets it).
@@ -36,18 +42,23 @@ CURRICULUM_LEVEL = "curriculum/level"
 # Publish times of the newest versions, for the publish-to-serve lag: a worker confirms
 # the newest update it found, so one older than these has long been superseded.
 PUBLISH_TIMES_KEPT = 64
+# Versions due an evaluation whose weights wait for the evaluating worker; beyond this
+# the oldest is given up (each held version keeps its weights in the object store).
+MAX_HELD_EVAL_VERSIONS = 4
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000, enable_task_events=False)  # as QueueActor's
 class ControllerActor:
     def __init__(self, target_prompts: int, prompts_per_step: int,
                  resumed: dict[str, Any] | None = None, barrier: bool = False,
-                 max_staleness: int | None = None, auto_staleness: bool = False) -> None:
+                 max_staleness: int | None = None, auto_staleness: bool = False,
+                 evals: EvalSchedule | None = None) -> None:
         """``resumed``: ``{"version", "trained_prompts", "dropped"}`` of the checkpoint a
         resumed run starts from; its prompts count as trained or dropped, none in flight.
         ``barrier``: lock-step, the admission of step k waits for trainer version k.
         ``max_staleness``: η at the start (None: the stages keep their config's);
-        ``auto_staleness``: the driver may raise it (``set_max_staleness``)."""
+        ``auto_staleness``: the driver may raise it (``set_max_staleness``).
+        ``evals``: the versions due an evaluation (None: ``eval`` is off)."""
         self.ledger = Ledger(target=target_prompts, prompts_per_step=prompts_per_step)
         self.barrier = barrier
         self._max_staleness = self._start_staleness = max_staleness
@@ -66,6 +77,11 @@ class ControllerActor:
         self._sleep_version = -1  # colocate: the newest version whose training asked for the GPU
         self._asleep: set[str] = set()  # rollout workers that confirmed sleeping for it
         self.calls: collections.Counter[str] = collections.Counter()
+        self._evals = evals
+        self._held: dict[int, tuple[WeightUpdate, list[Any]]] = {}  # version due an evaluation -> its weights
+        self._eval_results: list[EvalResult] = []  # reported since the last drain
+        self._evals_reported = 0
+        self._evals_skipped: list[int] = []
         if resumed:
             self.ledger.trained = int(resumed["trained_prompts"])
             self.ledger.dropped.update({k: int(v) for k, v in resumed["dropped"].items()})
@@ -147,16 +163,22 @@ class ControllerActor:
         if self._update is not None and update.version <= self._update.version:
             raise ValueError(f"publish: version {update.version} is not newer than {self._update.version}")
         self._update, self._payload = update, payload
+        if self._evals is not None and self._evals.kind(update.version) is not None:
+            self._held[update.version] = (update, payload)
+            if len(self._held) > MAX_HELD_EVAL_VERSIONS:
+                self._evals_skipped.append(min(self._held))
+                del self._held[min(self._held)]
         self._published_at[update.version] = time.time()
         if len(self._published_at) > PUBLISH_TIMES_KEPT:  # versions go in ascending: drop the oldest
             del self._published_at[next(iter(self._published_at))]
 
     async def wait_for_update(self, newer_than: int, timeout_s: float | None,
                               confirmed: WeightConfirmation | None = None,
-                              ) -> tuple[WeightUpdate | None, list[Any], int | None]:
+                              evaluating: bool = False) -> tuple[WeightUpdate | None, list[Any], int | None]:
         """Wait for a published version newer than ``newer_than`` (None on timeout); with
         it its payload and η as it stands. ``confirmed``: the update the worker applied
-        since its last call.
+        since its last call. ``evaluating``: the worker evaluates: the oldest held version
+        newer than ``newer_than`` comes before the newest one.
 
         A stop does not end the wait: after an interrupt, what is in flight drains, and
         micro-batches of later steps still need the versions the trainer publishes.
@@ -174,11 +196,15 @@ class ControllerActor:
                 return None, [], self._max_staleness
             if self._update is None or self._update.version <= newer_than:
                 return None, [], self._max_staleness
-            return self._update, self._payload, self._max_staleness
+            due = sorted(v for v in self._held if v > newer_than) if evaluating else []
+            return (*(self._held[due[0]] if due else (self._update, self._payload)), self._max_staleness)
 
-    def latest_update(self) -> tuple[WeightUpdate | None, list[Any]]:
+    def latest_update(self, newer_than: int = -1, evaluating: bool = False) -> tuple[WeightUpdate | None, list[Any]]:
+        """The newest published update (None before any), at once; ``evaluating``: the
+        oldest held version newer than ``newer_than`` comes first, as in ``wait_for_update``."""
         self.calls["latest_update"] += 1
-        return self._update, self._payload
+        due = sorted(v for v in self._held if v > newer_than) if evaluating else []
+        return self._held[due[0]] if due else (self._update, self._payload)
 
     def confirm(self, confirmed: WeightConfirmation) -> None:
         """A rollout worker now serves ``confirmed.version`` (outside the watch loop:
@@ -191,6 +217,15 @@ class ControllerActor:
         self._served[c.worker] = {"version": c.version, "fingerprint": list(c.fingerprint), "verified": c.verified}
         self._sync_log.append({"worker": c.worker, "version": c.version, "verified": c.verified,
                                "apply_s": c.apply_s, "publish_to_serve_s": lag, "time": time.time()})
+
+    # ---------------------------------------------------------------- evaluation
+    def report_eval(self, result: EvalResult) -> None:
+        """An evaluation's result; the weights held for it (and any older) are let go."""
+        self.calls["report_eval"] += 1
+        self._eval_results.append(result)
+        self._evals_reported += 1
+        for version in [v for v in self._held if v <= result.version]:
+            del self._held[version]
 
     # ---------------------------------------------------------------- colocate: GPU turns
     async def hand_gpus_to_trainer(self, version: int, workers: int, timeout_s: float) -> list[str]:
@@ -227,7 +262,8 @@ class ControllerActor:
         """Everything new since the last drain, plus the current counters."""
         steps, self._steps = self._steps, []
         syncs, self._sync_log = self._sync_log, []
-        return {"steps": steps, "syncs": syncs, **self.summary()}
+        evals, self._eval_results = self._eval_results, []
+        return {"steps": steps, "syncs": syncs, "eval_results": evals, **self.summary()}
 
     def summary(self) -> dict[str, Any]:
         staleness = None if self._max_staleness is None else {
@@ -240,6 +276,8 @@ class ControllerActor:
             "served": dict(self._served),
             "stop_reason": self._stop_reason,
             "calls": dict(self.calls),
+            **({"evals": {"reported": self._evals_reported, "skipped": list(self._evals_skipped),
+                          "held": sorted(self._held)}} if self._evals is not None else {}),
         }
 
 
@@ -301,23 +339,26 @@ class ControllerClient:
 
     async def wait_for_update(self, newer_than: int, timeout_s: float | None = None,
                               confirmed: WeightConfirmation | None = None,
-                              ) -> tuple[WeightUpdate | None, Any, int | None]:
+                              evaluating: bool = False) -> tuple[WeightUpdate | None, Any, int | None]:
         """(update, its payload: an ``ObjectRef`` or inline bytes, see ``resolve_payload``,
         η as it stands: None where the controller was given none), or (None, None, η) on
-        timeout."""
-        update, payload, eta = await self.actor.wait_for_update.remote(newer_than, timeout_s, confirmed)
+        timeout. ``evaluating``: see ``ControllerActor.wait_for_update``."""
+        update, payload, eta = await self.actor.wait_for_update.remote(newer_than, timeout_s, confirmed, evaluating)
         return update, payload[0] if payload else None, eta
 
     async def set_max_staleness(self, eta: int, reason: str) -> None:
         """The driver's η for ``max_staleness: auto`` (see the actor's method)."""
         await self.actor.set_max_staleness.remote(eta, reason)
 
-    async def latest_update(self) -> tuple[WeightUpdate | None, Any]:
-        update, payload = await self.actor.latest_update.remote()
+    async def latest_update(self, newer_than: int = -1, evaluating: bool = False) -> tuple[WeightUpdate | None, Any]:
+        update, payload = await self.actor.latest_update.remote(newer_than, evaluating)
         return update, payload[0] if payload else None
 
     async def confirm(self, confirmed: WeightConfirmation) -> None:
         await self.actor.confirm.remote(confirmed)
+
+    async def report_eval(self, result: EvalResult) -> None:
+        await self.actor.report_eval.remote(result)
 
     async def hand_gpus_to_trainer(self, version: int, workers: int, timeout_s: float) -> list[str]:
         return await self.actor.hand_gpus_to_trainer.remote(version, workers, timeout_s)

@@ -1,5 +1,5 @@
-"""Hugging Face Hub names for ``model.path``, ``reference.path`` and ``data.path``,
-resolved into the user's Hub cache before Ray starts.
+"""Hugging Face Hub names for ``model.path``, ``reference.path``, ``data.path`` and
+``eval.path``, resolved into the user's Hub cache before Ray starts.
 
 Guarantees of ``resolve_hub_names``:
 - A value that is ``tiny``, an existing local path, or not shaped like a Hub id
@@ -10,7 +10,8 @@ Guarantees of ``resolve_hub_names``:
   is read.
 - Models: only what a run loads is fetched (``MODEL_FILES``: config, generation
   config, tokenizer files, safetensors weights), at ``model.revision``.
-- Datasets (``repo_type="dataset"``, at ``data.revision``), without the ``datasets``
+- Datasets (``repo_type="dataset"``, at ``data.revision``; the held-out set likewise with
+  ``eval``'s own ``split``, ``config_name`` and ``revision``), without the ``datasets``
   package: the split's files are chosen from the dataset card's ``configs:``
   (``data_files`` of ``data.config_name``, else the default or only config), else from
   the standard layouts (``data/<split>-*``, ``<config>/<split>-*``, ``<split>.jsonl``...);
@@ -65,7 +66,12 @@ def resolve_hub_names(cfg: ConveyorConfig) -> tuple[ConveyorConfig, list[str]]:
         local = fetch_dataset(data.path, data.split, data.config_name, data.revision)
         notes.append(f"hub: data.path {data.path} ({data.config_name or 'default'}/{data.split}) -> {local}")
         data = msgspec.structs.replace(data, path=local)
-    return msgspec.structs.replace(cfg, model=model, reference=reference, data=data), notes
+    ev = cfg.eval
+    if is_hub_id(ev.path):
+        local = fetch_dataset(ev.path, ev.split, ev.config_name, ev.revision, section="eval")
+        notes.append(f"hub: eval.path {ev.path} ({ev.config_name or 'default'}/{ev.split}) -> {local}")
+        ev = msgspec.structs.replace(ev, path=local)
+    return msgspec.structs.replace(cfg, model=model, reference=reference, data=data, eval=ev), notes
 
 
 def fetch_model(repo_id: str, revision: str | None, section: str) -> Path:
@@ -75,38 +81,43 @@ def fetch_model(repo_id: str, revision: str | None, section: str) -> Path:
     return Path(_snapshot(repo_id, "model", revision, MODEL_FILES, f"{section}.path", "model.revision"))
 
 
-def fetch_dataset(repo_id: str, split: str, config_name: str | None, revision: str | None) -> str:
-    """``data.path`` for one split of a dataset repository: its file, or a glob over its shards."""
+def fetch_dataset(repo_id: str, split: str, config_name: str | None, revision: str | None,
+                  section: str = "data") -> str:
+    """``<section>.path`` (``data`` or ``eval``) for one split of a dataset repository: its
+    file, or a glob over its shards."""
     print(f"hub: fetching dataset {repo_id} ({config_name or 'default'}/{split}, revision {revision or 'main'}) "
           f"into the Hugging Face cache", flush=True)
     root = Path(_snapshot(repo_id, "dataset", revision, [CARD, *_layout_patterns(split, config_name)],
-                          "data.path", "data.revision"))
-    patterns = split_patterns(_read_card(root / CARD), split, config_name)
+                          f"{section}.path", f"{section}.revision"))
+    patterns = split_patterns(_read_card(root / CARD), split, config_name, section)
     if patterns is None:
         patterns = _layout_patterns(split, config_name)
     else:  # the card names the files: fetch those (a no-op where the layout matched them)
-        _snapshot(repo_id, "dataset", revision, patterns, "data.path", "data.revision")
+        _snapshot(repo_id, "dataset", revision, patterns, f"{section}.path", f"{section}.revision")
     files = match_data_files(root, patterns)
     if not files:
-        raise ConfigError(f"data.split: no data file of split {split!r}"
+        raise ConfigError(f"{section}.split: no data file of split {split!r}"
                           f"{f' (config {config_name!r})' if config_name else ''} in the dataset {repo_id} "
-                          f"(looked for {', '.join(patterns)}); see its files on the Hub and set data.split "
-                          f"or data.config_name")
+                          f"(looked for {', '.join(patterns)}); see its files on the Hub and set {section}.split "
+                          f"or {section}.config_name")
     kinds = {f.suffix for f in files}
     if len(kinds) > 1:
-        raise ConfigError(f"data.split: split {split!r} of {repo_id} mixes file kinds {sorted(kinds)}")
+        raise ConfigError(f"{section}.split: split {split!r} of {repo_id} mixes file kinds {sorted(kinds)}")
     if len(files) == 1:
         return str(files[0])
     glob = files[0].parent / f"{_common_prefix([f.name for f in files])}*{files[0].suffix}"
     if sorted(glob.parent.glob(glob.name)) != files:
-        raise ConfigError(f"data.split: the files of split {split!r} of {repo_id} are not one folder's shards "
-                          f"({', '.join(str(f.relative_to(root)) for f in files[:4])}...); point data.path at one")
+        raise ConfigError(f"{section}.split: the files of split {split!r} of {repo_id} are not one folder's shards "
+                          f"({', '.join(str(f.relative_to(root)) for f in files[:4])}...); point {section}.path "
+                          f"at one")
     return str(glob)
 
 
-def split_patterns(card: dict[str, Any] | None, split: str, config_name: str | None) -> list[str] | None:
+def split_patterns(card: dict[str, Any] | None, split: str, config_name: str | None,
+                   section: str = "data") -> list[str] | None:
     """The ``data_files`` patterns of ``split`` in the dataset card's ``configs:`` (None:
-    the card lists no configs). ``ConfigError`` for an unknown config or split."""
+    the card lists no configs). ``ConfigError`` for an unknown config or split, naming
+    ``<section>.config_name`` or ``<section>.split``."""
     configs = (card or {}).get("configs")
     if not isinstance(configs, list) or not configs:
         return None
@@ -116,11 +127,11 @@ def split_patterns(card: dict[str, Any] | None, split: str, config_name: str | N
         if chosen is None and len(by_name) == 1:
             chosen = next(iter(by_name.values()))
         if chosen is None:
-            raise ConfigError(f"data.config_name: the dataset has configs {sorted(by_name)}; choose one")
+            raise ConfigError(f"{section}.config_name: the dataset has configs {sorted(by_name)}; choose one")
     elif config_name in by_name:
         chosen = by_name[config_name]
     else:
-        raise ConfigError(f"data.config_name: expected one of {sorted(by_name)}, got {config_name!r}")
+        raise ConfigError(f"{section}.config_name: expected one of {sorted(by_name)}, got {config_name!r}")
     files = chosen.get("data_files")
     if isinstance(files, str):
         files = [files]
@@ -131,7 +142,7 @@ def split_patterns(card: dict[str, Any] | None, split: str, config_name: str | N
     else:
         splits = {f.get("split"): f.get("path") for f in files or [] if isinstance(f, dict)}
     if split not in splits:
-        raise ConfigError(f"data.split: expected one of {sorted(map(str, splits))}, got {split!r}")
+        raise ConfigError(f"{section}.split: expected one of {sorted(map(str, splits))}, got {split!r}")
     path = splits[split]
     return [path] if isinstance(path, str) else list(path)
 

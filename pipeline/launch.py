@@ -14,7 +14,10 @@ Guarantees:
   the run with the resume command (``run.auto_resume``: at most
   ``AUTO_RESUME_ATTEMPTS`` resumes by itself);
 - each step's metrics carry every stage's latest ``memory/``, ``admission/`` and
-  ``oom/`` metrics, ``summary.json`` their final values under ``admission``.
+  ``oom/`` metrics, ``summary.json`` their final values under ``admission``;
+- with ``eval`` the rollout node evaluates (``rollout_eval``; a custom graph without an
+  evaluating rollout is refused, exit 2); each result is an ``eval/*`` row, ``summary.json``
+  holds ``eval`` (first, last, best) and ``eval.png`` draws them (``pipeline/evaluation.py``).
 """
 
 from __future__ import annotations
@@ -34,11 +37,20 @@ from pipeline.checkpoint import find_latest_checkpoint, prepare_run_dir, reconci
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
 from pipeline.dtypes import DTYPE_BYTES
+from pipeline.evaluation import EVAL_PICTURE, EvalLog, check_eval_node, plot_evals
 from pipeline.gpu_split import choose_gpu_split, detect_free_gpu_bytes, to_colocate
 from pipeline.log import configure_logging, get_logger
 from pipeline.memory.admission import ModelShape
 from pipeline.memory.guard import merge_guard_metrics
-from pipeline.metrics import SUMMARY_FILE, MetricsWriter, accumulate_totals, launch_totals, read_summary, write_summary
+from pipeline.metrics import (
+    SUMMARY_FILE,
+    MetricsWriter,
+    accumulate_totals,
+    launch_totals,
+    read_metrics,
+    read_summary,
+    write_summary,
+)
 from pipeline.placement import (
     RESERVE_FRACTION,
     PlacementPlan,
@@ -114,12 +126,14 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
                 extra["max_restarts"] = cfg.run.max_restarts
             several_updates = cfg.train.ppo_epochs > 1 or cfg.train.ppo_mini_batches > 1
             cls = stage_class("ppo_trainer" if name == "trainer" and several_updates
-                              else "pairs" if name == "source" and cfg.algorithm.offline else name)
+                              else "pairs" if name == "source" and cfg.algorithm.offline
+                              else "rollout_eval" if name == "rollout" and cfg.eval.enabled else name)
             df.add_node(name, cls, prev, num_cpus=place.num_cpus, num_gpus=place.num_gpus,
                         resources=place.resources, **extra)
             prev = name
     df.queue_sizes.update(cfg.dataflow.queue_sizes)
     df.validate()
+    check_eval_node(cfg, df)
     if plan is not None:
         for name, node in df.nodes.items():
             placed = plan.stages.get(name)
@@ -276,6 +290,7 @@ class Reporter:
         self.started = time.time()
         self.launched = self.started  # the launch's start (pre-flight's), set by the launch
         self.previous_summary: dict[str, Any] | None = None  # the summary a resumed run's last launch left
+        self.evals = EvalLog()  # continued from previous_summary by the launch of a resumed run
         self.processes: dict[str, list[Any]] = {}
         self.restarts: dict[str, int] = {}
         self._object_store = _ObjectStoreGauge()
@@ -334,6 +349,9 @@ class Reporter:
             self.last_step = metrics
             if self._progress:
                 self._progress.update(metrics)
+        for result in drain.get("eval_results", []):
+            self.writer.log_eval(result.version, result.metrics, at=result.time)
+            self.evals.add(result)
         self._write_status({**drain, "status": graph.stage_status}, queues)
 
     def _write_status(self, drain: dict[str, Any], queues: dict[str, Any], state: str = "running") -> None:
@@ -351,6 +369,7 @@ class Reporter:
             "stages": drain["status"],
             "queues": queues,
             "last_step": self.last_step,
+            "last_eval": self.evals.last,
             # Where each stage runs now (a restarted one moves): for benches and operators.
             "processes": self.processes,
             "restarts": self.restarts,
@@ -491,6 +510,7 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
     reporter.launched = launched
     # Read before this launch writes its own: the run's totals so far (a resume continues them).
     reporter.previous_summary = read_summary(run_dir) if cfg.run.resume_from else None
+    reporter.evals = EvalLog(reporter.previous_summary)
     try:
         return _drive(cfg, df, plan, run_dir, taps, reporter, checks, resumes)
     finally:
@@ -561,7 +581,8 @@ def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter
                "wall_s": time.time() - reporter.started,
                "startup": reporter.startup,
                "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
-               "samples_trained": int((reporter.last_step or {}).get("samples/trained", 0))}
+               "samples_trained": int((reporter.last_step or {}).get("samples/trained", 0)),
+               **({"eval": reporter.evals.summary()} if cfg.eval.enabled else {})}
     write_summary(run_dir, add_run_totals(summary, reporter))
     reporter.writer.finish(summary, [run_dir / SUMMARY_FILE])
     log.warning("run_stopped", **{k: v for k, v in summary.items() if k != "run"})
@@ -683,12 +704,18 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
         "admission": summarise_admission(result.reports),
         "max_staleness": reporter.describe_staleness(result.controller),
+        # Versions whose weights the controller gave up before worker 0 evaluated them.
+        **({"eval": {**reporter.evals.summary(), "skipped": result.controller.get("evals", {}).get("skipped", [])}}
+           if cfg.eval.enabled else {}),
     }
     write_summary(run_dir, add_run_totals(summary, reporter))
-    reporter.writer.finish(summary, [run_dir / SUMMARY_FILE, run_dir / "timeline.png"])
+    if cfg.eval.enabled:
+        plot_evals(read_metrics(run_dir), run_dir / EVAL_PICTURE)
+    reporter.writer.finish(summary, [run_dir / SUMMARY_FILE, run_dir / "timeline.png", run_dir / EVAL_PICTURE])
     if agg:
         print(format_summary_table(agg))
     log.info("done", wall_s=round(result.wall_s, 1), steps=summary["steps"],
              reward_first=summary["reward_first"], reward_last=summary["reward_last"],
+             **({"eval_last": (reporter.evals.last or {}).get("eval/reward_mean")} if cfg.eval.enabled else {}),
              dropped=summary["samples"]["dropped"], run_dir=str(run_dir))
     return summary

@@ -10,6 +10,10 @@ Guarantees:
   not import, one warning is logged and the JSONL file is still written. It receives
   every row's scalars, the config and the summary as text and ``timeline.png`` as an
   image; so do the trackers of ``run.trackers`` (``pipeline/trackers.py``).
+- ``log_eval`` writes an evaluation's ``eval/*`` values as a row of its own whose
+  ``step`` is the policy version evaluated (``is_eval_row`` tells them apart); it may
+  come after rows of later steps, so trackers that need steps in order get it on an
+  axis of its own (``eval/step``).
 - ``read_metrics`` returns the logged rows in order; a torn last line (the process died
   mid-write) is skipped, a malformed line elsewhere raises ``ValueError`` with its number.
 - ``write_summary`` replaces ``summary.json`` atomically: readers see the old file or
@@ -37,6 +41,7 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
 _RESERVED = ("step", "time")
+EVAL_PREFIX = "eval/"
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +72,24 @@ class MetricsWriter:
     def log(self, step: int, metrics: Mapping[str, float], *, at: float | None = None) -> None:
         """One row; ``at``: its ``time`` (default now), e.g. when the step ended rather
         than when the driver heard of it."""
+        values = self._write_row(step, metrics, at)
+        for tracker in self.trackers:
+            if tracker is not self._tb:
+                tracker.log_metrics(int(step), values)
+
+    def log_eval(self, version: int, metrics: Mapping[str, float], *, at: float | None = None) -> None:
+        """One evaluation's ``eval/*`` values as a row of its own at ``step`` = the policy
+        version evaluated (see the module guarantees)."""
+        wrong = [k for k in metrics if not k.startswith(EVAL_PREFIX)]
+        if wrong:
+            raise ValueError(f"eval rows hold {EVAL_PREFIX}* metrics only, got {wrong}")
+        values = self._write_row(version, metrics, at)  # the file and TensorBoard take any step order
+        for tracker in self.trackers:
+            if tracker is not self._tb:
+                tracker.log_eval(int(version), values)
+
+    def _write_row(self, step: int, metrics: Mapping[str, float], at: float | None) -> dict[str, float]:
+        """The row to ``metrics.jsonl`` (flushed) and TensorBoard; its values as floats."""
         if self._file is None:
             raise RuntimeError(f"MetricsWriter for {self.path} is closed")
         clash = [k for k in _RESERVED if k in metrics]
@@ -79,9 +102,7 @@ class MetricsWriter:
         self._file.flush()
         if self._tb is not None:
             self._tb.write(int(step), values, row["time"])
-        for tracker in self.trackers:
-            if tracker is not self._tb:
-                tracker.log_metrics(int(step), values)
+        return values
 
     def close(self) -> None:
         if self._file is not None:
@@ -123,6 +144,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                 break
             raise ValueError(f"{path}:{i}: not a JSON object ({exc})") from None
     return rows
+
+
+def is_eval_row(row: Mapping[str, Any]) -> bool:
+    """A row ``MetricsWriter.log_eval`` wrote (its metrics are ``eval/*``), not a step's."""
+    return any(k.startswith(EVAL_PREFIX) for k in row)
 
 
 def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:

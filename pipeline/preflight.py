@@ -6,22 +6,24 @@ Guarantees of ``run_preflight``:
   ``data.path``, ``data.prompt_key``, ``data.chat_template``, ``reward.function``,
   ``reference.path``, ``rollout.backend``, ``dataflow.nodes[i].node_class``...), which
   the CLI turns into exit status 2.
-- First, Hugging Face Hub ids in ``model.path``, ``reference.path`` and ``data.path`` are
-  fetched into the user's Hub cache and replaced by local paths (``pipeline/hub.py``).
+- First, Hugging Face Hub ids in ``model.path``, ``reference.path``, ``data.path`` and
+  ``eval.path`` are fetched into the user's Hub cache and replaced by local paths
+  (``pipeline/hub.py``).
 - Checked, in order: the model directory (or ``tiny``, built locally) and its tokenizer;
   the reference checkpoint when a reference runs; the rollout backend and custom node
   classes named by ``module:attr`` (imported, not started) and the rollout's tools
   (``rollout.tools.functions``, loaded); the data (``data.path``
   read once, streaming, and validated whole: rows in total and skipped by reason, a
-  file without one usable row is refused; or ``data.task`` loaded); the reward function
+  file without one usable row is refused; or ``data.task`` loaded); the held-out set
+  (``eval.path``) the same way, its errors naming ``eval.*``; the reward function
   (imported or loaded from its file, its signature recognised); with ``train.compile:
   on``, a compiler for torch.compile's kernels (``find_compiler``); with
   ``train.router_aux_loss_coef`` above 0, a router in the model (its ``config.json``
   configures ``output_router_logits``, as transformers' mixtures of experts do); with
   ``model.lora``, peft installed and the target modules found in the model; the
   trackers of ``run.trackers`` installed (``pipeline/trackers.py``).
-- The returned config has ``data.path``, a reward file's and a tools file's path made absolute, so
-  actors started in another working directory read the same files.
+- The returned config has ``data.path``, ``eval.path``, a reward file's and a tools file's path
+  made absolute, so actors started in another working directory read the same files.
 
 The model-aware checks live in ``stages/`` and are reached by import path
 (``pipeline/plugins.py``) when a check runs, so importing this module loads no model code.
@@ -53,6 +55,7 @@ class PreflightReport:
     reward_function: str
     data: Any = None  # stages.data.prompt_rows.DataReport when data.path is set
     notes: list[str] = field(default_factory=list)
+    eval_data: Any = None  # the same for eval.path, when set
 
     def to_summary(self) -> dict[str, Any]:
         """Keys for ``summary.json``: ``data/rows_total``, ``data/rows_skipped/<reason>``..."""
@@ -62,6 +65,8 @@ class PreflightReport:
         lines = [f"preflight: model {self.model_path}; reward {self.reward_function}"]
         if self.data is not None:
             lines.append(self.data.describe())
+        if self.eval_data is not None:
+            lines.append(self.eval_data.describe("eval"))
         return "\n".join(lines + self.notes)
 
 
@@ -78,8 +83,9 @@ def run_preflight(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PreflightReport]
     check_trackers(cfg.run.trackers if cfg.run.tensorboard else [t for t in cfg.run.trackers if t != "tensorboard"])
     cfg = absolutise_paths(cfg)
     data = check_data(cfg, tokenizer, model_path)
+    eval_data = check_eval_data(cfg, tokenizer, model_path)
     reward = check_reward(cfg)
-    return cfg, PreflightReport(model_path=str(model_path), reward_function=reward, data=data,
+    return cfg, PreflightReport(model_path=str(model_path), reward_function=reward, data=data, eval_data=eval_data,
                                 notes=hub_notes + check_learning_settings(cfg, model_path))
 
 
@@ -222,11 +228,13 @@ def _import(spec: str, field_name: str) -> Any:
 
 
 def absolutise_paths(cfg: ConveyorConfig) -> ConveyorConfig:
-    """``data.path``, a reward ``file.py:name`` and a tools ``file.py:NAME`` made absolute
-    (``~`` expanded)."""
-    data, reward = cfg.data, cfg.reward
+    """``data.path``, ``eval.path``, a reward ``file.py:name`` and a tools ``file.py:NAME``
+    made absolute (``~`` expanded)."""
+    data, reward, ev = cfg.data, cfg.reward, cfg.eval
     if data.path:
         data = msgspec.structs.replace(data, path=str(Path(data.path).expanduser().absolute()))
+    if ev.path:
+        ev = msgspec.structs.replace(ev, path=str(Path(ev.path).expanduser().absolute()))
     spec = load_builtin("resolve_reward_spec")(reward)
     file_spec = load_builtin("split_file_spec")(spec)
     if file_spec is not None:
@@ -237,7 +245,7 @@ def absolutise_paths(cfg: ConveyorConfig) -> ConveyorConfig:
         file, _, name = rollout.tools.functions.rpartition(":")
         tools = msgspec.structs.replace(rollout.tools, functions=f"{Path(file).expanduser().absolute()}:{name}")
         rollout = msgspec.structs.replace(rollout, tools=tools)
-    return msgspec.structs.replace(cfg, data=data, reward=reward, rollout=rollout)
+    return msgspec.structs.replace(cfg, data=data, reward=reward, rollout=rollout, eval=ev)
 
 
 def check_data(cfg: ConveyorConfig, tokenizer: Any, model_path: Path) -> Any:
@@ -249,6 +257,17 @@ def check_data(cfg: ConveyorConfig, tokenizer: Any, model_path: Path) -> Any:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return None
+
+
+def check_eval_data(cfg: ConveyorConfig, tokenizer: Any, model_path: Path) -> Any:
+    """``eval.path`` validated whole as ``data.path`` is (a ``DataReport``; None when
+    ``eval`` is off): read with ``data``'s chat template and prompt length."""
+    ev = cfg.eval
+    if not ev.enabled:
+        return None
+    held_out = msgspec.structs.replace(cfg.data, path=ev.path, prompt_key=ev.prompt_key, answer_key=ev.answer_key,
+                                       max_tokens_field=None, min_tokens_field=None, curriculum=None, pairs=None)
+    return load_builtin("check_data_file")(held_out, tokenizer, model_path, "eval")
 
 
 def check_reward(cfg: ConveyorConfig) -> str:

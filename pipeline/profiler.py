@@ -42,10 +42,11 @@ from typing import Any
 
 from pipeline.types import Span
 
-SPAN_KINDS: tuple[str, ...] = ("busy", "wait_input", "wait_output", "sync", "oom", "transfer", "wait_version")
+SPAN_KINDS: tuple[str, ...] = ("busy", "wait_input", "wait_output", "sync", "oom", "transfer", "wait_version",
+                               "eval")
 KIND_COLOURS: dict[str, str] = {  # drawing order of the timeline, rare kinds on top
     "wait_input": "#c7c7c7", "wait_output": "#ff7f0e", "transfer": "#9467bd",
-    "busy": "#2ca02c", "wait_version": "#bcbd22", "sync": "#1f77b4", "oom": "#d62728",
+    "busy": "#2ca02c", "wait_version": "#bcbd22", "sync": "#1f77b4", "eval": "#e377c2", "oom": "#d62728",
 }
 Interval = tuple[float, float]
 

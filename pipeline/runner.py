@@ -13,6 +13,8 @@ Guarantees:
 - GPU-indexed nodes run in one placement group the runner creates and removes; one Ray
   cannot place within ``PLACEMENT_TIMEOUT_S`` stops the run before any stage starts;
 - at a clean end-of-stream every stage has drained, closed its outputs and reported;
+  then (unless a signal stopped the run) every core's ``finalize()`` runs (the final
+  evaluation, ``eval``) before the driver's last tick and the cores' shutdown;
 - a first SIGINT/SIGTERM drains what is in flight (``RunResult.interrupted``), a second
   (or one before the stages run) tears down at once and raises ``RunInterrupted``;
 - on every exit path the engine processes the actors spawned on this host are gone;
@@ -36,6 +38,7 @@ import ray
 
 from pipeline.controller import ControllerActor, ControllerClient
 from pipeline.delivery import DEDUP_WINDOW, dedup_window
+from pipeline.evaluation import build_eval_schedule
 from pipeline.log import get_logger
 from pipeline.profiler import SpanTotals, StageTimes
 from pipeline.queue import FORWARD_INTERVAL_S, QueueHandle, create_queue
@@ -326,6 +329,29 @@ def _stage_error(name: str, exc: BaseException) -> StageError:
     return StageError(name, text.strip().splitlines()[-1] if text.strip() else type(exc).__name__, text)
 
 
+async def _finalize_cores(graph: Graph) -> None:
+    """Every core's ``finalize()`` (if it has one), all at once, the stages still busy
+    logged every ``SETUP_REPORT_S``; the first failure raises its stage's ``StageError``
+    (the caller tears the graph down)."""
+    calls = {asyncio.ensure_future(a.finalize.remote()): name for name, reps in graph.actors.items() for a in reps}
+    pending = set(calls)
+    started = time.monotonic()
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=SETUP_REPORT_S, return_when=asyncio.FIRST_EXCEPTION)
+            for fut in done:
+                try:
+                    fut.result()
+                except Exception as exc:
+                    raise _stage_error(calls[fut], exc) from None
+            if pending and not done:
+                log.info("finalizing", stages=sorted({calls[f] for f in pending}),
+                         waited_s=round(time.monotonic() - started))
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
 async def _shutdown_cores(graph: Graph) -> None:
     """Let every core release its engine (and rollout workers take the final weights)."""
     calls = [a.shutdown.remote() for reps in graph.actors.values() for a in reps]
@@ -391,8 +417,10 @@ async def _run(
     on_tick: Callable[[Graph], Any] | None, tick_s: float, ray_s: float = 0.0,
 ) -> RunResult:
     resumed = _resumed_counts(config)
+    evals = build_eval_schedule(config, resumed["version"] if resumed else 0)
     controller = ControllerClient(ControllerActor.remote(target_prompts, prompts_per_step, resumed,
-                                                         barrier=not async_mode, **_staleness_start(config, resumed)))
+                                                         barrier=not async_mode, evals=evals,
+                                                         **_staleness_start(config, resumed)))
     interrupts = _Interrupts(controller)
     try:
         try:
@@ -411,6 +439,9 @@ async def _run(
         t0 = time.time()
         try:
             reports = await _run_streaming(graph, on_tick, tick_s, 0 if async_mode else mb_per_step)
+            wall = time.time() - t0
+            if interrupts.received is None:
+                await _finalize_cores(graph)
         except BaseException as exc:
             try:
                 await controller.stop("interrupted" if interrupts.forced else "stage failed")
@@ -421,7 +452,6 @@ async def _run(
             raise
     finally:
         interrupts.remove()
-    wall = time.time() - t0
     if on_tick is not None:
         await _maybe_await(on_tick(graph))
     await graph.collect_telemetry()

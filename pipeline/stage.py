@@ -1,7 +1,7 @@
 """The thin Ray actor shell every DataFlow node runs in.
 
 A node's ``node_class`` is a plain *core* object (``setup``, ``generate`` for a source,
-``process``, ``finish``, ``status``, ``result``: docs/custom-nodes.md); the shell owns
+``process``, ``finish``, ``finalize``, ``status``, ``result``: docs/custom-nodes.md); the shell owns
 everything Ray: awaiting the input queue, storing outputs in the object store, putting
 references on the output queues, recording spans, taps and status.
 
@@ -388,6 +388,19 @@ class StageActor:
             out["delivery"] = {"duplicate_groups_dropped": self._seen.dropped_groups if self._seen else 0,
                                "lost_inputs_skipped": self._lost_inputs}
         return out
+
+    async def finalize(self) -> None:
+        """After every stage drained, before the driver's last tick: the core's
+        ``finalize()`` (the rollout's final evaluation); an exception is a ``StageError``."""
+        if not hasattr(self.core, "finalize"):
+            return
+        self._state = "finalizing"
+        try:
+            await self.core.finalize()
+        except BaseException as exc:
+            self._state = "failed"
+            raise StageError(self.name, core_error_message(exc), traceback.format_exc()) from exc
+        self._state = "done"
 
     async def shutdown(self) -> None:
         if hasattr(self.core, "shutdown"):

@@ -88,6 +88,11 @@ def render_live(status: dict[str, Any]) -> Group:
         head.caption = (f"curriculum level {last['curriculum/level']} (window reward mean "
                         f"{last.get('curriculum/window_reward_mean', 0.0):.3f}, promotions "
                         f"{last.get('curriculum/promotions', 0)}, demotions {last.get('curriculum/demotions', 0)})")
+    ev = status.get("last_eval")
+    if ev:  # eval: the latest held-out result
+        line = (f"last eval: version {ev['version']} ({ev['kind']}), reward {ev.get('eval/reward_mean', float('nan')):.3f}, "
+                f"greedy {ev.get('eval/greedy_reward', float('nan')):.3f}")
+        head.caption = f"{head.caption}\n{line}" if head.caption else line
     stages = Table(title="stages")
     for col in ("stage", "state", "busy ratio", "memory used / budget (MiB)"):
         stages.add_column(col)

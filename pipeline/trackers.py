@@ -7,8 +7,12 @@ Guarantees:
   one that is not installed is refused by pre-flight (``check_trackers``: a
   ``ConfigError`` naming ``run.trackers`` and the extra, exit 2) before Ray starts.
 - ``MetricsWriter`` (``pipeline/metrics.py``) drives them through one small interface,
-  ``log_config`` once, ``log_metrics(step, row)`` per metric row, ``log_summary(summary,
-  files)`` once at the end (``summary.json`` and ``timeline.png``), then ``close``.
+  ``log_config`` once, ``log_metrics(step, row)`` per metric row, ``log_eval(version,
+  row)`` per evaluation, ``log_summary(summary, files)`` once at the end
+  (``summary.json`` and the run's pictures), then ``close``.
+- An evaluation may arrive after rows of later steps: W&B, which drops a row whose step
+  went back, plots ``eval/*`` against ``eval/step`` (its ``define_metric``); the others
+  take a step per metric or in any order, so they get the version as the step.
 - Each tracker's own settings come from its environment: ``MLFLOW_TRACKING_URI`` (unset:
   MLflow's local file store in ``<run dir>/mlruns``, no server) and
   ``MLFLOW_EXPERIMENT_NAME``; ``WANDB_PROJECT``, ``WANDB_MODE=offline``; SwanLab's and
@@ -46,6 +50,8 @@ class Tracker(Protocol):
     def log_config(self, config: Mapping[str, Any]) -> None: ...
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def log_eval(self, version: int, metrics: Mapping[str, float]) -> None: ...
 
     def log_summary(self, summary: Mapping[str, Any], files: Sequence[Path]) -> None: ...
 
@@ -107,6 +113,9 @@ class MlflowTracker:
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         self.mlflow.log_metrics({self._name(k): v for k, v in metrics.items() if math.isfinite(v)}, step=step)
 
+    def log_eval(self, version: int, metrics: Mapping[str, float]) -> None:
+        self.log_metrics(version, metrics)
+
     def log_summary(self, summary: Mapping[str, Any], files: Sequence[Path]) -> None:
         for file in files:
             self.mlflow.log_artifact(str(file))
@@ -125,12 +134,21 @@ class WandbTracker:
     def __init__(self, wandb: Any, run_dir: Path, run_name: str) -> None:
         self.wandb = wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, dir=str(run_dir))
+        self._eval_axis = False
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         self.run.config.update(dict(config))
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log(dict(metrics), step=step)
+
+    def log_eval(self, version: int, metrics: Mapping[str, float]) -> None:
+        """Against ``eval/step``, added to the pending row (no step of its own to go back)."""
+        if not self._eval_axis:
+            self.run.define_metric("eval/step")
+            self.run.define_metric("eval/*", step_metric="eval/step")
+            self._eval_axis = True
+        self.run.log({**metrics, "eval/step": version}, commit=False)
 
     def log_summary(self, summary: Mapping[str, Any], files: Sequence[Path]) -> None:
         self.run.summary.update(summary_numbers(summary))
@@ -159,6 +177,9 @@ class SwanlabTracker:
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         self.swanlab.log(dict(metrics), step=step)
 
+    def log_eval(self, version: int, metrics: Mapping[str, float]) -> None:
+        self.log_metrics(version, metrics)  # steps are kept per metric
+
     def log_summary(self, summary: Mapping[str, Any], files: Sequence[Path]) -> None:
         self.swanlab.log({f"summary/{k}": v for k, v in summary_numbers(summary).items()})
         for file in files:
@@ -185,6 +206,9 @@ class TrackioTracker:
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         self.trackio.log(dict(metrics), step=step)
+
+    def log_eval(self, version: int, metrics: Mapping[str, float]) -> None:
+        self.log_metrics(version, metrics)
 
     def log_summary(self, summary: Mapping[str, Any], files: Sequence[Path]) -> None:
         self.trackio.log({f"summary/{k}": v for k, v in summary_numbers(summary).items()})

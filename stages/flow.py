@@ -6,6 +6,7 @@ code the YAML-built graph runs.
 """
 
 from stages.data.source import PromptSource
+from stages.evaluation.stage import EvalRolloutStage as EvaluatingRollout
 from stages.models.reference import ReferenceStage as Reference
 from stages.rewards.reward import RewardStage as RuleReward
 from stages.rewards.reward_model import RewardModelStage as RewardModelScorer
@@ -14,5 +15,5 @@ from stages.trainer.critic import CriticStage as Critic
 from stages.trainer.ppo import PPOTrainerStage as PPOTrainer
 from stages.trainer.stage import TrainerStage as Trainer
 
-__all__ = ["ActorRollout", "Critic", "PPOTrainer", "PromptSource", "Reference", "RewardModelScorer", "RuleReward",
-           "Trainer"]
+__all__ = ["ActorRollout", "Critic", "EvaluatingRollout", "PPOTrainer", "PromptSource", "Reference",
+           "RewardModelScorer", "RuleReward", "Trainer"]

@@ -10,8 +10,8 @@ Guarantees:
 
 Section names follow the seed config users know: ``model``, ``data``, ``rollout``,
 ``reward``, ``reference``, ``train``, ``algorithm``, ``dataflow``, ``placement``, ``run``,
-``record``; each lives in the module of that name (``reference`` with ``reward``,
-``critic`` with ``train``, ``record`` with ``run``). Import from ``pipeline.config``.
+``record``, ``eval``; each lives in the module of that name (``reference`` with ``reward``,
+``critic`` with ``train``, ``record`` with ``run``, ``eval`` in ``evaluation``). Import from ``pipeline.config``.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from pipeline.config.checks import (
     check_colocate,
     check_config,
     check_curriculum,
+    check_eval,
     check_lora,
     check_pairs,
     check_reward_sources,
@@ -48,6 +49,7 @@ from pipeline.config.checks import (
 )
 from pipeline.config.data import CurriculumConfig, DataConfig, PairsConfig
 from pipeline.config.dataflow import DataflowConfig, NodeSpec
+from pipeline.config.evaluation import EvalConfig
 from pipeline.config.loading import apply_overrides, decode_algorithm, decode_config, load_config, parse_override
 from pipeline.config.memory import MemoryConfig
 from pipeline.config.model import LoraConfig, ModelConfig, TinyArchitecture, TinyModelConfig
@@ -60,12 +62,12 @@ from pipeline.config.train import CriticConfig, KLControlConfig, TrainConfig
 
 __all__ = [
     "DEFAULT_ALGORITHM", "ENGINE_KWARGS_OWNED", "AlgorithmFields", "ConfigError", "ConveyorConfig",
-    "CriticConfig", "CurriculumConfig", "DataConfig", "DataflowConfig", "KLControlConfig", "LoraConfig",
+    "CriticConfig", "CurriculumConfig", "DataConfig", "DataflowConfig", "EvalConfig", "KLControlConfig", "LoraConfig",
     "MemoryConfig", "ModelConfig", "NodeSpec", "NonNegFloat", "NonNegInt", "PairsConfig", "PlacementConfig",
     "PlacementEntry", "PosFloat", "PosInt", "Probability", "Ratio", "RecordConfig", "ReferenceConfig",
     "RewardConfig", "RewardSourceConfig", "RolloutConfig", "RunConfig", "TinyArchitecture", "TinyModelConfig",
     "ToolsConfig", "TrainConfig", "algorithm_configs", "apply_overrides", "check_algorithm", "check_colocate",
-    "check_config", "check_curriculum", "check_lora", "check_pairs", "check_reward_sources",
+    "check_config", "check_curriculum", "check_eval", "check_lora", "check_pairs", "check_reward_sources",
     "check_sampler_logprobs", "check_staleness", "decode_algorithm", "decode_config", "default_algorithm", "load_config",
     "parse_override", "register_algorithm_config", "to_dict",
 ]

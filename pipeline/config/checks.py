@@ -87,6 +87,7 @@ def check_config(cfg: ConveyorConfig) -> None:
     check_lora(cfg.model.lora)
     check_curriculum(cfg.data)
     check_pairs(cfg)
+    check_eval(cfg)
     cfg.algorithm.check(cfg)  # the algorithm's own rules, in its module
     if cfg.reward.path is not None and cfg.reward.function != "task":
         raise ConfigError(
@@ -215,6 +216,23 @@ def check_curriculum(data: DataConfig) -> None:
     if cur.demote_below is not None and cur.demote_below >= cur.promote_at:
         raise ConfigError(f"data.curriculum.demote_below: expected < promote_at ({cur.promote_at}), "
                           f"got {cur.demote_below}")
+
+
+def check_eval(cfg: ConveyorConfig) -> None:
+    """``eval``: a rollout to generate with, published versions to evaluate, and samples
+    that can differ when there are several."""
+    ev = cfg.eval
+    if not ev.enabled:
+        return
+    if cfg.algorithm.offline:
+        raise ConfigError(f"eval.path: evaluation generates with the rollout, and algorithm.name "
+                          f"{cfg.algorithm.name!r} runs none")
+    if ev.every % cfg.train.sync_interval:
+        raise ConfigError(f"eval.every: expected a multiple of train.sync_interval ({cfg.train.sync_interval}): "
+                          f"only published versions can be evaluated, got {ev.every}")
+    if ev.n > 1 and ev.temperature == 0:
+        raise ConfigError(f"eval.n: expected 1 with eval.temperature 0 (greedy completions are all the same), "
+                          f"got {ev.n}; set eval.temperature above 0 for pass@k")
 
 
 def check_pairs(cfg: ConveyorConfig) -> None:

@@ -11,6 +11,7 @@ from pipeline.config.algorithm import AlgorithmFields, default_algorithm
 from pipeline.config.base import _section
 from pipeline.config.data import DataConfig
 from pipeline.config.dataflow import DataflowConfig
+from pipeline.config.evaluation import EvalConfig
 from pipeline.config.model import ModelConfig
 from pipeline.config.placement import PlacementConfig
 from pipeline.config.reward import ReferenceConfig, RewardConfig
@@ -32,6 +33,7 @@ class ConveyorConfig(msgspec.Struct, **_section()):
     placement: PlacementConfig = PlacementConfig()
     run: RunConfig = RunConfig()
     record: RecordConfig = RecordConfig()
+    eval: EvalConfig = EvalConfig()
 
     @property
     def run_dir(self) -> Path:

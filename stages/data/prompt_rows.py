@@ -54,11 +54,13 @@ class ColumnMap:
 
 
 def resolve_columns(available: Sequence[str], prompt_key: str, answer_key: str, name: str,
-                    pairs: Any = None, budget: tuple[str | None, str | None] = (None, None)) -> ColumnMap:
+                    pairs: Any = None, budget: tuple[str | None, str | None] = (None, None),
+                    section: str = "data") -> ColumnMap:
     """The ``ColumnMap`` for data with ``available`` columns; see the module rules.
     ``pairs`` (``data.pairs``): rows also hold a chosen and a rejected response.
     ``budget``: (``data.max_tokens_field``, ``data.min_tokens_field``), each None or a
-    column the data must have."""
+    column the data must have. ``section``: the config section the keys belong to
+    (``eval`` for the held-out set), named in errors."""
     listed = ", ".join(available) if available else "none found"
     if prompt_key in available:
         prompt = prompt_key
@@ -66,8 +68,8 @@ def resolve_columns(available: Sequence[str], prompt_key: str, answer_key: str, 
         prompt = CHAT_COLUMN
     else:
         raise ConfigError(
-            f"data.prompt_key: {name} has no column {prompt_key!r} (its columns: {listed}); set "
-            f"data.prompt_key to the column holding the prompt (a string or a list of chat messages)"
+            f"{section}.prompt_key: {name} has no column {prompt_key!r} (its columns: {listed}); set "
+            f"{section}.prompt_key to the column holding the prompt (a string or a list of chat messages)"
         )
     path = tuple(answer_key.split("."))
     if path[0] in available:
@@ -76,8 +78,8 @@ def resolve_columns(available: Sequence[str], prompt_key: str, answer_key: str, 
         answer = ("reward_model", "ground_truth") if "reward_model" in available else ()
     else:
         raise ConfigError(
-            f"data.answer_key: {name} has no column {path[0]!r} (its columns: {listed}); set "
-            f"data.answer_key to the column holding the answer the reward compares with"
+            f"{section}.answer_key: {name} has no column {path[0]!r} (its columns: {listed}); set "
+            f"{section}.answer_key to the column holding the answer the reward compares with"
         )
     pair = () if pairs is None else (pairs.chosen_key, pairs.rejected_key)
     for key, field_name in zip(pair, ("chosen_key", "rejected_key"), strict=False):
@@ -310,10 +312,11 @@ class DataReport:
             out[f"data/rows_skipped_first/{reason}"] = self.first_rows.get(reason, [])
         return out
 
-    def describe(self) -> str:
-        """Console lines: the data's totals, its column mapping, then each skip reason."""
+    def describe(self, label: str = "data") -> str:
+        """Console lines: the data's totals, its column mapping, then each skip reason;
+        ``label``: the config section the data belongs to."""
         answer = ".".join(self.columns.answer) or "none"
-        lines = [f"data: {self.name} ({self.kind}): {self.rows_total} rows, {self.rows_usable} usable "
+        lines = [f"{label}: {self.name} ({self.kind}): {self.rows_total} rows, {self.rows_usable} usable "
                  f"({self.chat_rows} chat); prompt column {self.columns.prompt!r}, answer {answer!r}"]
         for reason, count in self.skipped.most_common():
             rows = ", ".join(map(str, self.first_rows.get(reason, [])))
@@ -332,22 +335,30 @@ def scan_data(data: DataRows, cmap: ColumnMap, renderer: PromptRenderer) -> Data
     return report
 
 
-def check_data_file(data_cfg: DataConfig, tokenizer: Any, model_path: str | Path) -> DataReport:
+def check_data_file(data_cfg: DataConfig, tokenizer: Any, model_path: str | Path, section: str = "data") -> DataReport:
     """Open ``data.path``, map its columns and validate every row; raise ``ConfigError``
     (naming the field) for a missing or unreadable path, wrong column names, chat rows
-    the tokenizer cannot render, or data without one usable row."""
+    the tokenizer cannot render, or data without one usable row. ``section``: where
+    ``path`` and the column keys come from (``eval``: the held-out set's, read with
+    ``data``'s chat template and prompt length)."""
     assert data_cfg.path is not None
-    try:
-        data = open_data(data_cfg.path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(str(exc) if str(exc).startswith("data.path") else f"data.path: {exc}") from None
+    data = open_checked(data_cfg.path, section)
     cmap = resolve_columns(data.columns, data_cfg.prompt_key, data_cfg.answer_key, data.name, data_cfg.pairs,
-                           budget_fields(data_cfg))
+                           budget_fields(data_cfg), section)
     renderer = PromptRenderer(tokenizer, data_cfg.chat_template, model_path, data_cfg.max_prompt_len)
     report = scan_data(data, cmap, renderer)
     if report.rows_usable == 0:
-        raise ConfigError(f"data.path: no usable row in {data_cfg.path}\n{report.describe()}")
+        raise ConfigError(f"{section}.path: no usable row in {data_cfg.path}\n{report.describe()}")
     return report
+
+
+def open_checked(path: str, section: str = "data") -> DataRows:
+    """``open_data(path)``; a missing or unreadable path is a ``ConfigError`` naming ``<section>.path``."""
+    try:
+        return open_data(path)
+    except (OSError, ValueError) as exc:
+        text = str(exc).removeprefix("data.path: ")
+        raise ConfigError(f"{section}.path: {text}") from None
 
 
 def load_tokenizer(model_path: str | Path) -> Any:

@@ -264,6 +264,16 @@ def build_reward_fn(spec: str, task: Any = None, signature: Signature = "auto", 
     return RewardFn(fn, resolved, on_error, name, timeout_s)
 
 
+def build_run_reward_fn(cfg: Any) -> RewardFn:
+    """The run's reward function (``reward.*``; ``task``: ``data.task``'s), as the reward
+    stage and the held-out evaluation both score with it."""
+    from stages.data.tasks import load_task
+
+    spec = resolve_reward_spec(cfg.reward)
+    task = load_task(cfg.data.task, **cfg.data.task_kwargs) if spec == "task" else None
+    return build_reward_fn(spec, task, cfg.reward.signature, cfg.reward.on_error, cfg.reward.timeout_s)
+
+
 def resolve_reward_spec(reward_cfg: Any) -> str:
     """``reward.function``, or verl's ``reward.path`` + ``reward.name`` as ``path:name``."""
     if getattr(reward_cfg, "path", None):
@@ -395,13 +405,9 @@ class RewardStage:
     gives_fields = ("rewards",)
 
     async def setup(self, ctx: Any) -> None:
-        from stages.data.tasks import load_task
-
         self.ctx = ctx
         cfg = ctx.config
-        spec = resolve_reward_spec(cfg.reward)
-        task = load_task(cfg.data.task, **cfg.data.task_kwargs) if spec == "task" else None
-        self.fn = build_reward_fn(spec, task, cfg.reward.signature, cfg.reward.on_error, cfg.reward.timeout_s)
+        self.fn = build_run_reward_fn(cfg)
         self.tracker = StepFailureTracker(cfg.train.prompts_per_step * cfg.rollout.n)
         self.scored = 0
         self.failed = 0

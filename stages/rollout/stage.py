@@ -29,16 +29,22 @@ Guarantees:
   ``cuda_ipc`` ring, the checkpoint until the newest version lands), and every
   micro-batch that was in flight generates again, whole, under its own prompt ids,
   once the engine serves the version it needs (one output per input, as ever).
+- with an ``Evaluator`` (``build_evaluator``; ``stages/evaluation/``, worker 0 when
+  ``eval`` is on), a version the schedule calls due is evaluated right after it is
+  applied and before any newer one is, no sleep in between, so every token the
+  evaluation scores comes from that version; ``finalize`` evaluates the final weights.
+  Nothing the evaluation generates leaves as a ``RolloutBatch`` or counts in ``result()``.
 Mechanisms: docs/architecture.md, "Rollout stage".
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -49,7 +55,7 @@ from pipeline.memory.guard import MemoryGuard, build_pool_reading
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, split_prompt_batch
 from pipeline.plugins import register_stage
-from pipeline.types import PromptBatch, RolloutBatch, WeightConfirmation
+from pipeline.types import EvalResult, PromptBatch, RolloutBatch, WeightConfirmation
 from pipeline.versions import required_serving_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
 from stages.rollout.base import EngineDied, GenerationResult, SamplingSettings, apply_budget
@@ -126,6 +132,27 @@ def group_by_budget(prompts: list[Any], sampling: SamplingSettings) -> list[tupl
     return list(groups.values())
 
 
+class Generate(Protocol):
+    async def __call__(self, prompt_ids: list[list[int]], texts: list[str],
+                       sampling: SamplingSettings) -> list[GenerationResult]: ...
+
+
+class Evaluator(Protocol):
+    """What the rollout needs from an evaluation of the held-out set (``stages/evaluation``)."""
+
+    def kind(self, version: int) -> str | None:
+        """``before_train`` or ``periodic`` when ``version`` is due an evaluation, else None."""
+        ...
+
+    def done(self, version: int) -> bool:
+        """``version`` was evaluated already."""
+        ...
+
+    async def evaluate(self, generate: Generate, version: int, kind: str, worker: str) -> EvalResult:
+        """Generate with ``generate`` (the engine serves ``version`` throughout) and score."""
+        ...
+
+
 @register_stage("rollout")
 class RolloutStage:
     takes, gives = PromptBatch, RolloutBatch  # pipeline/contracts.py
@@ -152,6 +179,7 @@ class RolloutStage:
         self._serving: tuple[Any, Any, tuple[float, float]] | None = None
         self._checkpoint_fingerprint: tuple[float, float] | None = None
         self.reissued_batches = 0  # micro-batches generated again after an engine death
+        self.evaluator: Evaluator | None = None
 
     async def setup(self, ctx: Any) -> None:
         from transformers import AutoTokenizer
@@ -193,6 +221,7 @@ class RolloutStage:
         self._version_changed = asyncio.Condition()
         self._idle = asyncio.Condition()  # notified when a generation ends
         self._applying = asyncio.Lock()  # shutdown waits for an update in progress; sleeps wait too
+        self.evaluator = self.build_evaluator(ctx, model_path)
         self._watchers = [asyncio.create_task(self._watch(loop)) for loop in
                           (self._watch_weights, *([self._watch_sleep_requests] if self.colocated else []))]
 
@@ -298,6 +327,9 @@ class RolloutStage:
                 if death is None:
                     raise
                 await self._restart_engine_locked(epoch, death)
+    def build_evaluator(self, ctx: Any, model_path: Any) -> Evaluator | None:
+        """None: this stage evaluates nothing (``stages/evaluation/stage.py`` overrides it)."""
+        return None
 
     # ------------------------------------------------------------------ weights
     async def _read_payload(self, update: Any, payload_ref: Any) -> bytes:
@@ -321,10 +353,14 @@ class RolloutStage:
             raise
 
     async def _watch_weights(self) -> None:
+        evaluating = self.evaluator is not None
+        if evaluating and self.evaluator.kind(self.backend.version) is not None:
+            async with self._applying:  # before_train: the weights the engine started with
+                await self._evaluate_locked(self.evaluator.kind(self.backend.version))
         confirmed = None  # the confirmation of an update rides on the next wait
         while True:
             newer = max(self.backend.version, self._asleep_for) if self.asleep else self.backend.version
-            update, payload, eta = await self.ctx.controller.wait_for_update(newer, None, confirmed)
+            update, payload, eta = await self.ctx.controller.wait_for_update(newer, None, confirmed, evaluating)
             if eta is not None:
                 self.max_staleness = eta  # before the update lands: its version waits use it
             if update is None:
@@ -332,7 +368,39 @@ class RolloutStage:
             if self.asleep and update.version <= self._asleep_for:
                 confirmed = None  # found before the sleep: the trainer trains on it now; the next one wakes us
                 continue
-            confirmed = await self._apply(update, payload)
+            kind = self.evaluator.kind(update.version) if evaluating else None
+            if kind is None:
+                confirmed = await self._apply(update, payload)
+            else:
+                await self._apply_and_evaluate(update, payload, kind)
+                confirmed = None  # confirmed before the evaluation
+
+    async def _apply_and_evaluate(self, update: Any, payload: Any, kind: str) -> None:
+        """Apply a version due an evaluation and evaluate it while holding updates and
+        sleeps back: the engine serves exactly that version until the result is in."""
+        async with self._applying:
+            if update.version > self.backend.version:
+                # Confirmed now: the board shows the version served, not after the evaluation.
+                await self.ctx.controller.confirm(await self._apply_locked(update, payload))
+            if self.backend.version == update.version and not self.evaluator.done(update.version):
+                await self._evaluate_locked(kind)
+
+    async def _evaluate_locked(self, kind: str) -> None:
+        """Evaluate the version served now (the caller holds ``_applying``) and report it."""
+        version = self.backend.version
+        self._generating += 1  # a colocated sleep waits for it
+        try:
+            with self.ctx.spans.span("eval"):
+                result = await self.evaluator.evaluate(functools.partial(self._generate_prompts, metered=False),
+                                                       version, kind, self.ctx.worker_id)
+        finally:
+            async with self._idle:
+                self._generating -= 1
+                self._idle.notify_all()
+        await self.ctx.controller.report_eval(result)
+        self.ctx.log.info("evaluated", policy_version=version, kind=kind, seconds=round(result.wall_s, 2),
+                          **{k.removeprefix("eval/"): round(v, 4) for k, v in result.metrics.items()
+                             if k in ("eval/reward_mean", "eval/greedy_reward", "eval/pass@1")})
 
     async def _watch_sleep_requests(self) -> None:
         """placement: colocate: sleep when the trainer asks for the GPU (module guarantees)."""
@@ -360,8 +428,10 @@ class RolloutStage:
         await self.backend.wake_up(tags)
         self.wake_s_total += time.time() - t0
 
-    async def _apply(self, update: Any, payload_ref: Any) -> WeightConfirmation:
+    async def _apply(self, update: Any, payload_ref: Any) -> WeightConfirmation | None:
         async with self._applying:
+            if update.version <= self.backend.version:
+                return None  # ``finalize`` applied it (or a newer one) meanwhile
             return await self._apply_locked(update, payload_ref)
 
     async def _apply_locked(self, update: Any, payload_ref: Any, wake_kv: bool = True) -> WeightConfirmation:
@@ -459,19 +529,8 @@ class RolloutStage:
             return estimate_kv_cache_bytes(self.shape, tokens)
 
         async def generate_group(prompts: list[Any], sampling: SamplingSettings) -> list[GenerationResult]:
-            prompt_ids = [ids[p.prompt_id] for p in prompts]
-            count = len(prompts) * sampling.n
-            self.occupancy.add(count, time.time())
-            try:
-                if self.cfg.rollout.tools is not None:
-                    from stages.rollout.multi_turn import generate_with_tools
-
-                    return await generate_with_tools(self.backend, self.tokenizer, prompt_ids,
-                                                     [p.text for p in prompts], sampling, self.tools,
-                                                     self.cfg.rollout.tools)
-                return await self.backend.generate(prompt_ids, sampling)
-            finally:
-                self.occupancy.remove(count, time.time())
+            return await self._generate_prompts([ids[p.prompt_id] for p in prompts], [p.text for p in prompts],
+                                                sampling)
 
         async def generate(piece: PromptBatch) -> list[GenerationResult]:
             self.guard.mark_attempt()
@@ -509,6 +568,41 @@ class RolloutStage:
         self.generated_tokens += batch.completion_tokens
         self.length_counts.update(int(n) for n in batch.completion_lens)
         return batch
+
+    async def _generate_prompts(self, prompt_ids: list[list[int]], texts: list[str], sampling: SamplingSettings,
+                                metered: bool = True) -> list[GenerationResult]:
+        """One engine call for the prompts' token ids (their ``texts`` for the tools loop
+        when ``rollout.tools`` is set): training and evaluation generate alike; only
+        ``metered`` calls (training's) count in ``occupancy``."""
+        count = len(prompt_ids) * sampling.n if metered else 0
+        self.occupancy.add(count, time.time())
+        try:
+            if self.cfg.rollout.tools is not None:
+                from stages.rollout.multi_turn import generate_with_tools
+
+                return await generate_with_tools(self.backend, self.tokenizer, prompt_ids, texts, sampling,
+                                                 self.tools, self.cfg.rollout.tools)
+            return await self.backend.generate(prompt_ids, sampling)
+        finally:
+            self.occupancy.remove(count, time.time())
+
+    async def finalize(self) -> None:
+        """The final evaluation (an ``Evaluator``'s worker): the versions still due, oldest
+        first, then the newest published weights, unless they were evaluated already."""
+        if self.evaluator is None or self._watch_error is not None:
+            return
+        while True:
+            update, payload = await self.ctx.controller.latest_update(self.backend.version, True)
+            if update is None or update.version <= self.backend.version:
+                break
+            await self._apply_and_evaluate(update, payload, self.evaluator.kind(update.version) or "final")
+        async with self._applying:
+            if self.asleep:
+                self.ctx.log.warning("final_eval_skipped", policy_version=self.backend.version,
+                                     reason="the engine sleeps and no newer weights wake it")
+                return
+            if not self.evaluator.done(self.backend.version):
+                await self._evaluate_locked("final")
 
     def status(self) -> dict[str, Any]:
         colocate = ({"asleep": self.asleep, "sleeps": self.sleeps, "sleep_s_total": self.sleep_s_total,

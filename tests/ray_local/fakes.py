@@ -496,3 +496,56 @@ class FakePromptSource:
         for b in range(self.count):
             yield PromptBatch(batch_id=b, step=0, prompts=[Prompt(prompt_id=f"b{b}-{i}", text=str(i))
                                                            for i in range(self.prompts)])
+class FakeAnsweringBackend:
+    """A rollout backend (``rollout.backend: tests.ray_local.fakes:FakeAnsweringBackend``)
+    that answers better with each version, as training would make it: to a prompt
+    ``<d>...=`` a greedy completion answers ``d`` from version 2 on, sampled completion j
+    once ``j < version - 1``; any other answer is ``x``. Each ``generate`` takes
+    ``GENERATE_S`` (after ``gate``, when one is set, opens) and logs ("generate", version
+    at its start, version at its end, temperature); ``update_weights`` logs ("update",
+    version)."""
+
+    GENERATE_S = 0.1
+
+    def __init__(self, model_path: Any, rollout_cfg: Any, dtype: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.version = 0
+        self.events: list[tuple[Any, ...]] = []
+        self.gate: asyncio.Event | None = None
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, prompt_token_ids: list[list[int]], sampling: Any) -> list[Any]:
+        from stages.rollout.base import Completion, GenerationResult
+
+        if self.gate is not None:
+            await self.gate.wait()
+        began = self.version
+        await asyncio.sleep(self.GENERATE_S)
+        self.events.append(("generate", began, self.version, sampling.temperature))
+        results = []
+        for ids in prompt_token_ids:
+            digit = self.tok.decode(ids, skip_special_tokens=True)[:1]
+            comps = []
+            for j in range(sampling.n):
+                right = self.version >= 2 if sampling.temperature == 0 else j < self.version - 1
+                out = self.tok(digit if right else "x", add_special_tokens=False)["input_ids"]
+                comps.append(Completion(token_ids=out, logprobs=[-0.5] * len(out),
+                                        token_versions=[self.version] * len(out), finish_reason="stop",
+                                        text=digit if right else "x"))
+            results.append(GenerationResult(prompt_token_ids=ids, completions=comps))
+        return results
+
+    async def update_weights(self, data: bytes, version: int, verify: bool = True) -> tuple[float, float]:
+        self.events.append(("update", version))
+        self.version = version
+        return (1.0, 1.0)
+
+    async def live_fingerprint(self) -> tuple[float, float]:
+        return (1.0, 1.0)
+
+    async def shutdown(self) -> None:
+        self.events.append(("shutdown",))

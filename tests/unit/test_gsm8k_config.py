@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
-from pipeline.config import TinyModelConfig, load_config
+from pipeline.config import ConfigError, TinyModelConfig, load_config
 from pipeline.preflight import run_preflight
 from stages.models.tiny import write_tiny_checkpoint
 from tests.hub_cache import GSM8K_CARD, add_to_hub_cache
@@ -45,6 +46,7 @@ def test_the_gsm8k_config_resolves_against_a_stand_in_hub_cache(hub_cache, tmp_p
     }, kind="dataset")
     cfg = load_config(CONFIG, [f"run.dir={tmp_path / 'run'}"])
     assert (cfg.model.path, cfg.data.path, cfg.reward.function) == ("Qwen/Qwen2.5-0.5B-Instruct", "openai/gsm8k", "gsm8k")
+    assert (cfg.eval.path, cfg.eval.split, cfg.eval.every) == ("openai/gsm8k", "test", 50)
     assert cfg.train.lr == 1e-6
 
     cfg, report = run_preflight(cfg)
@@ -52,6 +54,12 @@ def test_the_gsm8k_config_resolves_against_a_stand_in_hub_cache(hub_cache, tmp_p
     assert cfg.data.path == str(data / "main" / "train-00000-of-00001.parquet")
     assert report.reward_function == "gsm8k"
     assert report.to_summary() == {"data/rows_total": 2, "data/rows_usable": 2}  # both rows of the train split
+    # The held-out set is the test split of the same repository, resolved the same way.
+    assert cfg.eval.path == str(data / "main" / "test-00000-of-00001.parquet")
+    assert (report.eval_data.rows_total, report.eval_data.rows_usable) == (1, 1)
     out = capsys.readouterr().out
     assert "hub: fetching model Qwen/Qwen2.5-0.5B-Instruct (revision main)" in out
     assert "hub: fetching dataset openai/gsm8k (main/train, revision main)" in out
+    assert "hub: fetching dataset openai/gsm8k (main/test, revision main)" in out
+    with pytest.raises(ConfigError, match=r"^eval.split: expected one of \['test', 'train'\], got 'validation'"):
+        run_preflight(load_config(CONFIG, ["eval.split=validation"]))

@@ -149,3 +149,30 @@ def test_a_tracker_not_installed_is_refused_naming_the_key_and_extra(monkeypatch
     assert "conveyor: invalid config: run.trackers: swanlab is not installed" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="run.trackers"):
         load_config(None, ["run.trackers=[neptune]"])
+
+
+def test_an_evaluation_reaches_each_tracker_on_an_axis_it_accepts(tmp_path, monkeypatch):
+    """An eval row may come after rows of later steps: W&B (which drops a row whose step
+    went back) gets it against ``eval/step``, added to the pending row; MLflow at the
+    version, as a step of its own."""
+    calls: list = []
+    run = types.SimpleNamespace(define_metric=lambda *a, **kw: calls.append(("define", a, kw)),
+                                log=lambda row, step=None, commit=None: calls.append(("log", row, step, commit)),
+                                config=types.SimpleNamespace(update=lambda c: None), finish=lambda: None)
+    wandb = fake_module("wandb", calls)
+    wandb.init = lambda **kw: run
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "mlflow", fake_module("mlflow", calls))
+    with MetricsWriter(tmp_path, tensorboard=False, trackers=["wandb", "mlflow"]) as writer:
+        writer.log(3, {"reward/mean": 0.5})
+        calls.clear()
+        writer.log_eval(2, {"eval/reward_mean": 0.25})
+        writer.log_eval(4, {"eval/reward_mean": 0.75})
+    assert calls == [
+        ("define", ("eval/step",), {}), ("define", ("eval/*",), {"step_metric": "eval/step"}),
+        ("log", {"eval/reward_mean": 0.25, "eval/step": 2}, None, False),
+        ("log_metrics", ({"eval/reward_mean": 0.25},), {"step": 2}),
+        ("log", {"eval/reward_mean": 0.75, "eval/step": 4}, None, False),  # the axis is defined once
+        ("log_metrics", ({"eval/reward_mean": 0.75},), {"step": 4}),
+        ("end_run", (), {}),
+    ]
