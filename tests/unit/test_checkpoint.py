@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -210,3 +211,19 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, policy):
     # Nothing half-written left: the good checkpoint alone, and found.
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [good.name]
     assert find_latest_checkpoint(tmp_path)[0] == good
+
+
+def test_an_empty_checkpoints_dir_is_no_run_and_a_mounted_one_is_kept(tmp_path, monkeypatch):
+    from pipeline.checkpoint import prepare_run_dir
+    from pipeline.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)  # e.g. a volume of its own, mounted for the run
+    prepare_run_dir(run_dir, None, overwrite=False)  # accepted: nothing of a run is there
+    (run_dir / "checkpoints" / "step-00000002").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints\)"):
+        prepare_run_dir(run_dir, None, overwrite=False)
+    # Overwritten, a mount point is emptied, not removed (its volume stays mounted).
+    monkeypatch.setattr("pipeline.checkpoint.os.path.ismount", lambda p: Path(p).name == "checkpoints")
+    prepare_run_dir(run_dir, None, overwrite=True)
+    assert (run_dir / "checkpoints").is_dir() and not any((run_dir / "checkpoints").iterdir())
