@@ -49,7 +49,7 @@ TRAINER_DIR = "trainer"
 # Keys a resumed run may change: how long it runs and how it reports, not what it learns.
 SAFE_RESUME_KEYS = (
     "run.steps", "run.progress", "run.tensorboard", "run.trackers", "run.log_level", "run.address", "run.resume_from",
-    "run.overwrite", "run.dir", "run.max_restarts", "run.auto_resume",
+    "run.overwrite", "run.dir", "run.max_restarts", "run.auto_resume", "rollout.max_engine_restarts",
     "train.checkpoint_every", "train.keep_checkpoints", "train.weight_sync_timeout_s", "train.save_checkpoint",
     "train.on_checkpoint_error", "train.max_bad_steps",
     "record.", "placement.",

@@ -290,6 +290,12 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # in_process without tensor parallelism (faster steps and start-up, on CPU as on a
     # GPU: docs/performance/vllm-engine.md), subprocess with it.
     engine_core: Literal["auto", "subprocess", "in_process"] = "auto"
+    # With the engine core in a process of its own (subprocess): times a rollout worker
+    # rebuilds its engine after that process died (killed, crashed), serving the same
+    # weights version and generating again the micro-batches that were in flight; one
+    # death more fails the run. in_process: the engine dies with the rollout actor, which
+    # Ray restarts instead (run.max_restarts).
+    max_engine_restarts: NonNegInt = 3
     # The engine reports each sampled token's log-prob (the behaviour policy, PPO's ratio
     # anchor). false: it does not, and the trainer anchors the ratio on its own log-probs
     # of the same weights (detached): exact on-policy only, so false needs every sample

@@ -210,6 +210,14 @@ def collect_stage_metrics(statuses: dict[str, dict[str, Any]], prefixes: tuple[s
             if k.startswith(prefixes) and _is_number(v)}
 
 
+def count_engine_restarts(statuses: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """``rollout/engine_restarts``: the rollout workers' engine rebuilds so far, added up
+    (statuses under ``rollout`` and ``rollout:<r>``); nothing without a rollout stage."""
+    counts = [s["engine_restarts"] for name, s in statuses.items()
+              if name.split(":")[0] == "rollout" and _is_number(s.get("engine_restarts"))]
+    return {"rollout/engine_restarts": float(sum(counts))} if counts else {}
+
+
 def record_taps(cfg: ConveyorConfig, df: DataFlow) -> dict[str, str]:
     """Edge name -> recording dir (``<record.dir>/<consumer>``: one writer per directory)."""
     # A resumed run records apart (recording-from-step-N): its batch ids and sequence
@@ -294,6 +302,7 @@ class Reporter:
             metrics["samples/in_flight"] = drain["ledger"]["in_flight"] * self.cfg.rollout.n
             metrics.update(merge_guard_metrics(graph.stage_status))
             metrics.update(collect_stage_metrics(graph.stage_status, ("critic/", "ref/")))
+            metrics.update(count_engine_restarts(graph.stage_status))
             self._last_step_end = end
             self._recent = [sp for sp in self._recent if sp.end > end]
             # The row's time is the step's end (the trainer's clock), not this tick's.
@@ -545,12 +554,16 @@ def summarise_admission(reports: dict[str, list[dict[str, Any]]]) -> dict[str, d
 
 
 def summarise_faults(result: RunResult, resumes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Restarts after deaths, items delivered again and what consumers dropped as
-    duplicates or skipped as lost with their producer (``summary.json``'s ``faults``)."""
+    """Restarts after deaths (of stage actors; of rollout engines, ``engine_restarts``,
+    per worker), items delivered again and what consumers dropped as duplicates or
+    skipped as lost with their producer (``summary.json``'s ``faults``)."""
     delivery = {f"{stage}:{i}": r["delivery"] for stage, reps in result.reports.items()
                 for i, r in enumerate(reps) if r.get("delivery")}
+    engines = {f"rollout:{i}": r["result"]["engine_restarts"] for i, r in enumerate(result.reports.get("rollout", []))
+               if "engine_restarts" in (r.get("result") or {})}
     return {
         "restarts": dict(result.restarts),
+        "engine_restarts": engines,
         "redelivered": {name: q.get("redelivered", 0) for name, q in result.queues.items()},
         "duplicate_groups_dropped": {k: v["duplicate_groups_dropped"] for k, v in delivery.items()},
         "lost_inputs_skipped": {k: v["lost_inputs_skipped"] for k, v in delivery.items()},

@@ -5,7 +5,9 @@ path with a barrier per step, the synchronous baseline) run the same actors, cor
 queues; the runner only supervises, never carries data.
 
 Guarantees:
-- ``ray.init`` starts a local cluster, or joins ``RAY_ADDRESS`` / ``run.address``;
+- ``ray.init`` starts a local cluster, or joins ``RAY_ADDRESS`` / ``run.address``, with
+  stop signals held meanwhile (``pipeline/signals.py``): one that came then stops the
+  launch right after, through the same path as any stop before the stages run;
 - a stage that raises stops the run: every actor is killed and ``StageError`` carries the
   stage name and its remote traceback;
 - GPU-indexed nodes run in one placement group the runner creates and removes; one Ray
@@ -25,7 +27,6 @@ import collections
 import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from pipeline.delivery import DEDUP_WINDOW, dedup_window
 from pipeline.log import get_logger
 from pipeline.profiler import SpanTotals, StageTimes
 from pipeline.queue import FORWARD_INTERVAL_S, QueueHandle, create_queue
+from pipeline.signals import STOP_SIGNALS, WORKER_SETUP_HOOK, RunInterrupted, StopSignals, hold_stop_signals
 from pipeline.stage import StageActor, StageError, lease_id
 from pipeline.types import Span
 
@@ -121,9 +123,24 @@ class Graph:
 
 
 def init_ray(address: str | None = None) -> None:
-    """Join ``address`` / ``RAY_ADDRESS`` if given, else start a local cluster (once)."""
+    """Join ``address`` / ``RAY_ADDRESS`` if given, else start a local cluster (once).
+    SIGINT and SIGTERM are held while Ray starts (``pipeline.signals``); under the
+    launch's ``STOP_SIGNALS`` one that came meanwhile raises ``RunInterrupted`` here."""
     if ray.is_initialized():
         return
+    with hold_stop_signals(on_release=STOP_SIGNALS.reinstall):  # ray.init replaces the SIGTERM handler
+        try:
+            _start_ray(address)
+        except SystemExit as exc:
+            # Ray's own SIGTERM handler (ray.init installs it) exits: a thread started
+            # before, whose mask is not held, took the signal. A stop like any other.
+            if exc.code != signal.SIGTERM or not STOP_SIGNALS.installed:
+                raise
+            STOP_SIGNALS.record(signal.SIGTERM)
+    STOP_SIGNALS.check()
+
+
+def _start_ray(address: str | None) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     # Workers import ``pipeline``/``stages`` from the installed package; the driver's
     # cwd is shipped too so graphs defined in user scripts and tests resolve.
@@ -131,7 +148,8 @@ def init_ray(address: str | None = None) -> None:
     # A quiet console: the engines' per-request INFO lines and progress bars stay out of
     # the driver's output unless the user's environment asks for them.
     env.update({k: os.environ.get(k, v) for k, v in QUIET_ENV.items()})
-    runtime_env = {"env_vars": env}
+    # Workers start with the signal mask of the raylet, which ``hold_stop_signals`` blocked.
+    runtime_env = {"env_vars": env, "worker_process_setup_hook": WORKER_SETUP_HOOK}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
@@ -165,7 +183,7 @@ def run_dataflow(
     if not async_mode and len(df.sources) != 1:
         raise ValueError(f"lock-step mode needs one source node (its steps are the barrier), not {sorted(df.sources)}")
     owner = not STOP_SIGNALS.installed  # called outside a launch (a test, a bench): restore the handlers after
-    STOP_SIGNALS.install()  # again: ray.init replaces the SIGTERM handler with its own
+    STOP_SIGNALS.install()  # a Ray started earlier replaced the SIGTERM handler with its own
     try:
         STOP_SIGNALS.check()
         coro = _run(
@@ -421,61 +439,6 @@ def _resumed_counts(config: Any) -> dict[str, Any] | None:
 
     state = load_resume_state(path)
     return {"version": state.version, "trained_prompts": state.trained_prompts, "dropped": dict(state.dropped)}
-
-
-class RunInterrupted(RuntimeError):
-    """A second SIGINT/SIGTERM forced the run down before it drained."""
-
-    def __init__(self, signal_name: str) -> None:
-        super().__init__(f"run forced down by a second {signal_name}")
-        self.signal_name = signal_name
-
-
-class StopSignals:
-    """The launch's SIGINT/SIGTERM handler before and between the driver loop's: the
-    first signal is recorded (and logged) for ``check`` to raise at the next safe point.
-    Nothing else: an exception raised inside ``ray.init`` is swallowed by it."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._previous: dict[signal.Signals, Any] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                previous = signal.signal(sig, self._on_signal)
-                if previous != self._on_signal:
-                    self._previous.setdefault(sig, previous)
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
-
-    def uninstall(self) -> None:
-        """The handlers from before the first ``install``, and no signal recorded."""
-        if threading.current_thread() is threading.main_thread():
-            for sig, previous in self._previous.items():
-                signal.signal(sig, previous)
-        self._previous.clear()
-        self.received = None
-
-    def record(self, sig: signal.Signals) -> None:
-        if self.received is None:
-            self.received = sig.name
-            log.warning("stopping", signal=sig.name, detail="before the stages run: stopping now")
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.record(signal.Signals(signum))
-
-    def check(self) -> None:
-        """Raise ``RunInterrupted`` if a signal came."""
-        if self.received is not None:
-            raise RunInterrupted(self.received)
-
-
-STOP_SIGNALS = StopSignals()
 
 
 class _Interrupts:

@@ -22,6 +22,10 @@ every backend gives, and the e2e tests check on the real ones:
   and the payload's fingerprint, rounded to the served dtype, is returned; a later
   ``live_fingerprint()`` can still check it. ``version`` then reports the new version.
   Versions never go backwards (``ValueError``).
+- A backend whose engine runs in a process of its own raises ``EngineDied`` from any
+  call once that process is gone (killed, crashed); it then serves nothing more. The
+  rollout stage builds a new backend in its place and generates the micro-batches that
+  were in flight again (``rollout.max_engine_restarts``).
 - Nothing here downloads: a backend loads a local checkpoint directory only.
 """
 
@@ -38,6 +42,10 @@ from pipeline.weights import Fingerprint
 FINISH_REASONS = ("stop", "length", "abort")
 
 _frozen = dict(frozen=True, kw_only=True)
+
+
+class EngineDied(RuntimeError):
+    """The backend's engine process is gone; every request in flight on it failed."""
 
 
 class SamplingSettings(msgspec.Struct, **_frozen):

@@ -19,7 +19,13 @@ Guarantees:
   ``data.max_tokens_field``) is honoured per request, clamped to ``rollout.max_tokens``:
   prompts of one budget share a backend call, the calls of a micro-batch run at once;
 - ``result()`` reports the samples in flight over time (``occupancy``: seconds at each
-  count, ``stages/rollout/occupancy.py``) and the completion lengths generated.
+  count, ``stages/rollout/occupancy.py``) and the completion lengths generated;
+- an engine whose process died (``EngineDied``) is rebuilt in place, up to
+  ``rollout.max_engine_restarts`` times (``stages/rollout/restarts.py``): the new one
+  serves the version the dead one served (or, where that payload is gone from the
+  trainer's ``cuda_ipc`` ring, the newest published), read back and matched to its
+  fingerprint before anything generates on it, and every micro-batch that was in
+  flight generates again, whole, under its own prompt ids (one output per input).
 Mechanisms: docs/architecture.md, "Rollout stage".
 """
 
@@ -43,8 +49,9 @@ from pipeline.plugins import register_stage
 from pipeline.types import PromptBatch, RolloutBatch, WeightConfirmation
 from pipeline.versions import required_serving_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
-from stages.rollout.base import GenerationResult, SamplingSettings, apply_budget
+from stages.rollout.base import EngineDied, GenerationResult, SamplingSettings, apply_budget
 from stages.rollout.occupancy import OccupancyMeter, summarize_length_counts
+from stages.rollout.restarts import EngineRestarts, find_engine_death
 
 
 def pad_rows(rows: list[list[Any]], dtype: Any, fill: Any = 0) -> np.ndarray:
@@ -132,6 +139,10 @@ class RolloutStage:
         self._generating = 0
         self.occupancy = OccupancyMeter()  # samples in flight in the engine over time
         self.length_counts: Counter[int] = Counter()  # completion length -> samples
+        # (update, payload, fingerprint) of the weights served now; update None: the
+        # checkpoint. What a rebuilt engine loads again (the payload is held for it).
+        self._serving: tuple[Any, Any, tuple[float, float] | None] = (None, None, None)
+        self.reissued_batches = 0  # micro-batches generated again after an engine death
 
     async def setup(self, ctx: Any) -> None:
         from transformers import AutoTokenizer
@@ -146,20 +157,18 @@ class RolloutStage:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
-        self.backend = build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
         self.colocated = cfg.placement.mode == "colocate"
-        if self.colocated and not (hasattr(self.backend, "sleep") and hasattr(self.backend, "wake_up")):
-            raise ValueError(f"placement: colocate needs a rollout backend that can sleep and wake up; "
-                             f"rollout.backend {cfg.rollout.backend!r} cannot")
-        await self.backend.start()
         self.sampling = build_sampling_settings(cfg.rollout, None)
         if cfg.rollout.tools is not None:
             from stages.rollout.tools import load_tools
 
             self.tools = load_tools(cfg.rollout.tools.functions)
-        # Warm the engine up (its first call compiles and allocates) before timing starts.
-        warm = [self.tokenizer(p, add_special_tokens=True)["input_ids"] for p in ("0", "1")]
-        await self.backend.generate(warm, msgspec.structs.replace(self.sampling, max_tokens=1))
+        self._new_backend = lambda: build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
+        self.backend = await self._start_backend()
+        self.restarts = EngineRestarts(cfg.rollout.max_engine_restarts, ctx.worker_id)
+        if self._rebuildable:
+            # What an engine rebuilt before the first update is checked against.
+            self._serving = (None, None, tuple(await self.backend.live_fingerprint()))
         hf_config = json.loads((model_path / "config.json").read_text())
         self.shape = ModelShape.from_hf_config({**hf_config, "torch_dtype": dtype})
         # Admission's KV budget: the cache the engine made (vLLM reports its blocks), else
@@ -174,7 +183,130 @@ class RolloutStage:
         self._watchers = [asyncio.create_task(self._watch(loop)) for loop in
                           (self._watch_weights, *([self._watch_sleep_requests] if self.colocated else []))]
 
+    async def _start_backend(self) -> Any:
+        """A new backend of ``rollout.backend``, started and warmed up, serving the
+        checkpoint (version 0)."""
+        backend = self._new_backend()
+        if self.colocated and not (hasattr(backend, "sleep") and hasattr(backend, "wake_up")):
+            raise ValueError(f"placement: colocate needs a rollout backend that can sleep and wake up; "
+                             f"rollout.backend {self.cfg.rollout.backend!r} cannot")
+        await backend.start()
+        # Warm the engine up (its first call compiles and allocates) before timing starts.
+        warm = [self.tokenizer(p, add_special_tokens=True)["input_ids"] for p in ("0", "1")]
+        await backend.generate(warm, msgspec.structs.replace(self.sampling, max_tokens=1))
+        return backend
+
+    # ------------------------------------------------------------------ engine restarts
+    @property
+    def _rebuildable(self) -> bool:
+        """An engine death here is answered by a rebuild (which needs the served payload)."""
+        return self.restarts.limit > 0 and not self.colocated
+
+    async def _restart_engine(self, epoch: int, death: EngineDied) -> None:
+        async with self._applying:  # no update (or sleep) meanwhile
+            await self._restart_engine_locked(epoch, death)
+
+    async def _restart_engine_locked(self, epoch: int, death: EngineDied) -> None:
+        """Rebuild the engine that died under ``epoch`` (once: module guarantees)."""
+        if self.restarts.is_answered(epoch):
+            return
+        if self.colocated:
+            raise EngineDied(f"{self.ctx.worker_id}: the rollout engine died ({death}); under placement: colocate it "
+                             f"is not rebuilt, as the trainer may hold its GPU memory") from death
+        number = self.restarts.admit(death)  # raises past rollout.max_engine_restarts
+        version = self.backend.version
+        self.ctx.log.warning("engine_died", restart=number, max_engine_restarts=self.restarts.limit,
+                             policy_version=version, error=str(death))
+        t0 = time.time()
+        with self.ctx.spans.span("sync"):
+            try:
+                await self.backend.shutdown()
+            except Exception as err:  # it is dead; the runner reaps what is left at the end
+                self.ctx.log.warning("dead_engine_shutdown_failed", error=repr(err))
+            backend = await self._start_backend()
+            try:
+                await self._serve_again(backend)
+            except BaseException:
+                await backend.shutdown()
+                raise
+        self.backend = backend
+        self.restarts.took_over()
+        self.ctx.log.warning("engine_restarted", restart=number, policy_version=version,
+                             seconds=round(time.time() - t0, 1))
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
+    async def _serve_again(self, backend: Any) -> None:
+        """Load into a rebuilt ``backend`` the version served before its death, read
+        back and matched to the fingerprint that version was served with. Only where
+        that payload can no longer be read (a ``cuda_ipc`` ring slot the trainer has
+        rewritten since) the newest published version is served instead, read back."""
+        update, payload, expected = self._serving
+        if update is None:
+            version, live = 0, await backend.live_fingerprint()
+        else:
+            version = update.version
+            try:
+                live = await backend.update_weights(await self._read_payload(update, payload), version)  # read back
+            except WeightSyncError as err:
+                newer, newer_payload = await self.ctx.controller.latest_update()
+                if newer is None or newer.version <= version:
+                    raise
+                self.ctx.log.warning("served_weights_gone", policy_version=version, serving=newer.version,
+                                     error=str(err))
+                live = await backend.update_weights(await self._read_payload(newer, newer_payload), newer.version)
+                # The watcher finds this version newer than the one it last saw, and
+                # confirms it to the controller.
+                self._serving = (newer, newer_payload, tuple(live))
+                return
+        if expected is None or not fingerprints_match(tuple(expected), tuple(live)):
+            raise WeightSyncError(
+                f"{self.ctx.worker_id}: the rebuilt rollout engine's weights (fingerprint {tuple(live)}) are not "
+                f"version v{version} that the dead engine served (fingerprint {expected})"
+            )
+
+    async def _generate_surviving(self, pb: PromptBatch) -> RolloutBatch:
+        """``pb``'s batch; after an engine death, generated again, whole, on the rebuilt
+        engine (what the dead one made for it is dropped)."""
+        while True:
+            epoch = self.restarts.epoch
+            try:
+                return await self._generate_batch(pb)
+            except Exception as exc:
+                death = find_engine_death(exc)
+                if death is None:
+                    raise
+                await self._restart_engine(epoch, death)
+            self.reissued_batches += 1
+            self.ctx.log.info("batch_reissued", batch_id=pb.batch_id, prompts=len(pb.prompts))
+
+    async def _load_update(self, data: bytes, version: int, verify: bool) -> Any:
+        """The backend's ``update_weights``, on a rebuilt engine after an engine death.
+        ``verify`` is passed only when off: a plug-in backend of the two-argument protocol
+        keeps working with the default. Called with ``_applying`` held."""
+        while True:
+            epoch = self.restarts.epoch
+            try:
+                return await (self.backend.update_weights(data, version) if verify
+                              else self.backend.update_weights(data, version, verify=False))
+            except Exception as exc:
+                death = find_engine_death(exc)
+                if death is None:
+                    raise
+                await self._restart_engine_locked(epoch, death)
+
     # ------------------------------------------------------------------ weights
+    async def _read_payload(self, update: Any, payload_ref: Any) -> bytes:
+        """The payload's bytes, checked against the sha256 it was published with."""
+        data = await resolve_payload(payload_ref)
+        sha = compute_sha256(data)
+        if sha != update.sha256:
+            raise WeightSyncError(
+                f"{self.ctx.worker_id}: weights v{update.version} arrived corrupt "
+                f"(sha256 {sha[:12]} != published {update.sha256[:12]})"
+            )
+        return data
+
     async def _watch(self, loop: Any) -> None:
         try:
             await loop()
@@ -229,23 +361,16 @@ class RolloutStage:
     async def _apply_locked(self, update: Any, payload_ref: Any, wake_kv: bool = True) -> WeightConfirmation:
         t0 = time.time()
         with self.ctx.spans.span("sync"):
-            data = await resolve_payload(payload_ref)
-            sha = compute_sha256(data)
-            if sha != update.sha256:
-                raise WeightSyncError(
-                    f"{self.ctx.worker_id}: weights v{update.version} arrived corrupt "
-                    f"(sha256 {sha[:12]} != published {update.sha256[:12]})"
-                )
+            data = await self._read_payload(update, payload_ref)
             # The backend raises WeightSyncError (and serves nothing unverified) when
             # the read-back differs from the payload.
             verify = self.cfg.train.weight_sync_monitor
             if self._weights_freed:
                 await self._wake(["weights"])  # memory for the update to load into
                 self._weights_freed = False
-            # ``verify`` is passed only when off: a plug-in backend of the two-argument
-            # protocol keeps working with the default.
-            fingerprint = await (self.backend.update_weights(data, update.version) if verify
-                                 else self.backend.update_weights(data, update.version, verify=False))
+            fingerprint = await self._load_update(data, update.version, verify)
+            if self._rebuildable:
+                self._serving = (update, payload_ref, tuple(fingerprint))
             if self.asleep and wake_kv:
                 # The backend resumed its scheduler with the KV cache still asleep; nothing
                 # generates before this wake, as the version waits see ``asleep``.
@@ -295,7 +420,7 @@ class RolloutStage:
         await self._wait_for_version(required_serving_version(pb.step, df.max_staleness, tr.sync_interval), pb.batch_id)
         self._generating += 1  # no await since the version wait: a sleep cannot start in between
         try:
-            return await self._generate_batch(pb)
+            return await self._generate_surviving(pb)
         finally:
             async with self._idle:
                 self._generating -= 1
@@ -367,7 +492,9 @@ class RolloutStage:
         colocate = ({"asleep": self.asleep, "sleeps": self.sleeps, "sleep_s_total": self.sleep_s_total,
                      "wake_s_total": self.wake_s_total} if self.colocated else {})
         return {"state": "asleep" if self.asleep else "generating", "policy_version": self.backend.version,
-                "samples": self.generated_samples, "tokens": self.generated_tokens, **self.guard.status(), **colocate}
+                "samples": self.generated_samples, "tokens": self.generated_tokens,
+                "engine_restarts": self.restarts.count, "reissued_batches": self.reissued_batches,
+                **self.guard.status(), **colocate}
 
     def result(self) -> dict[str, Any]:
         trims = getattr(self.backend, "host_memory_trims", None)  # vLLM backend's (rollout.host_memory_trim_s)

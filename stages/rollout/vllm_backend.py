@@ -18,6 +18,10 @@ Guarantees (beyond ``stages.rollout.base``):
   modules) loads the layers it names and the whole model is checked against its
   fingerprint plus the rest it names (``pipeline.weights``);
 - a failed update never lets a token be sampled from unverified weights;
+- with the engine core in a process of its own, its death (vLLM's ``EngineDeadError``,
+  or the process found gone while a call waits: vLLM leaves a call to a dead engine
+  core waiting) fails every call with ``EngineDied`` within ``ENGINE_POLL_S``; the
+  in-process engine dies with this process, and Ray restarts the actor;
 - ``shutdown`` ends the engine process without EngineDeadError or force-kill.
 """
 
@@ -33,8 +37,9 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -54,6 +59,7 @@ from pipeline.weights import (
 )
 from stages.rollout.base import (
     Completion,
+    EngineDied,
     GenerationResult,
     SamplingSettings,
     check_version_order,
@@ -66,6 +72,8 @@ log = structlog.get_logger(__name__).bind(stage="rollout", backend="vllm")
 WORKER_EXTENSION = "stages.rollout.vllm_worker_ext.WeightSyncExtension"
 _GIB = 1 << 30
 _SHUTDOWN_GRACE_S = 30.0
+ENGINE_POLL_S = 1.0  # how often a call waiting on the engine core checks that its process lives
+T = TypeVar("T")
 
 
 def build_engine_kwargs(
@@ -364,12 +372,44 @@ class VLLMBackend:
             raise RuntimeError("VLLMBackend: call start() first (or it was shut down)")
         return self._engine
 
+    def _engine_gone(self, engine: Any) -> bool:
+        """``AsyncLLM``'s engine core process is gone (vLLM marks it dead, or its output
+        handler ended); the in-process engine never is, it dies with this process."""
+        return self.engine_core == "subprocess" and bool(getattr(engine, "errored", False))
+
+    async def _watch_engine(self, engine: Any, call: Awaitable[T]) -> T:
+        """``call``'s result; ``EngineDied`` instead once the engine core's process is
+        gone, whether ``call`` raised for it or still waits (module guarantees)."""
+        if self.engine_core != "subprocess":
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=ENGINE_POLL_S)
+                if done:
+                    return task.result()
+                if self._engine_gone(engine):
+                    raise EngineDied("the vLLM engine core process is gone (found while a call waited on it)")
+        except Exception as err:
+            if isinstance(err, EngineDied) or not self._engine_gone(engine):
+                raise
+            raise EngineDied(f"the vLLM engine core process is gone ({type(err).__name__})") from err
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
     async def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingSettings
     ) -> list[GenerationResult]:
         engine = self._require_engine()
         if self._broken is not None:
             raise self._broken
+        return await self._watch_engine(engine, self._generate_all(engine, prompt_token_ids, sampling))
+
+    async def _generate_all(
+        self, engine: Any, prompt_token_ids: list[list[int]], sampling: SamplingSettings
+    ) -> list[GenerationResult]:
         n = sampling.n
         async with asyncio.TaskGroup() as group:
             tasks = [
@@ -514,6 +554,9 @@ class VLLMBackend:
         ipc = is_ipc_payload(data)
         if self._shapes:  # empty for a checkpoint without safetensors files
             check_payload_fits(read_ipc_shapes(data) if ipc else read_payload_shapes(data), self._shapes)
+        return await self._watch_engine(engine, self._update_engine(engine, data, version, verify, ipc))
+
+    async def _update_engine(self, engine: Any, data: bytes, version: int, verify: bool, ipc: bool) -> Fingerprint:
         async with self._update_lock:
             paused_at = time.perf_counter()
             await self._pause(engine)
@@ -607,7 +650,8 @@ class VLLMBackend:
         """Resume only if the live weights are still the last verified ones; otherwise
         stay paused and refuse new work (see module guarantees)."""
         try:
-            unchanged = self._live is not None and fingerprints_match(self._live, await self.live_fingerprint())
+            unchanged = (not self._engine_gone(engine) and self._live is not None
+                         and fingerprints_match(self._live, await self.live_fingerprint()))
         except Exception:
             unchanged = False
         if unchanged:
@@ -659,7 +703,7 @@ class VLLMBackend:
 
     async def live_fingerprint(self) -> Fingerprint:
         engine = self._require_engine()
-        return combine_rank_fingerprints(await engine.collective_rpc("fingerprint"))
+        return combine_rank_fingerprints(await self._watch_engine(engine, engine.collective_rpc("fingerprint")))
 
     async def shutdown(self) -> None:
         """Stop the engine process; requests still in flight fail. Idempotent."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -19,7 +19,7 @@ from pipeline.config import MemoryConfig
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
-from pipeline.types import Prompt, RolloutBatch
+from pipeline.types import Prompt, PromptBatch, RolloutBatch
 from stages.trainer.ranks import TrainerRank
 
 
@@ -393,3 +393,102 @@ class FakeSleepingBackend:
 
     async def shutdown(self) -> None:
         self.events.append(("shutdown",))
+
+
+class FakeDyingBackend:
+    """A rollout backend (``rollout.backend: tests.ray_local.fakes:FakeDyingBackend``) whose
+    engine dies as a killed engine process would: after ``kill()`` every call in flight
+    and every later one raises ``EngineDied``. ``DIE_AT``: engine i (the i-th built in
+    this process, from 0) kills itself at the start of its ``DIE_AT[i]``-th ``generate``
+    call (its warm-up is the first); engines past the list live. Each ``generate`` takes
+    ``GENERATE_S``; completions are two tokens tagged with the version served. A fresh
+    engine serves the checkpoint (fingerprint ``CHECKPOINT``, read at construction); an
+    update serves ``fake_fingerprint(data)``; a payload in ``GONE`` is refused with
+    ``WeightSyncError`` before anything loads (a ``cuda_ipc`` ring slot rewritten since).
+    Every engine built in this process is kept in ``built``, its calls in ``events``."""
+
+    GENERATE_S = 0.3
+    CHECKPOINT = (1.0, 1.0)
+    DIE_AT: tuple[int, ...] = ()
+    GONE: frozenset[bytes] = frozenset()
+    built: ClassVar[list[FakeDyingBackend]] = []
+
+    def __init__(self, model_path: Any, rollout_cfg: Any, dtype: str) -> None:
+        self.version = 0
+        self.live = FakeDyingBackend.CHECKPOINT
+        index = len(FakeDyingBackend.built)
+        self.die_at = self.DIE_AT[index] if index < len(self.DIE_AT) else None
+        self.calls = 0
+        self.dead = asyncio.Event()
+        self.events: list[tuple[Any, ...]] = []
+        FakeDyingBackend.built.append(self)
+
+    def kill(self) -> None:
+        self.dead.set()
+
+    def _check(self) -> None:
+        from stages.rollout.base import EngineDied
+
+        if self.dead.is_set():
+            raise EngineDied("fake engine process killed")
+
+    async def start(self) -> None:
+        self.events.append(("start",))
+
+    async def generate(self, prompt_token_ids: list[list[int]], sampling: Any) -> list[Any]:
+        from stages.rollout.base import Completion, EngineDied, GenerationResult
+
+        self.calls += 1
+        if self.calls == self.die_at:
+            self.kill()
+        self._check()
+        self.events.append(("generate", self.version))
+        version = self.version
+        try:
+            await asyncio.wait_for(self.dead.wait(), self.GENERATE_S)
+        except TimeoutError:
+            return [GenerationResult(prompt_token_ids=ids, completions=[
+                Completion(token_ids=[5, 6], logprobs=[-0.5, -0.5], token_versions=[version] * 2,
+                           finish_reason="length", text="ab") for _ in range(sampling.n)]) for ids in prompt_token_ids]
+        raise EngineDied("fake engine process killed while generating")
+
+    async def update_weights(self, data: bytes, version: int, verify: bool = True) -> tuple[float, float]:
+        from pipeline.weights import WeightSyncError
+
+        self._check()
+        if data in self.GONE:
+            raise WeightSyncError(f"fake: the payload of version {version} was rewritten before it loaded")
+        self.events.append(("update", version))
+        self.version, self.live = version, fake_fingerprint(data)
+        return self.live
+
+    async def live_fingerprint(self) -> tuple[float, float]:
+        self._check()
+        return self.live
+
+    async def shutdown(self) -> None:
+        self.events.append(("shutdown",))
+
+
+class FakeTwiceDyingBackend(FakeDyingBackend):
+    """``FakeDyingBackend`` whose first engine dies at its 3rd call, the second at its 4th."""
+
+    DIE_AT = (3, 4)
+
+
+def fake_fingerprint(data: bytes) -> tuple[float, float]:
+    """``FakeDyingBackend``'s fingerprint of a payload: (length, byte sum)."""
+    return float(len(data)), float(sum(data))
+
+
+class FakePromptSource:
+    """``count`` prompt batches of ``prompts`` prompts each, ids ``b<batch>-<i>``, all for
+    step 0 (no version to wait for)."""
+
+    def __init__(self, count: int, prompts: int = 2) -> None:
+        self.count, self.prompts = count, prompts
+
+    async def generate(self) -> AsyncIterator[PromptBatch]:
+        for b in range(self.count):
+            yield PromptBatch(batch_id=b, step=0, prompts=[Prompt(prompt_id=f"b{b}-{i}", text=str(i))
+                                                           for i in range(self.prompts)])
