@@ -245,7 +245,8 @@ class _Soak:
             env.update(self.disk.env)
             extra.append("train.on_checkpoint_error=continue")
         if "engine" in self.faults:
-            extra.append("rollout.engine_core=subprocess")
+            # As run.max_restarts: the soak kills the engine more often than a run would lose it.
+            extra += ["rollout.engine_core=subprocess", "rollout.max_engine_restarts=1000"]
         return env, extra
 
     def _launch(self, args: list[str]) -> _Job:

@@ -143,6 +143,23 @@ def test_soak_quick_recovers_from_each_new_fault(tmp_path):
 
 
 @pytest.mark.slow
+def test_soak_quick_recovers_from_an_engine_kill(tmp_path):
+    """The engine fault: vLLM's engine core (a process of its own) killed after 15 s of
+    memory samples; the rollout rebuilds it in place (a vLLM start on CPU: minutes)."""
+    assert main(["soak", "--quick", "--faults", "engine", "--out", str(tmp_path)]) == 0
+    [path] = result_files(tmp_path, "soak")
+    doc = json.loads(path.read_text())
+    assert doc["status"] == "ok", doc["error"]
+    [fault] = doc["faults"]
+    assert fault["kind"] == "engine" and fault["recovered"], fault
+    assert 0 < fault["details"]["death_seen_after_s"] <= fault["recovery_s"] <= fault["details"]["next_step_after_s"]
+    run_faults = doc["phase2"]["run_faults"]
+    assert run_faults["engine_restarts"] == {"rollout:0": 1} and run_faults["restarts"] == {}  # the actor lived
+    assert doc["phase2"]["accounting"]["reconciles"] and doc["phase2"]["metrics_steps_contiguous"]
+    assert doc["ratios"]["samples_lost"] == 0 and doc["ratios"]["samples_duplicated"] == 0
+
+
+@pytest.mark.slow
 def test_soak_memory_quick_writes_result(tmp_path):
     """The memory soak's allocator settings side by side on the HF rollout backend (the
     first two of three in quick mode): 15 s of memory samples each, their own Ray
