@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"result directory (default: {RESULTS_DIR} in a source checkout, else ./bench-results; "
                         "with --quick ./bench-results/quick, so a smoke run never replaces a committed result)")
     p.add_argument("--minutes", type=float, help="soak and soak_memory only: how long they run (default 60, 20)")
+    p.add_argument("--faults", help="soak only: the faults of its second half, 'all' or a comma list of "
+                                    "stage,driver,nan,disk_full,ckpt_truncate,engine (default stage,driver; "
+                                    "bench/soak_faults.py)")
     p.add_argument("--systems", help="gpu_e2e: comma-separated rows in order, repeats allowed (default "
                                      "async,sync,colocate,trl; also async_in_process, ..., colocate_subprocess); "
                                      "a Conveyor row may carry overrides: colocate[train.chunk_size=256;run.seed=1]. "
@@ -92,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("scale", "steps", "reward"):
         if getattr(args, flag) not in (None, False) and args.name != "longtail":
             parser.error(f"--{flag}: only longtail takes it, not {args.name}")
+    if args.faults is not None:
+        from bench.soak_faults import parse_faults
+
+        if args.name != "soak":
+            parser.error(f"--faults: only soak injects faults, not {args.name}")
+        try:
+            args.faults = parse_faults(args.faults)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.scale is not None and not args.scale > 0:
         parser.error(f"--scale: expected > 0, got {args.scale}")
     if args.steps is not None and args.steps < 2:
@@ -132,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             run = import_object(BENCHMARKS[name], f"bench {name}")
             extra = {"minutes": args.minutes} if args.minutes and name in SOAKS else {}
+            if args.faults and name == "soak":
+                extra["faults"] = args.faults
             if args.systems and name in ("gpu_e2e", "gpu_scale", "longtail"):
                 extra["systems"] = args.systems
             if args.model and name in ("gpu_e2e", "longtail"):

@@ -271,7 +271,7 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
 
 
 def _describe(row: dict[str, Any]) -> str:
-    return (f"{row.get('samples_per_s') or 0:.2f} samples/s, tail share {row.get('tail_share')}, "
+    return (f"{row.get('samples_per_s') or 0:.2f} samples a second, tail share {row.get('tail_share')}, "
             f"lengths {row.get('lengths')}")
 
 
@@ -280,7 +280,7 @@ def _rate(row: dict[str, Any] | None) -> float | None:
 
 
 def compute_ratios(rows: dict[str, dict[str, Any]], reward: bool) -> dict[str, Any]:
-    """Streaming over lock-step and over the fastest peer, TRL or verl (samples/s; > 1 favours
+    """Streaming over lock-step and over the fastest peer, TRL or verl (samples a second; > 1 favours
     streaming); with ``reward``, streaming's time to ``REWARD_TARGET`` over lock-step's
     (< 1 favours streaming). A row that did not run gives None."""
     def ratio(a: float | None, b: float | None) -> float | None:

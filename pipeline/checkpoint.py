@@ -310,8 +310,10 @@ def prepare_run_dir(run_dir: Path, resume_from: str | None, overwrite: bool) -> 
 
     A fresh run refuses a directory that already holds a run (so a failed or mistaken
     launch leaves it exactly as it was) unless ``overwrite``, which clears that run's
-    outputs first. A resumed run keeps it and cuts ``metrics.jsonl`` back to the steps
-    before its checkpoint.
+    outputs first. Empty directories are no run: ``checkpoints/`` may be a volume of its
+    own, mounted before the launch (``overwrite`` empties a mount point, never removes
+    it). A resumed run keeps it and cuts ``metrics.jsonl`` back to the steps before its
+    checkpoint.
     """
     run_dir = Path(run_dir)
     if resume_from:
@@ -319,7 +321,7 @@ def prepare_run_dir(run_dir: Path, resume_from: str | None, overwrite: bool) -> 
         truncate_metrics(run_dir / "metrics.jsonl", state.version)
         restore_metrics(run_dir / "metrics.jsonl", state.recent_metrics)
         return
-    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    existing = [name for name in RUN_FILES if _holds_output(run_dir / name)]
     if existing and not overwrite:
         raise ConfigError(
             f"run.dir: {run_dir} already holds a run ({', '.join(existing)}); continue it with "
@@ -327,10 +329,22 @@ def prepare_run_dir(run_dir: Path, resume_from: str | None, overwrite: bool) -> 
         )
     for name in (*RUN_FILES, "tensorboard", "recording", "checkpoint"):
         path = run_dir / name
-        if path.is_dir():
+        if path.is_dir() and os.path.ismount(path):  # a volume mounted for the run: emptied, kept
+            for entry in path.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        elif path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+def _holds_output(path: Path) -> bool:
+    """A file, or a directory with something in it: an empty directory (a volume
+    mounted at ``checkpoints/`` before the run) holds no run."""
+    return (path.is_dir() and any(path.iterdir())) or (path.exists() and not path.is_dir())
 
 
 def resolve_resume(run_dir: Path, new_config: Mapping[str, Any]) -> tuple[str, list[str], list[str]]:

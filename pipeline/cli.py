@@ -165,6 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     return load_builtin("bench")([args.name, *(["--quick"] if args.quick else []),
                        *(["--minutes", str(args.minutes)] if args.minutes else []),
+                       *(["--faults", args.faults] if args.faults else []),
                        *(["--out", str(args.out)] if args.out else [])])
 
 
@@ -220,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name")
     bench.add_argument("--quick", action="store_true")
     bench.add_argument("--minutes", type=float, help="soak only: how long it runs (default 60)")
+    bench.add_argument("--faults", help="soak only: 'all' or a comma list of stage,driver,nan,disk_full,"
+                                        "ckpt_truncate,engine (default stage,driver)")
     bench.add_argument("--out", help="result directory (default: bench/results in a source checkout, "
                                      "./bench-results elsewhere, ./bench-results/quick with --quick)")
     bench.set_defaults(fn=cmd_bench)

@@ -18,7 +18,8 @@ Guarantees:
   the rest (``stages/models/lora.py``); its state saves the adapters and their
   optimizer alone;
 - on CPU the same state and inputs give bitwise-identical results; ``save_state`` /
-  ``load_state`` round-trip exactly. Details: docs/architecture.md, "Trainer engine".
+  ``load_state`` round-trip exactly; a ``save_state`` that cannot write (a full disk)
+  raises the ``OSError`` that stopped it. Details: docs/architecture.md, "Trainer engine".
 """
 
 from __future__ import annotations
@@ -211,6 +212,39 @@ def load_state_file(path: str, map_location: Any = None) -> Any:
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
+class _WriteErrorKeeper:
+    """The file ``torch.save`` writes to, keeping the ``OSError`` a write raised: torch's
+    zip writer reports a failed write (a full disk) as a RuntimeError of its own."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_state_file(state_dict: Any, path: str) -> None:
+    """``torch.save`` of one DeepSpeed state file (the checkpoint engine's ``save``,
+    whose argument names it keeps); a write that fails raises the
+    ``OSError`` that failed it (ENOSPC for a full disk), which a checkpoint's writer
+    answers by ``train.on_checkpoint_error``, instead of torch's RuntimeError."""
+    with open(path, "wb") as f:
+        keeper = _WriteErrorKeeper(f)
+        try:
+            torch.save(state_dict, keeper)
+        except RuntimeError as exc:
+            if keeper.error is None:
+                raise
+            raise keeper.error from exc
+
+
 def skip_shm_comm_build() -> None:
     """Keep DeepSpeed from building its shared-memory all-reduce op in this process.
 
@@ -316,6 +350,7 @@ def save_engine_state(engine: Any, path: Path, client_state: dict[str, Any], tra
     """Model, optimizer and lr schedule of a DeepSpeed ``engine`` under directory ``path``,
     with ``client_state`` (plain numbers and bytes) beside them; ``trainable_only``: the
     model's trainable parameters alone (LoRA: the adapters, not the frozen base)."""
+    engine.checkpoint_engine.save = save_state_file
     engine.save_checkpoint(str(path), tag=_STATE_TAG, client_state=client_state, save_latest=False,
                            exclude_frozen_parameters=trainable_only)
 

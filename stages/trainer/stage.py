@@ -640,7 +640,8 @@ class TrainerStage:
 
     def status(self) -> dict[str, Any]:
         return {"state": "training", "policy_version": self.engine.version, "steps": self.steps_done,
-                **self.guard.status()}
+                "skipped_nonfinite": self.skipped_nonfinite,
+                "checkpoint_write_failures": self.checkpoints.failed_writes, **self.guard.status()}
 
     def result(self) -> dict[str, Any]:
         return {

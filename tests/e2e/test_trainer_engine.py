@@ -8,6 +8,7 @@ the others ran in.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import random
@@ -209,6 +210,20 @@ def test_saved_checkpoint_reloads_and_generates(engine, tmp_path):
         generated = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert generated.shape == (1, inputs["input_ids"].shape[1] + 6)
     assert isinstance(tokenizer.decode(generated[0], skip_special_tokens=True), str)
+
+
+def test_a_state_save_onto_a_full_disk_raises_enospc(engine, tmp_path):
+    """torch's zip writer turns a failed write into a RuntimeError of its own; the
+    checkpoint's writer must see the OSError (train.on_checkpoint_error answers it)."""
+    engine.save_state(tmp_path / "whole")
+    files = [p.relative_to(tmp_path / "whole") for p in (tmp_path / "whole").rglob("*.pt")]
+    assert files
+    for name in files:  # the same files again, each a link to /dev/full: every write there fails with ENOSPC
+        (tmp_path / "full" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "full" / name).symlink_to("/dev/full")
+    with pytest.raises(OSError) as info:
+        engine.save_state(tmp_path / "full")
+    assert info.value.errno == errno.ENOSPC
 
 
 def test_state_round_trip_reproduces_the_next_step(engine, tmp_path):

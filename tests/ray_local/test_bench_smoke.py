@@ -106,13 +106,56 @@ def test_soak_quick_writes_result(tmp_path):
         assert stage in growth["rss_mib_per_hour"] and stage in growth["uss_mib_per_hour"]
     for q in doc["phase1"]["queues"].values():
         assert q["max_depth"] <= q["bound"]  # no failure yet: the bound holds
-    kinds = [(e["kind"], e.get("stage")) for e in doc["phase2"]["events"]]
+    kinds = [(f["kind"], f["details"].get("stage")) for f in doc["faults"]]
     assert kinds == [("stage", "reward:0"), ("driver", None)]
+    assert all(f["recovered"] and f["recovery_s"] > 0 for f in doc["faults"])
     # Stopped by SIGINT after the resume; every prompt issued was trained or dropped
     # once, by the two independent accounts, across the stage kill and the resume.
     phase2 = doc["phase2"]
     assert phase2["exit_code"] == 130 and phase2["run_status"] == "interrupted"
     assert phase2["accounting"]["reconciles"] and phase2["prompts"]["in_flight"] == 0
+    assert doc["ratios"]["samples_lost"] == 0 and doc["ratios"]["samples_duplicated"] == 0
+
+
+@pytest.mark.slow
+def test_soak_quick_recovers_from_each_new_fault(tmp_path):
+    """The soak's new faults on the HF rollout backend, one each after 15 s of memory
+    samples: a NaN reward, a full checkpoint disk, a truncated newest checkpoint (with the
+    driver's kill and a resume); exact accounting across all of them (~3 min)."""
+    faults = "nan,disk_full,ckpt_truncate"
+    assert main(["soak", "--quick", "--faults", faults, "--out", str(tmp_path)]) == 0
+    [path] = result_files(tmp_path, "soak")
+    doc = json.loads(path.read_text())
+    assert doc["status"] == "ok", doc["error"]
+    assert doc["label"] == "quick-faults" and doc["params"]["faults"] == faults.split(",")
+    assert [f["kind"] for f in doc["faults"]] == faults.split(",")
+    for f in doc["faults"]:
+        assert f["recovered"] and f["recovery_s"] >= 0, f
+    nan, disk, cut = (f["details"] for f in doc["faults"])
+    assert nan["skipped_nonfinite"] == 1  # the poisoned step was not applied; the next one was
+    assert disk["partial_checkpoints"] == [] and disk["next_checkpoint"] > disk["last_good_while_full"]
+    assert cut["skip_named_in_log"] and cut["resumed_version"] < cut["damaged_version"]
+    assert cut["damaged_prompts_in_final_account"] and cut["regenerated_prompts"] > 0
+    phase2 = doc["phase2"]
+    assert phase2["dropped_prompts"]["nonfinite"] == 8  # the skipped step's prompts, dropped with their reason
+    assert phase2["accounting"]["reconciles"] and phase2["metrics_steps_contiguous"]
+    assert doc["ratios"]["samples_lost"] == 0 and doc["ratios"]["samples_duplicated"] == 0
+
+
+@pytest.mark.slow
+def test_soak_quick_recovers_from_an_engine_kill(tmp_path):
+    """The engine fault: vLLM's engine core (a process of its own) killed after 15 s of
+    memory samples; the rollout rebuilds it in place (a vLLM start on CPU: minutes)."""
+    assert main(["soak", "--quick", "--faults", "engine", "--out", str(tmp_path)]) == 0
+    [path] = result_files(tmp_path, "soak")
+    doc = json.loads(path.read_text())
+    assert doc["status"] == "ok", doc["error"]
+    [fault] = doc["faults"]
+    assert fault["kind"] == "engine" and fault["recovered"], fault
+    assert 0 < fault["details"]["death_seen_after_s"] <= fault["recovery_s"] <= fault["details"]["next_step_after_s"]
+    run_faults = doc["phase2"]["run_faults"]
+    assert run_faults["engine_restarts"] == {"rollout:0": 1} and run_faults["restarts"] == {}  # the actor lived
+    assert doc["phase2"]["accounting"]["reconciles"] and doc["phase2"]["metrics_steps_contiguous"]
     assert doc["ratios"]["samples_lost"] == 0 and doc["ratios"]["samples_duplicated"] == 0
 
 

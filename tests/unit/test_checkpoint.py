@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -237,3 +238,19 @@ def test_a_resumed_auto_staleness_run_starts_at_the_eta_its_last_step_trained_un
     fixed = load_config(None, ["dataflow.max_staleness=1"])
     assert _staleness_start(fixed, counts) == {"max_staleness": 1, "auto_staleness": False}
     assert _staleness_start(None, counts) == {}
+
+
+def test_an_empty_checkpoints_dir_is_no_run_and_a_mounted_one_is_kept(tmp_path, monkeypatch):
+    from pipeline.checkpoint import prepare_run_dir
+    from pipeline.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)  # e.g. a volume of its own, mounted for the run
+    prepare_run_dir(run_dir, None, overwrite=False)  # accepted: nothing of a run is there
+    (run_dir / "checkpoints" / "step-00000002").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints\)"):
+        prepare_run_dir(run_dir, None, overwrite=False)
+    # Overwritten, a mount point is emptied, not removed (its volume stays mounted).
+    monkeypatch.setattr("pipeline.checkpoint.os.path.ismount", lambda p: Path(p).name == "checkpoints")
+    prepare_run_dir(run_dir, None, overwrite=True)
+    assert (run_dir / "checkpoints").is_dir() and not any((run_dir / "checkpoints").iterdir())

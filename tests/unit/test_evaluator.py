@@ -64,20 +64,23 @@ def make_evaluator(tmp_path, *overrides: str) -> HeldOutEvaluator:
                             cfg.rollout.max_inflight)
 
 
+SHORT = ["data.max_prompt_len=64"]  # the 80-character row is over it
+
+
 def test_the_held_out_prompts_are_the_first_usable_rows_in_file_order(tmp_path):
     path = write_rows(tmp_path / "h.jsonl", [{"prompt": "12=", "ground_truth": "1"}, "{oops",
                                              {"prompt": "9" * 80, "ground_truth": "9"},  # over data.max_prompt_len
                                              {"prompt": "3=", "ground_truth": "3", "data_source": "d"},
                                              {"prompt": "4=", "ground_truth": "4"}])
-    cfg = load_config(None, ["data.max_prompt_len=64", f"eval.path={path}", "eval.num_prompts=2"])
+    cfg = load_config(None, [*SHORT, f"eval.path={path}", "eval.num_prompts=2"])
     prompts = load_eval_prompts(cfg, TOK, "/models/m")
     # llama char vocab: <bos> 1, "1" 5, "2" 6, "3" 7, "=" 70; ids name the file's rows
     assert [(p.prompt_id, p.text, p.token_ids, p.ground_truth) for p in prompts] == [
         ("eval-1", "12=", [1, 5, 6, 70], "1"), ("eval-4", "3=", [1, 7, 70], "3")]
     assert prompts[1].data_source == "d"
-    assert len(load_eval_prompts(load_config(None, ["data.max_prompt_len=64", f"eval.path={path}"]), TOK, "/models/m")) == 3  # 0: all
+    assert len(load_eval_prompts(load_config(None, [*SHORT, f"eval.path={path}"]), TOK, "/models/m")) == 3  # 0: all
     with pytest.raises(ConfigError, match="^eval.answer_key: h.jsonl has no column 'answer'"):
-        load_eval_prompts(load_config(None, ["data.max_prompt_len=64", f"eval.path={path}", "eval.answer_key=answer"]), TOK, "/models/m")
+        load_eval_prompts(load_config(None, [*SHORT, f"eval.path={path}", "eval.answer_key=answer"]), TOK, "/models/m")
 
 
 def test_a_greedy_evaluation_makes_one_pass_in_micro_batch_calls(tmp_path):
