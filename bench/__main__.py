@@ -36,8 +36,10 @@ BENCHMARKS: dict[str, str] = {
     "gpu_scale_8": "bench.gpu_scale_8:run",  # 8 GPUs (halved on 4-7); "skipped" on fewer
     "templates": "bench.templates:run",  # learning trends of the dpo, tool_rl and curriculum templates
     "longtail": "bench.longtail:run",  # long-tail lengths: streaming, lock-step, colocate, TRL (--scale, --reward)
+    "trainer_memory": "bench.trainer_memory:run",  # a trainer pass at real shapes; needs a CUDA GPU (not with --quick)
 }
 SOAKS = ("soak", "soak_memory")
+MODEL_BENCHES = ("gpu_e2e", "longtail", "trainer_memory")  # those that take --model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="gpu_e2e: the job at a real shape built locally (stages/models/shapes.py: "
                                    "qwen2.5_0.5b, qwen3_0.6b, qwen3_1.7b, qwen3_4b, qwen3_8b, llama3.2_1b, "
                                    "llama3.1_8b, gemma3_1b); default rows engines,async,colocate,trl. "
-                                   "longtail: a shape or tiny (default qwen3_0.6b; tiny with --quick or --reward)")
+                                   "longtail: a shape or tiny (default qwen3_0.6b; tiny with --quick or --reward). "
+                                   "trainer_memory: one shape (default qwen3_0.6b, gemma3_1b, qwen3_4b)")
     p.add_argument("--scale", type=float, help="longtail: the completion lengths' factor (median 1k, p99 8k, cap 16k "
                                                "tokens at 1; default 1 on a GPU, 1/64 on a CPU)")
     p.add_argument("--steps", type=int, help="longtail: optimizer steps per row (default the config's)")
@@ -85,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is not None:
         from stages.models.shapes import get_shape
 
-        if args.name not in ("gpu_e2e", "longtail"):
-            parser.error(f"--model: only gpu_e2e and longtail run at a chosen shape, not {args.name}")
+        if args.name not in MODEL_BENCHES:
+            parser.error(f"--model: only gpu_e2e, longtail and trainer_memory run at a chosen shape, not {args.name}")
         try:
             if not (args.name == "longtail" and args.model == "tiny"):
                 get_shape(args.model)
@@ -135,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out = default_out_dir(args.quick)
     # "all" leaves the long soaks out: they are run on their own.
     names = [n for n in BENCHMARKS if n not in SOAKS] if args.name == "all" else [args.name]
-    import ray
-
-    started_ray = not ray.is_initialized()
+    try:
+        import ray
+    except ImportError:  # a machine with torch alone runs the benchmarks that need no Ray (trainer_memory)
+        ray = None
+    started_ray = ray is not None and not ray.is_initialized()
     status = 0
     try:
         for name in names:
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra["faults"] = args.faults
             if args.systems and name in ("gpu_e2e", "gpu_scale", "longtail"):
                 extra["systems"] = args.systems
-            if args.model and name in ("gpu_e2e", "longtail"):
+            if args.model and name in MODEL_BENCHES:
                 extra["model"] = args.model
             if name == "longtail":
                 extra.update({k: v for k, v in (("scale", args.scale), ("steps", args.steps)) if v is not None})
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {'done' if ok else payload.get('status')} in {time.time() - t0:.0f}s -> "
                   f"{args.out}", flush=True)
     finally:
-        if started_ray and ray.is_initialized():
+        if ray is not None and started_ray and ray.is_initialized():
             ray.shutdown()  # only a cluster this command started; a caller's stays up
     return status
 

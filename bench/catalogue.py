@@ -36,6 +36,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "staleness": ("sync_reward_final", "eta1-off_reward_final", "eta2-off_reward_final"),
     "templates": ("dpo_accuracy_rises", "tool_rl_reward_rises", "curriculum_advances_two_levels"),
     "trainer_gpu": ("chunk_64_step_s", "gpu_busy_share"),
+    "trainer_memory": ("qwen3_0.6b/dense_over_chunked_peak", "qwen3_0.6b/chunked_over_checkpointed_peak",
+                       "qwen3_0.6b/checkpointed_over_chunked_time"),
     "weight_sync": ("fixed_cost_ms", "copies_per_byte", "largest_total_ms"),
     "weight_sync_gpu": ("cuda_ipc_total_ms", "speedup_cuda_ipc_over_shm"),
 }

@@ -146,7 +146,8 @@ def estimate_pass_bytes(cfg: ConveyorConfig, shape: ModelShape, with_reference: 
     one row longer than it; with it 0, ``train.chunk_size`` samples (the reference's 16)
     of ``data.max_prompt_len + rollout.max_tokens`` tokens (the source refuses longer
     prompts); activations and the logits the head holds at once
-    (``train.logit_chunk_tokens``, both stages; 0: all of them), with grad for the trainer; the
+    (``train.logit_chunk_tokens``, both stages; 0: all of them), with grad for the trainer
+    (its blocks recomputed in backward with ``train.gradient_checkpointing``); the
     reference's 0 when it does not share the GPU. The trainer's pass and the reference's
     can run at once on a streaming GPU, so both are reserved."""
     seq = cfg.data.max_prompt_len + cfg.rollout.max_tokens
@@ -155,7 +156,8 @@ def estimate_pass_bytes(cfg: ConveyorConfig, shape: ModelShape, with_reference: 
     def largest(kind: Literal["trainer", "reference"], chunk: int) -> int:
         # estimate_forward_bytes counts rows x width tokens: one row of the pass's tokens stands for its rows.
         lens = [max(seq, cfg.train.pass_tokens)] if cfg.train.pass_tokens else [seq] * chunk
-        return estimate_batch_bytes(kind, shape, lens, chunk_size=chunk, logit_tokens=logit_tokens)
+        return estimate_batch_bytes(kind, shape, lens, chunk_size=chunk, logit_tokens=logit_tokens,
+                                    checkpointed=kind == "trainer" and cfg.train.gradient_checkpointing)
 
     return largest("trainer", cfg.train.chunk_size), largest("reference", REFERENCE_CHUNK) if with_reference else 0
 
@@ -383,6 +385,7 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
                 else f"train.chunk_size {cfg.train.chunk_size}")
     passes = (f" + trainer pass ~{trainer_pass / _GIB:.1f} GiB ({per_pass}, "
               f"train.logit_chunk_tokens {cfg.train.logit_chunk_tokens}"
+              f"{', train.gradient_checkpointing' if cfg.train.gradient_checkpointing else ''}"
               f"{'; while vLLM sleeps' if beside != trainer_pass else ''})" if shape else "")
     passes += f" + reference pass ~{reference_pass / _GIB:.1f} GiB" if reference_pass else ""
     notes.append(
@@ -405,6 +408,7 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
             f"placement: the model ({num_params / 1e6:.0f}M params, {dtype}) does not fit trainer, reference and "
             f"vLLM on one GPU of {gpu_bytes / _GIB:.0f} GiB (vLLM would get {max(planned, 0):.2f} of it; "
             f"{notes[-1]}); lower train.pass_tokens (or train.chunk_size with it 0) or train.logit_chunk_tokens, "
+            f"{'' if cfg.train.gradient_checkpointing else 'set train.gradient_checkpointing=true, '}"
             f"use more GPUs, a smaller model, or train.zero_stage with offload"
         )
     return planned

@@ -79,6 +79,13 @@ class TrainConfig(msgspec.Struct, **_section()):
     # with the vocabulary.
     # 0: the dense head (all of a pass's logits at once).
     logit_chunk_tokens: NonNegInt = 1024
+    # Recompute each transformer block in backward instead of keeping its activations
+    # (transformers' gradient checkpointing, non-reentrant): a pass keeps one hidden
+    # state per block and token plus one block's activations, about a tenth of what a
+    # 28-layer model keeps otherwise, for one more forward of the blocks per pass
+    # (docs/performance/real-shapes.md has both measured). The memory plan and admission
+    # count it. verl and TRL turn it on by default; here a pass that fits keeps the speed.
+    gradient_checkpointing: bool = False
     # Learning-rate schedule (stages/trainer/lr_schedule.py), counted in optimizer updates
     # (run.steps * ppo_epochs * ppo_mini_batches): update k < warmup_steps uses
     # lr * (k + 1) / warmup_steps, then constant, or linear / cosine decay towards

@@ -90,7 +90,8 @@ def estimate_kv_cache_bytes(shape: ModelShape, num_tokens: int) -> int:
 
 
 def estimate_forward_bytes(
-    shape: ModelShape, num_sequences: int, seq_len: int, with_grad: bool, logit_tokens: int | None = None
+    shape: ModelShape, num_sequences: int, seq_len: int, with_grad: bool, logit_tokens: int | None = None,
+    checkpointed: bool = False,
 ) -> int:
     """Transient bytes of one forward pass over ``[num_sequences, seq_len]`` tokens.
 
@@ -100,6 +101,8 @@ def estimate_forward_bytes(
         norm outputs, q and the attention output (6·H), k and v (2·K), the MLP's gate,
         up, activation and product (4·I); with grad every layer's stay alive for
         backward (× layers), without grad only one layer's are alive at a time;
+        ``checkpointed`` (gradient checkpointing, with grad): each layer's input (H) stays
+        and one layer's tensors are alive at a time, recomputed in backward;
       - logits [S, L, V] in float32 and their log_softmax (8 bytes each), plus their
         float32 gradient with grad (12 bytes); with ``logit_tokens`` (the chunked head of
         ``stages.models.logprobs``) only that many rows at once, each in the head's dtype, in
@@ -110,7 +113,10 @@ def estimate_forward_bytes(
     tokens = num_sequences * seq_len
     inter = shape.intermediate_size or 4 * shape.hidden_size
     per_layer = (6 * shape.hidden_size + 2 * shape.num_kv_heads * shape.head_dim + 4 * inter) * shape.dtype_bytes
-    activations = tokens * per_layer * (shape.num_layers if with_grad else 1)
+    if with_grad and checkpointed:
+        activations = tokens * (per_layer + shape.num_layers * shape.hidden_size * shape.dtype_bytes)
+    else:
+        activations = tokens * per_layer * (shape.num_layers if with_grad else 1)
     if logit_tokens is None:
         logits = tokens * shape.vocab_size * (12 if with_grad else 8)
     else:
@@ -120,7 +126,7 @@ def estimate_forward_bytes(
 
 def estimate_batch_bytes(
     stage_kind: StageKind, shape: ModelShape, seq_lens: Sequence[int], *, chunk_size: int | None = None,
-    logit_tokens: int | None = None, pass_tokens: int = 0, unit_rows: int = 1,
+    logit_tokens: int | None = None, pass_tokens: int = 0, unit_rows: int = 1, checkpointed: bool = False,
 ) -> int:
     """Bytes one micro-batch adds to a stage; ``seq_lens`` has one total length per sample.
 
@@ -131,7 +137,8 @@ def estimate_batch_bytes(
     ``unit_rows`` units, else chunks of ``chunk_size`` samples), each padded to its own
     longest (trainer: with grad, assuming each pass's backward runs before the next
     pass's forward); ``logit_tokens``: rows of logits alive at once (see
-    ``estimate_forward_bytes``; None: the dense head).
+    ``estimate_forward_bytes``; None: the dense head); ``checkpointed``: the trainer
+    recomputes its blocks in backward (``train.gradient_checkpointing``).
     """
     lens = [int(n) for n in seq_lens]
     if not lens:
@@ -143,7 +150,7 @@ def estimate_batch_bytes(
     passes = plan_passes(lens, pass_tokens, chunk_size or len(lens), unit_rows)
     return max(
         estimate_forward_bytes(shape, len(rows), max(lens[i] for i in rows), with_grad=stage_kind == "trainer",
-                               logit_tokens=logit_tokens)
+                               logit_tokens=logit_tokens, checkpointed=checkpointed)
         for rows in passes
     )
 
@@ -362,6 +369,7 @@ class AdmissionController:
                 # below one group's estimate: only a smaller piece or a smaller
                 # neighbour can help.
                 knob = ("train.pass_tokens (tokens per forward pass; 0: train.chunk_size samples per pass)"
+                        + (" or set train.gradient_checkpointing=true" if section == "train" else "")
                         if section in ("train", "reference")
                         else "rollout.max_tokens") + (", lower rollout.gpu_memory_utilization or "
                                                       "rollout.kv_cache_gib (vLLM's share of a shared GPU)")

@@ -279,6 +279,16 @@ def build_deepspeed_engine(model: Any, train: TrainConfig, dtype: str, total_ste
     return engine
 
 
+def enable_gradient_checkpointing(model: Any) -> None:
+    """``train.gradient_checkpointing``: transformers recomputes each block in backward
+    (non-reentrant ``torch.utils.checkpoint``, so frozen inputs need no grad hook and a
+    compiled block is recomputed compiled); ``ValueError`` for a model class without it."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"train.gradient_checkpointing: {type(model).__name__} does not support gradient "
+                         f"checkpointing; set it false")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def find_blocks(model: Any) -> list[torch.nn.Module]:
     """The model's transformer blocks: the modules of the classes its Hugging Face
     class lists in ``_no_split_modules`` (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``,
@@ -464,6 +474,9 @@ class TrainerEngine:
             from stages.models.lora import apply_lora
 
             self.peft_model = apply_lora(model, self.lora)
+        self.gradient_checkpointing = bool(train.gradient_checkpointing)
+        if self.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         model.train()
         # total_steps: the run's optimizer steps, where a decaying lr schedule ends.
         self.engine = build_deepspeed_engine(model, train, dtype, total_steps)

@@ -357,7 +357,7 @@ class TrainerStage:
     def _estimate(self, piece: RolloutBatch) -> int:
         return estimate_batch_bytes("trainer", self.shape, count_seq_lens(piece), chunk_size=self.engine.chunk_size,
                                     logit_tokens=self.engine.logit_tokens, pass_tokens=self.engine.pass_tokens,
-                                    unit_rows=self.engine.unit_rows)
+                                    unit_rows=self.engine.unit_rows, checkpointed=self.engine.gradient_checkpointing)
 
     async def _train(self, batch: RolloutBatch) -> list[tuple[RolloutBatch, dict[str, float]]]:
         """(piece, metrics) for each piece ``batch`` was trained as, in order."""

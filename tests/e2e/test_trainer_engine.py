@@ -43,11 +43,12 @@ def checkpoint(tmp_path_factory):
     return ensure_tiny_checkpoint(TinyModelConfig(), tmp_path_factory.mktemp("models"))
 
 
-def build_engine(checkpoint, zero_stage: int = 0) -> TrainerEngine:
+def build_engine(checkpoint, zero_stage: int = 0, gradient_checkpointing: bool = False) -> TrainerEngine:
     # chunk_size 24 does not divide the 32-sample halves of the 64-sample batch, so a
     # split batch runs different forward passes than the whole one (a real test of
     # accumulation, not a replay of identical arithmetic).
-    train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1)
+    train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1,
+                        gradient_checkpointing=gradient_checkpointing)
     return TrainerEngine(checkpoint, train, GrpoConfig(kl_coef=0.04), temperature=1.0,
                          dtype="float32", seed=0, chunk_size=24)
 
@@ -302,6 +303,33 @@ def test_zero_stages_1_and_2_match_stage_0(checkpoint, stage0_reference, zero_st
     engine.load_state(tmp_path / "start")  # ZeRO keeps its own fp32 master copy
     train_one_split_step(engine, batch)
     assert engine.weights_sha256() == sha
+
+
+def saved_activation_bytes(engine: TrainerEngine, batch: RolloutBatch) -> int:
+    """Bytes autograd keeps for backward after the engine's forward of ``batch``."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        compute_completion_logprobs(engine.module, batch, chunk_size=batch.num_samples)
+    return total
+
+
+def test_gradient_checkpointing_keeps_less_and_steps_the_same(checkpoint, stage0_reference):
+    """train.gradient_checkpointing: the blocks' activations are recomputed, not kept
+    (autograd holds less after the forward), and the step is the one without it."""
+    batch, want, weights = stage0_reference
+    engine = build_engine(checkpoint, gradient_checkpointing=True)
+    plain = build_engine(checkpoint)
+    assert saved_activation_bytes(engine, batch) < 0.7 * saved_activation_bytes(plain, batch)
+    got = train_one_split_step(engine, batch)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    live = engine.state_dict_for_sync()
+    assert max(float((live[n] - w).abs().max()) for n, w in weights.items()) <= 1e-6
 
 
 def test_streaming_token_mean_over_uneven_micro_batches_is_the_one_batch_gradient(engine, tmp_path):

@@ -64,6 +64,12 @@ def test_forward_bytes_with_and_without_grad() -> None:
     assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=False) == 179_840
     # Grad: both layers kept: 327_680, logits 2000*12 = 24_000 -> 351_680.
     assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=True) == 351_680
+    # Gradient checkpointing: each layer's input (2 x 128 x 4 = 1024 per token) plus one
+    # layer's tensors (8192): 20 * 9216 = 184_320, logits 24_000 -> 208_320.
+    assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=True, checkpointed=True) == 208_320
+    # Without grad nothing is kept for backward: checkpointing changes nothing.
+    assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=False, checkpointed=True) == 179_840
+    assert estimate_batch_bytes("trainer", SHAPE, [10, 10], checkpointed=True) == 208_320
 
 
 def test_batch_bytes_dispatch_by_stage() -> None:

@@ -42,7 +42,8 @@ def test_a_bad_model_or_one_for_another_bench_exits_2(capsys):
     assert info.value.code == 2 and "--model: model shape: expected one of" in err and "qwen3_0.6b" in err
     with pytest.raises(SystemExit) as info:
         bench_main(["e2e", "--model", "qwen3_0.6b"])
-    assert info.value.code == 2 and "only gpu_e2e and longtail run at a chosen shape, not e2e" in capsys.readouterr().err
+    assert info.value.code == 2
+    assert "only gpu_e2e, longtail and trainer_memory run at a chosen shape, not e2e" in capsys.readouterr().err
 
 
 def test_without_a_gpu_the_shape_result_is_skipped_under_its_name(tmp_path: Path, monkeypatch):

@@ -131,6 +131,21 @@ def test_a_model_too_large_for_one_shared_gpu_is_refused():
         plan(config(), 1, params=7_000_000_000)
 
 
+def test_gradient_checkpointing_shrinks_the_trainer_pass_and_is_advised_when_a_plan_does_not_fit():
+    # Qwen3-0.6B's shape: a 16k-token pass keeps ~1.1 MB a token for backward without it.
+    shape = ModelShape(num_layers=28, num_kv_heads=8, head_dim=128, hidden_size=1024, vocab_size=151_936,
+                       num_params=596_049_920, dtype_bytes=2, intermediate_size=3072)
+    plain, _ = estimate_pass_bytes(config(train={"pass_tokens": 16384}), shape, with_reference=False)
+    kept, _ = estimate_pass_bytes(config(train={"pass_tokens": 16384, "gradient_checkpointing": True}), shape,
+                                  with_reference=False)
+    assert kept < plain / 4
+    with pytest.raises(PlacementError, match=re.escape("set train.gradient_checkpointing=true")):
+        plan(config(), 1, params=7_000_000_000)
+    with pytest.raises(PlacementError) as refused:
+        plan(config(train={"gradient_checkpointing": True}), 1, params=7_000_000_000)
+    assert "gradient_checkpointing" not in str(refused.value)
+
+
 def test_placement_config_forms():
     assert config(placement="auto").placement == config().placement
     cfg = config(placement={"rollout": [0, 1], "trainer": {"gpus": [1], "num_cpus": 2}})
