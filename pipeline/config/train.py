@@ -83,8 +83,9 @@ class TrainConfig(msgspec.Struct, **_section()):
     # (transformers' gradient checkpointing, non-reentrant): a pass keeps one hidden
     # state per block and token plus one block's activations, about a tenth of what a
     # 28-layer model keeps otherwise, for one more forward of the blocks per pass
-    # (docs/performance/real-shapes.md has both measured). The memory plan and admission
-    # count it. verl and TRL turn it on by default; here a pass that fits keeps the speed.
+    # (``python -m bench trainer_memory`` measures both at real shapes on a GPU). The
+    # memory plan and admission count it, and name it when a pass does not fit. verl and
+    # TRL turn it on by default; here a pass that fits keeps the speed.
     gradient_checkpointing: bool = False
     # Learning-rate schedule (stages/trainer/lr_schedule.py), counted in optimizer updates
     # (run.steps * ppo_epochs * ppo_mini_batches): update k < warmup_steps uses
