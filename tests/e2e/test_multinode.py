@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -73,6 +74,7 @@ def _node_of_each_stage(run_dir: Path, temp_dirs: dict[str, str]) -> dict[str, s
     return placed
 
 
+@pytest.mark.slow  # about 50 s: a second Ray node; the multi-node plan's unit tests run in every run
 def test_quickstart_runs_on_two_nodes_with_rollout_and_trainer_apart(tmp_path):
     port = _free_port()
     # Short paths: Ray's socket paths live under the temp dir and must stay below 108 bytes.

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pipeline.config import load_config
 from pipeline.launch import launch_run
@@ -16,6 +17,7 @@ PPO = Path(__file__).parents[2] / "configs" / "ppo.yaml"
 STEPS = 60
 
 
+@pytest.mark.slow  # about 75 s of learning; the critic and PPO trainer e2e tests run in every run
 def test_ppo_with_a_reward_model_and_a_critic_learns(ray_cluster, tmp_path):
     cfg = load_config(PPO, [f"run.dir={tmp_path}", f"run.steps={STEPS}", "run.progress=false",
                             "run.tensorboard=false"])

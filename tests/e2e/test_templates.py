@@ -55,6 +55,7 @@ def test_curriculum_template_promotes_and_reports_its_level(curriculum_run):
     assert all("curriculum/window_reward_mean" in r and "reward/mean" in r for r in rows)
 
 
+@pytest.mark.slow  # a second curriculum run; its promotion test runs in every run
 def test_curriculum_resumes_at_its_checkpointed_level(curriculum_run):
     job, run_dir = curriculum_run
     found = find_latest_checkpoint(run_dir)

@@ -11,11 +11,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.e2e.test_pipeline import QUICKSTART
 
 STEPS = 6
 
 
+@pytest.mark.slow  # about 80 s: vLLM's CPU tensor parallelism; the TP plan's unit tests run in every run
 def test_quickstart_with_a_tensor_parallel_rollout_serves_every_version(tmp_path):
     assert len(os.sched_getaffinity(0)) >= 2, "two CPU cores are needed for two vLLM workers"
     run_dir = tmp_path / "run"

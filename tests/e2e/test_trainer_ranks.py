@@ -157,7 +157,7 @@ def test_an_error_on_rank_1_stops_the_step_naming_it(ray_cluster, single, tmp_pa
     ray.kill(pair)
 
 
-@pytest.mark.slow  # 100 steps; two ranks run the whole quickstart in every run (test_ranks_and_replicas_...)
+@pytest.mark.slow  # 100 steps; the whole quickstart with two ranks: test_ranks_and_replicas_... (slow too)
 def test_quickstart_learns_and_reconciles_with_two_trainer_ranks(ray_cluster, tmp_path):
     """The quickstart with train.num_ranks=2 on CPU, in lock-step: the stage starts rank 1
     beside it, learns (the mean reward of the last 20 of 100 steps above the first 10's),
@@ -189,6 +189,7 @@ def test_quickstart_learns_and_reconciles_with_two_trainer_ranks(ray_cluster, tm
     assert {p.name.split("_mp_")[0] for p in final.rglob("zero_pp_rank_*")} == {"zero_pp_rank_0", "zero_pp_rank_1"}
 
 
+@pytest.mark.slow  # about 75 s; two ranks step, save and fail in every run
 def test_ranks_and_replicas_take_their_planned_gpus_on_a_cluster_that_has_two(tmp_path):
     """A Ray node started with ``--num-gpus=2`` (this machine has none, so every engine
     still computes on CPU, but Ray places and assigns GPUs as on a GPU machine) runs the
