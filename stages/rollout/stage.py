@@ -182,6 +182,7 @@ class RolloutStage:
         self.evaluator: Evaluator | None = None
 
     async def setup(self, ctx: Any) -> None:
+        importing = time.monotonic()
         from transformers import AutoTokenizer
 
         from stages.models.tiny import resolve_model_path
@@ -193,7 +194,8 @@ class RolloutStage:
         began = time.monotonic()
         model_path = resolve_model_path(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.startup_phases = {"model_files": time.monotonic() - began}
+        # imports: transformers and the backend's modules (vLLM's), loaded on first use.
+        self.startup_phases = {"imports": began - importing, "model_files": time.monotonic() - began}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
         self.colocated = cfg.placement.mode == "colocate"

@@ -137,7 +137,9 @@ def test_run_outputs_are_written(streaming_run):
     startup = summary["startup"]
     assert set(startup["stages"]) == {"source:0", "rollout:0", "reward:0", "reference:0", "trainer:0"}
     rollout, trainer = startup["stages"]["rollout:0"], startup["stages"]["trainer:0"]
-    assert 0 < rollout["engine_s"] + rollout["warm_up_s"] <= rollout["setup_s"], rollout
+    phases = ("imports_s", "model_files_s", "engine_s", "warm_up_s", "fingerprint_s")
+    assert 0 < sum(rollout[k] for k in phases) <= rollout["setup_s"], rollout
+    assert rollout["imports_s"] > 0 and rollout["engine_s"] > 0, rollout
     assert 0 < trainer["engine_s"] <= trainer["setup_s"], trainer
     parts = ("preflight_s", "ray_s", "actors_s", "setup_s", "first_step_after_setup_s")
     # Ray is up before this test's launch (the session's cluster): its share is ~0 here.
