@@ -66,7 +66,7 @@ class CriticEngine:
                  total_steps: int = 0) -> None:
         from transformers import AutoModelForTokenClassification
 
-        from stages.trainer.engine import build_deepspeed_engine
+        from stages.trainer.engine import build_deepspeed_engine, enable_gradient_checkpointing
 
         if critic.threads > 0:
             torch.set_num_threads(critic.threads)
@@ -76,6 +76,8 @@ class CriticEngine:
         self.critic = critic
         self.model_path = Path(model_path)
         model = AutoModelForTokenClassification.from_pretrained(self.model_path, num_labels=1, dtype=torch.float32)
+        if train.gradient_checkpointing:  # as the policy's blocks: recomputed in backward
+            enable_gradient_checkpointing(model)
         model.train()
         # The critic's optimiser: the run's ZeRO stage and dtype, its own lr and clipping;
         # a constant schedule (the critic steps per micro-batch, not per policy step).

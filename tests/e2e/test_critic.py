@@ -25,9 +25,10 @@ def checkpoint(tmp_path_factory):
     return ensure_tiny_checkpoint(TinyModelConfig(), tmp_path_factory.mktemp("models"))
 
 
-def build_critic(checkpoint, **kw) -> CriticEngine:
+def build_critic(checkpoint, gradient_checkpointing: bool = False, **kw) -> CriticEngine:
     critic = CriticConfig(lr=kw.pop("lr", 2e-4), chunk_size=24, threads=1, **kw)
-    return CriticEngine(checkpoint, critic, TrainConfig(threads=1), "float32", seed=0)
+    train = TrainConfig(threads=1, gradient_checkpointing=gradient_checkpointing)
+    return CriticEngine(checkpoint, critic, train, "float32", seed=0)
 
 
 def test_values_are_zero_on_padding_and_independent_of_chunking(checkpoint):
@@ -74,6 +75,22 @@ def test_critic_loss_decreases_on_a_fixed_batch(checkpoint, tmp_path):
     state = other.load_state(path)
     assert other.steps == 8 and state["batches"] == 8
     np.testing.assert_allclose(other.compute_values(batch), engine.compute_values(batch), rtol=0, atol=1e-6)
+
+
+def test_gradient_checkpointing_trains_the_critic_as_without_it(checkpoint):
+    """train.gradient_checkpointing reaches the critic: its blocks are recomputed in
+    backward, and its update is the one without it."""
+    batch = make_batch(seed=3)
+    plain, kept = build_critic(checkpoint), build_critic(checkpoint, gradient_checkpointing=True)
+    assert kept.module.is_gradient_checkpointing and not plain.module.is_gradient_checkpointing
+    valued = msgspec.structs.replace(batch, values=plain.compute_values(batch))
+    out = assign_advantages(valued, PpoConfig(gamma=1.0, lam=0.95))
+    torch.manual_seed(0)  # the same dropout masks in the token-classification head
+    want = plain.train_values(out)
+    torch.manual_seed(0)
+    got = kept.train_values(out)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    np.testing.assert_allclose(kept.compute_values(batch), plain.compute_values(batch), rtol=0, atol=1e-6)
 
 
 def test_value_loss_clipping_hand_derived():
