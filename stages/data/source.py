@@ -31,6 +31,7 @@ checkpoint's. Each prompt carries its level in ``extra_info[data.curriculum.key]
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -81,8 +82,10 @@ class PromptSource:
         self.level: int | None = None  # the curriculum level drawn from (data.curriculum)
 
     async def setup(self, ctx: Any) -> None:
+        importing = time.monotonic()
         from stages.models.tiny import resolve_model_path
 
+        imported = time.monotonic()
         self.ctx = ctx
         cfg = ctx.config
         # Dynamic sampling replaces dropped prompts out of step order (see generate).
@@ -99,7 +102,13 @@ class PromptSource:
             self.issued, self._issued_before = state.consumed, state.trained_prompts + sum(state.dropped.values())
             if state.curriculum is not None:
                 self.level = int(state.curriculum["level"])
-        self.open(cfg.data, load_tokenizer(model_path), model_path, cfg.run.seed, cfg.dataflow.prompts_per_micro_batch)
+        began = time.monotonic()
+        tokenizer = load_tokenizer(model_path)
+        opening = time.monotonic()
+        self.open(cfg.data, tokenizer, model_path, cfg.run.seed, cfg.dataflow.prompts_per_micro_batch)
+        # In the launch's start-up report: imports (torch, transformers), the tokenizer, the data opened.
+        self.startup_phases = {"imports": imported - importing, "tokenizer": opening - began,
+                               "data": time.monotonic() - opening}
 
     def open(self, data: Any, tokenizer: Any, model_path: Any, seed: int, per_batch: int) -> None:
         """Start reading rows (``data`` is the ``DataConfig``); prompts are rendered with

@@ -25,6 +25,7 @@ estimate's calibration.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,14 +127,19 @@ class ReferenceStage:
     gives_fields = ("ref_logprobs",)
 
     async def setup(self, ctx: Any) -> None:
+        importing = time.monotonic()
         from stages.models.tiny import resolve_model_path
 
         cfg = ctx.config
         path = Path(cfg.reference.path).expanduser() if cfg.reference.path else resolve_model_path(cfg.model)
+        loading = time.monotonic()
         self.model = await asyncio.to_thread(
             ReferenceModel, path, cfg.model.dtype, temperature=cfg.scoring_temperature,
             logit_chunk_tokens=cfg.train.logit_chunk_tokens, pass_tokens=cfg.train.pass_tokens,
         )
+        # In the launch's start-up report (pipeline/stage.py): imports (torch,
+        # transformers), then the model read onto its device.
+        self.startup_phases = {"imports": loading - importing, "model": time.monotonic() - loading}
         self.ctx = ctx
         self.shape = build_model_shape(self.model.model, cfg.model.dtype)
         self.guard = MemoryGuard(ctx.name, cfg.reference.memory, spans=ctx.spans)

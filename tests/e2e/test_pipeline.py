@@ -140,6 +140,9 @@ def test_run_outputs_are_written(streaming_run):
     phases = ("imports_s", "model_files_s", "engine_s", "warm_up_s", "fingerprint_s")
     assert 0 < sum(rollout[k] for k in phases) <= rollout["setup_s"], rollout
     assert rollout["imports_s"] > 0 and rollout["engine_s"] > 0, rollout
+    source, reference = startup["stages"]["source:0"], startup["stages"]["reference:0"]
+    assert 0 < source["imports_s"] + source["tokenizer_s"] + source["data_s"] <= source["setup_s"], source
+    assert 0 < reference["imports_s"] + reference["model_s"] <= reference["setup_s"], reference
     assert 0 < trainer["engine_s"] <= trainer["setup_s"], trainer
     parts = ("preflight_s", "ray_s", "actors_s", "setup_s", "first_step_after_setup_s")
     # Ray is up before this test's launch (the session's cluster): its share is ~0 here.
