@@ -51,9 +51,10 @@ def run_variant(model: Any, inputs: tuple, chunk_tokens: int, checkpointed: bool
     import torch
 
     from stages.models.logprobs import forward_completion_logprobs
+    from stages.trainer.engine import enable_gradient_checkpointing
 
     if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(model)  # as the trainer does
     else:
         model.gradient_checkpointing_disable()
     cuda = inputs[0].is_cuda
