@@ -138,12 +138,15 @@ def test_run_outputs_are_written(streaming_run):
     assert set(startup["stages"]) == {"source:0", "rollout:0", "reward:0", "reference:0", "trainer:0"}
     rollout, trainer = startup["stages"]["rollout:0"], startup["stages"]["trainer:0"]
     phases = ("imports_s", "model_files_s", "engine_s", "warm_up_s", "fingerprint_s")
-    assert 0 < sum(rollout[k] for k in phases) <= rollout["setup_s"], rollout
+    # Each figure is rounded to 10 ms on its own, so n phases may exceed their set-up by n × 5 ms.
+    def within(parts, whole):
+        return 0 < sum(parts) <= whole + 0.005 * (len(parts) + 1)
+    assert within([rollout[k] for k in phases], rollout["setup_s"]), rollout
     assert rollout["imports_s"] > 0 and rollout["engine_s"] > 0, rollout
     source, reference = startup["stages"]["source:0"], startup["stages"]["reference:0"]
-    assert 0 < source["imports_s"] + source["tokenizer_s"] + source["data_s"] <= source["setup_s"], source
-    assert 0 < reference["imports_s"] + reference["model_s"] <= reference["setup_s"], reference
-    assert 0 < trainer["engine_s"] <= trainer["setup_s"], trainer
+    assert within([source["imports_s"], source["tokenizer_s"], source["data_s"]], source["setup_s"]), source
+    assert within([reference["imports_s"], reference["model_s"]], reference["setup_s"]), reference
+    assert within([trainer["engine_s"]], trainer["setup_s"]), trainer
     parts = ("preflight_s", "ray_s", "actors_s", "setup_s", "first_step_after_setup_s")
     # Ray is up before this test's launch (the session's cluster): its share is ~0 here.
     assert startup["ray_s"] >= 0 and all(startup[k] > 0 for k in parts if k != "ray_s"), startup
