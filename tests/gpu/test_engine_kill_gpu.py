@@ -26,13 +26,23 @@ STEPS = 12
 PROMPTS_PER_STEP = 32  # configs/gpu_small.yaml
 
 
+def is_engine_core(proc: psutil.Process) -> bool:
+    """vLLM titles its engine core process ``VLLM::EngineCore`` where ``setproctitle`` is
+    installed; without it (the GPU image) the process is a multiprocessing spawn child."""
+    try:
+        cmdline = " ".join(proc.cmdline())
+        return "EngineCore" in proc.name() or "EngineCore" in cmdline or "spawn_main" in cmdline
+    except psutil.Error:
+        return False
+
+
 def find_engine_core(rollout_pid: int) -> psutil.Process:
-    """The rollout actor's vLLM engine core process (``VLLM::EngineCore``)."""
+    """The rollout actor's vLLM engine core process."""
     children = psutil.Process(rollout_pid).children(recursive=True)
     for child in children:
-        if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+        if is_engine_core(child):
             return child
-    raise AssertionError(f"no EngineCore process under the rollout: {[c.cmdline()[:2] for c in children]}")
+    raise AssertionError(f"no EngineCore process under the rollout: {[c.cmdline()[:3] for c in children]}")
 
 
 def test_a_killed_engine_core_on_the_gpu_is_rebuilt_and_the_run_completes(tmp_path):

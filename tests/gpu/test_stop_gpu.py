@@ -16,6 +16,7 @@ import time
 
 import psutil
 
+from tests.gpu.test_engine_kill_gpu import is_engine_core
 from tests.gpu.test_pipeline_gpu import LOG_DIR, ROOT
 
 
@@ -48,13 +49,7 @@ def test_sigterm_while_the_engine_starts_stops_the_launch_and_frees_the_gpu(tmp_
             pass
 
     def engine_core_runs() -> bool:
-        for p in list(seen.values()):
-            try:
-                if p.is_running() and ("EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())):
-                    return True
-            except psutil.Error:
-                pass
-        return False
+        return any(p.is_running() and is_engine_core(p) for p in list(seen.values()))
 
     try:
         while not engine_core_runs():  # polled every 0.2 s (the test's own timeout bounds it)
