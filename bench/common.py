@@ -131,7 +131,12 @@ def _git(*args: str) -> str | None:
 
 def describe_source() -> dict[str, Any]:
     """The commit checked out (full sha) and whether the tree differs from it, results
-    aside; both ``None`` outside a git checkout (an installed package)."""
+    aside; both ``None`` outside a git checkout (an installed package). A copy of a
+    working tree whose ``.git`` is not its own (a lent GPU machine's) names its commit in
+    ``CONVEYOR_SOURCE_COMMIT``; whether it differs from it is then not known."""
+    if os.environ.get("CONVEYOR_SOURCE_COMMIT"):
+        return {"commit": os.environ["CONVEYOR_SOURCE_COMMIT"].strip(), "dirty": None,
+                "commit_from": "CONVEYOR_SOURCE_COMMIT"}
     if not (REPO_ROOT / ".git").exists():
         return {"commit": None, "dirty": None}
     commit = _git("rev-parse", "HEAD")

@@ -42,7 +42,9 @@ MiB = float(1 << 20)
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     """What memory estimates need to know of a decoder-only model.
-    ``intermediate_size`` 0 means unknown (4 × hidden_size is assumed)."""
+    ``intermediate_size`` 0 means unknown (4 × hidden_size is assumed); ``num_heads`` 0
+    means hidden_size // head_dim. ``qk_norm``: q and k are normalised per head (Qwen3,
+    Gemma 3); ``sandwich_norms``: four norms a layer, computed in float32 (Gemma 2/3)."""
 
     num_layers: int
     num_kv_heads: int
@@ -52,6 +54,9 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     num_params: int
     dtype_bytes: int = 4
     intermediate_size: int = 0
+    num_heads: int = 0
+    qk_norm: bool = False
+    sandwich_norms: bool = False
 
     @classmethod
     def from_hf_config(
@@ -78,10 +83,45 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
         if dtype_bytes is None:
             dtype = str(d.get("torch_dtype") or d.get("dtype") or "float32").replace("torch.", "")
             dtype_bytes = DTYPE_BYTES.get(dtype, 4)
+        model_type = str(d.get("model_type", ""))
         return cls(
             num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden,
             vocab_size=vocab, num_params=num_params, dtype_bytes=dtype_bytes, intermediate_size=inter,
+            num_heads=heads, qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            sandwich_norms=model_type in SANDWICH_NORM_MODEL_TYPES,
         )
+
+
+# Families whose layers normalise q and k per head, and those with four float32 norms a layer.
+QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"})
+SANDWICH_NORM_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})
+
+
+def layer_saved_bytes(shape: ModelShape) -> int:
+    """Bytes per token that one decoder layer keeps for its backward, counted from what
+    autograd saves in a transformers layer (d the dtype's bytes, Q = heads × head_dim,
+    K = kv heads × head_dim, I intermediate):
+      - each norm computes in float32: its float32 input (4·H), its normalised output
+        (d·H; float32, 4·H, in Gemma's, whose weight multiplies in float32) and the
+        output the next projection keeps (d·H; Gemma's post-norms feed a residual add,
+        which keeps nothing);
+      - q and k after their per-head norms (``qk_norm``: float32 input and output, as
+        above) and rotary embedding, v, the attention output and its contiguous copy
+        that the output projection keeps: d·(3·Q + 2·K);
+      - the gated MLP's gate, activation, up and product: 4·d·I.
+    ``python -m bench trainer_memory`` measures a GPU pass against it
+    (docs/performance/real-shapes.md)."""
+    d, hidden = shape.dtype_bytes, shape.hidden_size
+    q = (shape.num_heads or hidden // max(shape.head_dim, 1)) * shape.head_dim
+    k = shape.num_kv_heads * shape.head_dim
+    inter = shape.intermediate_size or 4 * hidden
+    if shape.sandwich_norms:
+        norms = 2 * (8 + d) * hidden + 2 * 8 * hidden
+        qk = 8 * (q + k) if shape.qk_norm else 0
+    else:
+        norms = 2 * (4 + 2 * d) * hidden
+        qk = (4 + d) * (q + k) if shape.qk_norm else 0
+    return norms + qk + d * (3 * q + 2 * k) + 4 * d * inter
 
 
 def estimate_kv_cache_bytes(shape: ModelShape, num_tokens: int) -> int:
@@ -97,12 +137,11 @@ def estimate_forward_bytes(
 
     Counted, with T = num_sequences × seq_len, H hidden, I intermediate, K = kv heads ×
     head_dim, in the model dtype:
-      - per token per layer the tensors a Llama layer keeps: two norm inputs and two
-        norm outputs, q and the attention output (6·H), k and v (2·K), the MLP's gate,
-        up, activation and product (4·I); with grad every layer's stay alive for
-        backward (× layers), without grad only one layer's are alive at a time;
-        ``checkpointed`` (gradient checkpointing, with grad): each layer's input (H) stays
-        and one layer's tensors are alive at a time, recomputed in backward;
+      - per token per layer what a layer keeps for backward (``layer_saved_bytes``); with
+        grad every layer's stay alive for backward (× layers), without grad only one
+        layer's are alive at a time; ``checkpointed`` (gradient checkpointing, with grad):
+        each layer's input (d·H) stays, and one layer at a time is recomputed in backward,
+        its saved tensors and the gradients flowing through it (1.5 × one layer's);
       - logits [S, L, V] in float32 and their log_softmax (8 bytes each), plus their
         float32 gradient with grad (12 bytes); with ``logit_tokens`` (the chunked head of
         ``stages.models.logprobs``) only that many rows at once, each in the head's dtype, in
@@ -111,10 +150,9 @@ def estimate_forward_bytes(
     reading); [S, heads, L, L] attention scores (a fused kernel never builds them).
     """
     tokens = num_sequences * seq_len
-    inter = shape.intermediate_size or 4 * shape.hidden_size
-    per_layer = (6 * shape.hidden_size + 2 * shape.num_kv_heads * shape.head_dim + 4 * inter) * shape.dtype_bytes
+    per_layer = layer_saved_bytes(shape)
     if with_grad and checkpointed:
-        activations = tokens * (per_layer + shape.num_layers * shape.hidden_size * shape.dtype_bytes)
+        activations = tokens * (3 * per_layer // 2 + shape.num_layers * shape.hidden_size * shape.dtype_bytes)
     else:
         activations = tokens * per_layer * (shape.num_layers if with_grad else 1)
     if logit_tokens is None:

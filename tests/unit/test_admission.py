@@ -22,6 +22,7 @@ from pipeline.memory.admission import (
     estimate_forward_bytes,
     estimate_kv_cache_bytes,
     expand_rollout_seq_lens,
+    layer_saved_bytes,
 )
 from pipeline.memory.oom import OomEvent, OomUnrecoverable, is_oom_error, run_with_oom_recovery
 from pipeline.memory.readings import MemoryReading
@@ -40,7 +41,7 @@ MiB = 1 << 20
 # 2 layers, 2 kv heads x 64, hidden 128, MLP 256, vocab 100, float32.
 SHAPE = ModelShape(
     num_layers=2, num_kv_heads=2, head_dim=64, hidden_size=128, vocab_size=100,
-    num_params=353_920, dtype_bytes=4, intermediate_size=256,
+    num_params=353_920, dtype_bytes=4, intermediate_size=256, num_heads=2,
 )
 LLAMA_DICT = {
     "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
@@ -58,28 +59,45 @@ def test_kv_cache_bytes_per_token() -> None:
 
 
 def test_forward_bytes_with_and_without_grad() -> None:
-    # Per token per layer: 6*128 + 2*(2*64) + 4*256 = 2048 elements x 4 bytes = 8192.
-    # S=2, L=10 -> T=20 tokens; logits 20 x 100 = 2000 elements.
-    # No grad: one layer alive: 20*8192 = 163_840, logits 2000*8 = 16_000 -> 179_840.
-    assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=False) == 179_840
-    # Grad: both layers kept: 327_680, logits 2000*12 = 24_000 -> 351_680.
-    assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=True) == 351_680
-    # Gradient checkpointing: each layer's input (2 x 128 x 4 = 1024 per token) plus one
-    # layer's tensors (8192): 20 * 9216 = 184_320, logits 24_000 -> 208_320.
-    assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=True, checkpointed=True) == 208_320
+    # Per token per layer (float32, d = 4; Q = K = 2 x 64 = 128): two norms (4 + 2d) x 128
+    # = 3072; q, k, v, the attention output and its copy d x (3Q + 2K) = 2560; the MLP
+    # 4d x 256 = 4096: 9728 bytes. S=2, L=10 -> T=20 tokens; logits 20 x 100 = 2000 elements.
+    assert layer_saved_bytes(SHAPE) == 9728
+    # No grad: one layer alive: 20*9728 = 194_560, logits 2000*8 = 16_000 -> 210_560.
+    assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=False) == 210_560
+    # Grad: both layers kept: 389_120, logits 2000*12 = 24_000 -> 413_120.
+    assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=True) == 413_120
+    # Gradient checkpointing: each layer's input (2 x 128 x 4 = 1024 per token) plus 1.5
+    # layers' worth (14_592): 20 * 15_616 = 312_320, logits 24_000 -> 336_320.
+    assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=True, checkpointed=True) == 336_320
     # Without grad nothing is kept for backward: checkpointing changes nothing.
-    assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=False, checkpointed=True) == 179_840
-    assert estimate_batch_bytes("trainer", SHAPE, [10, 10], checkpointed=True) == 208_320
+    assert estimate_forward_bytes(SHAPE, 2, 10, with_grad=False, checkpointed=True) == 210_560
+    assert estimate_batch_bytes("trainer", SHAPE, [10, 10], checkpointed=True) == 336_320
+
+
+def test_layer_bytes_count_qk_norms_and_gemmas_float32_norms() -> None:
+    # Qwen3-0.6B in bf16: H 1024, Q 16 x 128, K 8 x 128, I 3072. Norms 2 x 8H = 16_384;
+    # q/k norms (4 + 2)(Q + K) = 18_432; 2(3Q + 2K) = 16_384; MLP 8I = 24_576.
+    qwen3 = ModelShape(num_layers=28, num_kv_heads=8, head_dim=128, hidden_size=1024, vocab_size=151_936,
+                       num_params=6 * 10**8, dtype_bytes=2, intermediate_size=3072, num_heads=16, qk_norm=True)
+    assert layer_saved_bytes(qwen3) == 75_776
+    # Gemma's four norms: the pre-norms (8 + d)H, the post-norms 8H; its q/k norms 8(Q + K).
+    gemma = msgspec.structs.replace(qwen3, sandwich_norms=True)
+    assert layer_saved_bytes(gemma) == 2 * 10 * 1024 + 2 * 8 * 1024 + 8 * 3072 + 16_384 + 24_576
+    assert ModelShape.from_hf_config({**LLAMA_DICT, "model_type": "qwen3"}).qk_norm
+    gemma3 = ModelShape.from_hf_config({**LLAMA_DICT, "model_type": "gemma3_text"})
+    assert gemma3.qk_norm and gemma3.sandwich_norms
+    assert not ModelShape.from_hf_config({**LLAMA_DICT, "model_type": "llama"}).qk_norm
 
 
 def test_batch_bytes_dispatch_by_stage() -> None:
     # rollout: KV of 5 + 7 = 12 tokens (12*2048 = 24_576) + 2 seqs x 100 x 8 = 1_600.
     assert estimate_batch_bytes("rollout", SHAPE, [5, 7]) == 26_176
-    # reference, chunks of 2: [10, 10] -> 179_840; [4] -> 4*8192 + 4*100*8 = 35_968; peak 179_840.
-    assert estimate_batch_bytes("reference", SHAPE, [10, 10, 4], chunk_size=2) == 179_840
-    # one chunk: S=3, L=10, T=30: 30*8192 + 30*800 = 269_760.
-    assert estimate_batch_bytes("reference", SHAPE, [10, 10, 4]) == 269_760
-    assert estimate_batch_bytes("trainer", SHAPE, [10, 10]) == 351_680
+    # reference, chunks of 2: [10, 10] -> 210_560; [4] -> 4*9728 + 4*100*8 = 42_112; peak 210_560.
+    assert estimate_batch_bytes("reference", SHAPE, [10, 10, 4], chunk_size=2) == 210_560
+    # one chunk: S=3, L=10, T=30: 30*9728 + 30*800 = 315_840.
+    assert estimate_batch_bytes("reference", SHAPE, [10, 10, 4]) == 315_840
+    assert estimate_batch_bytes("trainer", SHAPE, [10, 10]) == 413_120
     assert estimate_batch_bytes("trainer", SHAPE, []) == 0
     with pytest.raises(ValueError, match="stage_kind"):
         estimate_batch_bytes("reward", SHAPE, [3])  # type: ignore[arg-type]

@@ -5,13 +5,13 @@ The job: gpu_small's shape (268.7M parameters, bf16, 16 layers x 16 KV heads x 6
 x K and V x 2 bytes = 64 KiB of KV cache a token), 32 prompts a step in micro-batches of
 8, n = 8, 64 + 128 tokens a sequence. In GiB: trainer 268.7e6 x 20 B = 5.005 resident,
 reference 0.500, vLLM's weights 0.500; the largest passes (``estimate_pass_bytes``:
-16,384 tokens of the trainer's, 16 sequences of the reference's) 12.001 and 0.751; the
+16,384 tokens of the trainer's and of the reference's) 14.501 and 0.907; the
 job's KV cache 4 micro-batches x 8 x 8 = 256 sequences x 192 tokens x 64 KiB x 1.25 =
 3.75 (lock-step too: a step has 4 micro-batches). On a GPU of T GiB with O GiB held by
 others, with the 10% reserve on each side:
-- streaming: vLLM has 0.9 T - (5.005 + 0.500 + 12.001 + 0.751) - O = 0.9 T - 18.257 - O
+- streaming: vLLM has 0.9 T - (5.005 + 0.500 + 14.501 + 0.907) - O = 0.9 T - 20.913 - O
   and needs 0.500 + 3.75 + 0.1 T = 4.250 + 0.1 T;
-- colocate: the trainer's pass runs while vLLM sleeps: 0.9 T - 6.256 - O for the same need.
+- colocate: the trainer's pass runs while vLLM sleeps: 0.9 T - 6.412 - O for the same need.
 """
 
 from __future__ import annotations
@@ -49,48 +49,48 @@ class FakeGpu:
 def test_streaming_when_the_jobs_cache_fits_beside_the_trainer_and_its_cache_is_sized_to_the_job(monkeypatch):
     FakeGpu(monkeypatch, 40)
     cfg, plan = launch.plan_run_placement(job())
-    # 0.9 x 40 - 18.257 = 17.7 GiB left; needed 4.250 + 4.0 = 8.25.
+    # 0.9 x 40 - 20.913 = 15.1 GiB left; needed 4.250 + 4.0 = 8.25.
     assert plan.split == "streaming" and cfg.dataflow.async_execution
     assert plan.notes[0] == (
         "placement auto: streaming on one GPU: vLLM's weights 0.50 GiB + KV cache 3.75 GiB (256 sequences x 192 "
-        "tokens) + 10% reserve = 8.3 GiB fit in the 17.7 GiB the trainer and reference leave beside their largest "
+        "tokens) + 10% reserve = 8.3 GiB fit in the 15.1 GiB the trainer and reference leave beside their largest "
         "passes")
-    # The cache is the job's, not the 17.7 GiB left: vLLM asks at start-up for (0.500 +
-    # 3.75) / 40 + 0.1 = 0.2063 -> 0.207 of the GPU, not the share 1 - 18.257 / 40 - 0.1 = 0.444.
+    # The cache is the job's, not the 15.1 GiB left: vLLM asks at start-up for (0.500 +
+    # 3.75) / 40 + 0.1 = 0.2063 -> 0.207 of the GPU, not the share 1 - 20.913 / 40 - 0.1 = 0.377.
     assert cfg.rollout.kv_cache_gib == 3.75 and cfg.rollout.max_model_len == 192
     assert cfg.rollout.gpu_memory_utilization == plan.rollout_memory_fraction == 0.207
-    assert any(n.startswith("streaming on one GPU: vLLM asks for 0.207 of the GPU at start-up") and "0.444" in n
+    assert any(n.startswith("streaming on one GPU: vLLM asks for 0.207 of the GPU at start-up") and "0.377" in n
                for n in plan.notes), plan.notes
 
 
 def test_colocate_when_only_taking_turns_leaves_the_cache_room(monkeypatch):
     FakeGpu(monkeypatch, 24)
     cfg, plan = launch.plan_run_placement(job(dataflow={"max_staleness": "auto"}))
-    # Streaming: 0.9 x 24 - 18.257 = 3.3 GiB for 4.250 + 2.4 = 6.65; taking turns:
-    # 0.9 x 24 - 6.256 = 15.3 GiB for the same 6.65.
+    # Streaming: 0.9 x 24 - 20.913 = 0.7 GiB for 4.250 + 2.4 = 6.65; taking turns:
+    # 0.9 x 24 - 6.412 = 15.2 GiB for the same 6.65.
     assert plan.split == "colocate"
     assert plan.notes[0] == (
         "placement auto: colocate on one GPU: streaming does not fit (the job needs 6.7 GiB (weights 0.50 GiB + KV "
-        "cache 3.75 GiB (256 sequences x 192 tokens) + 10% reserve), the trainer and reference leave 3.3 GiB beside "
-        "their largest passes); taking turns vLLM has 15.3 GiB for 6.7 GiB (weights 0.50 GiB + KV cache 3.75 GiB "
+        "cache 3.75 GiB (256 sequences x 192 tokens) + 10% reserve), the trainer and reference leave 0.7 GiB beside "
+        "their largest passes); taking turns vLLM has 15.2 GiB for 6.7 GiB (weights 0.50 GiB + KV cache 3.75 GiB "
         "(256 sequences x 192 tokens) + 10% reserve); lock-step and on-policy (dataflow.async_execution true -> "
         "false, dataflow.max_staleness auto -> 0)")
     assert cfg.placement.mode == "colocate" and cfg.rollout.sleep_mode and not cfg.dataflow.async_execution
     assert cfg.dataflow.max_staleness == 0 and not cfg.auto_staleness
-    # Colocated, vLLM's share leaves room for the reference's pass only: 1 - 6.256 / 24 -
-    # 0.1 = 0.639; it asks at start-up for (0.500 + 3.75) / 24 + 0.1 = 0.2771 -> 0.278.
+    # Colocated, vLLM's share leaves room for the reference's pass only: 1 - 6.412 / 24 -
+    # 0.1 = 0.633; it asks at start-up for (0.500 + 3.75) / 24 + 0.1 = 0.2771 -> 0.278.
     assert cfg.rollout.kv_cache_gib == 3.75 and cfg.rollout.gpu_memory_utilization == 0.278
-    assert any("vLLM asks for 0.278 of the GPU at start-up" in n and "0.639" in n for n in plan.notes), plan.notes
+    assert any("vLLM asks for 0.278 of the GPU at start-up" in n and "0.633" in n for n in plan.notes), plan.notes
 
 
 def test_memory_other_processes_hold_counts(monkeypatch):
-    # 40 GiB with 15 held by others: streaming has 17.743 - 15 = 2.7 GiB for 8.25; taking
-    # turns 36 - 6.256 - 15 = 14.7 GiB.
+    # 40 GiB with 15 held by others: streaming has 15.087 - 15 = 0.1 GiB for 8.25; taking
+    # turns 36 - 6.412 - 15 = 14.6 GiB.
     FakeGpu(monkeypatch, 40, free_gib=25)
     cfg, plan = launch.plan_run_placement(job())
     assert plan.split == "colocate" and cfg.placement.mode == "colocate"
-    assert "leave 2.7 GiB beside their largest passes; 15.0 GiB held by other processes" in plan.notes[0]
-    assert "taking turns vLLM has 14.7 GiB for 8.3 GiB" in plan.notes[0]
+    assert "leave 0.1 GiB beside their largest passes; 15.0 GiB held by other processes" in plan.notes[0]
+    assert "taking turns vLLM has 14.6 GiB for 8.3 GiB" in plan.notes[0]
     # Already lock-step and on-policy: nothing else changes.
     _, plan = launch.plan_run_placement(job(dataflow={"async_execution": False, "max_staleness": 0}))
     assert plan.split == "colocate" and plan.notes[0].endswith("lock-step and on-policy")
@@ -104,9 +104,9 @@ def test_streaming_with_what_is_left_where_colocate_cannot_run_or_fit():
     assert choice.reason.startswith("placement auto: streaming on one GPU with the memory left, KV cache from "
                                     "vLLM's share (fewer sequences at once): the job needs 6.7 GiB")
     assert "; colocate is not possible: algorithm.name: 'ppo' trains a critic" in choice.reason
-    # 12 GiB: streaming has 10.8 - 18.257 < 0, taking turns 10.8 - 6.256 = 4.5 GiB for 4.250 + 1.2 = 5.45.
+    # 12 GiB: streaming has 10.8 - 20.913 < 0, taking turns 10.8 - 6.412 = 4.4 GiB for 4.250 + 1.2 = 5.45.
     choice = choose_gpu_split(job(), STAGES, 1, SHAPE, 12 * GIB)
-    assert choice.mode == "streaming" and choice.reason.endswith("colocate does not fit either: 5.5 GiB for 4.5 GiB")
+    assert choice.mode == "streaming" and choice.reason.endswith("colocate does not fit either: 5.5 GiB for 4.4 GiB")
     assert "the trainer and reference leave 0.0 GiB" in choice.reason
 
 

@@ -108,3 +108,14 @@ def test_gpu_scale_8_compares_with_the_newest_full_gpu_e2e_result(tmp_path) -> N
                    {"machine": {"date": when}, "ratios": {"async_samples_per_s_per_gpu": rate}})
     # Both full results are of one day: the later one by its recorded time; a subset's is not full.
     assert one_gpu_rate(tmp_path) == 2.0
+
+
+def test_a_copied_tree_names_its_commit_in_the_environment(tmp_path, monkeypatch) -> None:
+    """On a lent GPU machine the working tree arrives beside a ``.git`` that is not its
+    own: ``CONVEYOR_SOURCE_COMMIT`` names the commit, and the result says where it came from."""
+    monkeypatch.setenv("CONVEYOR_SOURCE_COMMIT", "f" * 40)
+    publish_result(tmp_path, "demo", {"quick": False, "params": {}, "ratios": {}}, lambda p: None)
+    [path] = result_files(tmp_path, "demo")
+    prov = json.loads(path.read_text())["provenance"]
+    assert path.name.endswith("_fffffff_default.json")
+    assert prov["commit"] == "f" * 40 and prov["dirty"] is None and prov["commit_from"] == "CONVEYOR_SOURCE_COMMIT"
