@@ -129,6 +129,12 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
                                         f"trainer and reference leave beside their largest passes{held}", sized=True)
     short = (f"the job needs {stream_need / _GIB:.1f} GiB ({stream_what}), the trainer and reference leave "
              f"{max(stream_room, 0) / _GIB:.1f} GiB beside their largest passes{held}")
+    if not cfg.train.gradient_checkpointing:  # would recomputing the trainer's blocks make streaming fit?
+        checkpointed = decode_config(apply_overrides(to_dict(cfg), ["train.gradient_checkpointing=true"]))
+        lean_pass = estimate_pass_bytes(checkpointed, shape, with_reference)[0]
+        if stream_need <= room(lean_pass + reference_pass):
+            short += (f"; set train.gradient_checkpointing=true to stream: the trainer's pass "
+                      f"{trainer_pass / _GIB:.1f} -> {lean_pass / _GIB:.1f} GiB")
     colo_room, (colo_need, colo_what) = room(reference_pass), need(True)
     try:
         to_colocate(cfg)

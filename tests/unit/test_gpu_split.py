@@ -67,12 +67,15 @@ def test_colocate_when_only_taking_turns_leaves_the_cache_room(monkeypatch):
     FakeGpu(monkeypatch, 24)
     cfg, plan = launch.plan_run_placement(job(dataflow={"max_staleness": "auto"}))
     # Streaming: 0.9 x 24 - 20.913 = 0.7 GiB for 4.250 + 2.4 = 6.65; taking turns:
-    # 0.9 x 24 - 6.412 = 15.2 GiB for the same 6.65.
+    # 0.9 x 24 - 6.412 = 15.2 GiB for the same 6.65. With gradient checkpointing the
+    # trainer's pass would be 16,384 x (1.5 x 59,392 + 16 x 1024 x 2) B = 1.86 GiB, and
+    # streaming would have 21.6 - 8.27 = 13.3 GiB: the note says which key gets it.
     assert plan.split == "colocate"
     assert plan.notes[0] == (
         "placement auto: colocate on one GPU: streaming does not fit (the job needs 6.7 GiB (weights 0.50 GiB + KV "
         "cache 3.75 GiB (256 sequences x 192 tokens) + 10% reserve), the trainer and reference leave 0.7 GiB beside "
-        "their largest passes); taking turns vLLM has 15.2 GiB for 6.7 GiB (weights 0.50 GiB + KV cache 3.75 GiB "
+        "their largest passes; set train.gradient_checkpointing=true to stream: the trainer's pass 14.5 -> 1.9 GiB); "
+        "taking turns vLLM has 15.2 GiB for 6.7 GiB (weights 0.50 GiB + KV cache 3.75 GiB "
         "(256 sequences x 192 tokens) + 10% reserve); lock-step and on-policy (dataflow.async_execution true -> "
         "false, dataflow.max_staleness auto -> 0)")
     assert cfg.placement.mode == "colocate" and cfg.rollout.sleep_mode and not cfg.dataflow.async_execution
@@ -108,6 +111,16 @@ def test_streaming_with_what_is_left_where_colocate_cannot_run_or_fit():
     choice = choose_gpu_split(job(), STAGES, 1, SHAPE, 12 * GIB)
     assert choice.mode == "streaming" and choice.reason.endswith("colocate does not fit either: 5.5 GiB for 4.4 GiB")
     assert "the trainer and reference leave 0.0 GiB" in choice.reason
+    # Checkpointing would leave 10.8 - 8.27 = 2.5 GiB for 5.45: not named.
+    assert "gradient_checkpointing" not in choice.reason
+
+
+def test_with_gradient_checkpointing_set_the_same_job_streams(monkeypatch):
+    # The 24 GiB GPU that colocates above: 21.6 - 8.27 = 13.3 GiB for 6.65.
+    FakeGpu(monkeypatch, 24)
+    cfg, plan = launch.plan_run_placement(job(train={"gradient_checkpointing": True}))
+    assert plan.split == "streaming" and cfg.dataflow.async_execution
+    assert "fit in the 13.3 GiB the trainer and reference leave" in plan.notes[0], plan.notes[0]
 
 
 @pytest.mark.parametrize(("sections", "stages", "gpus"), [
