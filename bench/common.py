@@ -224,6 +224,18 @@ def publish_result(out_dir: Path, name: str, payload: dict[str, Any], plot: Call
     return {**payload, "result_path": path}
 
 
+def check_row_streamed(name: str, summary: dict[str, Any]) -> None:
+    """A row meant to stream must have: on one GPU ``placement: auto`` runs a job whose
+    streaming plan does not fit colocated and lock-step, and such a row would compare
+    lock-step with itself. ``RuntimeError`` naming the way out (``summary``: the launch's)."""
+    if summary.get("mode") != "async":
+        raise RuntimeError(
+            f"the {name} row ran {summary.get('mode')!r}, not asynchronously: placement auto found that streaming does "
+            "not fit this GPU (its reason is the launch line's first placement note); give the rows "
+            f"train.gradient_checkpointing=true (--systems '{name}[train.gradient_checkpointing=true],...') or use a "
+            "GPU with more memory")
+
+
 def cuda_device_name() -> str | None:
     """The first CUDA GPU's name, or None where torch or a GPU is missing."""
     return describe_gpus()["gpu"]

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import hash_config, new_figure, note_config, publish_result
+from bench.common import check_row_streamed, hash_config, new_figure, note_config, publish_result
 from bench.e2e import _attempt, _version, build_trl_args, build_trl_dataset, summarize_curve
 from bench.shape_job import build_job_rows, describe_shape, prepare_job
 
@@ -98,6 +98,8 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
     t0 = time.time()
     summary = launch_run(cfg)
     total = time.time() - t0
+    if mode.startswith("async"):
+        check_row_streamed(mode, summary)
     rows = read_metrics(cfg.run_dir)
     times = [r["time"] for r in rows]
     gpus = gpus or max(1, torch.cuda.device_count())

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import new_figure, note_config, publish_result
+from bench.common import check_row_streamed, new_figure, note_config, publish_result
 from bench.e2e import REWARD_THRESHOLDS, _attempt, _version, summarize_curve
 from bench.gpu_e2e import _mean, compute_stage_rates, compute_steady_rate
 from bench.longtail_lengths import MAX_FIELD, MIN_FIELD, LengthSchedule, write_prompt_file
@@ -195,8 +195,10 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
     tokens = sum(r.get("response_length/mean", 0.0) * per_step for r in steady)
     rollouts = [r for r in summary.get("rollout") or [] if r]
     tails = [compute_tail_wait(r["occupancy"]["seconds_at"]) for r in rollouts if r.get("occupancy")]
+    if name == "streaming":
+        check_row_streamed(name, summary)
     return {
-        "system": f"conveyor-{name}", "overrides": overrides, "steps": summary["steps"],
+        "system": f"conveyor-{name}", "overrides": overrides, "steps": summary["steps"], "mode": summary["mode"],
         "startup_s": times[0] - t0 if times else None, "total_s": total, "warmup_steps": warmup,
         "samples_trained": summary["samples"]["trained"], "samples_dropped": summary["samples"]["dropped"],
         "samples_per_s": compute_steady_rate(times, per_step, warmup),

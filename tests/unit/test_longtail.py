@@ -248,3 +248,13 @@ def test_the_verl_row_without_verl_or_a_gpu_is_skipped_with_its_reason(tmp_path)
     rows = run_rows(job=None, specs=(("verl", ()),), root=tmp_path, on_gpu=False, warmup=1)
     assert rows["verl"]["status"] == "skipped"
     assert "verl" in rows["verl"]["error"]
+
+
+def test_a_streaming_row_that_placement_auto_colocated_is_an_error():
+    """On a GPU too small for the streaming plan, ``placement: auto`` runs the job
+    colocated and lock-step: the streaming row would measure lock-step twice."""
+    from bench.common import check_row_streamed
+
+    check_row_streamed("streaming", {"mode": "async"})
+    with pytest.raises(RuntimeError, match=r"streaming row ran 'sync'.*streaming\[train.gradient_checkpointing=true\]"):
+        check_row_streamed("streaming", {"mode": "sync"})
