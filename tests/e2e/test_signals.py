@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from pipeline.signals import blocked_signals
+from tests.descendants import Descendants
 
 ROOT = Path(__file__).parents[2]
 LAUNCH = [sys.executable, "-m", "pipeline.cli", "launch", "--config", "configs/quickstart.yaml", "run.steps=500",
@@ -137,22 +138,15 @@ def test_sigterm_to_the_process_group_while_ray_starts_stops_the_launch(tmp_path
     with open(log, "w") as out:
         proc = subprocess.Popen([*LAUNCH, f"run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    seen: dict[int, psutil.Process] = {}
-
-    def look() -> None:
-        try:
-            seen.update((p.pid, p) for p in psutil.Process(proc.pid).children(recursive=True))
-        except psutil.Error:  # the launch has exited
-            pass
-
+    launched = Descendants(proc.pid)
     try:
-        while not any("gcs_server" in " ".join(p.cmdline()) for p in seen.values() if p.is_running()):
+        while not launched.any_running(lambda p: "gcs_server" in " ".join(p.cmdline())):
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.05)
-            look()
+            launched.look()
         os.killpg(proc.pid, signal.SIGTERM)
         while proc.poll() is None:  # every process the launch starts before it ends
-            look()
+            launched.look()
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
@@ -163,5 +157,5 @@ def test_sigterm_to_the_process_group_while_ray_starts_stops_the_launch(tmp_path
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM" and summary["steps"] == 0
     assert summary["resume"] is None and "nothing to resume" in summary["resume_why"]
-    alive = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = launched.alive()
     assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]

@@ -14,8 +14,7 @@ import subprocess
 import sys
 import time
 
-import psutil
-
+from tests.descendants import Descendants
 from tests.gpu.test_engine_kill_gpu import is_engine_core
 from tests.gpu.test_pipeline_gpu import LOG_DIR, ROOT
 
@@ -40,27 +39,17 @@ def test_sigterm_while_the_engine_starts_stops_the_launch_and_frees_the_gpu(tmp_
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
         )
-    seen: dict[int, psutil.Process] = {}
-
-    def look() -> None:
-        try:
-            seen.update((p.pid, p) for p in psutil.Process(proc.pid).children(recursive=True))
-        except psutil.Error:  # the launch has exited
-            pass
-
-    def engine_core_runs() -> bool:
-        return any(p.is_running() and is_engine_core(p) for p in list(seen.values()))
-
+    launched = Descendants(proc.pid)
     try:
-        while not engine_core_runs():  # polled every 0.2 s (the test's own timeout bounds it)
+        while not launched.any_running(is_engine_core):  # polled every 0.2 s (the test's timeout bounds it)
             assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the engine started: {log}"
             time.sleep(0.2)
-            look()
+            launched.look()
         assert not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text().strip()
         stopped_at = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
         while proc.poll() is None:  # every process the launch starts before it ends
-            look()
+            launched.look()
             time.sleep(0.2)
         stop_s = time.monotonic() - stopped_at
     finally:
@@ -73,7 +62,7 @@ def test_sigterm_while_the_engine_starts_stops_the_launch_and_frees_the_gpu(tmp_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM" and summary["steps"] == 0, summary
     assert summary["resume"] is None and "nothing to resume" in summary["resume_why"], summary
-    alive = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = launched.alive()
     assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]
     # The engine's and the trainer's GPU memory is back (the driver frees it as each process ends).
     deadline = time.monotonic() + 30
