@@ -29,6 +29,7 @@ from pipeline.memory.admission import ModelShape
 from pipeline.placement import (
     RESERVE_FRACTION,
     estimate_colocated_fraction,
+    estimate_critic_pass_bytes,
     estimate_job_kv_bytes,
     estimate_lora_params,
     estimate_pass_bytes,
@@ -101,15 +102,17 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
     the device's measured free memory (0: unknown, taken as all of ``gpu_bytes``)."""
     if shape is None or not gpu_bytes or not leaves_split_open(cfg, stages, available):
         return None
-    with_reference = "reference" in stages
+    with_reference, with_critic = "reference" in stages, "critic" in stages
     trainer_pass, reference_pass = estimate_pass_bytes(cfg, shape, with_reference)
+    critic_pass = estimate_critic_pass_bytes(cfg, shape) if with_critic else 0
     lora = cfg.model.lora
     trainable = estimate_lora_params(shape, lora.rank) if lora.enabled else None
     others = max(0, gpu_bytes - free_bytes) if free_bytes else 0
 
     def room(pass_bytes: int) -> float:  # what vLLM may have beside trainer, reference and others
         share = estimate_colocated_fraction(shape.num_params, cfg.model.dtype, gpu_bytes, with_reference=with_reference,
-                                            pass_bytes=pass_bytes, trainable_params=trainable)
+                                            pass_bytes=pass_bytes + critic_pass, trainable_params=trainable,
+                                            with_critic=with_critic)
         return share * gpu_bytes - others
 
     def need(lockstep: bool) -> tuple[float, str]:  # vLLM's engines awake, their own reserve included
@@ -127,7 +130,8 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
         return SplitChoice("streaming", f"placement auto: streaming on one GPU: vLLM's {stream_what} = "
                                         f"{stream_need / _GIB:.1f} GiB fit in the {stream_room / _GIB:.1f} GiB the "
                                         f"trainer and reference leave beside their largest passes{held}", sized=True)
-    short = (f"the job needs {stream_need / _GIB:.1f} GiB ({stream_what}), the trainer and reference leave "
+    beside = "the trainer, reference and critic" if with_critic else "the trainer and reference"
+    short = (f"the job needs {stream_need / _GIB:.1f} GiB ({stream_what}), {beside} leave "
              f"{max(stream_room, 0) / _GIB:.1f} GiB beside their largest passes{held}")
     if not cfg.train.gradient_checkpointing:  # would recomputing the trainer's blocks make streaming fit?
         checkpointed = decode_config(apply_overrides(to_dict(cfg), ["train.gradient_checkpointing=true"]))

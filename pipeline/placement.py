@@ -25,6 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
+
 from pipeline.config import ConfigError, ConveyorConfig
 from pipeline.dtypes import DTYPE_BYTES
 from pipeline.memory.admission import ModelShape, estimate_batch_bytes, estimate_kv_cache_bytes
@@ -123,12 +125,15 @@ def estimate_lora_params(shape: ModelShape, rank: int) -> int:
 
 
 def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, with_reference: bool,
-                                pass_bytes: int = 0, trainable_params: int | None = None) -> float:
-    """vLLM's share of one GPU that it shares with the trainer (and the reference):
-    ``1 - (trainer + reference + pass_bytes) / total - RESERVE_FRACTION``, at most
-    ``OWN_GPU_FRACTION``; ``pass_bytes``: the largest forward/backward pass of the stages
-    beside vLLM (``estimate_pass_bytes``). ``trainable_params``: fewer than all train
-    (LoRA's adapters): the frozen rest holds its weights alone.
+                                pass_bytes: int = 0, trainable_params: int | None = None,
+                                with_critic: bool = False) -> float:
+    """vLLM's share of one GPU that it shares with the trainer (and the reference, and the
+    critic): ``1 - (trainer + reference + critic + pass_bytes) / total - RESERVE_FRACTION``,
+    at most ``OWN_GPU_FRACTION``; ``pass_bytes``: the largest forward/backward pass of the
+    stages beside vLLM (``estimate_pass_bytes``, ``estimate_critic_pass_bytes``).
+    ``trainable_params``: fewer than all train (LoRA's adapters): the frozen rest holds its
+    weights alone. The critic trains all its parameters, counted as the policy's
+    (``critic.path`` None: the policy with a scalar head).
 
     Example: 0.5B params in bf16 on 80 GiB: trainer 0.5e9 x 20 B = 9.3 GiB, reference
     0.5e9 x 2 B = 0.93 GiB: 1 - 10.2 / 80 - 0.1 = 0.77.
@@ -137,6 +142,8 @@ def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, 
     resident = trainable * estimate_trainer_bytes_per_param(dtype) + (num_params - trainable) * DTYPE_BYTES[dtype]
     if with_reference:
         resident += num_params * DTYPE_BYTES[dtype]
+    if with_critic:
+        resident += num_params * estimate_trainer_bytes_per_param(dtype)
     return min(OWN_GPU_FRACTION, 1.0 - (resident + pass_bytes) / gpu_bytes - RESERVE_FRACTION)
 
 
@@ -160,6 +167,17 @@ def estimate_pass_bytes(cfg: ConveyorConfig, shape: ModelShape, with_reference: 
                                     checkpointed=kind == "trainer" and cfg.train.gradient_checkpointing)
 
     return largest("trainer", cfg.train.chunk_size), largest("reference", REFERENCE_CHUNK) if with_reference else 0
+
+
+def estimate_critic_pass_bytes(cfg: ConveyorConfig, shape: ModelShape) -> int:
+    """The critic's largest pass: ``critic.chunk_size`` samples of ``data.max_prompt_len +
+    rollout.max_tokens`` tokens with grad (its blocks recomputed with
+    ``train.gradient_checkpointing``); its head gives one value a token, no vocabulary."""
+    seq = cfg.data.max_prompt_len + cfg.rollout.max_tokens
+    chunk = cfg.critic.chunk_size
+    scalar_head = msgspec.structs.replace(shape, vocab_size=1)
+    return estimate_batch_bytes("trainer", scalar_head, [seq] * chunk, chunk_size=chunk,
+                                checkpointed=cfg.train.gradient_checkpointing)
 
 
 def engines_per_gpu(plan: PlacementPlan) -> int:
@@ -358,7 +376,7 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
         return OWN_GPU_FRACTION if cfg.rollout.gpu_memory_utilization is None else cfg.rollout.gpu_memory_utilization
     if rollout is None or not rollout.gpus:
         return cfg.rollout.gpu_memory_utilization
-    mates = [n for n in ("trainer", "reference") if n in placed and set(placed[n].gpus) & set(rollout.gpus)]
+    mates = [n for n in ("trainer", "reference", "critic") if n in placed and set(placed[n].gpus) & set(rollout.gpus)]
     chosen = cfg.rollout.gpu_memory_utilization
     # Engines sharing one GPU split vLLM's share: each asks for its part of the memory.
     engines = max(rollout.gpus.count(g) for g in set(rollout.gpus))
@@ -374,13 +392,16 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
     dtype = cfg.model.dtype
     with_reference = "reference" in mates
     trainer_pass, reference_pass = estimate_pass_bytes(cfg, shape, with_reference) if shape else (0, 0)
+    with_critic = "critic" in mates
+    critic_pass = estimate_critic_pass_bytes(cfg, shape) if with_critic and shape else 0
     # Colocated, the trainer's passes run while vLLM sleeps: its share leaves room for the reference's only.
     beside = 0 if cfg.placement.mode == "colocate" else trainer_pass
     lora = cfg.model.lora
     trainable = estimate_lora_params(shape, lora.rank) if lora.enabled and shape else None
     planned = estimate_colocated_fraction(num_params, dtype, gpu_bytes, with_reference=with_reference,
-                                          pass_bytes=beside + reference_pass, trainable_params=trainable)
-    resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - beside - reference_pass
+                                          pass_bytes=beside + reference_pass + critic_pass, trainable_params=trainable,
+                                          with_critic=with_critic)
+    resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - beside - reference_pass - critic_pass
     per_pass = (f"train.pass_tokens {cfg.train.pass_tokens}" if cfg.train.pass_tokens
                 else f"train.chunk_size {cfg.train.chunk_size}")
     passes = (f" + trainer pass ~{trainer_pass / _GIB:.1f} GiB ({per_pass}, "
@@ -388,6 +409,7 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
               f"{', train.gradient_checkpointing' if cfg.train.gradient_checkpointing else ''}"
               f"{'; while vLLM sleeps' if beside != trainer_pass else ''})" if shape else "")
     passes += f" + reference pass ~{reference_pass / _GIB:.1f} GiB" if reference_pass else ""
+    passes += f" + critic pass ~{critic_pass / _GIB:.1f} GiB (critic.chunk_size {cfg.critic.chunk_size})" if critic_pass else ""
     notes.append(
         f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident{passes} of "
         f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}"
@@ -405,9 +427,10 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
         return chosen
     if planned < MIN_ROLLOUT_FRACTION:
         raise PlacementError(
-            f"placement: the model ({num_params / 1e6:.0f}M params, {dtype}) does not fit trainer, reference and "
+            f"placement: the model ({num_params / 1e6:.0f}M params, {dtype}) does not fit {', '.join(mates)} and "
             f"vLLM on one GPU of {gpu_bytes / _GIB:.0f} GiB (vLLM would get {max(planned, 0):.2f} of it; "
             f"{notes[-1]}); lower train.pass_tokens (or train.chunk_size with it 0) or train.logit_chunk_tokens, "
+            f"{'critic.chunk_size, ' if with_critic else ''}"
             f"{'' if cfg.train.gradient_checkpointing else 'set train.gradient_checkpointing=true, '}"
             f"use more GPUs, a smaller model, or train.zero_stage with offload"
         )

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, decode_config
-from pipeline.memory.admission import ModelShape
+from pipeline.memory.admission import ModelShape, layer_saved_bytes
 from pipeline.placement import (
     OWN_GPU_FRACTION,
     PlacementError,
@@ -17,6 +17,7 @@ from pipeline.placement import (
     colocated_startup_fraction,
     engines_per_gpu,
     estimate_colocated_fraction,
+    estimate_critic_pass_bytes,
     estimate_pass_bytes,
     estimate_trainer_bytes_per_param,
     is_manual,
@@ -144,6 +145,32 @@ def test_gradient_checkpointing_shrinks_the_trainer_pass_and_is_advised_when_a_p
     with pytest.raises(PlacementError) as refused:
         plan(config(train={"gradient_checkpointing": True}), 1, params=7_000_000_000)
     assert "gradient_checkpointing" not in str(refused.value)
+
+
+def test_ppos_critic_on_the_rollout_gpu_is_reserved_with_its_pass():
+    # Qwen3-0.6B's shape in bf16; the critic trains a copy of the policy with a scalar head.
+    shape = ModelShape(num_layers=28, num_kv_heads=8, head_dim=128, hidden_size=1024, vocab_size=151_936,
+                       num_params=596_049_920, dtype_bytes=2, intermediate_size=3072, num_heads=16, qk_norm=True)
+    ppo = config(algorithm={"name": "ppo"})
+    # critic.chunk_size 16 samples of 512 + 512 tokens, every layer kept for backward, one
+    # value a token (float32 logits, their log-softmax and gradient: 12 bytes).
+    tokens = 16 * 1024
+    assert estimate_critic_pass_bytes(ppo, shape) == tokens * (28 * layer_saved_bytes(shape) + 12)
+    # At the default passes trainer (34.7 GiB), critic (32.4), reference and their states
+    # leave vLLM nothing on 80 GiB: refused before launch, naming the critic's key.
+    with pytest.raises(PlacementError, match="does not fit trainer, reference, critic and vLLM.*critic.chunk_size"):
+        plan_placement(ppo, [*STAGES, "critic"], 1, num_params=shape.num_params, gpu_bytes=80 * GIB, shape=shape)
+    # Recomputing blocks in backward shrinks both passes: it fits.
+    ppo = config(algorithm={"name": "ppo"}, train={"gradient_checkpointing": True})
+    without = plan_placement(ppo, STAGES, 1, num_params=shape.num_params, gpu_bytes=80 * GIB, shape=shape)
+    with_critic = plan_placement(ppo, [*STAGES, "critic"], 1, num_params=shape.num_params, gpu_bytes=80 * GIB,
+                                 shape=shape)
+    assert tuple(with_critic.stages["critic"].gpus) == (0,)
+    critic = shape.num_params * estimate_trainer_bytes_per_param("bfloat16") + estimate_critic_pass_bytes(ppo, shape)
+    assert with_critic.rollout_memory_fraction == pytest.approx(
+        without.rollout_memory_fraction - critic / (80 * GIB), abs=1e-3)
+    assert any("trainer + reference + critic on rollout GPU [0]" in n and "critic pass ~" in n
+               for n in with_critic.notes), with_critic.notes
 
 
 def test_placement_config_forms():
