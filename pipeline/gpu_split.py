@@ -109,7 +109,7 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
     trainable = estimate_lora_params(shape, lora.rank) if lora.enabled else None
     others = max(0, gpu_bytes - free_bytes) if free_bytes else 0
 
-    def room(pass_bytes: int) -> float:  # what vLLM may have beside trainer, reference and others
+    def room(pass_bytes: int) -> float:  # what vLLM may have beside trainer, reference, critic and others
         share = estimate_colocated_fraction(shape.num_params, cfg.model.dtype, gpu_bytes, with_reference=with_reference,
                                             pass_bytes=pass_bytes + critic_pass, trainable_params=trainable,
                                             with_critic=with_critic)
@@ -125,12 +125,12 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
         return total, what
 
     held = f"; {others / _GIB:.1f} GiB held by other processes" if others else ""
+    beside = "the trainer, reference and critic" if with_critic else "the trainer and reference"
     stream_room, (stream_need, stream_what) = room(trainer_pass + reference_pass), need(not cfg.dataflow.async_execution)
     if stream_need <= stream_room:
         return SplitChoice("streaming", f"placement auto: streaming on one GPU: vLLM's {stream_what} = "
-                                        f"{stream_need / _GIB:.1f} GiB fit in the {stream_room / _GIB:.1f} GiB the "
-                                        f"trainer and reference leave beside their largest passes{held}", sized=True)
-    beside = "the trainer, reference and critic" if with_critic else "the trainer and reference"
+                                        f"{stream_need / _GIB:.1f} GiB fit in the {stream_room / _GIB:.1f} GiB "
+                                        f"{beside} leave beside their largest passes{held}", sized=True)
     short = (f"the job needs {stream_need / _GIB:.1f} GiB ({stream_what}), {beside} leave "
              f"{max(stream_room, 0) / _GIB:.1f} GiB beside their largest passes{held}")
     if not cfg.train.gradient_checkpointing:  # would recomputing the trainer's blocks make streaming fit?
