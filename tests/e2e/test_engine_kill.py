@@ -20,17 +20,10 @@ import psutil
 import pytest
 
 from bench.soak import count_steps, read_status
+from tests.descendants import find_engine_core
 
 ROOT = Path(__file__).parents[2]
 STEPS = 20
-
-
-def find_engine_core(rollout_pid: int) -> psutil.Process:
-    """The rollout actor's vLLM engine core process (``VLLM::EngineCore``)."""
-    for child in psutil.Process(rollout_pid).children():
-        if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
-            return child
-    raise AssertionError(f"no EngineCore among {[c.cmdline()[:2] for c in psutil.Process(rollout_pid).children()]}")
 
 
 @pytest.mark.slow  # two vLLM engine starts on CPU, about 2 min

@@ -20,29 +20,11 @@ import psutil
 
 from bench.soak import count_steps, read_status
 from pipeline.metrics import read_metrics
+from tests.descendants import find_engine_core
 from tests.gpu.test_pipeline_gpu import LOG_DIR, ROOT
 
 STEPS = 12
 PROMPTS_PER_STEP = 32  # configs/gpu_small.yaml
-
-
-def is_engine_core(proc: psutil.Process) -> bool:
-    """vLLM titles its engine core process ``VLLM::EngineCore`` where ``setproctitle`` is
-    installed; without it (the GPU image) the process is a multiprocessing spawn child."""
-    try:
-        cmdline = " ".join(proc.cmdline())
-        return "EngineCore" in proc.name() or "EngineCore" in cmdline or "spawn_main" in cmdline
-    except psutil.Error:
-        return False
-
-
-def find_engine_core(rollout_pid: int) -> psutil.Process:
-    """The rollout actor's vLLM engine core process."""
-    children = psutil.Process(rollout_pid).children(recursive=True)
-    for child in children:
-        if is_engine_core(child):
-            return child
-    raise AssertionError(f"no EngineCore process under the rollout: {[c.cmdline()[:3] for c in children]}")
 
 
 def test_a_killed_engine_core_on_the_gpu_is_rebuilt_and_the_run_completes(tmp_path):

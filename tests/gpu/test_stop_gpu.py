@@ -14,8 +14,7 @@ import subprocess
 import sys
 import time
 
-from tests.descendants import Descendants
-from tests.gpu.test_engine_kill_gpu import is_engine_core
+from tests.descendants import Descendants, is_engine_core
 from tests.gpu.test_pipeline_gpu import LOG_DIR, ROOT
 
 
