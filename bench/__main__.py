@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, help="longtail: the completion lengths' factor (median 1k, p99 8k, cap 16k "
                                                "tokens at 1; default 1 on a GPU, 1/64 on a CPU)")
     p.add_argument("--steps", type=int, help="longtail: optimizer steps per row (default the config's)")
+    p.add_argument("--add-to", type=Path, help="longtail: an earlier result (JSON) of the same job on the same GPU "
+                                                "model; its rows come first in this call's result")
     p.add_argument("--reward", action="store_true", help="longtail: the quickstart task with long-tail lengths, "
                                                          "reporting each row's wall time to reach a reward")
     return p
@@ -95,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                 get_shape(args.model)
         except ValueError as exc:
             parser.error(f"--model: {exc}")
-    for flag in ("scale", "steps", "reward"):
+    for flag in ("scale", "steps", "reward", "add_to"):
         if getattr(args, flag) not in (None, False) and args.name != "longtail":
-            parser.error(f"--{flag}: only longtail takes it, not {args.name}")
+            parser.error(f"--{flag.replace('_', '-')}: only longtail takes it, not {args.name}")
     if args.faults is not None:
         from bench.soak_faults import parse_faults
 
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "longtail":
                 extra.update({k: v for k, v in (("scale", args.scale), ("steps", args.steps)) if v is not None})
                 extra.update({"reward": True} if args.reward else {})
+                extra.update({"add_to": args.add_to} if args.add_to else {})
             payload = run(quick=args.quick, out_dir=args.out, **extra)
             ok = payload.get("status", "ok") in ("ok", "skipped")
             status = status or (0 if ok else 1)

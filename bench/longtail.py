@@ -30,6 +30,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,11 +240,13 @@ def run_verl_row(job: Job, root: Path, warmup: int) -> dict[str, Any]:
 
 
 def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Path, on_gpu: bool,
-             warmup: int) -> dict[str, dict[str, Any]]:
-    """Each row in order (a repeat labelled ``name#2``); a failure is a row with its error."""
+             warmup: int, rows: dict[str, dict[str, Any]] | None = None,
+             on_row: Callable[[dict[str, dict[str, Any]]], Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Each row in order (a repeat labelled ``name#2``), after ``rows`` (an earlier call's);
+    a failure is a row with its error; ``on_row(rows)`` after each."""
     from bench.longtail_trl import run_trl_isolated
 
-    rows: dict[str, dict[str, Any]] = {}
+    rows = dict(rows or {})
     for i, (name, extra) in enumerate(specs):
         label = name if name not in rows else f"{name}#{sum(k.split('#')[0] == name for k in rows) + 1}"
         where = root / str(i)
@@ -269,7 +272,34 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
         rows[label] = row
         # Each row on the console as it ends: a bench stopped later keeps what it measured.
         print(f"longtail row {label}: {json.dumps(row, default=str)}", flush=True)
+        if on_row is not None:
+            on_row(rows)
     return rows
+
+
+# What an earlier result must share with this call for its rows to join this one's.
+SAME_JOB = ("config", "model", "steps", "warmup_steps", "reward_mode", "tail_threshold")
+
+
+def load_earlier(path: Path, params: dict[str, Any], schedule: dict[str, Any], gpu: str | None) -> dict[str, Any]:
+    """An earlier ``longtail`` result whose rows this call adds to (``--add-to``): the same
+    job (``SAME_JOB``, the length schedule) on the same GPU model. ``ValueError`` naming
+    the first field that differs and both values."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--add-to: cannot read a result from {path}: {exc}") from None
+    if doc.get("benchmark") != "longtail":
+        raise ValueError(f"--add-to: {path} is a {doc.get('benchmark')!r} result, expected 'longtail'")
+    mine = {**{k: params.get(k) for k in SAME_JOB}, "schedule": schedule,
+            "gpu": gpu}
+    theirs = {**{k: (doc.get("params") or {}).get(k) for k in SAME_JOB}, "schedule": doc.get("schedule"),
+              "gpu": (doc.get("machine") or {}).get("gpu")}
+    for key, value in mine.items():
+        if theirs[key] != value:
+            raise ValueError(f"--add-to: {path} differs in {key}: {theirs[key]!r} there, {value!r} here; "
+                             "its rows measure another job or machine")
+    return doc
 
 
 def _describe(row: dict[str, Any]) -> str:
@@ -316,12 +346,16 @@ def compute_ratios(rows: dict[str, dict[str, Any]], reward: bool) -> dict[str, A
 
 
 def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | None = None, scale: float | None = None,
-        steps: int | None = None, reward: bool = False) -> dict[str, Any]:
+        steps: int | None = None, reward: bool = False, add_to: Path | None = None) -> dict[str, Any]:
     """``model``: a shape of ``stages.models.shapes`` or ``tiny`` (default ``qwen3_0.6b``;
     ``tiny`` with ``quick`` or ``reward``, or on a CPU); ``scale``: the lengths' factor (default 1 on a
-    GPU, 1/64 on a CPU); ``steps``: per row (default the config's; 3 with ``quick``)."""
+    GPU, 1/64 on a CPU); ``steps``: per row (default the config's; 3 with ``quick``); ``add_to``: an
+    earlier result of the same job on the same GPU model whose rows come first (``load_earlier``).
+    The result is written after every row (``status: partial`` until the last), so a call
+    stopped by its time limit keeps the rows it finished."""
     import torch
 
+    from bench.common import describe_gpus, describe_source
     from pipeline.config import load_config
 
     on_gpu = torch.cuda.is_available()
@@ -332,25 +366,43 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
     steps = steps or (3 if quick else load_config(config).run.steps)
     warmup = 1 if steps <= 4 else 2
     schedule = LengthSchedule(scale=scale, seed=load_config(config).run.seed)
+    params = {"config": str(config.relative_to(ROOT)), "model": model, "steps": steps, "warmup_steps": warmup,
+              "reward_mode": reward, "tail_threshold": TAIL_THRESHOLD, "reward_thresholds": list(REWARD_THRESHOLDS)}
+    count = steps * load_config(config).train.prompts_per_step
+    earlier = load_earlier(add_to, params, schedule.describe(count), describe_gpus()["gpu"]) if add_to else None
+    prior = dict(earlier["runs"]) if earlier else {}
+    parts = [*((earlier.get("parts") or [_part(earlier)]) if earlier else []),
+             {"systems": [n for n, _ in specs], "commit": describe_source()["commit"],
+              "utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())}]
+    names = [r["spec"] for r in prior.values()] + [n for n, _ in specs]
+    label = "-".join([model, *(["reward"] if reward else []), *([] if systems is None else names), f"x{scale:g}"])
     root = Path(tempfile.mkdtemp(prefix="conveyor-bench-longtail-"))
+
+    def publish(rows: dict[str, dict[str, Any]], done: bool) -> dict[str, Any]:
+        ok = all(r.get("status") in ("ok", "skipped") for r in rows.values() if r["spec"] not in PEERS)
+        payload = {
+            "status": ("ok" if ok else "error") if done else "partial", "quick": quick,
+            "units": "samples = completions; tokens = completion tokens; seconds",
+            "params": {**params, "systems": names, "overrides": list(job.overrides)},
+            "rows_pending": [] if done else [n for n, _ in specs][len(rows) - len(prior):],
+            "parts": parts, "schedule": job.schedule.describe(job.prompts),
+            "definitions": DEFINITIONS, "runs": rows, "ratios": compute_ratios(rows, reward),
+        }
+        return publish_result(out_dir, "longtail", payload, plot, label)
+
     try:
         job = prepare_job(model, steps, schedule, root / "job", reward, on_gpu)
-        rows = run_rows(job, specs, root, on_gpu, warmup)
+        rows = run_rows(job, specs, root, on_gpu, warmup, prior, on_row=lambda rows: publish(rows, done=False))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    ok = all(r.get("status") in ("ok", "skipped") for r in rows.values() if r["spec"] not in PEERS)
-    payload = {
-        "status": "ok" if ok else "error", "quick": quick, "units": "samples = completions; tokens = completion "
-        "tokens; seconds", "params": {"config": str(config), "model": model, "steps": steps, "warmup_steps": warmup,
-                                     "reward_mode": reward, "systems": [n for n, _ in specs],
-                                     "tail_threshold": TAIL_THRESHOLD, "reward_thresholds": list(REWARD_THRESHOLDS),
-                                     "overrides": list(job.overrides)},
-        "schedule": job.schedule.describe(job.prompts),
-        "definitions": DEFINITIONS, "runs": rows, "ratios": compute_ratios(rows, reward),
-    }
-    label = "-".join([model, *(["reward"] if reward else []),
-                      *([] if systems is None else [n for n, _ in specs]), f"x{scale:g}"])
-    return publish_result(out_dir, "longtail", payload, plot, label)
+    return publish(rows, done=True)
+
+
+def _part(doc: dict[str, Any]) -> dict[str, Any]:
+    """The call that made an earlier result's rows: its rows, commit and time."""
+    provenance = doc.get("provenance") or {}
+    return {"systems": (doc.get("params") or {}).get("systems"), "commit": provenance.get("commit"),
+            "utc": provenance.get("utc")}
 
 
 DEFINITIONS = {

@@ -258,3 +258,44 @@ def test_a_streaming_row_that_placement_auto_colocated_is_an_error():
     check_row_streamed("streaming", {"mode": "async"})
     with pytest.raises(RuntimeError, match=r"streaming row ran 'sync'.*streaming\[train.gradient_checkpointing=true\]"):
         check_row_streamed("streaming", {"mode": "sync"})
+
+
+def test_each_row_is_written_as_it_ends_and_a_later_call_adds_its_rows(tmp_path, monkeypatch):
+    """A call stopped by its time limit keeps the rows it finished (``status: partial``),
+    and ``--add-to`` joins a later call's rows to them, refusing another job's result.
+    The rows and the job are fakes (no launch): what is tested is the bookkeeping."""
+    import bench.longtail as lt
+
+    def fake_prepare(model, steps, schedule, root, reward=False, on_gpu=True):
+        root.mkdir(parents=True)
+        count = steps * load_config(lt.CONFIG).train.prompts_per_step
+        return lt.Job(lt.CONFIG, steps, schedule, model, count, root / "prompts.jsonl", ("data.shuffle=false",))
+
+    rates = {"streaming": 30.0, "lockstep": 10.0}
+    seen = []
+
+    def fake_row(name, job, root, extra=(), warmup=1):
+        seen.append(sorted(p.name for p in (tmp_path / "longtail").glob("*.json")))
+        return {"system": f"conveyor-{name}", "status": "ok", "samples_per_s": rates[name]}
+
+    monkeypatch.setattr(lt, "prepare_job", fake_prepare)
+    monkeypatch.setattr(lt, "run_conveyor_row", fake_row)
+    monkeypatch.setattr(lt, "plot", lambda payload: None)
+    first = lt.run(quick=True, out_dir=tmp_path, systems="lockstep,streaming", model="tiny", steps=2)
+    doc = json.loads(first["result_path"].read_text())
+    # Before the second row ran, the first was already on disk, marked partial.
+    assert seen[0] == [] and seen[1] == [first["result_path"].name]
+    assert doc["status"] == "ok" and doc["rows_pending"] == [] and list(doc["runs"]) == ["lockstep", "streaming"]
+    assert doc["ratios"]["streaming_over_lockstep"] == 3.0
+
+    rates["streaming"] = 33.0
+    second = lt.run(quick=True, out_dir=tmp_path / "b", systems="streaming", model="tiny", steps=2,
+                    add_to=first["result_path"])
+    joined = json.loads(second["result_path"].read_text())
+    assert list(joined["runs"]) == ["lockstep", "streaming", "streaming#2"]
+    assert joined["params"]["systems"] == ["lockstep", "streaming", "streaming"]
+    assert [p["systems"] for p in joined["parts"]] == [["lockstep", "streaming"], ["streaming"]]
+    assert joined["ratios"]["streaming_over_lockstep"] == 3.0  # the first row of a kind is the one compared
+    with pytest.raises(ValueError, match="--add-to: .* differs in steps: 2 there, 3 here"):
+        lt.run(quick=True, out_dir=tmp_path / "c", systems="streaming", model="tiny", steps=3,
+               add_to=first["result_path"])
