@@ -208,6 +208,9 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
         **compute_stage_rates(steady, per_step),
         "busy_share": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
         "padding_fraction": _mean([r.get("actor/padding_fraction") for r in steady]),
+        # The trainer's allocator at the end: retries mean passes ran at the memory limit (slow).
+        **{k.removeprefix("memory/"): rows[-1][k] for k in ("memory/trainer_alloc_retries", "memory/trainer_reserved_gib")
+           if rows and k in rows[-1]},
         "weight_sync_share": _mean([r.get("perf/weight_sync_share") for r in steady]),
         "staleness_mean": _mean([r.get("staleness/mean") for r in steady]),
         "tail": tails[0] if len(tails) == 1 else {"replicas": tails},

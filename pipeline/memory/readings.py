@@ -154,3 +154,17 @@ def read_peak_memory(device: str | None = None) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def read_allocator_counters() -> dict[str, float]:
+    """The CUDA caching allocator's counters of this process's current device since it
+    started: ``alloc_retries`` (allocations that had to free the cache and try again,
+    each a synchronising ``cudaFree`` of cached blocks: a pass running near the memory
+    limit), ``ooms`` and ``reserved_gib`` (held by the allocator now). Empty where this
+    process has not initialised CUDA (a CPU run, or a trainer whose ranks hold the GPU)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"alloc_retries": float(stats.get("num_alloc_retries", 0)), "ooms": float(stats.get("num_ooms", 0)),
+            "reserved_gib": stats.get("reserved_bytes.all.current", 0) / (1 << 30)}

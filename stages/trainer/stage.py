@@ -37,6 +37,7 @@ import ray
 from pipeline.memory.admission import count_seq_lens, estimate_batch_bytes
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import OomRecovery, free_cached_memory, freeze_setup_heap, is_oom_error
+from pipeline.memory.readings import read_allocator_counters
 from pipeline.memory.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
 from pipeline.plugins import register_stage
 from pipeline.queue import fits_inline
@@ -486,6 +487,7 @@ class TrainerStage:
             **{f"actor/{k}": float(v) for k, v in step_out.items()},
             **summarise_pass_padding(pieces),
             "actor/skipped_nonfinite": self.skipped_nonfinite,  # steps not applied so far in this launch
+            **{f"memory/trainer_{k}": v for k, v in read_allocator_counters().items()},
             **self._colocate_metrics,
         }
 

@@ -270,3 +270,19 @@ def test_the_setup_heap_is_frozen_and_later_cycles_still_collected():
 
     out = subprocess.run([sys.executable, "-c", FREEZE_PROBE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
+
+
+def test_allocator_counters_read_the_current_devices_stats_and_nothing_without_cuda(monkeypatch):
+    """On a fake ``torch`` (named as such): the counters come from ``torch.cuda.memory_stats``;
+    a process that has not initialised CUDA reports none."""
+    import sys
+    import types
+
+    from pipeline.memory.readings import read_allocator_counters
+
+    stats = {"num_alloc_retries": 7, "num_ooms": 1, "reserved_bytes.all.current": 3 << 30}
+    cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, memory_stats=lambda: stats)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    assert read_allocator_counters() == {"alloc_retries": 7.0, "ooms": 1.0, "reserved_gib": 3.0}
+    cuda.is_initialized = lambda: False
+    assert read_allocator_counters() == {}
