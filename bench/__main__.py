@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="longtail: optimizer steps per row (default the config's)")
     p.add_argument("--add-to", type=Path, help="longtail: an earlier result (JSON) of the same job on the same GPU "
                                                 "model; its rows come first in this call's result")
+    p.add_argument("--join", type=Path, nargs="+", metavar="RESULT",
+                   help="longtail: run nothing; write one result from the rows of these earlier ones (the same job "
+                        "on the same GPU model, split over calls by a time limit)")
     p.add_argument("--reward", action="store_true", help="longtail: the quickstart task with long-tail lengths, "
                                                          "reporting each row's wall time to reach a reward")
     return p
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 get_shape(args.model)
         except ValueError as exc:
             parser.error(f"--model: {exc}")
-    for flag in ("scale", "steps", "reward", "add_to"):
+    for flag in ("scale", "steps", "reward", "add_to", "join"):
         if getattr(args, flag) not in (None, False) and args.name != "longtail":
             parser.error(f"--{flag.replace('_', '-')}: only longtail takes it, not {args.name}")
     if args.faults is not None:
@@ -138,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         args.out = default_out_dir(args.quick)
+    if args.join:
+        from bench.longtail import join
+
+        try:
+            payload = join(args.join, args.out)
+        except ValueError as exc:
+            parser.error(str(exc))
+        print(f"longtail: joined {len(args.join)} results -> {payload['result_path']}")
+        return 0 if payload["status"] == "ok" else 1
     # "all" leaves the long soaks out: they are run on their own.
     names = [n for n in BENCHMARKS if n not in SOAKS] if args.name == "all" else [args.name]
     try:

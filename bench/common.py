@@ -204,12 +204,14 @@ def write_json(path: Path, doc: dict[str, Any]) -> Path:
 
 
 def publish_result(out_dir: Path, name: str, payload: dict[str, Any], plot: Callable[[dict[str, Any]], Any],
-                   label: str = "default") -> dict[str, Any]:
+                   label: str = "default", source: dict[str, Any] | None = None) -> dict[str, Any]:
     """The end of every benchmark: ``<stem>.json`` with ``payload`` and its provenance,
     ``<stem>.png`` (the figure ``plot(payload)`` returns, if any) and the ratios on the
-    console. ``payload`` is returned with ``result_path`` added."""
+    console. ``payload`` is returned with ``result_path`` added. ``source``: the commit that
+    made the figures where it is not the one checked out (results joined from earlier
+    calls); a ``machine`` in ``payload`` likewise replaces this machine's."""
     when = _dt.datetime.now(_dt.UTC)
-    source = describe_source()
+    source = source or describe_source()
     label = result_label(label, bool(payload.get("quick")))
     stem = result_stem(out_dir, name, label, source["commit"], when)
     provenance = {**source, "command": list(sys.argv), "configs": dict(_CONFIGS),

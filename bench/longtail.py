@@ -284,23 +284,25 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
 SAME_JOB = ("config", "model", "steps", "warmup_steps", "reward_mode", "tail_threshold")
 
 
-def load_earlier(path: Path, params: dict[str, Any], schedule: dict[str, Any], gpu: str | None) -> dict[str, Any]:
-    """An earlier ``longtail`` result whose rows this call adds to (``--add-to``): the same
-    job (``SAME_JOB``, the length schedule) on the same GPU model. ``ValueError`` naming
-    the first field that differs and both values."""
+def load_earlier(path: Path, params: dict[str, Any], schedule: dict[str, Any], gpu: str | None,
+                 check: bool = True) -> dict[str, Any]:
+    """An earlier ``longtail`` result whose rows this call adds to (``--add-to``, ``--join``): the
+    same job (``SAME_JOB``, the length schedule) on the same GPU model (unless not ``check``).
+    ``ValueError`` naming the first field that differs and both values."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--add-to: cannot read a result from {path}: {exc}") from None
+        raise ValueError(f"--add-to/--join: cannot read a result from {path}: {exc}") from None
     if doc.get("benchmark") != "longtail":
-        raise ValueError(f"--add-to: {path} is a {doc.get('benchmark')!r} result, expected 'longtail'")
-    mine = {**{k: params.get(k) for k in SAME_JOB}, "schedule": schedule,
-            "gpu": gpu}
+        raise ValueError(f"--add-to/--join: {path} is a {doc.get('benchmark')!r} result, expected 'longtail'")
+    if not check:
+        return doc
+    mine = {**{k: params.get(k) for k in SAME_JOB}, "schedule": schedule, "gpu": gpu}
     theirs = {**{k: (doc.get("params") or {}).get(k) for k in SAME_JOB}, "schedule": doc.get("schedule"),
               "gpu": (doc.get("machine") or {}).get("gpu")}
     for key, value in mine.items():
         if theirs[key] != value:
-            raise ValueError(f"--add-to: {path} differs in {key}: {theirs[key]!r} there, {value!r} here; "
+            raise ValueError(f"--add-to/--join: {path} differs in {key}: {theirs[key]!r} there, {value!r} here; "
                              "its rows measure another job or machine")
     return doc
 
@@ -399,6 +401,37 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return publish(rows, done=True)
+
+
+def join(paths: list[Path], out_dir: Path) -> dict[str, Any]:
+    """One result from the rows of several earlier ones (``--join``): the same job on the same
+    GPU model (``load_earlier`` checks each against the first), rows in the order given (a
+    repeated row labelled ``name#2``), each call named in ``parts``; the machine and, where the
+    calls share one, the commit are theirs. For runs split over calls by a time limit."""
+    first = load_earlier(paths[0], {}, {}, None, check=False)
+    params, schedule = first.get("params") or {}, first.get("schedule") or {}
+    docs = [first, *(load_earlier(p, params, schedule, (first.get("machine") or {}).get("gpu")) for p in paths[1:])]
+    rows: dict[str, dict[str, Any]] = {}
+    parts: list[dict[str, Any]] = []
+    for path, doc in zip(paths, docs, strict=True):
+        for row in doc["runs"].values():
+            spec = row.get("spec") or row["label"].split("#")[0]
+            label = spec if spec not in rows else f"{spec}#{sum(k.split('#')[0] == spec for k in rows) + 1}"
+            rows[label] = {**row, "label": label, "spec": spec}
+        parts += [{**part, "result": Path(path).name} for part in doc.get("parts") or [_part(doc)]]
+    names = [r["spec"] for r in rows.values()]
+    ok = all(r.get("status") in ("ok", "skipped") for r in rows.values() if r["spec"] not in PEERS)
+    payload = {
+        "status": "ok" if ok else "error", "quick": bool(first.get("quick")), "units": first.get("units"),
+        "params": {**params, "systems": names}, "rows_pending": [], "parts": parts, "schedule": schedule,
+        "definitions": DEFINITIONS, "runs": rows, "ratios": compute_ratios(rows, bool(params.get("reward_mode"))),
+        "machine": first.get("machine"),
+    }
+    commits = {part.get("commit") for part in parts}
+    source = {"commit": commits.pop(), "dirty": None, "commit_from": "the joined results"} if len(commits) == 1 else None
+    label = "-".join([str(params.get("model")), *(["reward"] if params.get("reward_mode") else []), *names,
+                      f"x{schedule.get('scale', 1):g}"])
+    return publish_result(out_dir, "longtail", payload, plot, label, source=source)
 
 
 def _part(doc: dict[str, Any]) -> dict[str, Any]:

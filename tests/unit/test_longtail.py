@@ -296,6 +296,24 @@ def test_each_row_is_written_as_it_ends_and_a_later_call_adds_its_rows(tmp_path,
     assert joined["params"]["systems"] == ["lockstep", "streaming", "streaming"]
     assert [p["systems"] for p in joined["parts"]] == [["lockstep", "streaming"], ["streaming"]]
     assert joined["ratios"]["streaming_over_lockstep"] == 3.0  # the first row of a kind is the one compared
-    with pytest.raises(ValueError, match="--add-to: .* differs in steps: 2 there, 3 here"):
+    # Two calls' results, made elsewhere, joined here without running anything: rows in order,
+    # the calls' machine and commit kept, not this machine's and checkout's.
+    for path in (first["result_path"], second["result_path"]):
+        made = json.loads(path.read_text())
+        made["machine"] = {**made["machine"], "hostname": "gpu-host", "gpu": "Some GPU"}
+        for part in made.get("parts") or []:
+            part["commit"] = "c0ffee" * 6 + "c0ff"
+        path.write_text(json.dumps(made))
+    joined_twice = lt.join([first["result_path"], second["result_path"]], tmp_path / "d")
+    doc = json.loads(joined_twice["result_path"].read_text())
+    assert list(doc["runs"]) == ["lockstep", "streaming", "lockstep#2", "streaming#2", "streaming#3"]
+    assert doc["provenance"]["commit"] == "c0ffee" * 6 + "c0ff" and len(doc["parts"]) == 3
+    assert doc["machine"]["hostname"] == "gpu-host" and joined_twice["result_path"].name.startswith(
+        f"{doc['provenance']['utc'][:10]}_c0ffeec_")
+    other = tmp_path / "other-gpu.json"
+    other.write_text(json.dumps({**json.loads(first["result_path"].read_text()), "machine": {"gpu": None}}))
+    with pytest.raises(ValueError, match="differs in gpu: None there, 'Some GPU' here"):
+        lt.join([first["result_path"], other], tmp_path / "e")
+    with pytest.raises(ValueError, match="--add-to/--join: .* differs in steps: 2 there, 3 here"):
         lt.run(quick=True, out_dir=tmp_path / "c", systems="streaming", model="tiny", steps=3,
                add_to=first["result_path"])
