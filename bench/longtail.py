@@ -213,6 +213,9 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
            if rows and k in rows[-1]},
         "weight_sync_share": _mean([r.get("perf/weight_sync_share") for r in steady]),
         "staleness_mean": _mean([r.get("staleness/mean") for r in steady]),
+        # vLLM's scheduler (in-process engine): preemptions mean the KV cache was short for what was in flight.
+        "engine": [{k: r["engine"].get(k) for k in ("kv_usage_mean", "kv_usage_max", "preemptions", "mean_requests")}
+                   for r in rollouts if r.get("engine")],
         "tail": tails[0] if len(tails) == 1 else {"replicas": tails},
         "tail_share": _mean([t.get("tail_share") for t in tails]),
         "lengths": rollouts[0].get("completion_lengths") if len(rollouts) == 1 else

@@ -41,6 +41,49 @@ class EngineStopped(RuntimeError):
     """The in-process engine was shut down (or its stepper died) with the request in flight."""
 
 
+class SchedulerProbe:
+    """What vLLM's scheduler did with the KV cache, read after every engine step on the
+    stepper thread: ``kv_usage_mean`` / ``kv_usage_max`` (the share of KV blocks in use) and
+    ``preemptions`` (times a running request lost its blocks to make room, to be recomputed:
+    the cache was too small for what was in flight). Reads ``scheduler.kv_cache_manager.usage``
+    and each live request's ``num_preemptions``; a vLLM without them is reported once in
+    ``unavailable`` and read no further. A request's count is added when it leaves."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.unavailable = "" if scheduler is not None else "no in-process scheduler"
+        self.samples = 0
+        self.usage_sum = self.usage_max = 0.0
+        self.preempted_done = 0
+        self._live: dict[str, int] = {}
+
+    @classmethod
+    def of(cls, llm_engine: Any) -> SchedulerProbe:
+        core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
+        return cls(getattr(core, "scheduler", None))
+
+    def observe(self) -> None:
+        if self.unavailable:
+            return
+        try:
+            usage = float(self.scheduler.kv_cache_manager.usage)
+            live = {rid: int(r.num_preemptions) for rid, r in self.scheduler.requests.items()}
+        except (AttributeError, TypeError, ValueError) as err:
+            self.unavailable = f"this vLLM's scheduler differs: {err!r}"
+            return
+        self.samples += 1
+        self.usage_sum += usage
+        self.usage_max = max(self.usage_max, usage)
+        self.preempted_done += sum(n for rid, n in self._live.items() if rid not in live)
+        self._live = live
+
+    def stats(self) -> dict[str, float]:
+        if self.unavailable:
+            return {}
+        return {"kv_usage_mean": self.usage_sum / self.samples if self.samples else 0.0,
+                "kv_usage_max": self.usage_max, "preemptions": self.preempted_done + sum(self._live.values())}
+
+
 class _Collector:
     """One request's outputs, on the event loop that added it (``AsyncLLM``'s
     collector surface: ``get_nowait`` returns None when empty, ``get`` waits)."""
@@ -94,6 +137,7 @@ class InProcessEngine:
         # running queued calls (adds, aborts, RPCs) between steps.
         self._steps, self._step_s, self._step_requests, self._calls_s = 0, 0.0, 0, 0.0
         self._tap_s = 0.0  # the sampler tap's reading and filing after the steps
+        self._probe = SchedulerProbe(None)  # the engine's, once the stepper has built it
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(engine_args, ready), name="vllm-stepper", daemon=True)
         self._thread.start()
@@ -115,6 +159,7 @@ class InProcessEngine:
                 self._ledger, self.sampler_tap_unavailable = install_sampler_tap(self._engine)
             except Exception as err:  # another vLLM's internals: vLLM reports the log-probs
                 self._ledger, self.sampler_tap_unavailable = None, f"installing it failed: {err!r}"
+        self._probe = SchedulerProbe.of(self._engine)
         ready.set_result(None)
         try:
             self._loop_steps()
@@ -151,6 +196,7 @@ class InProcessEngine:
             self._step_s += time.perf_counter() - t1
             self._step_requests += requests
             t2 = time.perf_counter()
+            self._probe.observe()
             if self._ledger is not None:
                 self._ledger.settle()  # the copies already done: at most a few steps stay pending
             for out in outputs:
@@ -223,13 +269,15 @@ class InProcessEngine:
         ``calls_s`` (queued calls run between steps); with the sampler tap
         ``tap_records`` (its steps read), ``tap_s`` (its reading and filing after the
         steps, outside ``step_s``), ``tap_checked`` (tokens checked against vLLM's
-        log-probs) and ``tap_max_abs_diff`` (the largest difference there)."""
+        log-probs) and ``tap_max_abs_diff`` (the largest difference there); where vLLM's
+        scheduler can be read, ``kv_usage_mean``, ``kv_usage_max`` and ``preemptions``
+        (``SchedulerProbe``)."""
         steps = self._steps
         return {"steps": steps, "step_s": self._step_s, "calls_s": self._calls_s,
                 "tap_records": self._ledger.records if self._ledger is not None else 0, "tap_s": self._tap_s,
                 "tap_checked": self._tap_checked, "tap_max_abs_diff": self._tap_max_diff,
                 "mean_step_ms": 1000 * self._step_s / steps if steps else 0.0,
-                "mean_requests": self._step_requests / steps if steps else 0.0}
+                "mean_requests": self._step_requests / steps if steps else 0.0, **self._probe.stats()}
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the stepper between two steps; its result."""

@@ -326,6 +326,9 @@ def test_the_engine_runs_a_batch_as_vllms_offline_llm_does(loop, backend) -> Non
     # steps, and far fewer than one a token (16 sequences in one batch).
     assert max(lengths) <= steps < sum(lengths) / 2, (steps, lengths)
     assert after["step_s"] > before["step_s"] and after["mean_requests"] > 0
+    # vLLM's scheduler was read after every step: the batch held KV blocks, and a 0.25 GiB
+    # cache for 16 short sequences never had to preempt one.
+    assert 0 < after["kv_usage_max"] <= 1 and after["preemptions"] == 0, after
 
 
 def test_the_model_runs_where_the_engine_core_says(backend) -> None:

@@ -317,3 +317,27 @@ def test_each_row_is_written_as_it_ends_and_a_later_call_adds_its_rows(tmp_path,
     with pytest.raises(ValueError, match="--add-to/--join: .* differs in steps: 2 there, 3 here"):
         lt.run(quick=True, out_dir=tmp_path / "c", systems="streaming", model="tiny", steps=3,
                add_to=first["result_path"])
+
+
+def test_the_scheduler_probe_counts_each_preemption_once_also_after_its_request_left():
+    """On a fake scheduler (named as such): KV usage is averaged over the steps observed;
+    a request's preemptions count once, whether it is still running or has finished."""
+    from types import SimpleNamespace as NS
+
+    from stages.rollout.vllm_inproc import SchedulerProbe
+
+    fake = NS(kv_cache_manager=NS(usage=0.5), requests={"a": NS(num_preemptions=0), "b": NS(num_preemptions=1)})
+    probe = SchedulerProbe(fake)
+    probe.observe()
+    fake.kv_cache_manager.usage, fake.requests["a"].num_preemptions = 1.0, 2
+    probe.observe()
+    assert probe.stats() == {"kv_usage_mean": 0.75, "kv_usage_max": 1.0, "preemptions": 3}
+    del fake.requests["a"]  # finished: its 2 stay counted, not twice
+    fake.kv_cache_manager.usage = 0.0
+    probe.observe()
+    probe.observe()
+    assert probe.stats() == {"kv_usage_mean": 0.375, "kv_usage_max": 1.0, "preemptions": 3}
+    other = SchedulerProbe(NS(requests={}))  # another vLLM: no kv_cache_manager
+    other.observe()
+    assert other.stats() == {} and "differs" in other.unavailable
+    assert SchedulerProbe.of(NS()).stats() == {}
