@@ -1,7 +1,9 @@
 """End to end on CPU: the quickstart graph with real Ray, vLLM and DeepSpeed.
 
 One streaming run (async, η = 1) is shared by the learning and accounting tests; a
-short lock-step run (η = 0) checks that training is then exactly on-policy.
+short lock-step run (η = 0) checks that training is then exactly on-policy. Those two
+are about vLLM's rollout; the other short runs, about the trainer and the dataflow,
+generate with the HF backend (``HF``: about 10 s less a launch).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pipeline.metrics import read_metrics
 QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
 STEPS = 100
 LOCKSTEP_STEPS = 20  # on-policy at every step needs no learning curve
+HF = "rollout.backend=hf"
 
 
 def _launch(run_dir: Path, *overrides: str) -> tuple[dict, list[dict]]:
@@ -187,12 +190,12 @@ def test_lockstep_is_exactly_on_policy(lockstep_run):
 
 
 def test_lockstep_without_sampler_logprobs_anchors_the_ratio_on_the_trainer(ray_cluster, tmp_path):
-    """``rollout.logprobs: false``: vLLM reports no log-probs, the trainer's own (detached)
+    """``rollout.logprobs: false``: the rollout reports no log-probs, the trainer's own (detached)
     anchor its ratio, so it is 1 on every token and nothing clips; a dense reward keeps
     every step's gradient non-zero, and it stays finite."""
     steps = 3
     summary, rows = _launch(tmp_path, f"run.steps={steps}", "dataflow.async_execution=false",
-                            "dataflow.max_staleness=0", "rollout.logprobs=false",
+                            "dataflow.max_staleness=0", "rollout.logprobs=false", HF,
                             "reward.function=tests.e2e.test_architectures:score_digit_share")
     assert summary["steps"] == steps and summary["samples"]["reconciles"]
     assert len(rows) == steps
@@ -214,7 +217,7 @@ def short_debug_run(ray_cluster, tmp_path_factory):
     """Six steps, weights every second step, with ``run.debug=true``."""
     run_dir = tmp_path_factory.mktemp("debug")
     summary, rows = _launch(run_dir, "run.steps=6", "train.sync_interval=2", "dataflow.max_staleness=1",
-                            "run.debug=true")
+                            "run.debug=true", HF)
     return run_dir, summary, rows
 
 
@@ -277,7 +280,7 @@ def test_auto_staleness_decides_from_measured_steps_and_every_step_keeps_its_bou
     from pipeline.staleness import WARMUP_STEPS, WINDOW_STEPS
 
     summary, rows = _launch(tmp_path, f"run.steps={AUTO_STEPS}", "dataflow.max_staleness=auto",
-                            "dataflow.max_staleness_cap=3")
+                            "dataflow.max_staleness_cap=3", HF)
     assert summary["status"] == "completed" and summary["samples"]["reconciles"]
     assert summary["samples"]["trained"] == AUTO_STEPS * 8 * 8 and len(rows) == AUTO_STEPS
     board = summary["max_staleness"]
@@ -343,7 +346,7 @@ def test_dynamic_sampling_kl_in_reward_and_gspo_run_with_exact_accounting(ray_cl
         tmp_path, f"run.steps={steps}", "algorithm.drop_zero_variance_groups=true", "algorithm.use_kl_in_reward=true",
         "algorithm.kl_penalty=k2", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05",
         "algorithm.kl_ctrl.target_kl=1e-8", "algorithm.kl_ctrl.horizon=1000", "algorithm.ratio_level=sequence",
-        "algorithm.kl_estimator=k3+")
+        "algorithm.kl_estimator=k3+", HF)
     samples = summary["samples"]
     assert samples["reconciles"] and summary["accounting"]["reconciles"], summary["accounting"]
     assert samples["trained"] == steps * 8 * 8
