@@ -9,7 +9,7 @@
   (``rollout.engine_core: subprocess``, as under tensor parallelism): the default one
   runs in the actor's process and dies with it, leaving nothing to reap.
 - without ``run.auto_resume`` a killed trainer stops the run (exit status 1) with the
-  resume command.
+  resume command; that run generates with the HF backend (its subject is the trainer).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_killed_trainer_resumes_and_killed_stage_actors_restart(tmp_path):
 
 def test_killed_trainer_stops_the_run_with_the_resume_command(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _launch(run_dir, 50)
+    proc = _launch(run_dir, 50, "rollout.backend=hf")
     try:
         status = _wait(proc, run_dir, "a checkpoint", lambda s: (run_dir / "checkpoints").is_dir() and count_steps(run_dir) >= 3)
         _kill(status, "trainer:0")

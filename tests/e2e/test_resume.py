@@ -1,5 +1,6 @@
 """A run killed with SIGKILL (no chance to clean up) resumes from its newest checkpoint:
-steps continue without a gap or a repeat, and every prompt is trained exactly once."""
+steps continue without a gap or a repeat, and every prompt is trained exactly once. It
+generates with the HF backend: the subject is the driver's and the trainer's state."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pipeline.checkpoint import find_latest_checkpoint
 
 ROOT = Path(__file__).parents[2]
 STEPS = 16
-ARGS = ["run.progress=false", "run.tensorboard=false", "train.checkpoint_every=3", "train.keep_checkpoints=2"]
+ARGS = ["run.progress=false", "run.tensorboard=false", "train.checkpoint_every=3", "train.keep_checkpoints=2",
+        "rollout.backend=hf"]
 
 
 def _conveyor(*args: str, **kw) -> subprocess.Popen:

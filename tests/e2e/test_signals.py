@@ -5,7 +5,9 @@ process behind (Ray's, vLLM's or the stages'). Ray's processes, started with the
 signals held (``pipeline/signals.py``), ignore a SIGTERM sent to the group; the stage
 actors have it back. SIGINT takes the same handler: the soak's smoke test
 (``tests/ray_local/test_bench_smoke.py``) stops its resumed run with it and checks the
-exit status 130, the interrupted status and the accounting."""
+exit status 130, the interrupted status and the accounting. The runs generate with the HF
+backend: on CPU vLLM's engine core runs in the rollout's process, starting none of its
+own (test_rollout_backends), and the start-up stops come before any engine starts."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from tests.descendants import Descendants
 
 ROOT = Path(__file__).parents[2]
 LAUNCH = [sys.executable, "-m", "pipeline.cli", "launch", "--config", "configs/quickstart.yaml", "run.steps=500",
-          "run.progress=false", "run.tensorboard=false"]
+          "run.progress=false", "run.tensorboard=false", "rollout.backend=hf"]
 
 
 def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int, timeout: float = 600) -> None:
