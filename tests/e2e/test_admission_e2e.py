@@ -1,7 +1,9 @@
-"""Admission and OOM recovery on the real stages (tiny model, vLLM, DeepSpeed on CPU).
+"""Admission and OOM recovery on the real stages (tiny model, DeepSpeed on CPU).
 
 1. The quickstart under work budgets far below one micro-batch's estimate: every stage
-   splits, the run completes and the accounting reconciles; the metrics show it.
+   splits, the run completes and the accounting reconciles; the metrics show it. It
+   generates with the HF backend: the rollout's admission is the stage's, whatever its
+   engine (vLLM's KV cache sizes its pool in the quickstart's runs, test_pipeline).
 2. The trainer core (no Ray) hit by an out-of-memory error in the middle of a step,
    once after a backward had already accumulated part of a micro-batch and once in a
    forward before any backward: the step's update is bitwise the one of a clean run
@@ -37,7 +39,7 @@ def test_tight_budgets_split_every_stage_and_the_run_reconciles(ray_cluster, tmp
     cfg = load_config(QUICKSTART, [
         f"run.dir={tmp_path / 'run'}", f"run.steps={STEPS}", "run.progress=false", "run.tensorboard=false",
         "train.save_checkpoint=false", "rollout.memory.budget_bytes=400000",
-        "reference.memory.budget_bytes=262144", "train.memory.budget_bytes=524288",
+        "reference.memory.budget_bytes=262144", "train.memory.budget_bytes=524288", "rollout.backend=hf",
     ])
     summary = launch_run(cfg)
 

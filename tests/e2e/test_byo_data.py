@@ -1,7 +1,8 @@
 """A user's own data and reward end to end: chat-format JSONL rendered with the
 checkpoint's chat template, a reward ``.py`` file returning a dict with extras, and
 reward failures that are counted per step and in ``summary.json`` — and that stop the
-run when every sample of a step fails. Real Ray, vLLM and DeepSpeed on CPU, few steps.
+run when every sample of a step fails. Real Ray and DeepSpeed on CPU, the HF rollout
+backend, few steps.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _config(root: Path, data: Path, reward: str, *extra: str):
         "model.tiny.architecture=qwen2",  # a checkpoint with a chat template (ChatML)
         f"data.path={data}", f"reward.function={reward}",
         "rollout.n=4", "rollout.max_tokens=4", "train.prompts_per_step=4", "dataflow.prompts_per_micro_batch=2",
-        *extra,
+        "rollout.backend=hf", *extra,
     ])
 
 
@@ -98,7 +99,7 @@ def test_reward_failures_and_extras_are_reported(chat_run):
 
 def test_a_reward_that_always_fails_stops_the_run(ray_cluster, tmp_path):
     data, reward = write_inputs(tmp_path)
-    cfg = _config(tmp_path, data, f"{reward}:always_fails", "rollout.backend=hf", "record.edges=[]")
+    cfg = _config(tmp_path, data, f"{reward}:always_fails", "record.edges=[]")
     with pytest.raises(StageError) as info:
         launch_run(cfg)
     message = str(info.value)
