@@ -21,7 +21,7 @@ from pipeline.metrics import read_metrics
 
 QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
 STEPS = 100
-LOCKSTEP_STEPS = 20  # on-policy at every step needs no learning curve
+LOCKSTEP_STEPS = 8  # on-policy at every step needs no learning curve
 HF = "rollout.backend=hf"
 
 
