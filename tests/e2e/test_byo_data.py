@@ -1,8 +1,8 @@
 """A user's own data and reward end to end: chat-format JSONL rendered with the
 checkpoint's chat template, a reward ``.py`` file returning a dict with extras, and
 reward failures that are counted per step and in ``summary.json`` — and that stop the
-run when every sample of a step fails. Real Ray and DeepSpeed on CPU, the HF rollout
-backend, few steps.
+run when every sample of a step fails (``slow``). Real Ray and DeepSpeed on CPU, the HF
+rollout backend, few steps.
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ def test_reward_failures_and_extras_are_reported(chat_run):
     assert all(0.0 <= r["reward/digit"] <= 1.0 for r in rows)  # the dict's extra key, per step
 
 
+# A second launch; in every run: the reward stage's rule (tests/unit/test_reward_forms.py),
+# a stage's error ending a run (tests/ray_local/test_dataflow_run.py) and a launch's failed
+# summary (test_faults.py).
+@pytest.mark.slow
 def test_a_reward_that_always_fails_stops_the_run(ray_cluster, tmp_path):
     data, reward = write_inputs(tmp_path)
     cfg = _config(tmp_path, data, f"{reward}:always_fails", "record.edges=[]")

@@ -1,13 +1,13 @@
 """A launched run stopped by SIGTERM (what a scheduler sends), to the driver or to its
 whole process group, mid-run or while Ray starts: it drains (or, before the stages run,
 stops at once), writes its summary, exits with 128 + the signal number and leaves no
-process behind (Ray's, vLLM's or the stages'). Ray's processes, started with the stop
-signals held (``pipeline/signals.py``), ignore a SIGTERM sent to the group; the stage
-actors have it back. SIGINT takes the same handler: the soak's smoke test
-(``tests/ray_local/test_bench_smoke.py``) stops its resumed run with it and checks the
-exit status 130, the interrupted status and the accounting. The runs generate with the HF
-backend: on CPU vLLM's engine core runs in the rollout's process, starting none of its
-own (test_rollout_backends), and the start-up stops come before any engine starts."""
+process behind (Ray's or the stages'). Ray's processes, started with the stop signals
+held (``pipeline/signals.py``), ignore a SIGTERM sent to the group; the stage actors have
+it back. SIGINT takes the same handler (``slow``: Ctrl-C while Ray starts, and the soak's
+smoke test in ``tests/ray_local/test_bench_smoke.py``: exit status 130, the accounting).
+The runs generate with the HF backend: on CPU vLLM's engine core runs in the rollout's
+process, starting none of its own (test_rollout_backends), and the start-up stops come
+before any engine starts."""
 
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ def test_sigterm_stops_the_run_cleanly(tmp_path, to):
     assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]
 
 
+@pytest.mark.slow  # SIGINT takes SIGTERM's handler; a stop while Ray starts: the test below, in every run
 def test_ctrl_c_while_ray_and_the_stages_start_stops_the_launch(tmp_path):
     """Ctrl-C as a terminal sends it (to the whole process group) right after the
     `launch` line, while Ray starts (``ray.init`` swallows a KeyboardInterrupt) or the
