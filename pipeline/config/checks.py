@@ -63,6 +63,9 @@ def check_config(cfg: ConveyorConfig) -> None:
     owned = sorted(k for k in ro.engine_kwargs if k in ENGINE_KWARGS_OWNED)
     if owned:
         raise ConfigError(f"rollout.engine_kwargs.{owned[0]}: set by Conveyor; use {ENGINE_KWARGS_OWNED[owned[0]]}")
+    if not ro.recompute_on_update and ro.engine_kwargs.get("enable_prefix_caching"):
+        raise ConfigError("rollout.engine_kwargs.enable_prefix_caching: true would let new requests start on KV "
+                          "the old weights filled; rollout.recompute_on_update false turns it off")
     if ro.engine_kwargs and ro.backend != "vllm":
         raise ConfigError(f"rollout.engine_kwargs: vLLM's engine arguments; rollout.backend is {ro.backend!r}")
     if ro.backend not in ("vllm", "hf") and ":" not in ro.backend:

@@ -105,6 +105,16 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # ``bench soak_memory`` saw it lower the engine's mean resident set, not its peak.
     host_memory_trim_s: NonNegFloat = 0.0
     seed: NonNegInt = 0
+    # vLLM backend: a weight update pauses the engine and drops the KV cache of every
+    # request in flight, which vLLM recomputes with the new weights, so each token after the
+    # update is sampled wholly by them. false: requests in flight keep the KV their earlier
+    # tokens made under the old weights (PipelineRL's in-flight update), saving at every
+    # update a prefill of everything in flight (with hundreds of long requests streaming,
+    # most of a step's tokens); vLLM's prefix cache is then off, so no new request starts on
+    # blocks the old weights filled. Per-token versions and behaviour log-probs still say
+    # what sampled each token. vLLM >= 0.32 or the in-process engine (older vLLM through
+    # AsyncLLM always keeps the KV: see docs/architecture.md).
+    recompute_on_update: bool = True
     # vLLM backend: further keyword arguments of vLLM's AsyncEngineArgs (verl's
     # rollout.engine_kwargs.vllm), e.g. {async_scheduling: true, max_num_seqs: 512}. The
     # arguments Conveyor sets from other keys are refused here (ENGINE_KWARGS_OWNED); a

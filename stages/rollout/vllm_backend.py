@@ -98,6 +98,9 @@ def build_engine_kwargs(
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,
     )
+    if not cfg.recompute_on_update:
+        # Requests in flight keep old-weight KV across updates; new ones must not share it.
+        kwargs["enable_prefix_caching"] = False
     if cfg.sleep_mode and not on_cpu:  # vLLM's CPU workers have no sleep mode (they ignore sleep)
         kwargs["enable_sleep_mode"] = True
     if on_cpu:
@@ -632,9 +635,9 @@ class VLLMBackend:
                 clear_mm = getattr(getattr(engine, "renderer", None), "clear_mm_cache_async", None)
                 if clear_mm is not None:
                     await clear_mm()
-                await pause(mode="keep", clear_cache=True)
+                await pause(mode="keep", clear_cache=self.cfg.recompute_on_update)
             else:
-                await engine.pause_generation(mode="keep", clear_cache=True)
+                await engine.pause_generation(mode="keep", clear_cache=self.cfg.recompute_on_update)
         # Older vLLM cannot pause without aborting or draining: the update then lands
         # between two engine steps (collective_rpc runs between steps), in-flight
         # requests keep the KV computed by the old weights, and versions are tagged

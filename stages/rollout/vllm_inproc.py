@@ -44,8 +44,9 @@ class EngineStopped(RuntimeError):
 class SchedulerProbe:
     """What vLLM's scheduler did with the KV cache, read after every engine step on the
     stepper thread: ``kv_usage_mean`` / ``kv_usage_max`` (the share of KV blocks in use) and
-    ``preemptions`` (times a running request lost its blocks to make room, to be recomputed:
-    the cache was too small for what was in flight). Reads ``scheduler.kv_cache_manager.usage``
+    ``preemptions`` (times a running request lost its blocks, to be recomputed: the cache was
+    too small for what was in flight, or a weight update's pause dropped every block, which
+    recomputes each request in flight with the new weights). Reads ``scheduler.kv_cache_manager.usage``
     and each live request's ``num_preemptions``; a vLLM without them is reported once in
     ``unavailable`` and read no further. A request's count is added when it leaves."""
 

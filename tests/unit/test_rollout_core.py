@@ -291,3 +291,15 @@ def test_tensor_parallel_cpu_workers_get_disjoint_cores() -> None:
     assert plan_cpu_binding([2, 5, 7, 8], 2) == "2,5|7,8"  # the cores allowed, not a range
     with pytest.raises(ValueError, match="rollout.tensor_parallel_size: 2 CPU workers need 2 cores, 1 allowed"):
         plan_cpu_binding([0], 2)
+
+
+def test_keeping_kv_across_updates_turns_the_prefix_cache_off_and_refuses_it_on() -> None:
+    """rollout.recompute_on_update false: requests in flight keep old-weight KV, so no new
+    request may start on cached blocks (vLLM's prefix cache off); asking for it back is refused."""
+    from pipeline.config import ConfigError, load_config
+
+    kept = build_engine_kwargs(Path("/ckpt"), RolloutConfig(recompute_on_update=False), "auto", on_cpu=False)
+    assert kept["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in build_engine_kwargs(Path("/ckpt"), RolloutConfig(), "auto", on_cpu=False)
+    with pytest.raises(ConfigError, match="rollout.engine_kwargs.enable_prefix_caching.*recompute_on_update"):
+        load_config(None, ["rollout.recompute_on_update=false", 'rollout.engine_kwargs={"enable_prefix_caching": true}'])
