@@ -254,7 +254,7 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
 
     rows = dict(rows or {})
     for i, (name, extra) in enumerate(specs):
-        label = name if name not in rows else f"{name}#{sum(k.split('#')[0] == name for k in rows) + 1}"
+        label = _next_label(name, rows)
         where = root / str(i)
         if name == "verl":
             why = None if _version("verl") else "verl is not installed (docs/performance/peers.md)"
@@ -383,19 +383,13 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
              {"systems": [n for n, _ in specs], "commit": describe_source()["commit"],
               "utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())}]
     names = [r["spec"] for r in prior.values()] + [n for n, _ in specs]
-    label = "-".join([model, *(["reward"] if reward else []), *([] if systems is None else names), f"x{scale:g}"])
+    label = _result_label(model, reward, [] if systems is None else names, scale)
     root = Path(tempfile.mkdtemp(prefix="conveyor-bench-longtail-"))
 
     def publish(rows: dict[str, dict[str, Any]], done: bool) -> dict[str, Any]:
-        ok = all(r.get("status") in ("ok", "skipped") for r in rows.values() if r["spec"] not in PEERS)
-        payload = {
-            "status": ("ok" if ok else "error") if done else "partial", "quick": quick,
-            "units": "samples = completions; tokens = completion tokens; seconds",
-            "params": {**params, "systems": names, "overrides": list(job.overrides)},
-            "rows_pending": [] if done else [n for n, _ in specs][len(rows) - len(prior):],
-            "parts": parts, "schedule": job.schedule.describe(job.prompts),
-            "definitions": DEFINITIONS, "runs": rows, "ratios": compute_ratios(rows, reward),
-        }
+        pending = [] if done else [n for n, _ in specs][len(rows) - len(prior):]
+        payload = _payload(rows, {**params, "overrides": list(job.overrides)}, job.schedule.describe(job.prompts),
+                           parts, quick, pending)
         return publish_result(out_dir, "longtail", payload, plot, label)
 
     try:
@@ -419,22 +413,38 @@ def join(paths: list[Path], out_dir: Path) -> dict[str, Any]:
     for path, doc in zip(paths, docs, strict=True):
         for row in doc["runs"].values():
             spec = row.get("spec") or row["label"].split("#")[0]
-            label = spec if spec not in rows else f"{spec}#{sum(k.split('#')[0] == spec for k in rows) + 1}"
+            label = _next_label(spec, rows)
             rows[label] = {**row, "label": label, "spec": spec}
         parts += [{**part, "result": Path(path).name} for part in doc.get("parts") or [_part(doc)]]
-    names = [r["spec"] for r in rows.values()]
-    ok = all(r.get("status") in ("ok", "skipped") for r in rows.values() if r["spec"] not in PEERS)
-    payload = {
-        "status": "ok" if ok else "error", "quick": bool(first.get("quick")), "units": first.get("units"),
-        "params": {**params, "systems": names}, "rows_pending": [], "parts": parts, "schedule": schedule,
-        "definitions": DEFINITIONS, "runs": rows, "ratios": compute_ratios(rows, bool(params.get("reward_mode"))),
-        "machine": first.get("machine"),
-    }
+    payload = {**_payload(rows, params, schedule, parts, bool(first.get("quick")), []), "machine": first.get("machine")}
     commits = {part.get("commit") for part in parts}
     source = {"commit": commits.pop(), "dirty": None, "commit_from": "the joined results"} if len(commits) == 1 else None
-    label = "-".join([str(params.get("model")), *(["reward"] if params.get("reward_mode") else []), *names,
-                      f"x{schedule.get('scale', 1):g}"])
+    label = _result_label(str(params.get("model")), bool(params.get("reward_mode")), payload["params"]["systems"],
+                          schedule.get("scale", 1))
     return publish_result(out_dir, "longtail", payload, plot, label, source=source)
+
+
+def _next_label(name: str, rows: dict[str, Any]) -> str:
+    """``name``, or ``name#k`` for its k-th row among ``rows``."""
+    return name if name not in rows else f"{name}#{sum(k.split('#')[0] == name for k in rows) + 1}"
+
+
+def _result_label(model: str, reward: bool, names: list[str], scale: float) -> str:
+    return "-".join([model, *(["reward"] if reward else []), *names, f"x{scale:g}"])
+
+
+def _payload(rows: dict[str, dict[str, Any]], params: dict[str, Any], schedule: dict[str, Any],
+             parts: list[dict[str, Any]], quick: bool, pending: list[str]) -> dict[str, Any]:
+    """The result of ``rows``: ``partial`` while rows are ``pending``, else ``error`` where a
+    Conveyor row failed (a peer's failure is its row's alone)."""
+    ok = all(r.get("status") in ("ok", "skipped") for r in rows.values() if r["spec"] not in PEERS)
+    return {
+        "status": "partial" if pending else ("ok" if ok else "error"), "quick": quick,
+        "units": "samples = completions; tokens = completion tokens; seconds",
+        "params": {**params, "systems": [r["spec"] for r in rows.values()]}, "rows_pending": pending,
+        "parts": parts, "schedule": schedule, "definitions": DEFINITIONS, "runs": rows,
+        "ratios": compute_ratios(rows, bool(params.get("reward_mode"))),
+    }
 
 
 def _part(doc: dict[str, Any]) -> dict[str, Any]:
