@@ -14,7 +14,9 @@ Guarantees:
   went back, plots ``eval/*`` against ``eval/step`` (its ``define_metric``); the others
   take a step per metric or in any order, so they get the version as the step.
 - Each tracker's own settings come from its environment: ``MLFLOW_TRACKING_URI`` (unset:
-  MLflow's local file store in ``<run dir>/mlruns``, no server) and
+  MLflow's local file store in ``<run dir>/mlruns``, no server; MLflow 3 refuses that
+  store unless ``MLFLOW_ALLOW_FILE_STORE`` is true, so it is set for this process when
+  unset; a ``sqlite:///`` URI selects MLflow's database store instead) and
   ``MLFLOW_EXPERIMENT_NAME``; ``WANDB_PROJECT``, ``WANDB_MODE=offline``; SwanLab's and
   Trackio's likewise. The project is ``conveyor`` unless the environment names one; the
   run is named ``run.name``.
@@ -101,6 +103,7 @@ class MlflowTracker:
     def __init__(self, mlflow: Any, run_dir: Path, run_name: str) -> None:
         self.mlflow = mlflow
         if not os.environ.get("MLFLOW_TRACKING_URI"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's file store is opt-in
             mlflow.set_tracking_uri((run_dir / "mlruns").absolute().as_uri())
         if not os.environ.get("MLFLOW_EXPERIMENT_NAME"):
             mlflow.set_experiment(PROJECT)
