@@ -3,7 +3,9 @@
 One streaming run (async, η = 1) is shared by the learning and accounting tests; a
 short lock-step run (η = 0) checks that training is then exactly on-policy. Those two
 are about vLLM's rollout; the other short runs, about the trainer and the dataflow,
-generate with the HF backend (``HF``: about 10 s less a launch).
+generate with the HF backend (``HF``: about 10 s less a launch). The six-step debug run
+also carries ``configs/quickstart_eval.yaml``'s held-out evaluation (its rows, summary
+and accounting are checked here; its learning run is ``slow``, tests/e2e/test_evaluation.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from pipeline.config import load_config
 from pipeline.launch import launch_run
-from pipeline.metrics import read_metrics
+from pipeline.metrics import is_eval_row, read_metrics
+from tests.e2e.test_evaluation import check_eval_accounting, check_eval_rows
 
-QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
+ROOT = Path(__file__).parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+QUICKSTART_EVAL = ROOT / "configs" / "quickstart_eval.yaml"
 STEPS = 100
 LOCKSTEP_STEPS = 8  # on-policy at every step needs no learning curve
 HF = "rollout.backend=hf"
@@ -212,12 +218,24 @@ def test_lockstep_without_sampler_logprobs_anchors_the_ratio_on_the_trainer(ray_
         assert 0 < r["ref/padding_fraction"] < 0.5 and 0 < r["ref/padding_fraction_unpacked"] < 0.5
 
 
+DEBUG_STEPS, EVAL_EVERY = 6, 2  # four evaluations: before training and at versions 2, 4 and 6
+
+
+def quickstart_eval_section(every: int) -> list[str]:
+    """``configs/quickstart_eval.yaml``'s ``eval`` section as overrides (64 held-out
+    prompts, one greedy completion and 4 samples each), every ``every`` steps."""
+    section = {**yaml.safe_load(QUICKSTART_EVAL.read_text())["eval"], "every": every}
+    section["path"] = str(ROOT / section["path"])
+    return [f"eval.{key}={json.dumps(value)}" for key, value in section.items()]
+
+
 @pytest.fixture(scope="module")
 def short_debug_run(ray_cluster, tmp_path_factory):
-    """Six steps, weights every second step, with ``run.debug=true``."""
+    """Six steps, weights every second step, with ``run.debug=true`` and the quickstart's
+    held-out evaluation every second step."""
     run_dir = tmp_path_factory.mktemp("debug")
-    summary, rows = _launch(run_dir, "run.steps=6", "train.sync_interval=2", "dataflow.max_staleness=1",
-                            "run.debug=true", HF)
+    summary, rows = _launch(run_dir, f"run.steps={DEBUG_STEPS}", "train.sync_interval=2", "dataflow.max_staleness=1",
+                            "run.debug=true", HF, *quickstart_eval_section(EVAL_EVERY))
     return run_dir, summary, rows
 
 
@@ -225,6 +243,7 @@ def test_weights_every_second_step_drop_nothing(short_debug_run):
     """sync_interval 2 with eta 1 is valid: each step generates on a version that the
     trainer can still use, so nothing is made only to be dropped as stale."""
     _, summary, rows = short_debug_run
+    rows = [r for r in rows if not is_eval_row(r)]
     assert summary["samples"]["dropped"] == {}
     assert summary["samples"]["trained"] == 6 * 8 * 8
     assert max(r["staleness/max"] for r in rows) <= 1
@@ -261,6 +280,16 @@ def test_debug_run_prints_the_first_micro_batch_on_every_edge(short_debug_run):
         for name, pattern in fields.items():
             assert re.search(rf"^  {name} +{pattern}$", block, re.MULTILINE), (stage, name, block[:2000])
     assert "[debug]" not in (run_dir / "logs" / "source.log").read_text()  # no input edge
+
+
+def test_eval_rows_come_at_the_versions_due(short_debug_run):
+    run_dir, summary, _ = short_debug_run
+    check_eval_rows(run_dir, summary, DEBUG_STEPS, EVAL_EVERY)
+
+
+def test_evaluation_stays_out_of_the_training_accounting(short_debug_run):
+    _, summary, _ = short_debug_run
+    check_eval_accounting(summary, DEBUG_STEPS)
 
 
 def reward_rise(rows: list[dict]) -> tuple[float, float]:
