@@ -4,12 +4,12 @@ transformers rollouts.
 The adapters target ``q_proj``, ``v_proj`` and ``up_proj`` only, so a sync must send
 whole layers that vLLM fuses (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``)
 while leaving others (the embeddings, the head, the norms) out. One engine serves the
-module; each test starts from its current state.
+module; each test starts from its current state. The vLLM rollout is the session's
+(``shared_vllm``, tests/e2e/conftest.py: test_rollout_backends drives it too).
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 from pathlib import Path
@@ -119,24 +119,30 @@ def test_a_sync_sends_the_merged_layers_holding_adapters_and_names_the_rest(engi
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+def loop(rollout_loop):
+    return rollout_loop
 
 
 @pytest.mark.parametrize("name", ["hf", "vllm"])
-def test_the_rollout_serves_the_trainers_merged_model_after_a_sync(engine, checkpoint, loop, name) -> None:
+def test_the_rollout_serves_the_trainers_merged_model_after_a_sync(engine, checkpoint, loop, shared_vllm, name) -> None:
     """Behaviour log-probs of the served model after a partial sync equal a transformers
     forward pass of peft's merged model: the partial payload landed, nothing else moved."""
-    # vLLM's engine core in a process of its own: in this one it would tear down the
-    # torch.distributed world the DeepSpeed engines of this module share.
-    cfg = RolloutConfig(backend=name, kv_cache_gib=0.25, seed=0, engine_core="subprocess")
-    backend = build_backend(name, checkpoint, cfg, "float32")
-    loop.run_until_complete(backend.start())
+    # vLLM's engine core in a process of its own (the session's engine): in this one it
+    # would tear down the torch.distributed world the DeepSpeed engines of this module share.
+    if name == "vllm":
+        backend = shared_vllm.get()
+    else:
+        cfg = RolloutConfig(backend=name, kv_cache_gib=0.25, seed=0, engine_core="subprocess")
+        backend = build_backend(name, checkpoint, cfg, "float32")
+        loop.run_until_complete(backend.start())
     try:
+        # The base model first, whole, whatever the engine served before: a partial payload's
+        # rest (embeddings, norms, head) is the checkpoint's, and the engine checks it.
+        base = load_file(checkpoint / "model.safetensors")
+        loop.run_until_complete(backend.update_weights(serialize_weights(base), backend.version + 1))
+        version = backend.version + 1
         data, _, published = engine.export_weights()
-        live = loop.run_until_complete(backend.update_weights(data, 1))
+        live = loop.run_until_complete(backend.update_weights(data, version))
         assert fingerprints_match(live, published)
         sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=6)
         results = loop.run_until_complete(backend.generate(PROMPTS, sampling))
@@ -144,16 +150,17 @@ def test_the_rollout_serves_the_trainers_merged_model_after_a_sync(engine, check
         worst = 0.0
         for prompt, result in zip(PROMPTS, results, strict=True):
             for c in result.completions:
-                assert set(c.token_versions) == {1}
+                assert set(c.token_versions) == {version}
                 want = recompute_logprobs(merged, prompt, c.token_ids)
                 worst = max(worst, float(np.abs(np.asarray(c.logprobs) - np.asarray(want)).max()))
         assert worst < LOGPROB_ATOL, worst
         # A partial payload whose rest is not what the engine holds is refused, not served.
         forged = serialize_weights(deserialize_weights(data), encode_rest_fingerprint((1.0, 1.0)))
         with pytest.raises(WeightSyncError):
-            loop.run_until_complete(backend.update_weights(forged, 2))
+            loop.run_until_complete(backend.update_weights(forged, version + 1))
     finally:
-        loop.run_until_complete(backend.shutdown())
+        if name != "vllm":
+            loop.run_until_complete(backend.shutdown())
 
 
 def test_state_holds_the_adapters_and_resumes_exactly(engine, checkpoint, tmp_path) -> None:

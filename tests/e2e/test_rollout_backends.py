@@ -1,7 +1,8 @@
 """Rollout backends on the tiny checkpoint: real vLLM (CPU) and transformers.
 
-One backend of each kind serves the whole module (vLLM's engine takes ~20 s to start),
-driven from one event loop, as the rollout actor drives it. Every test that depends on
+One backend of each kind serves the whole module (vLLM's engine takes ~20 s to start:
+the session's, ``shared_vllm`` in tests/e2e/conftest.py, which test_lora's sync also
+uses), driven from one event loop, as the rollout actor drives it. Every test that depends on
 the weights first pushes its own payload, so none depends on the order the others ran
 in. Log-probs are checked against an independent transformers forward pass over the
 sampled tokens with the weights the test pushed: that proves at once that the payload
@@ -23,9 +24,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from pipeline.config import RolloutConfig, TinyModelConfig
+from pipeline.config import RolloutConfig
 from pipeline.weights import WeightSyncError, compute_fingerprint, fingerprints_match, serialize_weights
-from stages.models.tiny import ensure_tiny_checkpoint
 from stages.rollout import build_backend
 from stages.rollout.base import GenerationResult, SamplingSettings
 
@@ -36,15 +36,13 @@ SET_NUM_THREADS = torch.set_num_threads  # as torch made it, before any engine s
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+def loop(rollout_loop):
+    return rollout_loop
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return ensure_tiny_checkpoint(TinyModelConfig(), tmp_path_factory.mktemp("rollout-models"))
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 # The in-process engine core joins this process's torch.distributed world and tears it
@@ -54,8 +52,12 @@ IN_PROCESS = os.environ.get("CONVEYOR_TEST_IN_PROCESS_ENGINE") == "1"
 
 
 @pytest.fixture(scope="module", params=["vllm-in-process"] if IN_PROCESS else ["vllm", "hf"])
-def backend(request, loop, checkpoint):
+def backend(request, loop, checkpoint, shared_vllm):
     name, _, in_process = request.param.partition("-")
+    if name == "vllm" and not in_process:  # the session's engine core in a process of its own
+        yield shared_vllm.get()
+        shared_vllm.close()  # its last user: no idle engine beside the tests after this module
+        return
     cfg = RolloutConfig(backend=name, kv_cache_gib=0.25, seed=0,
                         engine_core="in_process" if in_process else "subprocess")
     backend = build_backend(name, checkpoint, cfg, "float32")
