@@ -417,6 +417,7 @@ class TrainerEngine:
         lora: LoraConfig | None = None,
         serve_dtype: str | None = None,
         pass_tokens: int | None = None,
+        whole_syncs: bool = False,
     ) -> None:
         threads = train.threads if threads is None else threads
         if threads > 0:
@@ -424,6 +425,10 @@ class TrainerEngine:
         sync_dtype = resolve_dtype(dtype)
         # The dtype the rollout serves: a partial (LoRA) payload's rest is measured in it.
         self.serve_dtype = sync_dtype if serve_dtype is None else resolve_dtype(serve_dtype, "rollout.dtype")
+        # With LoRA, every sync carries the whole merged model rather than the adapted layers
+        # alone: a rollout engine that sleeps (rollout.sleep_mode) discards its weights, so
+        # the layers a partial payload leaves out would be undefined after it wakes.
+        self.whole_syncs = whole_syncs
         chunk_size = train.chunk_size if chunk_size is None else chunk_size
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
@@ -783,8 +788,9 @@ class TrainerEngine:
         return drop_tied_aliases(self.module, drop_tied_duplicates(self.module.state_dict()))
 
     def _rest_fingerprint(self) -> tuple[float, float] | None:
-        """With LoRA, the fingerprint (in the served dtype) of what a sync leaves out."""
-        if self._lora_weights is None:
+        """With LoRA's partial syncs, the fingerprint (in the served dtype) of what a sync
+        leaves out; None for a whole payload."""
+        if self._lora_weights is None or self.whole_syncs:
             return None
         with self.gathered_parameters():
             return self._lora_weights.rest_fingerprint(self.serve_dtype)
@@ -800,7 +806,7 @@ class TrainerEngine:
         LoRA, the merged layers that hold adapters only). The names are the checkpoint's
         (``stages.models.checkpoint_names``): a mixture of experts' 3D expert tensors go
         one expert at a time, as vLLM loads them."""
-        return checkpoint_state_dict(self.module, self._module_state_for_sync())
+        return checkpoint_state_dict(self.module, self._module_state_for_sync(whole=self.whole_syncs))
 
     @property
     def weights_on_gpu(self) -> bool:
@@ -820,7 +826,7 @@ class TrainerEngine:
             self._ipc = CudaIpcExporter(self.sync_dtype)
         rest = self._rest_fingerprint()
         with self.gathered_parameters():
-            state = self._live_state(whole=False)
+            state = self._live_state(whole=self.whole_syncs)
             data, fingerprint = self._ipc.export(checkpoint_state_dict(self.module, state), self.version, rest)
         return data, compute_sha256(data), fingerprint
 
@@ -903,5 +909,6 @@ def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
     return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.scoring_temperature,
                          dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads, lora=cfg.model.lora,
                          serve_dtype=cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype,
+                         whole_syncs=cfg.rollout.sleep_mode,
                          # The lr schedule counts optimizer updates: several per step with PPO epochs.
                          total_steps=cfg.run.steps * cfg.train.ppo_epochs * cfg.train.ppo_mini_batches)

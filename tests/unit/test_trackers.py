@@ -6,6 +6,7 @@ are not installed here), recording the calls of each package's public API."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 import types
 from pathlib import Path
@@ -60,7 +61,10 @@ def test_mlflow_gets_params_metrics_by_step_and_artifacts(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "mlflow", fake_module("mlflow", calls))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     run_writer(tmp_path, ["mlflow"])
+    # MLflow 3 refuses a file store unless this is true (seen with mlflow-skinny 3.18).
+    assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true"
     assert calls == [
         ("set_tracking_uri", ((tmp_path / "mlruns").as_uri(),), {}),  # the local file store, no server
         ("set_experiment", ("conveyor",), {}),
@@ -163,6 +167,7 @@ def test_an_evaluation_reaches_each_tracker_on_an_axis_it_accepts(tmp_path, monk
     wandb.init = lambda **kw: run
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     monkeypatch.setitem(sys.modules, "mlflow", fake_module("mlflow", calls))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")  # a user's own choice stands
     with MetricsWriter(tmp_path, tensorboard=False, trackers=["wandb", "mlflow"]) as writer:
         writer.log(3, {"reward/mean": 0.5})
         calls.clear()
@@ -176,3 +181,4 @@ def test_an_evaluation_reaches_each_tracker_on_an_axis_it_accepts(tmp_path, monk
         ("log_metrics", ({"eval/reward_mean": 0.75},), {"step": 4}),
         ("end_run", (), {}),
     ]
+    assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "false"
