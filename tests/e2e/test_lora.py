@@ -118,6 +118,26 @@ def test_a_sync_sends_the_merged_layers_holding_adapters_and_names_the_rest(engi
     assert fingerprints_match(published, compute_fingerprint(merged.values()))
 
 
+
+def test_a_sleeping_rollout_gets_the_whole_merged_model_and_no_rest(engine, checkpoint) -> None:
+    """``rollout.sleep_mode`` (colocated) discards the engine's weights while it sleeps,
+    so the layers a partial payload leaves out would be undefined after it wakes: each
+    sync then carries the whole merged model under the served names, with no rest."""
+    engine.whole_syncs = True
+    try:
+        data, _, published = engine.export_weights()
+    finally:
+        engine.whole_syncs = False
+    payload = deserialize_weights(data)
+    merged = peft_merged(engine).state_dict()
+    assert set(payload) == set(load_file(checkpoint / "model.safetensors"))  # every served name, ties once
+    for name, tensor in payload.items():
+        assert torch.equal(tensor, merged[name]), name
+    assert REST_FINGERPRINT_KEY not in read_payload_metadata(data)
+    assert fingerprints_match(published, compute_fingerprint(merged.values()))
+    # Off again: the adapted layers alone, with their rest.
+    assert REST_FINGERPRINT_KEY in read_payload_metadata(engine.export_weights()[0])
+
 @pytest.fixture(scope="module")
 def loop(rollout_loop):
     return rollout_loop

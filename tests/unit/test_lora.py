@@ -140,3 +140,18 @@ def test_a_cuda_ipc_descriptor_carries_the_rest_too() -> None:
     fields = dict(key="k", pid=1, slot=0, version=3, fingerprint=(1.0, 2.0), buckets=[], tensors=[])
     assert read_rest_fingerprint(encode_ipc_payload(IpcPayload(**fields, rest=(4.0, 8.0)))) == (4.0, 8.0)
     assert read_rest_fingerprint(encode_ipc_payload(IpcPayload(**fields))) is None
+
+
+COLOCATE = ["placement=colocate", "dataflow.async_execution=false", "dataflow.max_staleness=0"]
+
+
+@pytest.mark.parametrize(("overrides", "whole"), [(COLOCATE, True), (["rollout.sleep_mode=true"], True),
+                                                  ([], False)])
+def test_a_trainer_sends_whole_syncs_where_the_rollout_sleeps(monkeypatch, overrides, whole) -> None:
+    import stages.trainer.engine as trainer_engine
+
+    built: dict = {}
+    monkeypatch.setattr(trainer_engine, "TrainerEngine", lambda *args, **kwargs: built.update(kwargs))
+    monkeypatch.setattr(trainer_engine, "resolve_model_path", lambda model: model.path)
+    trainer_engine.build_trainer_engine(load_config(QUICKSTART, ["model.lora.rank=8", *overrides]))
+    assert built["whole_syncs"] is whole
