@@ -24,11 +24,17 @@ LOG_DIR = Path(os.environ.get("CONVEYOR_GPU_LOG_DIR", ROOT / "runs" / "gpu-tests
 
 
 def _conveyor(*args: str, log: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``conveyor ARGS`` in a subprocess; its output goes to ``log`` (stdout, then stderr)
+    as it runs, so a launch stopped by a time limit leaves what it printed."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log.write_text(done.stdout + "\n----- stderr -----\n" + done.stderr)
-    return done
+    err_log = log.with_name(log.name + ".stderr")
+    with log.open("w") as out, err_log.open("w") as err:
+        code = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, stdout=out, stderr=err,
+                              text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    stdout, stderr = log.read_text(), err_log.read_text()
+    log.write_text(stdout + "\n----- stderr -----\n" + stderr)
+    err_log.unlink()
+    return subprocess.CompletedProcess(args, code, stdout, stderr)
 
 
 @pytest.fixture(scope="module")

@@ -352,6 +352,7 @@ class FakeSleepingBackend:
     falls asleep before it ends: what a sleeping vLLM's freed memory would mean."""
 
     GENERATE_S = 0.3
+    REFUSE: frozenset[int] = frozenset()  # versions whose update fails its verification
 
     def __init__(self, model_path: Any, rollout_cfg: Any, dtype: str) -> None:
         self.version = 0
@@ -374,8 +375,12 @@ class FakeSleepingBackend:
                        finish_reason="length", text="ab") for _ in range(sampling.n)]) for ids in prompt_token_ids]
 
     async def update_weights(self, data: bytes, version: int, verify: bool = True) -> tuple[float, float]:
+        from pipeline.weights import WeightSyncError
+
         if "weights" in self.asleep:
             raise RuntimeError("update_weights into freed weight memory")
+        if version in self.REFUSE:
+            raise WeightSyncError(f"fake: version {version} did not arrive intact")
         self.events.append(("update", version))
         self.version = version
         return (1.0, 1.0)

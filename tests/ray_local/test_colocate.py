@@ -12,9 +12,9 @@ import pytest
 from pipeline.config import decode_config
 from pipeline.controller import ControllerActor, ControllerClient, resolve_payload
 from pipeline.types import Prompt, PromptBatch, WeightUpdate
-from pipeline.weights import compute_sha256
+from pipeline.weights import WeightSyncError, compute_sha256
 from stages.rollout.stage import RolloutStage
-from tests.ray_local.fakes import FakeStageContext
+from tests.ray_local.fakes import FakeSleepingBackend, FakeStageContext
 
 CONFIG = {
     "placement": "colocate",
@@ -66,6 +66,36 @@ def test_the_rollout_sleeps_when_idle_and_wakes_with_the_next_version(ray_cluste
     assert after_warmup == [("generate", 0), ("generate", 0), ("sleep",), ("wake", "weights"), ("update", 1),
                             ("wake", "kv_cache"), ("generate", 1), ("shutdown",)]
     assert status["sleeps"] == 1 and not status["asleep"] and status["state"] == "generating"
+
+
+def test_an_update_that_fails_verification_fails_the_waiting_generation_at_once(ray_cluster, monkeypatch):
+    """Colocated, the woken engine refuses version 1 (its read-back differs): the micro-batch
+    waiting for that version fails with the refusal, not after train.weight_sync_timeout_s."""
+    monkeypatch.setattr(FakeSleepingBackend, "REFUSE", frozenset({1}))
+    cfg = decode_config(CONFIG)
+    controller = ControllerClient(ControllerActor.remote(target_prompts=8, prompts_per_step=2, barrier=True))
+
+    async def scenario() -> BaseException | None:
+        stage = RolloutStage()
+        ctx = FakeStageContext("rollout", cfg)
+        ctx.controller = controller
+        await stage.setup(ctx)
+        await stage.process(batch(0, 0))
+        await controller.hand_gpus_to_trainer(0, 1, 30.0)
+        early = asyncio.create_task(stage.process(batch(1, 1)))
+        data = b"weights-v1"
+        await controller.publish(WeightUpdate(version=1, sha256=compute_sha256(data), fingerprint=(1.0, 1.0),
+                                              num_bytes=len(data)), data)
+        try:
+            await asyncio.wait_for(early, 10.0)
+        except WeightSyncError as err:
+            return err
+        finally:
+            await stage.shutdown()
+        return None
+
+    err = asyncio.run(scenario())
+    assert isinstance(err, WeightSyncError) and "did not arrive intact" in str(err), err
 
 
 def test_a_payload_travels_by_value_or_by_reference(ray_cluster):
