@@ -40,9 +40,10 @@ class LoraConfig(msgspec.Struct, **_section()):
     holds their state alone and checkpoints save them alone; the rollout keeps serving full
     weights, the adapters merged into the modules they adapt (only those modules' layers
     are sent; the whole merged model where the rollout sleeps, ``rollout.sleep_mode``, as
-    colocated it does, since a sleeping engine discards its weights). ``target_modules``: ``all-linear`` (every linear layer but the output head),
-    a list of module names (``[q_proj, v_proj]``, matched as name suffixes) or a regular
-    expression peft matches against full module names. At the end of a run
+    colocated it does, since a sleeping engine discards its weights). ``target_modules``:
+    ``all-linear`` (every linear layer but the output head), a list of module names
+    (``[q_proj, v_proj]``, matched as name suffixes) or a regular expression peft matches
+    against full module names. At the end of a run
     ``<run dir>/checkpoint`` holds the adapter (``adapter_model.safetensors``,
     ``adapter_config.json``); ``export_merged`` also writes the merged model, loadable by
     transformers, to ``<run dir>/checkpoint/merged``."""
