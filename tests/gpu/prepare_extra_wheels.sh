@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The wheels tests/gpu/test_day_one_gpu.py needs on the lent GPU machine beyond those of
 # ../shared/gpu/prepare-wheels.sh: peft (model.lora), mlflow-skinny and wandb (run.trackers),
-# TensorBoard's reader, and what they import that neither the image nor the shared parts have.
+# TensorBoard's reader, and what they import that neither the image nor the shared parts have
+# (the image lacks importlib_metadata, zipp and cloudpickle, which MLflow imports).
 #
 # Usage, from the project root:  bash tests/gpu/prepare_extra_wheels.sh [OUT_DIR]
 # OUT_DIR (default .gpu-wheels/extra) must be git-ignored. On the device, with the shared parts
@@ -19,7 +20,7 @@ skip='^(numpy|pillow|setuptools|pyyaml|requests|charset_normalizer|urllib3|idna|
 skip+='torch|transformers|tokenizers|safetensors|huggingface_hub|hf_xet|filelock|fsspec|tqdm|regex|jinja2|markupsafe|'
 skip+='sympy|mpmath|networkx|psutil|accelerate|pydantic|pydantic_core|annotated_types|typing_inspection|fastapi|'
 skip+='starlette|anyio|sniffio|h11|httpcore|httpx|uvicorn|cachetools|xxhash|opentelemetry_api|python_multipart|'
-skip+='cloudpickle|importlib_metadata|zipp|distro|protobuf|grpcio|httpx2|httpcore2|kernels|cuda_pathfinder|rich|'
+skip+='distro|protobuf|grpcio|httpx2|httpcore2|kernels|cuda_pathfinder|rich|'
 skip+='pygments|markdown_it_py|mdurl|cuda_.*|nvidia_.*|triton)-'
 for w in "$out"/dl/*.whl; do
   if basename "$w" | grep -Eiq "$skip"; then rm "$w"; else mv "$w" "$out/part1/"; fi
