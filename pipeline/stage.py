@@ -7,7 +7,9 @@ references on the output queues, recording spans, taps and status.
 
 Guarantees:
 - every input item is processed exactly once; an exception in a core ends ``run`` with a
-  ``StageError`` naming the stage (the runner stops the whole graph);
+  ``StageError`` naming the stage (the runner stops the whole graph), and so does a failure
+  the core's own background task reports with ``ctx.fail``, at once, even while no item
+  is in the core;
 - ``concurrency == 1``: outputs leave in input order; more: completion order;
 - the event loop never runs heavy compute, so control calls are answered while a core works;
 - telemetry leaves in one pull per driver tick; a core reaches the controller only
@@ -76,6 +78,21 @@ class StageContext:
         self.spans = spans
         self.log = get_logger(stage=name, replica=replica)
         self.recorder: Any = None  # set by the shell when a tap needs it
+        self.failure: BaseException | None = None
+        self._failed = asyncio.Event()
+
+    def fail(self, exc: BaseException) -> None:
+        """A core's own background task (a weight watcher) failed: the stage's ``run``
+        ends with ``exc`` now, not at the next ``process`` call, which may never come
+        (its input can wait on what the failure holds back). The first failure stands."""
+        if self.failure is None:
+            self.failure = exc
+            self._failed.set()
+
+    async def wait_failed(self) -> BaseException:
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
 
 
 def lease_id(worker_id: str, pid: int) -> str:
@@ -192,21 +209,7 @@ class StageActor:
         self._state = "running"
         self._release_at_once = step_items > 0
         try:
-            if inp is None:
-                emitted = 0
-                async for item in self._source_items():
-                    await self._emit(item, outs)
-                    emitted += 1
-                    if step_items and emitted % step_items == 0:
-                        with self.spans.span("wait_output"):  # blocked until the step has drained
-                            await asyncio.gather(*(out.wait_drained() for out in outs))
-            else:
-                await self._consume(inp, outs)
-                inp.flush_releases()  # what the last puts' replies brought
-            if hasattr(self.core, "finish"):
-                for item in _as_list(await self.core.finish()):
-                    await self._emit(item, outs)
-            await self.ctx.controller.settle()  # what the core posted has taken effect
+            await self._unless_core_fails(self._stream(inp, outs, step_items))
         except BaseException as exc:
             self._state = "failed"
             raise StageError(self.name, core_error_message(exc), traceback.format_exc()) from exc
@@ -216,6 +219,39 @@ class StageActor:
             self.close_taps()
         self._state = "done"
         return self.report()
+
+    async def _stream(self, inp: QueueHandle | None, outs: list[QueueHandle], step_items: int) -> None:
+        if inp is None:
+            emitted = 0
+            async for item in self._source_items():
+                await self._emit(item, outs)
+                emitted += 1
+                if step_items and emitted % step_items == 0:
+                    with self.spans.span("wait_output"):  # blocked until the step has drained
+                        await asyncio.gather(*(out.wait_drained() for out in outs))
+        else:
+            await self._consume(inp, outs)
+            inp.flush_releases()  # what the last puts' replies brought
+        if hasattr(self.core, "finish"):
+            for item in _as_list(await self.core.finish()):
+                await self._emit(item, outs)
+        await self.ctx.controller.settle()  # what the core posted has taken effect
+
+    async def _unless_core_fails(self, work: Any) -> None:
+        """``work``, cancelled where the core reports a failure first (``ctx.fail``)."""
+        task = asyncio.ensure_future(work)
+        failed = asyncio.ensure_future(self.ctx.wait_failed())
+        try:
+            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also where ``run`` itself is cancelled
+            failed.cancel()
+            stopped = not task.done()
+            if stopped:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if stopped:
+            raise self.ctx.failure  # type: ignore[misc]
+        task.result()
 
     def _source_items(self) -> AsyncIterator[Any]:
         if self._gen is None:

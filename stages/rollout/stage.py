@@ -348,8 +348,10 @@ class RolloutStage:
     async def _watch(self, loop: Any) -> None:
         try:
             await loop()
-        except BaseException as exc:  # surfaced by the next process() call
+        except BaseException as exc:  # surfaced by the process() calls waiting, and the next
             self._watch_error = exc
+            if not isinstance(exc, asyncio.CancelledError):
+                self.ctx.fail(exc)  # and the stage's run ends now, whether or not a call waits
             async with self._version_changed:
                 self._version_changed.notify_all()
             raise

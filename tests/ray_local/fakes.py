@@ -19,6 +19,7 @@ from pipeline.config import MemoryConfig
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, merge_rollout_batches, split_rollout_batch
+from pipeline.stage import StageContext
 from pipeline.types import Prompt, PromptBatch, RolloutBatch
 from stages.trainer.ranks import TrainerRank
 
@@ -44,6 +45,26 @@ class FakeSource:
             if self.delay_s:
                 await asyncio.to_thread(time.sleep, self.delay_s)
             yield FakeItem(batch_id=i, producer=self.label, seq=i)
+
+
+class FakeWatchedStage:
+    """Passes items on; ``fail_after_s`` after set-up its own background task (as the
+    rollout's weight watcher) fails and reports ``RuntimeError(message)`` through
+    ``ctx.fail``, whether or not an item is in ``process``."""
+
+    def __init__(self, fail_after_s: float = 0.2, message: str = "fake watcher failure") -> None:
+        self.fail_after_s, self.message = fail_after_s, message
+
+    async def setup(self, ctx) -> None:
+        self.ctx = ctx
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        await asyncio.sleep(self.fail_after_s)
+        self.ctx.fail(RuntimeError(self.message))
+
+    async def process(self, item: Any) -> Any:
+        return item
 
 
 class FakeStage:
@@ -212,18 +233,14 @@ class FakeControllerClient:
         return call
 
 
-class FakeStageContext:
-    """What ``StageActor`` gives a core, without Ray (real spans and logger)."""
+class FakeStageContext(StageContext):
+    """What ``StageActor`` gives a core, without Ray: the real context (spans, logger,
+    ``fail``) around ``FakeControllerClient``, which a test may replace."""
 
     def __init__(self, name: str, config: Any) -> None:
-        from pipeline.log import get_logger
         from pipeline.profiler import SpanRecorder
 
-        self.name, self.replica, self.worker_id, self.config = name, 0, f"{name}:0", config
-        self.controller = FakeControllerClient()
-        self.spans = SpanRecorder(stage=name)
-        self.log = get_logger(stage=name)
-        self.recorder: Any = None
+        super().__init__(name, 0, config, FakeControllerClient(), SpanRecorder(stage=name))
 
 
 class FakeDyingStage:

@@ -98,6 +98,34 @@ def test_an_update_that_fails_verification_fails_the_waiting_generation_at_once(
     assert isinstance(err, WeightSyncError) and "did not arrive intact" in str(err), err
 
 
+def test_a_refused_update_fails_the_stage_with_no_generation_waiting(ray_cluster, monkeypatch):
+    """The engine refuses version 1 while no micro-batch waits for it (step 1's prompts
+    have not reached the rollout): the stage reports the refusal through ``ctx.fail`` at
+    once, so its shell ends the run rather than waiting for the next ``process`` call."""
+    monkeypatch.setattr(FakeSleepingBackend, "REFUSE", frozenset({1}))
+    cfg = decode_config(CONFIG)
+    controller = ControllerClient(ControllerActor.remote(target_prompts=8, prompts_per_step=2, barrier=True))
+
+    async def scenario() -> BaseException:
+        stage = RolloutStage()
+        ctx = FakeStageContext("rollout", cfg)
+        ctx.controller = controller
+        await stage.setup(ctx)
+        await stage.process(batch(0, 0))
+        await controller.hand_gpus_to_trainer(0, 1, 30.0)
+        assert ctx.failure is None
+        data = b"weights-v1"
+        await controller.publish(WeightUpdate(version=1, sha256=compute_sha256(data), fingerprint=(1.0, 1.0),
+                                              num_bytes=len(data)), data)
+        try:
+            return await asyncio.wait_for(ctx.wait_failed(), 10.0)
+        finally:
+            await stage.shutdown()
+
+    err = asyncio.run(scenario())
+    assert isinstance(err, WeightSyncError) and "did not arrive intact" in str(err), err
+
+
 def test_a_payload_travels_by_value_or_by_reference(ray_cluster):
     """The trainer publishes a payload that fits inline (a CUDA IPC descriptor) as bytes,
     a larger one as a reference; a worker reads either with ``resolve_payload``."""

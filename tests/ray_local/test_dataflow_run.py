@@ -7,7 +7,15 @@ import pytest
 from pipeline import runner
 from pipeline.dataflow import DataFlow
 from pipeline.stage import StageError
-from tests.ray_local.fakes import FakeGroupSource, FakeOomStage, FakeScoredSink, FakeSink, FakeSource, FakeStage
+from tests.ray_local.fakes import (
+    FakeGroupSource,
+    FakeOomStage,
+    FakeScoredSink,
+    FakeSink,
+    FakeSource,
+    FakeStage,
+    FakeWatchedStage,
+)
 
 
 def test_every_item_arrives_once_in_per_producer_order(ray_cluster):
@@ -49,6 +57,20 @@ def test_stage_that_raises_stops_the_run_with_its_error(ray_cluster):
     assert info.value.stage == "bad"
     assert "fake failure at item 3" in str(info.value)
     assert "ValueError" in info.value.remote_traceback
+
+
+def test_a_core_that_reports_a_failure_stops_the_run_while_its_input_waits(ray_cluster):
+    """A core's background task fails (``ctx.fail``, as the rollout's weight watcher does
+    when an update is refused) while no item has reached the core: the run stops with that
+    error, naming the stage, instead of waiting for an item that may never come."""
+    df = DataFlow()
+    df.add_node("source", FakeSource, None, count=1, delay_s=300)  # its one item comes late
+    df.add_node("watched", FakeWatchedStage, "source")
+    df.add_node("sink", FakeSink, "watched")
+    with pytest.raises(StageError) as info:
+        df.run(async_execution=True)
+    assert info.value.stage == "watched"
+    assert "RuntimeError: fake watcher failure" in str(info.value)
 
 
 def test_stages_still_setting_up_are_logged_by_name_and_the_run_goes_on(ray_cluster, monkeypatch, capsys):
