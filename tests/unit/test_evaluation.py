@@ -34,6 +34,16 @@ def test_eval_is_off_by_default():
     assert build_eval_schedule(cfg, 0) is None
 
 
+def test_quickstart_eval_is_the_quickstart_with_an_eval_section():
+    """The held-out evaluation's config differs from the quickstart's in its name and its
+    ``eval`` section only (a setting the quickstart gains reaches it too)."""
+    plain, scored = (to_dict(load_config(ROOT / "configs" / f"{n}.yaml")) for n in ("quickstart", "quickstart_eval"))
+    assert scored["eval"]["path"] and not plain["eval"]["path"]
+    for cfg in (plain, scored):
+        cfg["run"].pop("name"), cfg.pop("eval")
+    assert scored == plain
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["eval.path=h.jsonl", "eval.every=3", "train.sync_interval=2"],
      "eval.every: expected a multiple of train.sync_interval (2): only published versions can be evaluated, got 3"),
