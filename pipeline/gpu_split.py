@@ -5,7 +5,8 @@ colocated, vLLM sleeps while the trainer steps (lock-step, on-policy). ``choose_
 reads the memory plan (``pipeline/placement.py``'s estimates, the device's free memory):
 - streaming, when vLLM's weights, the KV cache the job's concurrency needs (every
   sequence a worker can have generating at once, ``estimate_job_kv_bytes``) and the
-  reserve fit in what the trainer and the reference leave beside their largest passes;
+  reserve fit in what the trainer and the reference leave beside their largest passes
+  and the weight sync's ``cuda_ipc`` copies (``estimate_sync_ring_bytes``);
   vLLM's cache is then sized to that need, not to everything they leave;
 - else colocate, where vLLM needs room beside their resident state and the reference's
   pass only (the trainer's passes run while it sleeps), if that fits and the config can
@@ -33,6 +34,7 @@ from pipeline.placement import (
     estimate_job_kv_bytes,
     estimate_lora_params,
     estimate_pass_bytes,
+    estimate_sync_ring_bytes,
     is_manual,
 )
 
@@ -109,9 +111,11 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
     trainable = estimate_lora_params(shape, lora.rank) if lora.enabled else None
     others = max(0, gpu_bytes - free_bytes) if free_bytes else 0
 
-    def room(pass_bytes: int) -> float:  # what vLLM may have beside trainer, reference, critic and others
+    def room(pass_bytes: int, colocated: bool = False) -> float:  # what vLLM may have beside the others
+        # One GPU: the trainer's weights reach vLLM through cuda_ipc copies on it.
+        ring = estimate_sync_ring_bytes(cfg, shape.num_params, colocated)
         share = estimate_colocated_fraction(shape.num_params, cfg.model.dtype, gpu_bytes, with_reference=with_reference,
-                                            pass_bytes=pass_bytes + critic_pass, trainable_params=trainable,
+                                            pass_bytes=pass_bytes + critic_pass + ring, trainable_params=trainable,
                                             with_critic=with_critic)
         return share * gpu_bytes - others
 
@@ -139,7 +143,7 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
         if stream_need <= room(lean_pass + reference_pass):
             short += (f"; set train.gradient_checkpointing=true to stream: the trainer's pass "
                       f"{trainer_pass / _GIB:.1f} -> {lean_pass / _GIB:.1f} GiB")
-    colo_room, (colo_need, colo_what) = room(reference_pass), need(True)
+    colo_room, (colo_need, colo_what) = room(reference_pass, colocated=True), need(True)
     try:
         to_colocate(cfg)
     except ConfigError as exc:

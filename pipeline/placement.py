@@ -113,6 +113,30 @@ def estimate_trainer_bytes_per_param(dtype: str) -> int:
     return low + low + 4 + 4 + 8
 
 
+def count_sync_slots(cfg: ConveyorConfig) -> int:
+    """Slots of the trainer's ``cuda_ipc`` ring (``pipeline.transport.CudaIpcExporter``),
+    each a whole set of the served weights on the trainer's GPU for the run. Two let a
+    rollout engine still load version k while the trainer writes k+1 into the other.
+    Colocated, one: the trainer writes k+1 only after every rollout worker went to sleep
+    for its step; a worker sleeps only between updates, and once asleep skips every
+    version not newer than the one it slept for, so no reader is left on the slot (an
+    engine rebuilt after a death that finds it rewritten is refused by the fingerprint
+    and takes the newest version)."""
+    return 1 if cfg.placement.mode == "colocate" else 2
+
+
+def estimate_sync_ring_bytes(cfg: ConveyorConfig, num_params: int, colocated: bool | None = None) -> int:
+    """What ``count_sync_slots`` whole copies of the served weights hold on the
+    trainer's GPU where the weights travel by ``cuda_ipc`` (with LoRA, the adapted
+    layers' merged weights: at most the whole model). ``colocated``: as if
+    ``placement`` were (not) colocate."""
+    if colocated is not None:
+        mode = "colocate" if colocated else "auto"
+        cfg = msgspec.structs.replace(cfg, placement=msgspec.structs.replace(cfg.placement, mode=mode))
+    serve = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    return count_sync_slots(cfg) * num_params * DTYPE_BYTES[serve]
+
+
 def estimate_lora_params(shape: ModelShape, rank: int) -> int:
     """An upper bound on the adapter parameters of ``model.lora`` at ``rank``: every
     linear layer of a Llama-style block adapted (``all-linear``), ``rank x (in + out)``
@@ -305,7 +329,8 @@ def plan_placement(
             placed[name] = StagePlacement(num_gpus=count, num_cpus=cpus[name])
     if shape is not None:
         num_params = num_params or shape.num_params
-    fraction = _rollout_fraction(cfg, placed, num_params, gpu_bytes, notes, shape)
+    # One GPU: the trainer's weights reach vLLM by cuda_ipc (``select_transport``).
+    fraction = _rollout_fraction(cfg, placed, num_params, gpu_bytes, notes, shape, ipc_ring=available_gpus == 1)
     return PlacementPlan(available_gpus=available_gpus, stages=placed, rollout_memory_fraction=fraction, notes=notes)
 
 
@@ -369,7 +394,7 @@ def _plan_colocate(cfg: ConveyorConfig, on_gpu: list[str], available: int, notes
 
 
 def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], num_params: int, gpu_bytes: int,
-                      notes: list[str], shape: ModelShape | None = None) -> float | None:
+                      notes: list[str], shape: ModelShape | None = None, ipc_ring: bool = False) -> float | None:
     rollout = placed.get("rollout")
     if rollout is not None and not rollout.gpus and rollout.num_gpus > 1:
         # Tensor parallel, GPUs of its own.
@@ -398,10 +423,12 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
     beside = 0 if cfg.placement.mode == "colocate" else trainer_pass
     lora = cfg.model.lora
     trainable = estimate_lora_params(shape, lora.rank) if lora.enabled and shape else None
+    # The weight sync's ring of copies on the trainer's GPU, held awake or asleep.
+    ring = estimate_sync_ring_bytes(cfg, num_params) if ipc_ring and "trainer" in mates else 0
     planned = estimate_colocated_fraction(num_params, dtype, gpu_bytes, with_reference=with_reference,
-                                          pass_bytes=beside + reference_pass + critic_pass, trainable_params=trainable,
-                                          with_critic=with_critic)
-    resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - beside - reference_pass - critic_pass
+                                          pass_bytes=beside + reference_pass + critic_pass + ring,
+                                          trainable_params=trainable, with_critic=with_critic)
+    resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - beside - reference_pass - critic_pass - ring
     per_pass = (f"train.pass_tokens {cfg.train.pass_tokens}" if cfg.train.pass_tokens
                 else f"train.chunk_size {cfg.train.chunk_size}")
     passes = (f" + trainer pass ~{trainer_pass / _GIB:.1f} GiB ({per_pass}, "
@@ -410,6 +437,9 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
               f"{'; while vLLM sleeps' if beside != trainer_pass else ''})" if shape else "")
     passes += f" + reference pass ~{reference_pass / _GIB:.1f} GiB" if reference_pass else ""
     passes += f" + critic pass ~{critic_pass / _GIB:.1f} GiB (critic.chunk_size {cfg.critic.chunk_size})" if critic_pass else ""
+    slots = count_sync_slots(cfg)
+    passes += f" + weight sync buffers ~{ring / _GIB:.1f} GiB (cuda_ipc, {slots} cop{'y' if slots == 1 else 'ies'})" \
+        if ring else ""
     notes.append(
         f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident{passes} of "
         f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}"

@@ -42,6 +42,7 @@ import torch
 from pipeline.config import AlgorithmFields, LoraConfig, TrainConfig
 from pipeline.dtypes import resolve_dtype
 from pipeline.memory.packing import count_pass_tokens, plan_passes
+from pipeline.placement import count_sync_slots
 from pipeline.transport import CudaIpcExporter
 from pipeline.types import RolloutBatch
 from pipeline.weights import build_payload, compute_sha256, drop_tied_duplicates, serialize_weights
@@ -418,6 +419,7 @@ class TrainerEngine:
         serve_dtype: str | None = None,
         pass_tokens: int | None = None,
         whole_syncs: bool = False,
+        sync_slots: int = 2,
     ) -> None:
         threads = train.threads if threads is None else threads
         if threads > 0:
@@ -429,6 +431,7 @@ class TrainerEngine:
         # alone: a rollout engine that sleeps (rollout.sleep_mode) discards its weights, so
         # the layers a partial payload leaves out would be undefined after it wakes.
         self.whole_syncs = whole_syncs
+        self.sync_slots = sync_slots  # cuda_ipc ring slots (pipeline.placement.count_sync_slots)
         chunk_size = train.chunk_size if chunk_size is None else chunk_size
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
@@ -823,7 +826,7 @@ class TrainerEngine:
         in the rollout dtype into buckets on this GPU (``pipeline.transport``); the
         descriptor's sha guards the descriptor, the fingerprint guards the weights."""
         if self._ipc is None:
-            self._ipc = CudaIpcExporter(self.sync_dtype)
+            self._ipc = CudaIpcExporter(self.sync_dtype, slots=self.sync_slots)
         rest = self._rest_fingerprint()
         with self.gathered_parameters():
             state = self._live_state(whole=self.whole_syncs)
@@ -909,6 +912,6 @@ def build_trainer_engine(cfg: Any, threads: int | None = None) -> Any:
     return TrainerEngine(resolve_model_path(cfg.model), cfg.train, cfg.algorithm, temperature=cfg.scoring_temperature,
                          dtype=cfg.model.dtype, seed=cfg.run.seed, threads=threads, lora=cfg.model.lora,
                          serve_dtype=cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype,
-                         whole_syncs=cfg.rollout.sleep_mode,
+                         whole_syncs=cfg.rollout.sleep_mode, sync_slots=count_sync_slots(cfg),
                          # The lr schedule counts optimizer updates: several per step with PPO epochs.
                          total_steps=cfg.run.steps * cfg.train.ppo_epochs * cfg.train.ppo_mini_batches)

@@ -49,51 +49,54 @@ class FakeGpu:
 def test_streaming_when_the_jobs_cache_fits_beside_the_trainer_and_its_cache_is_sized_to_the_job(monkeypatch):
     FakeGpu(monkeypatch, 40)
     cfg, plan = launch.plan_run_placement(job())
-    # 0.9 x 40 - 20.913 = 15.1 GiB left; needed 4.250 + 4.0 = 8.25.
+    # The trainer and reference hold 20.913 GiB at their largest passes, and the weight
+    # sync's two cuda_ipc copies of the weights 2 x 0.5005 = 1.001 GiB: 21.914 GiB. Taking
+    # turns 6.412 GiB, and one copy: 6.912 GiB.
+    # 0.9 x 40 - 21.914 = 14.1 GiB left; needed 4.250 + 4.0 = 8.25.
     assert plan.split == "streaming" and cfg.dataflow.async_execution
     assert plan.notes[0] == (
         "placement auto: streaming on one GPU: vLLM's weights 0.50 GiB + KV cache 3.75 GiB (256 sequences x 192 "
-        "tokens) + 10% reserve = 8.3 GiB fit in the 15.1 GiB the trainer and reference leave beside their largest "
+        "tokens) + 10% reserve = 8.3 GiB fit in the 14.1 GiB the trainer and reference leave beside their largest "
         "passes")
     # The cache is the job's, not the 15.1 GiB left: vLLM asks at start-up for (0.500 +
-    # 3.75) / 40 + 0.1 = 0.2063 -> 0.207 of the GPU, not the share 1 - 20.913 / 40 - 0.1 = 0.377.
+    # 3.75) / 40 + 0.1 = 0.2063 -> 0.207 of the GPU, not the share 1 - 21.914 / 40 - 0.1 = 0.352.
     assert cfg.rollout.kv_cache_gib == 3.75 and cfg.rollout.max_model_len == 192
     assert cfg.rollout.gpu_memory_utilization == plan.rollout_memory_fraction == 0.207
-    assert any(n.startswith("streaming on one GPU: vLLM asks for 0.207 of the GPU at start-up") and "0.377" in n
+    assert any(n.startswith("streaming on one GPU: vLLM asks for 0.207 of the GPU at start-up") and "0.352" in n
                for n in plan.notes), plan.notes
 
 
 def test_colocate_when_only_taking_turns_leaves_the_cache_room(monkeypatch):
     FakeGpu(monkeypatch, 24)
     cfg, plan = launch.plan_run_placement(job(dataflow={"max_staleness": "auto"}))
-    # Streaming: 0.9 x 24 - 20.913 = 0.7 GiB for 4.250 + 2.4 = 6.65; taking turns:
-    # 0.9 x 24 - 6.412 = 15.2 GiB for the same 6.65. With gradient checkpointing the
+    # Streaming: 0.9 x 24 - 21.914 < 0 GiB for 4.250 + 2.4 = 6.65; taking turns:
+    # 0.9 x 24 - 6.912 = 14.7 GiB for the same 6.65. With gradient checkpointing the
     # trainer's pass would be 16,384 x (1.5 x 59,392 + 16 x 1024 x 2) B = 1.86 GiB, and
-    # streaming would have 21.6 - 8.27 = 13.3 GiB: the note says which key gets it.
+    # streaming would have 21.6 - 9.27 = 12.3 GiB: the note says which key gets it.
     assert plan.split == "colocate"
     assert plan.notes[0] == (
         "placement auto: colocate on one GPU: streaming does not fit (the job needs 6.7 GiB (weights 0.50 GiB + KV "
-        "cache 3.75 GiB (256 sequences x 192 tokens) + 10% reserve), the trainer and reference leave 0.7 GiB beside "
+        "cache 3.75 GiB (256 sequences x 192 tokens) + 10% reserve), the trainer and reference leave 0.0 GiB beside "
         "their largest passes; set train.gradient_checkpointing=true to stream: the trainer's pass 14.5 -> 1.9 GiB); "
-        "taking turns vLLM has 15.2 GiB for 6.7 GiB (weights 0.50 GiB + KV cache 3.75 GiB "
+        "taking turns vLLM has 14.7 GiB for 6.7 GiB (weights 0.50 GiB + KV cache 3.75 GiB "
         "(256 sequences x 192 tokens) + 10% reserve); lock-step and on-policy (dataflow.async_execution true -> "
         "false, dataflow.max_staleness auto -> 0)")
     assert cfg.placement.mode == "colocate" and cfg.rollout.sleep_mode and not cfg.dataflow.async_execution
     assert cfg.dataflow.max_staleness == 0 and not cfg.auto_staleness
-    # Colocated, vLLM's share leaves room for the reference's pass only: 1 - 6.412 / 24 -
-    # 0.1 = 0.633; it asks at start-up for (0.500 + 3.75) / 24 + 0.1 = 0.2771 -> 0.278.
+    # Colocated, vLLM's share leaves room for the reference's pass (and the one copy) only:
+    # 1 - 6.912 / 24 - 0.1 = 0.612; it asks at start-up for (0.500 + 3.75) / 24 + 0.1 = 0.2771 -> 0.278.
     assert cfg.rollout.kv_cache_gib == 3.75 and cfg.rollout.gpu_memory_utilization == 0.278
-    assert any("vLLM asks for 0.278 of the GPU at start-up" in n and "0.633" in n for n in plan.notes), plan.notes
+    assert any("vLLM asks for 0.278 of the GPU at start-up" in n and "0.612" in n for n in plan.notes), plan.notes
 
 
 def test_memory_other_processes_hold_counts(monkeypatch):
-    # 40 GiB with 15 held by others: streaming has 15.087 - 15 = 0.1 GiB for 8.25; taking
-    # turns 36 - 6.412 - 15 = 14.6 GiB.
+    # 40 GiB with 15 held by others: streaming has 14.086 - 15 < 0 GiB for 8.25; taking
+    # turns 36 - 6.912 - 15 = 14.1 GiB.
     FakeGpu(monkeypatch, 40, free_gib=25)
     cfg, plan = launch.plan_run_placement(job())
     assert plan.split == "colocate" and cfg.placement.mode == "colocate"
-    assert "leave 0.1 GiB beside their largest passes; 15.0 GiB held by other processes" in plan.notes[0]
-    assert "taking turns vLLM has 14.6 GiB for 8.3 GiB" in plan.notes[0]
+    assert "leave 0.0 GiB beside their largest passes; 15.0 GiB held by other processes" in plan.notes[0]
+    assert "taking turns vLLM has 14.1 GiB for 8.3 GiB" in plan.notes[0]
     # Already lock-step and on-policy: nothing else changes.
     _, plan = launch.plan_run_placement(job(dataflow={"async_execution": False, "max_staleness": 0}))
     assert plan.split == "colocate" and plan.notes[0].endswith("lock-step and on-policy")
@@ -107,20 +110,20 @@ def test_streaming_with_what_is_left_where_colocate_cannot_run_or_fit():
     assert choice.reason.startswith("placement auto: streaming on one GPU with the memory left, KV cache from "
                                     "vLLM's share (fewer sequences at once): the job needs 6.7 GiB")
     assert "; colocate is not possible: algorithm.name: 'ppo' trains a critic" in choice.reason
-    # 12 GiB: streaming has 10.8 - 20.913 < 0, taking turns 10.8 - 6.412 = 4.4 GiB for 4.250 + 1.2 = 5.45.
+    # 12 GiB: streaming has 10.8 - 21.914 < 0, taking turns 10.8 - 6.912 = 3.9 GiB for 4.250 + 1.2 = 5.45.
     choice = choose_gpu_split(job(), STAGES, 1, SHAPE, 12 * GIB)
-    assert choice.mode == "streaming" and choice.reason.endswith("colocate does not fit either: 5.5 GiB for 4.4 GiB")
+    assert choice.mode == "streaming" and choice.reason.endswith("colocate does not fit either: 5.5 GiB for 3.9 GiB")
     assert "the trainer and reference leave 0.0 GiB" in choice.reason
-    # Checkpointing would leave 10.8 - 8.27 = 2.5 GiB for 5.45: not named.
+    # Checkpointing would leave 10.8 - 9.27 = 1.5 GiB for 5.45: not named.
     assert "gradient_checkpointing" not in choice.reason
 
 
 def test_with_gradient_checkpointing_set_the_same_job_streams(monkeypatch):
-    # The 24 GiB GPU that colocates above: 21.6 - 8.27 = 13.3 GiB for 6.65.
+    # The 24 GiB GPU that colocates above: 21.6 - 9.27 = 12.3 GiB for 6.65.
     FakeGpu(monkeypatch, 24)
     cfg, plan = launch.plan_run_placement(job(train={"gradient_checkpointing": True}))
     assert plan.split == "streaming" and cfg.dataflow.async_execution
-    assert "fit in the 13.3 GiB the trainer and reference leave" in plan.notes[0], plan.notes[0]
+    assert "fit in the 12.3 GiB the trainer and reference leave" in plan.notes[0], plan.notes[0]
 
 
 @pytest.mark.parametrize(("sections", "stages", "gpus"), [

@@ -145,13 +145,15 @@ def test_a_cuda_ipc_descriptor_carries_the_rest_too() -> None:
 COLOCATE = ["placement=colocate", "dataflow.async_execution=false", "dataflow.max_staleness=0"]
 
 
-@pytest.mark.parametrize(("overrides", "whole"), [(COLOCATE, True), (["rollout.sleep_mode=true"], True),
-                                                  ([], False)])
-def test_a_trainer_sends_whole_syncs_where_the_rollout_sleeps(monkeypatch, overrides, whole) -> None:
+@pytest.mark.parametrize(("overrides", "whole", "slots"), [(COLOCATE, True, 1), (["rollout.sleep_mode=true"], True, 2),
+                                                           ([], False, 2)])
+def test_a_trainer_sends_whole_syncs_where_the_rollout_sleeps(monkeypatch, overrides, whole, slots) -> None:
+    """Whole merged syncs where the rollout sleeps; one cuda_ipc copy of the weights where
+    it is colocated, two elsewhere (``pipeline.placement.count_sync_slots``)."""
     import stages.trainer.engine as trainer_engine
 
     built: dict = {}
     monkeypatch.setattr(trainer_engine, "TrainerEngine", lambda *args, **kwargs: built.update(kwargs))
     monkeypatch.setattr(trainer_engine, "resolve_model_path", lambda model: model.path)
     trainer_engine.build_trainer_engine(load_config(QUICKSTART, ["model.lora.rank=8", *overrides]))
-    assert built["whole_syncs"] is whole
+    assert built["whole_syncs"] is whole and built["sync_slots"] == slots

@@ -15,10 +15,12 @@ from pipeline.placement import (
     check_plan,
     check_resources,
     colocated_startup_fraction,
+    count_sync_slots,
     engines_per_gpu,
     estimate_colocated_fraction,
     estimate_critic_pass_bytes,
     estimate_pass_bytes,
+    estimate_sync_ring_bytes,
     estimate_trainer_bytes_per_param,
     is_manual,
     plan_placement,
@@ -50,12 +52,31 @@ def test_one_gpu_is_shared_and_vllm_gets_what_trainer_and_reference_leave():
     for name in ("rollout", "reference", "trainer"):
         assert p.stages[name].gpus == (0,) and p.stages[name].share == (pytest.approx(1 / 3),)
     assert p.stages["reward"].gpus == () and p.stages["source"].gpus == ()
-    # trainer 0.5e9 x 20 B = 10e9, reference 0.5e9 x 2 B = 1e9: 1 - 11e9 / (80 x 2^30) - 0.1 = 0.77194
-    assert p.rollout_memory_fraction == 0.772
+    # trainer 0.5e9 x 20 B = 10e9, reference 0.5e9 x 2 B = 1e9, and the weight sync's two
+    # cuda_ipc copies of the served weights 2 x 0.5e9 x 2 B = 2e9: 1 - 13e9 / (80 x 2^30) - 0.1 = 0.74868
+    assert p.rollout_memory_fraction == 0.749
     assert estimate_colocated_fraction(500_000_000, "bfloat16", 80 * GIB, with_reference=False) == pytest.approx(
         1 - 10e9 / (80 * GIB) - 0.1)
-    # 11e9 B / 2^30 = 10.24 GiB
-    assert any("~10.2 GiB resident of 80 GiB" in n for n in p.notes), p.notes
+    # 11e9 B / 2^30 = 10.24 GiB; 2e9 B = 1.86 GiB
+    assert any("~10.2 GiB resident + weight sync buffers ~1.9 GiB (cuda_ipc, 2 copies) of 80 GiB" in n
+               for n in p.notes), p.notes
+
+
+def test_the_weight_sync_ring_is_planned_one_copy_colocated_and_none_across_gpus():
+    """On one GPU the trainer's weights reach vLLM by cuda_ipc, through a ring of whole
+    copies on the trainer's GPU that the plan reserves: two streaming (an engine may still
+    load version k while the trainer writes k+1), one colocated (every worker has slept,
+    and so stopped reading, before the trainer writes the next); with the rollout on a GPU
+    of its own the weights travel by shm and the plan reserves none. The rollout's dtype
+    sizes a copy."""
+    streaming, colocated = config(), config(**COLOCATE)
+    assert (count_sync_slots(streaming), count_sync_slots(colocated)) == (2, 1)
+    assert estimate_sync_ring_bytes(streaming, 500_000_000) == 2 * 500_000_000 * 2
+    assert estimate_sync_ring_bytes(colocated, 500_000_000) == 500_000_000 * 2
+    assert estimate_sync_ring_bytes(config(rollout={"dtype": "float32"}), 500_000_000) == 2 * 500_000_000 * 4
+    p = plan(colocated, 1)
+    assert any("weight sync buffers ~0.9 GiB (cuda_ipc, 1 copy)" in n for n in p.notes), p.notes
+    assert not any("weight sync" in n for n in plan(config(), 2).notes)
 
 
 def test_trainer_bytes_per_param_count_fp32_accumulation():
@@ -194,8 +215,8 @@ def test_rollout_replicas_sharing_a_gpu_split_vllms_share():
     # 2 GPUs, 4 replicas: min(4, 2 - 1) = 1 rollout GPU holds all four engines: 0.9 / 4.
     p = plan(config(rollout={"num_workers": 4}), 2)
     assert p.stages["rollout"].gpus == (0, 0, 0, 0) and p.rollout_memory_fraction == 0.225
-    # One GPU, two engines beside trainer and reference: 0.77194 / 2 = 0.386.
-    assert plan(config(rollout={"num_workers": 2}), 1).rollout_memory_fraction == 0.386
+    # One GPU, two engines beside trainer, reference and the sync's copies: 0.74868 / 2 = 0.374.
+    assert plan(config(rollout={"num_workers": 2}), 1).rollout_memory_fraction == 0.374
     with pytest.raises(PlacementError, match=r"2 vLLM engines on one GPU .* would ask for 1.20"):
         plan(config(rollout={"num_workers": 2, "gpu_memory_utilization": 0.6}), 2)
 
@@ -423,11 +444,14 @@ def test_a_colocated_engine_asks_vllm_at_start_up_only_for_its_weights_and_cache
            "rollout": {"n": 8, "max_tokens": 128, "max_inflight": 4}, "data": {"max_prompt_len": 64}}
     # What the trainer and the reference hold at rest, and the reference's largest pass
     # (16 samples of 64 + 128 tokens each, the 64-token vocabulary's logits a small part):
-    # the trainer's runs while vLLM sleeps, so vLLM's share need not leave room for it.
+    # the trainer's runs while vLLM sleeps, so vLLM's share need not leave room for it; and
+    # the weight sync's one cuda_ipc copy of the weights (0.50 GiB).
     trainer_pass, reference_pass = estimate_pass_bytes(config(**job), shape, with_reference=True)
+    ring = estimate_sync_ring_bytes(config(**job), shape.num_params)
     share = estimate_colocated_fraction(shape.num_params, "bfloat16", gpu, with_reference=True,
-                                        pass_bytes=reference_pass)
-    assert trainer_pass > 0 and share == pytest.approx(0.861 - reference_pass / gpu, abs=1e-3)
+                                        pass_bytes=reference_pass + ring)
+    assert ring == shape.num_params * 2
+    assert trainer_pass > 0 and share == pytest.approx(0.861 - (reference_pass + ring) / gpu, abs=1e-3)
     cfg, p = launch.plan_run_placement(config(**job))
     # 0.50 GiB of weights + the 3.75 GiB cache, over 140 GiB, + 0.1: 0.1304, rounded up.
     assert cfg.rollout.kv_cache_gib == 3.75 and p.rollout_memory_fraction == cfg.rollout.gpu_memory_utilization == 0.131
@@ -450,7 +474,7 @@ def test_a_colocated_engine_asks_vllm_at_start_up_only_for_its_weights_and_cache
     # too; the job's cache fits in it, so it is sized to the job as well (4 micro-batches
     # in flight: 3.75 GiB) and vLLM asks for 0.131 at start-up.
     streaming = estimate_colocated_fraction(shape.num_params, "bfloat16", gpu, with_reference=True,
-                                            pass_bytes=trainer_pass + reference_pass)
+                                            pass_bytes=trainer_pass + reference_pass + 2 * ring)
     cfg, p = launch.plan_run_placement(config(rollout=job["rollout"], train=job["train"], data=job["data"],
                                               dataflow={"prompts_per_micro_batch": 8}))
     assert p.split == "streaming" and cfg.rollout.kv_cache_gib == 3.75
