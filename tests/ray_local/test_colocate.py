@@ -68,62 +68,46 @@ def test_the_rollout_sleeps_when_idle_and_wakes_with_the_next_version(ray_cluste
     assert status["sleeps"] == 1 and not status["asleep"] and status["state"] == "generating"
 
 
-def test_an_update_that_fails_verification_fails_the_waiting_generation_at_once(ray_cluster, monkeypatch):
-    """Colocated, the woken engine refuses version 1 (its read-back differs): the micro-batch
-    waiting for that version fails with the refusal, not after train.weight_sync_timeout_s."""
+@pytest.mark.parametrize("waiting", [True, False])
+def test_an_update_that_fails_verification_fails_the_waiting_generation_and_the_stage_at_once(
+        ray_cluster, monkeypatch, waiting):
+    """Colocated, the woken engine refuses version 1 (its read-back differs). A micro-batch
+    waiting for that version fails with the refusal, not after train.weight_sync_timeout_s;
+    and whether one waits or not (step 1's prompts may not have reached the rollout), the
+    stage reports the refusal through ``ctx.fail`` at once, so its shell ends the run
+    rather than waiting for the next ``process`` call."""
     monkeypatch.setattr(FakeSleepingBackend, "REFUSE", frozenset({1}))
     cfg = decode_config(CONFIG)
     controller = ControllerClient(ControllerActor.remote(target_prompts=8, prompts_per_step=2, barrier=True))
 
-    async def scenario() -> BaseException | None:
+    async def scenario() -> tuple[BaseException | None, BaseException]:
         stage = RolloutStage()
         ctx = FakeStageContext("rollout", cfg)
         ctx.controller = controller
         await stage.setup(ctx)
         await stage.process(batch(0, 0))
         await controller.hand_gpus_to_trainer(0, 1, 30.0)
-        early = asyncio.create_task(stage.process(batch(1, 1)))
-        data = b"weights-v1"
-        await controller.publish(WeightUpdate(version=1, sha256=compute_sha256(data), fingerprint=(1.0, 1.0),
-                                              num_bytes=len(data)), data)
-        try:
-            await asyncio.wait_for(early, 10.0)
-        except WeightSyncError as err:
-            return err
-        finally:
-            await stage.shutdown()
-        return None
-
-    err = asyncio.run(scenario())
-    assert isinstance(err, WeightSyncError) and "did not arrive intact" in str(err), err
-
-
-def test_a_refused_update_fails_the_stage_with_no_generation_waiting(ray_cluster, monkeypatch):
-    """The engine refuses version 1 while no micro-batch waits for it (step 1's prompts
-    have not reached the rollout): the stage reports the refusal through ``ctx.fail`` at
-    once, so its shell ends the run rather than waiting for the next ``process`` call."""
-    monkeypatch.setattr(FakeSleepingBackend, "REFUSE", frozenset({1}))
-    cfg = decode_config(CONFIG)
-    controller = ControllerClient(ControllerActor.remote(target_prompts=8, prompts_per_step=2, barrier=True))
-
-    async def scenario() -> BaseException:
-        stage = RolloutStage()
-        ctx = FakeStageContext("rollout", cfg)
-        ctx.controller = controller
-        await stage.setup(ctx)
-        await stage.process(batch(0, 0))
-        await controller.hand_gpus_to_trainer(0, 1, 30.0)
+        early = asyncio.create_task(stage.process(batch(1, 1))) if waiting else None
         assert ctx.failure is None
         data = b"weights-v1"
         await controller.publish(WeightUpdate(version=1, sha256=compute_sha256(data), fingerprint=(1.0, 1.0),
                                               num_bytes=len(data)), data)
         try:
-            return await asyncio.wait_for(ctx.wait_failed(), 10.0)
+            reported = await asyncio.wait_for(ctx.wait_failed(), 10.0)
+            if early is None:
+                return None, reported
+            try:
+                await asyncio.wait_for(early, 10.0)
+            except WeightSyncError as err:
+                return err, reported
+            return None, reported
         finally:
             await stage.shutdown()
 
-    err = asyncio.run(scenario())
-    assert isinstance(err, WeightSyncError) and "did not arrive intact" in str(err), err
+    raised, reported = asyncio.run(scenario())
+    assert isinstance(reported, WeightSyncError) and "did not arrive intact" in str(reported), reported
+    if waiting:
+        assert raised is reported
 
 
 def test_a_payload_travels_by_value_or_by_reference(ray_cluster):
