@@ -24,7 +24,9 @@ after ``get`` returned, or putting it), the communication overhead that
 ``perf/queue_transfer_share`` reports. Waiting for an item to exist is ``wait_input``;
 being blocked by a full queue is ``wait_output``; a rollout micro-batch held by the
 staleness limit until the weights it needs are served is ``wait_version`` (inside that
-micro-batch's ``busy`` span: ``pipeline/staleness.py`` tells the two apart).
+micro-batch's ``busy`` span: ``pipeline/staleness.py`` tells the two apart); a
+micro-batch whose admission waited for memory (``rollout.memory`` and the like: DEFER)
+is ``wait_memory``, also inside its ``busy`` span.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ from typing import Any
 from pipeline.types import Span
 
 SPAN_KINDS: tuple[str, ...] = ("busy", "wait_input", "wait_output", "sync", "oom", "transfer", "wait_version",
-                               "eval")
+                               "eval", "wait_memory")
 KIND_COLOURS: dict[str, str] = {  # drawing order of the timeline, rare kinds on top
     "wait_input": "#c7c7c7", "wait_output": "#ff7f0e", "transfer": "#9467bd",
-    "busy": "#2ca02c", "wait_version": "#bcbd22", "sync": "#1f77b4", "eval": "#e377c2", "oom": "#d62728",
+    "busy": "#2ca02c", "wait_version": "#bcbd22", "wait_memory": "#8c564b", "sync": "#1f77b4", "eval": "#e377c2",
+    "oom": "#d62728",
 }
 Interval = tuple[float, float]
 

@@ -190,7 +190,8 @@ class Span(msgspec.Struct, **_wire):
     """A period one stage spent in one state: busy, wait_input, wait_output, transfer
     (moving an item through the object store), sync (weights), oom (recovering),
     wait_version (a rollout's micro-batch held until the weights its staleness bound
-    needs are served; inside that micro-batch's busy span) or eval (a rollout worker
+    needs are served; inside that micro-batch's busy span), wait_memory (a micro-batch's
+    admission waiting for memory; inside its busy span) or eval (a rollout worker
     evaluating the held-out set)."""
 
     stage: str

@@ -73,7 +73,8 @@ class MemoryGuard:
     """One stage's admission, on its event loop (see the module invariants).
 
     ``read`` gives the stage's reading (default: this process, ``read_memory``; the rollout
-    passes its KV pool). ``spans`` (a ``SpanRecorder``) gets an ``oom`` span per recovery.
+    passes its KV pool). ``spans`` (a ``SpanRecorder``) gets an ``oom`` span per recovery
+    and a ``wait_memory`` span per admission that waited (DEFER) before its answer.
     """
 
     def __init__(
@@ -111,15 +112,21 @@ class MemoryGuard:
 
     async def admit(self, raw_estimate: int, *, key: Hashable, max_pieces: int | None) -> Decision:
         """ADMIT (bytes reserved: ``release`` them) or SPLIT; waits out DEFER."""
+        waited_from = None
         try:
             while True:
                 decision = self.controller.decide(raw_estimate, self.read(), key=key, max_pieces=max_pieces)
                 if decision.kind is not DecisionKind.DEFER:
                     return decision
+                if waited_from is None:
+                    waited_from = time.time()
                 await self._wait(decision.retry_after_s)
         except asyncio.CancelledError:
             self.controller.forget(key)
             raise
+        finally:
+            if waited_from is not None and self._spans is not None:  # inside the stage's busy span
+                self._spans.add("wait_memory", waited_from, time.time(), key if isinstance(key, int) else -1)
 
     async def _wait(self, seconds: float) -> None:
         """Until ``seconds`` pass or this stage releases admitted bytes, whichever is first."""

@@ -14,6 +14,7 @@ from pipeline.memory.guard import MemoryGuard, build_pool_reading, merge_guard_m
 from pipeline.memory.oom import OomEvent
 from pipeline.memory.readings import MemoryReading
 from pipeline.memory.splitting import merge_rollout_batches, split_rollout_batch, split_rollout_batch_at
+from pipeline.profiler import SpanRecorder
 from tests.unit.test_admission import FakeClock, assert_batches_equal, make_batch
 
 MiB = 1 << 20
@@ -109,9 +110,11 @@ def test_defer_waits_for_free_memory_then_times_out_with_the_numbers() -> None:
     async def work(piece):
         raise AssertionError("never admitted")
 
+    spans = guard._spans = SpanRecorder("reference")
     with pytest.raises(AdmissionTimeout, match="stage 'reference'.*estimate .* free"):
         run_groups(guard, make_batch(num_groups=2), work)
     assert sum(slept) >= 1.0 and guard.controller.deferred == 1  # one item, many polls
+    assert [s.kind for s in spans.drain()] == ["wait_memory"]  # a wait that failed is one too
 
 
 def test_deferred_item_runs_once_memory_frees() -> None:
@@ -131,8 +134,13 @@ def test_deferred_item_runs_once_memory_frees() -> None:
         done.append(piece.batch_id)
         return piece
 
+    spans = guard._spans = SpanRecorder("reference")
     run_groups(guard, make_batch(num_groups=2), work)
     assert done == [7] and len(slept) == 1 and guard.controller.deferred == 1
+    # The wait is a span of its own (inside the stage's busy span): the stage table and the
+    # timeline tell time waiting for memory from time computing.
+    (waited,) = spans.drain()
+    assert (waited.kind, waited.batch_id, waited.stage) == ("wait_memory", 7, "reference") and waited.end >= waited.start
 
 
 def test_release_on_failure_and_protection_off_bypasses_everything() -> None:
