@@ -113,7 +113,7 @@ def estimate_trainer_bytes_per_param(dtype: str) -> int:
     return low + low + 4 + 4 + 8
 
 
-def count_sync_slots(cfg: ConveyorConfig) -> int:
+def count_sync_slots(cfg: ConveyorConfig, colocated: bool | None = None) -> int:
     """Slots of the trainer's ``cuda_ipc`` ring (``pipeline.transport.CudaIpcExporter``),
     each a whole set of the served weights on the trainer's GPU for the run. Two let a
     rollout engine still load version k while the trainer writes k+1 into the other.
@@ -121,20 +121,16 @@ def count_sync_slots(cfg: ConveyorConfig) -> int:
     for its step; a worker sleeps only between updates, and once asleep skips every
     version not newer than the one it slept for, so no reader is left on the slot (an
     engine rebuilt after a death that finds it rewritten is refused by the fingerprint
-    and takes the newest version)."""
-    return 1 if cfg.placement.mode == "colocate" else 2
+    and takes the newest version). ``colocated``: as if ``placement`` were (not) colocate."""
+    return 1 if (cfg.placement.mode == "colocate" if colocated is None else colocated) else 2
 
 
 def estimate_sync_ring_bytes(cfg: ConveyorConfig, num_params: int, colocated: bool | None = None) -> int:
     """What ``count_sync_slots`` whole copies of the served weights hold on the
     trainer's GPU where the weights travel by ``cuda_ipc`` (with LoRA, the adapted
-    layers' merged weights: at most the whole model). ``colocated``: as if
-    ``placement`` were (not) colocate."""
-    if colocated is not None:
-        mode = "colocate" if colocated else "auto"
-        cfg = msgspec.structs.replace(cfg, placement=msgspec.structs.replace(cfg.placement, mode=mode))
+    layers' merged weights: at most the whole model)."""
     serve = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
-    return count_sync_slots(cfg) * num_params * DTYPE_BYTES[serve]
+    return count_sync_slots(cfg, colocated) * num_params * DTYPE_BYTES[serve]
 
 
 def estimate_lora_params(shape: ModelShape, rank: int) -> int:
@@ -437,9 +433,9 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
               f"{'; while vLLM sleeps' if beside != trainer_pass else ''})" if shape else "")
     passes += f" + reference pass ~{reference_pass / _GIB:.1f} GiB" if reference_pass else ""
     passes += f" + critic pass ~{critic_pass / _GIB:.1f} GiB (critic.chunk_size {cfg.critic.chunk_size})" if critic_pass else ""
-    slots = count_sync_slots(cfg)
-    passes += f" + weight sync buffers ~{ring / _GIB:.1f} GiB (cuda_ipc, {slots} cop{'y' if slots == 1 else 'ies'})" \
-        if ring else ""
+    if ring:
+        slots = count_sync_slots(cfg)
+        passes += f" + weight sync buffers ~{ring / _GIB:.1f} GiB (cuda_ipc, {slots} cop{'y' if slots == 1 else 'ies'})"
     notes.append(
         f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident{passes} of "
         f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}"
