@@ -64,8 +64,15 @@ def shape_runs(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="module", params=SHAPES)
+def name(request) -> str:
+    """The shape under test. A module-scoped parameter: pytest runs every test of one
+    shape (its placements, then vLLM loading their checkpoints) before the next shape,
+    so a time-limited call leaves whole shapes behind, not trains without their loads."""
+    return request.param
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("name", SHAPES)
 def test_a_real_shape_trains_with_every_update_verified(shape_runs, name, placement):
     run_dir, summary = shape_runs(name, placement)
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -82,7 +89,6 @@ def test_a_real_shape_trains_with_every_update_verified(shape_runs, name, placem
     assert summary["trainer"]["checkpoint"] == str(run_dir / "checkpoint")
 
 
-@pytest.mark.parametrize("name", SHAPES)
 def test_vllm_serves_each_exported_checkpoint(shape_runs, name):
     """One process loads every placement's exported checkpoint in vLLM, one after the
     other (``tests/e2e/test_architectures.py``'s loader: its live fingerprint and a short
