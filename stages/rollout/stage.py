@@ -229,7 +229,8 @@ class RolloutStage:
 
     async def _start_backend(self, phases: dict[str, float] | None = None) -> Any:
         """A new backend of ``rollout.backend``, started and warmed up, serving the
-        checkpoint (version 0); ``phases`` gets the seconds of ``engine`` and ``warm_up``."""
+        checkpoint (version 0); ``phases`` gets the seconds of ``engine``, ``warm_up`` and,
+        where vLLM compiled the model here, ``compile`` or ``compile_cached``."""
         began = time.monotonic()
         backend = self._new_backend()
         if self.colocated and not (hasattr(backend, "sleep") and hasattr(backend, "wake_up")):
@@ -241,7 +242,11 @@ class RolloutStage:
         warming = time.monotonic()
         await backend.generate(warm, msgspec.structs.replace(self.sampling, max_tokens=1))
         if phases is not None:
-            phases.update(engine=warming - began, warm_up=time.monotonic() - warming)
+            # torch.compile's seconds are a part of the engine's start-up of their own
+            # (fresh, or from vLLM's cache): the one that a second run of a model skips.
+            compiled = getattr(backend, "compile_phase", {})
+            phases.update(engine=warming - began - sum(compiled.values()), **compiled,
+                          warm_up=time.monotonic() - warming)
         return backend
 
     # ------------------------------------------------------------------ engine restarts

@@ -233,6 +233,48 @@ def expand_version_spans(spans: list[Any] | None, num_tokens: int) -> list[int] 
     return versions if len(versions) == num_tokens else None
 
 
+AOT_DIR = "torch_aot_compile"  # vLLM's ahead-of-time compile entries sit one level down, in here
+
+
+def list_compile_cache(cache_root: str | Path) -> set[str]:
+    """The entries of vLLM's torch.compile cache under ``cache_root`` (its
+    ``VLLM_CACHE_ROOT``), one per compiled model and config (``<hash>`` or
+    ``torch_aot_compile/<hash>``); empty when it has none."""
+    root = Path(cache_root) / "torch_compile_cache"
+    try:
+        names = set(os.listdir(root))
+        aot = set(os.listdir(root / AOT_DIR)) if AOT_DIR in names else set()
+    except OSError:
+        return set()
+    return (names - {AOT_DIR}) | {f"{AOT_DIR}/{n}" for n in aot}
+
+
+def _cache_entry(path: Any) -> str | None:
+    parts = Path(str(path or "")).parts
+    if "torch_compile_cache" not in parts:
+        return None
+    rest = parts[parts.index("torch_compile_cache") + 1:]
+    if rest[:1] == (AOT_DIR,):
+        return "/".join(rest[:2]) if len(rest) > 1 else None
+    return rest[0] if rest else None
+
+
+def describe_compile(vllm_config: Any, cached_before: set[str]) -> dict[str, float]:
+    """Seconds of the engine's start-up that went to torch.compile: ``{"compile": s}``
+    where it compiled the model afresh, ``{"compile_cached": s}`` where its cache entry
+    (``compilation_config.local_cache_dir`` or ``cache_dir``) was in ``cached_before``
+    (``list_compile_cache`` before the engine started), so it loaded an earlier run's
+    artifacts. ``{}`` where it compiled nothing in this process (eager, or the engine
+    core in another process)."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    seconds = getattr(compilation, "compilation_time", None)
+    if not isinstance(seconds, int | float) or seconds <= 0:
+        return {}
+    entries = {_cache_entry(getattr(compilation, attr, None)) for attr in ("local_cache_dir", "cache_dir")}
+    hit = bool(entries & cached_before)
+    return {"compile_cached" if hit else "compile": float(seconds)}
+
+
 def _logprobs_source(cfg: RolloutConfig, tapped: bool, tap_installed: bool) -> str:
     """Where the rollout's sampled-token log-probs come from, for the engine-started line."""
     if not cfg.logprobs:
@@ -283,6 +325,8 @@ class VLLMBackend:
         self.host_memory_trims, self.host_memory_trimmed_bytes = 0, 0
         self.sleep_freed_bytes: tuple[int, int] | None = None  # (min, max) over sleeps; None: none yet
         self._trimmed_at: float | None = None  # monotonic time of the last trim (None: none yet)
+        # The engine's torch.compile seconds, fresh or from vLLM's cache (``describe_compile``).
+        self.compile_phase: dict[str, float] = {}
 
     @property
     def version(self) -> int:
@@ -310,6 +354,7 @@ class VLLMBackend:
         after ``shutdown``, to be finalised noisily at interpreter exit."""
         import dataclasses
 
+        from vllm import envs
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -328,6 +373,7 @@ class VLLMBackend:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                                   plan_cpu_binding(sorted(os.sched_getaffinity(0)), self.cfg.tensor_parallel_size))
         self.engine_core = resolve_engine_core(self.engine_core, self.cfg.tensor_parallel_size)
+        cached = list_compile_cache(envs.VLLM_CACHE_ROOT)
         if self.engine_core == "in_process":
             from stages.rollout.vllm_inproc import InProcessEngine
 
@@ -342,6 +388,7 @@ class VLLMBackend:
                 raise RuntimeError(f"rollout.sampler_tap: verify: no sampler tap here: {why}")
         else:
             self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=batch_usage())
+        self.compile_phase = describe_compile(getattr(self._engine, "vllm_config", None), cached)
         self._keep_pause = "mode" in inspect.signature(self._engine.pause_generation).parameters
         self._labels = hasattr(self._engine, "update_weight_version")
         processor = getattr(self._engine, "output_processor", None)

@@ -28,7 +28,9 @@ from stages.rollout.hf_backend import check_payload_names, cut_at_stop, group_pr
 from stages.rollout.vllm_backend import (
     WORKER_EXTENSION,
     build_engine_kwargs,
+    describe_compile,
     expand_version_spans,
+    list_compile_cache,
     plan_cpu_binding,
     resolve_engine_core,
 )
@@ -303,3 +305,63 @@ def test_keeping_kv_across_updates_turns_the_prefix_cache_off_and_refuses_it_on(
     assert "enable_prefix_caching" not in build_engine_kwargs(Path("/ckpt"), RolloutConfig(), "auto", on_cpu=False)
     with pytest.raises(ConfigError, match="rollout.engine_kwargs.enable_prefix_caching.*recompute_on_update"):
         load_config(None, ["rollout.recompute_on_update=false", 'rollout.engine_kwargs={"enable_prefix_caching": true}'])
+
+
+def test_the_compile_cache_lists_each_entry_and_aot_ones_one_level_down(tmp_path: Path) -> None:
+    assert list_compile_cache(tmp_path) == set()  # no cache yet
+    for entry in ("a1b2c3d4e5", "torch_aot_compile/f00d", "torch_aot_compile/beef"):
+        (tmp_path / "torch_compile_cache" / entry).mkdir(parents=True)
+    assert list_compile_cache(tmp_path) == {"a1b2c3d4e5", "torch_aot_compile/f00d", "torch_aot_compile/beef"}
+
+
+def _compiled(seconds: float, cache_dir: str = "", local_cache_dir: str = "") -> SimpleNamespace:
+    return SimpleNamespace(compilation_config=SimpleNamespace(
+        compilation_time=seconds, cache_dir=cache_dir, local_cache_dir=local_cache_dir))
+
+
+@pytest.mark.parametrize("before, expected", [
+    (set(), {"compile": 61.5}),  # a cold cache: compiled afresh
+    ({"0123456789"}, {"compile": 61.5}),  # another model's entry
+    ({"a1b2c3d4e5"}, {"compile_cached": 61.5}),  # this config's entry was there
+])
+def test_the_engine_says_whether_it_compiled_or_loaded_its_compile(before, expected) -> None:
+    config = _compiled(61.5, cache_dir="/root/.cache/vllm/torch_compile_cache/a1b2c3d4e5")
+    assert describe_compile(config, before) == expected
+
+
+def test_an_ahead_of_time_compile_is_matched_by_its_own_entry() -> None:
+    config = _compiled(4.2, local_cache_dir="/c/torch_compile_cache/torch_aot_compile/f00d")
+    assert describe_compile(config, {"torch_aot_compile/f00d"}) == {"compile_cached": 4.2}
+    assert describe_compile(config, {"torch_aot_compile/beef"}) == {"compile": 4.2}
+
+
+@pytest.mark.parametrize("config", [None, _compiled(0.0), SimpleNamespace(compilation_config=None)])
+def test_an_engine_that_compiled_nothing_here_reports_no_compile(config) -> None:
+    # Eager (CPU), or the engine core in a process of its own: no figure, not a zero.
+    assert describe_compile(config, {"a1b2c3d4e5"}) == {}
+
+
+def test_the_rollout_start_up_counts_compile_apart_from_the_engine() -> None:
+    import asyncio
+    import time
+
+    from stages.rollout.stage import RolloutStage
+
+    class CompilingBackend:
+        def __init__(self) -> None:
+            self.compile_phase = {"compile": 0.02}
+
+        async def start(self) -> None:
+            time.sleep(0.05)  # the engine's start, compile included
+
+        async def generate(self, prompts, sampling):
+            return []
+
+    stage = object.__new__(RolloutStage)
+    stage._new_backend, stage.colocated = CompilingBackend, False
+    stage.tokenizer = lambda text, add_special_tokens: {"input_ids": [1]}
+    stage.sampling = SamplingSettings(max_tokens=4)
+    phases: dict[str, float] = {}
+    asyncio.run(stage._start_backend(phases))
+    assert list(phases) == ["engine", "compile", "warm_up"]
+    assert phases["compile"] == 0.02 and phases["engine"] + phases["compile"] >= 0.05
