@@ -37,19 +37,15 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
+import torch
+import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from pipeline.config import ModelConfig, TinyModelConfig
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerFast
-
-# torch and transformers are imported where a checkpoint is built: resolving a path that
-# exists (a user's model, a cached tiny one) is what pre-flight does, before any stage
-# starts, and importing them there took most of its seconds.
 
 # Bump when the checkpoint layout, the vocabulary or the init changes: old cache entries
 # then stop matching instead of being silently reused.
@@ -165,8 +161,6 @@ def build_char_tokenizer(architecture: str | Family = "llama") -> PreTrainedToke
     """A char-level fast tokenizer with the family's special tokens and chat template
     (``architecture``: a ``FAMILIES`` key, or a ``Family`` of its own); see the module
     guarantees."""
-    from transformers import PreTrainedTokenizerFast
-
     fam = FAMILIES[architecture] if isinstance(architecture, str) else architecture
     vocab = build_vocab(fam.specials, fam.byte_level)
     if fam.byte_level:
@@ -207,10 +201,6 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -
     The global torch RNG is forked, so building the model neither depends on nor
     disturbs the caller's random state.
     """
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
     fam = FAMILIES[cfg.architecture]
     config_class = getattr(transformers, fam.config_class)
     config = config_class(
@@ -253,8 +243,6 @@ def is_complete_checkpoint(path: Path) -> bool:
 
 def write_tiny_checkpoint(cfg: TinyModelConfig, out_dir: Path) -> None:
     """Write config, weights, tokenizer and generation config into ``out_dir``."""
-    from transformers import GenerationConfig
-
     fam = FAMILIES[cfg.architecture]
     tokenizer = build_char_tokenizer(cfg.architecture)
     model = build_tiny_model(cfg, tokenizer)

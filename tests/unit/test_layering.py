@@ -35,19 +35,6 @@ def test_importing_the_plumbing_loads_no_stage_bench_or_torch_module(module: str
     assert forbidden == []
 
 
-def test_resolving_a_checkpoint_that_exists_loads_no_torch(tmp_path: Path) -> None:
-    # Pre-flight resolves model.path before any stage starts; torch and transformers'
-    # modeling code are for building the tiny checkpoint, not for finding one.
-    (tmp_path / "config.json").write_text("{}")
-    code = ("import json, sys; from pipeline.config import ModelConfig; from stages.models.tiny import "
-            f"resolve_model_path; p = resolve_model_path(ModelConfig(path={str(tmp_path)!r})); "
-            "print(json.dumps([str(p), sorted(sys.modules)]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    path, loaded = json.loads(out.stdout)
-    assert path == str(tmp_path) and "stages.models.tiny" in loaded
-    assert [m for m in loaded if m.split(".")[0] in ("torch", "transformers")] == []
-
-
 def _imported_modules(path: Path) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
