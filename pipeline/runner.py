@@ -57,6 +57,7 @@ MAX_TRACE_SPANS = 50_000
 PLACEMENT_TIMEOUT_S = 120.0
 RESTART_TIMEOUT_S = 300.0  # for Ray to bring a dead stage actor's process back
 SETUP_REPORT_S = 15.0  # how often the stages still starting or setting up are logged
+SETUP_PROBE_S = 2.0  # how long a setting_up line waits for the stages to say what they are doing
 QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",  # its per-update warnings (e.g. layerwise reload) are noise here
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' and the hub's tqdm bars
@@ -276,7 +277,8 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
     pids = await _await_stages(graph, [(actors[n][r].process_id.remote(), n) for n, r in keys], "starting")
     graph.processes = dict(zip(keys, pids, strict=True))
     started = time.monotonic()
-    timings = await _await_stages(graph, [(actors[n][r].setup.remote(controller), n) for n, r in keys], "setting_up")
+    timings = await _await_stages(graph, [(actors[n][r].setup.remote(controller), n) for n, r in keys], "setting_up",
+                                  probes=[(f"{n}:{r}", actors[n][r]) for n, r in keys])
     graph.startup = {"actors_s": round(started - began, 2), "setup_s": round(time.monotonic() - started, 2),
                      "stages": {f"{n}:{r}": t for (n, r), t in zip(keys, timings, strict=True)}}
     for key, (host, pid) in graph.processes.items():
@@ -284,15 +286,19 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
     return graph
 
 
-async def _await_stages(graph: Graph, calls: list[tuple[Any, str]], event: str) -> list[Any]:
+async def _await_stages(graph: Graph, calls: list[tuple[Any, str]], event: str,
+                        probes: list[tuple[str, Any]] | None = None) -> list[Any]:
     """The results of ``calls`` (a stage actor's call ref, its stage's name), in order.
     While some are still running, their stages are logged as ``event`` every
     ``SETUP_REPORT_S``: an actor Ray has not started yet (``starting``) or a set-up that
-    waits on something (``setting_up``: a lock, a slow disk) shows which stage it is
-    rather than a silent hang. The first to fail, or a forced stop meanwhile, tears the
-    graph down and raises (the failure as its stage's ``StageError``)."""
+    waits on something (``setting_up``: a lock, a slow disk, vLLM compiling) shows which
+    stage it is rather than a silent hang; ``probes`` (each call's replica name and
+    actor) add what each of those set-ups says it is doing (``StageActor.setup_doing``).
+    The first to fail, or a forced stop meanwhile, tears the graph down and raises (the
+    failure as its stage's ``StageError``)."""
     futures = [asyncio.ensure_future(ref) for ref, _ in calls]
     pending = {fut: name for fut, (_, name) in zip(futures, calls, strict=True)}
+    actors = dict(zip(futures, probes, strict=True)) if probes is not None else {}
     started = time.monotonic()
     name = ""
     try:
@@ -302,7 +308,9 @@ async def _await_stages(graph: Graph, calls: list[tuple[Any, str]], event: str) 
                 name = pending.pop(fut)
                 fut.result()
             if pending and not done:
-                log.info(event, stages=sorted(set(pending.values())), waited_s=round(time.monotonic() - started))
+                doing = await _ask_setup_doing([actors[f] for f in pending if f in actors])
+                log.info(event, stages=sorted(set(pending.values())), waited_s=round(time.monotonic() - started),
+                         **({"doing": doing} if doing else {}))
     except BaseException as exc:  # a failed call, or a forced stop while engines start
         for fut in pending:
             fut.cancel()
@@ -311,6 +319,18 @@ async def _await_stages(graph: Graph, calls: list[tuple[Any, str]], event: str) 
             raise _stage_error(name, exc) from None
         raise
     return [fut.result() for fut in futures]
+
+
+async def _ask_setup_doing(probes: list[tuple[str, Any]]) -> dict[str, str]:
+    """Replica name -> what its set-up says it is doing, from those that answer within
+    ``SETUP_PROBE_S`` (a set-up that holds its actor's loop, importing, cannot)."""
+    asks = {asyncio.ensure_future(actor.setup_doing.remote()): key for key, actor in probes}
+    if not asks:
+        return {}
+    done, late = await asyncio.wait(asks, timeout=SETUP_PROBE_S)
+    for fut in late:
+        fut.cancel()
+    return {asks[f]: f.result() for f in done if f.exception() is None and f.result()}
 
 
 async def _create_placement_group(df: DataFlow) -> Any:

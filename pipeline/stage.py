@@ -402,6 +402,12 @@ class StageActor:
 
         return socket.gethostname(), os.getpid()
 
+    def setup_doing(self) -> str | None:
+        """What the core's set-up is doing now (its ``setup_doing``: "starting vLLM's
+        engine", ...), for the driver's ``setting_up`` lines; None where it does not say."""
+        doing = getattr(self.core, "setup_doing", None) if self._state == "setup" else None
+        return doing if isinstance(doing, str) and doing else None
+
     def telemetry(self) -> dict[str, Any]:
         """What the driver's tick takes from this stage, in one call: the spans since the
         last call and the core's status (None without ``status()``)."""

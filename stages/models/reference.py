@@ -133,6 +133,7 @@ class ReferenceStage:
         cfg = ctx.config
         path = Path(cfg.reference.path).expanduser() if cfg.reference.path else resolve_model_path(cfg.model)
         loading = time.monotonic()
+        self.setup_doing = f"loading the reference model from {path}"  # the driver's setting_up lines
         self.model = await asyncio.to_thread(
             ReferenceModel, path, cfg.model.dtype, temperature=cfg.scoring_temperature,
             logit_chunk_tokens=cfg.train.logit_chunk_tokens, pass_tokens=cfg.train.pass_tokens,

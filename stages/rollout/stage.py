@@ -205,10 +205,13 @@ class RolloutStage:
 
             self.tools = load_tools(cfg.rollout.tools.functions)
         self._new_backend = lambda: build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
+        self.setup_doing = ("starting vLLM's engine (weights, torch.compile, CUDA graphs, KV cache)"
+                            if cfg.rollout.backend == "vllm" else f"starting the {cfg.rollout.backend} backend")
         self.backend = await self._start_backend(self.startup_phases)
         self.restarts = EngineRestarts(cfg.rollout.max_engine_restarts, ctx.worker_id)
         if self._rebuildable:
             # What an engine rebuilt before the first update is checked against.
+            self.setup_doing = "reading the served weights' fingerprint"
             reading = time.monotonic()
             self._checkpoint_fingerprint = tuple(await self.backend.live_fingerprint())
             self.startup_phases["fingerprint"] = time.monotonic() - reading
@@ -240,6 +243,7 @@ class RolloutStage:
         # Warm the engine up (its first call compiles and allocates) before timing starts.
         warm = [self.tokenizer(p, add_special_tokens=True)["input_ids"] for p in ("0", "1")]
         warming = time.monotonic()
+        self.setup_doing = "warming the engine up"
         await backend.generate(warm, msgspec.structs.replace(self.sampling, max_tokens=1))
         if phases is not None:
             # torch.compile's seconds are a part of the engine's start-up of their own

@@ -210,6 +210,7 @@ class TrainerStage:
         self.holds_step = holds_whole_step(cfg)
         self.step_samples = cfg.train.prompts_per_step * cfg.rollout.n
         began = time.monotonic()
+        self.setup_doing = "building the model, optimizer and DeepSpeed engine"  # the driver's setting_up lines
         if cfg.train.num_ranks > 1:
             from stages.trainer.ranks import build_data_parallel_engine
 
@@ -240,6 +241,7 @@ class TrainerStage:
 
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         if cfg.run.resume_from:
+            self.setup_doing = f"restoring {cfg.run.resume_from}"
             restoring = time.monotonic()
             version = await asyncio.to_thread(self.checkpoints.restore, cfg.run.resume_from)
             self.startup_phases["restore"] = time.monotonic() - restoring

@@ -80,6 +80,7 @@ class FakeStage:
 
     async def setup(self, ctx) -> None:
         self.tag = self.tag or ctx.name
+        self.setup_doing = f"fake engine start of {self.setup_s:g} s"  # what setting_up lines report
         await asyncio.sleep(self.setup_s)
         if self.setup_error:
             raise RuntimeError(self.setup_error)
@@ -571,3 +572,13 @@ class FakeAnsweringBackend:
 
     async def shutdown(self) -> None:
         self.events.append(("shutdown",))
+
+
+class FakeBlockingSetupSink(FakeSink):
+    """A sink whose set-up holds its actor's event loop for ``setup_s`` (as importing a
+    large library does), so the actor answers no call meanwhile."""
+
+    async def setup(self, ctx) -> None:
+        self.tag = ctx.name
+        self.setup_doing = "importing"
+        time.sleep(self.setup_s)

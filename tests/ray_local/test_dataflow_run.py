@@ -8,6 +8,7 @@ from pipeline import runner
 from pipeline.dataflow import DataFlow
 from pipeline.stage import StageError
 from tests.ray_local.fakes import (
+    FakeBlockingSetupSink,
     FakeGroupSource,
     FakeOomStage,
     FakeScoredSink,
@@ -82,8 +83,21 @@ def test_stages_still_setting_up_are_logged_by_name_and_the_run_goes_on(ray_clus
     assert len(result.result("slow_start")) == 4
     reports = [line for line in "".join(capsys.readouterr()).splitlines() if "setting_up" in line]
     assert len(reports) >= 2, reports  # one every 0.25 s over the 5 s set-up
-    # The source set up in a moment: the last reports name the slow stage alone.
+    # The source set up in a moment: the last reports name the slow stage alone, with
+    # what its set-up says it is doing.
     assert "'slow_start'" in reports[-1] and "'source'" not in reports[-1], reports[-1]
+    assert "'slow_start:0': 'fake engine start of 5 s'" in reports[-1], reports[-1]
+
+
+def test_a_set_up_that_holds_its_loop_is_still_named_without_saying_what_it_does(ray_cluster, monkeypatch, capsys):
+    monkeypatch.setattr(runner, "SETUP_REPORT_S", 0.25)
+    monkeypatch.setattr(runner, "SETUP_PROBE_S", 0.1)
+    df = DataFlow()
+    df.add_node("source", FakeSource, None, count=2)
+    df.add_node("importing", FakeBlockingSetupSink, "source", setup_s=3.0)
+    assert len(df.run(async_execution=True).result("importing")) == 2
+    reports = [line for line in "".join(capsys.readouterr()).splitlines() if "setting_up" in line]
+    assert reports and all("'importing'" in line and "doing" not in line for line in reports), reports
 
 
 def test_a_failed_set_up_stops_the_run_while_another_stage_still_sets_up(ray_cluster):
