@@ -226,6 +226,26 @@ def publish_result(out_dir: Path, name: str, payload: dict[str, Any], plot: Call
     return {**payload, "result_path": path}
 
 
+def vllm_compile_cache_entries() -> set[str]:
+    """vLLM's torch.compile cache entries on this machine (``VLLM_CACHE_ROOT``, by
+    default ``~/.cache/vllm``), one per compiled model and config: a row that adds one
+    paid for a cold compile in its start-up, a row that adds none did not."""
+    from stages.rollout.vllm_backend import list_compile_cache
+
+    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "vllm")
+    return list_compile_cache(os.path.expanduser(root))
+
+
+def describe_startup_parts(summary: dict[str, Any]) -> dict[str, Any]:
+    """A Conveyor row's start-up from its ``summary.json``: the launch's parts and the
+    slowest set-up's phases (the rollout's: imports, engine, compile or compile_cached)."""
+    startup = summary.get("startup") or {}
+    stages = startup.get("stages") or {}
+    slowest = max(stages, key=lambda k: stages[k].get("setup_s", 0.0), default=None)
+    return {**{k: v for k, v in startup.items() if k != "stages"},
+            **({"slowest_setup": {"stage": slowest, **stages[slowest]}} if slowest else {})}
+
+
 def check_row_streamed(name: str, summary: dict[str, Any]) -> None:
     """A row meant to stream must have: on one GPU ``placement: auto`` runs a job whose
     streaming plan does not fit colocated and lock-step, and such a row would compare

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import new_figure, note_config, publish_result
+from bench.common import new_figure, note_config, publish_result, vllm_compile_cache_entries
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 REWARD_THRESHOLDS = (0.05, 0.1, 0.2, 0.5)  # several: a short or slow run still compares at the low ones
@@ -153,12 +153,15 @@ def _attempt(name: str, fn: Any, *args: Any, describe: Any = _describe_run) -> d
     """Run one system; a failure becomes a row that says why, so the others still report.
     ``describe(row)`` is the console line of a run that succeeded."""
     load_before = os.getloadavg()[0]
+    compiled_before = vllm_compile_cache_entries()
     try:
         row = fn(*args)
         row["status"] = "ok"
         # TRL runs in one process whose torch threads stall on a busy shared machine;
         # the load around each run says how much a figure can be trusted.
         row["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
+        # Start-up figures compare only where both rows compiled cold, or both did not.
+        row["vllm_compile_cache_entries_added"] = len(vllm_compile_cache_entries() - compiled_before)
     except Exception as exc:
         row = {"system": name, "status": "error", "error": f"{type(exc).__name__}: {exc}",
                "traceback": _clip(traceback.format_exc())}

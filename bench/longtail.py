@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import check_row_streamed, new_figure, note_config, publish_result
+from bench.common import check_row_streamed, describe_startup_parts, new_figure, note_config, publish_result
 from bench.e2e import REWARD_THRESHOLDS, _attempt, _version, summarize_curve
 from bench.gpu_e2e import _mean, compute_stage_rates, compute_steady_rate
 from bench.longtail_lengths import MAX_FIELD, MIN_FIELD, LengthSchedule, write_prompt_file
@@ -200,7 +200,8 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
         check_row_streamed(name, summary)
     return {
         "system": f"conveyor-{name}", "overrides": overrides, "steps": summary["steps"], "mode": summary["mode"],
-        "startup_s": times[0] - t0 if times else None, "total_s": total, "warmup_steps": warmup,
+        "startup_s": times[0] - t0 if times else None, "startup": describe_startup_parts(summary),
+        "total_s": total, "warmup_steps": warmup,
         "samples_trained": summary["samples"]["trained"], "samples_dropped": summary["samples"]["dropped"],
         "samples_per_s": compute_steady_rate(times, per_step, warmup),
         "completion_tokens_per_s": tokens / span if span > 0 else None,
@@ -458,6 +459,9 @@ DEFINITIONS = {
     "samples_per_s": "completions trained per second from the end of the warm-up steps to the end of the last step",
     "completion_tokens_per_s": "completion tokens trained per second over the same window",
     "startup_s": "launch to the end of the first step (engines, compilation, the first step)",
+    "startup": "a Conveyor row's start-up in parts (summary.json's startup) and its slowest set-up's phases",
+    "vllm_compile_cache_entries_added": ("vLLM torch.compile cache entries the row created: 0 where its start-up "
+                                         "found every compile cached (or compiled nothing)"),
     "busy_share": "per stage, the union of its busy spans over the run's window",
     "padding_fraction": "the trainer's padded share of its token slots (actor/padding_fraction), where reported",
     "tail_share": (f"of the time the rollout had a sample in flight, the share with fewer than {TAIL_THRESHOLD:g} x "

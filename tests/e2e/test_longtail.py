@@ -65,5 +65,8 @@ def test_the_bench_runs_its_conveyor_rows_and_writes_its_json(ray_cluster, tmp_p
         r = runs[name]
         assert r["steps"] == 2 and r["samples_per_s"] > 0 and r["completion_tokens_per_s"] > 0
         assert set(r["busy_share"]) >= {"rollout", "trainer"} and 0 <= r["tail_share"] <= 1
+        # Where its start-up went, and whether vLLM compiled (never on a CPU: eager).
+        assert r["startup"]["first_step_s"] > 0 and r["startup"]["slowest_setup"]["setup_s"] > 0, r["startup"]
+        assert r["vllm_compile_cache_entries_added"] == 0
     assert doc["ratios"]["streaming_over_lockstep"] > 0
     assert doc["provenance"]["commit"] and doc["definitions"]["tail_share"]

@@ -10,6 +10,7 @@ import pytest
 
 import stages.models.shapes
 from bench.__main__ import main as bench_main
+from bench.common import describe_startup_parts
 from bench.gpu_e2e import (
     CONFIG,
     SHAPE_SYSTEMS,
@@ -117,3 +118,34 @@ def test_the_job_is_the_checkpoint_and_the_tasks_rows_as_chat(tmp_path: Path, mo
     assert ids[0] == tok(text, add_special_tokens=False).input_ids
     with pytest.raises(ValueError, match="64 usable prompts, the engines' step needs 65"):
         build_prompt_ids(cfg, tok, ckpt, 65)
+
+
+def test_a_row_says_whether_its_start_up_compiled_vllm_cold(tmp_path: Path, monkeypatch):
+    from bench.e2e import _attempt
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    cache = tmp_path / "torch_compile_cache"
+
+    def compiles(entry: str | None) -> dict:
+        if entry:  # what vLLM's first start of a model and config leaves behind
+            (cache / entry).mkdir(parents=True, exist_ok=True)
+        return {"system": "fake"}
+
+    def added(entry: str | None) -> int:
+        return _attempt("row", compiles, entry, describe=str)["vllm_compile_cache_entries_added"]
+
+    assert added("a1b2c3d4e5") == 1
+    assert added("a1b2c3d4e5") == 0  # the second start found it cached
+    assert added("torch_aot_compile/f00d") == 1
+    assert added(None) == 0  # eager: nothing compiled
+
+
+def test_a_rows_start_up_names_its_parts_and_slowest_set_up():
+    summary = {"startup": {"first_step_s": 66.3, "preflight_s": 10.1, "ray_s": 6.3, "stages": {
+        "trainer:0": {"setup_s": 22.3, "engine_s": 21.9},
+        "rollout:0": {"setup_s": 32.2, "imports_s": 10.2, "engine_s": 12.0, "compile_cached_s": 9.9}}}}
+    assert describe_startup_parts(summary) == {
+        "first_step_s": 66.3, "preflight_s": 10.1, "ray_s": 6.3,
+        "slowest_setup": {"stage": "rollout:0", "setup_s": 32.2, "imports_s": 10.2, "engine_s": 12.0,
+                          "compile_cached_s": 9.9}}
+    assert describe_startup_parts({"status": "failed"}) == {}  # a run that never started its stages
