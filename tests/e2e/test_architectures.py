@@ -166,8 +166,11 @@ async def serve_checkpoints(ckpts: list[str]) -> dict[str, tuple[list, list[int]
         tok = AutoTokenizer.from_pretrained(ckpt)
         # A quarter GiB of cache holds 8 x 8 short sequences, not one of a real model's
         # published context length (tens of thousands of tokens): the serving length is the job's.
-        backend = build_backend("vllm", Path(ckpt), RolloutConfig(kv_cache_gib=0.25, seed=0, engine_core="in_process",
-                                                                  max_model_len=256), "float32")
+        # Eager: what is checked is the checkpoint's weights. On a GPU a compile of its own
+        # (float32: a cache entry of its own) would check nothing more, and a cold compile
+        # is most of an engine's start (docs/performance/real-shapes.md).
+        cfg = RolloutConfig(kv_cache_gib=0.25, seed=0, engine_core="in_process", max_model_len=256, enforce_eager=True)
+        backend = build_backend("vllm", Path(ckpt), cfg, "float32")
         await backend.start()
         try:
             live = await backend.live_fingerprint()
