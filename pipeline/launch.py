@@ -54,10 +54,12 @@ from pipeline.metrics import (
 from pipeline.placement import (
     RESERVE_FRACTION,
     PlacementPlan,
+    check_offload_host_memory,
     check_plan,
     check_resources,
     colocated_startup_fraction,
     detect_gpus,
+    detect_host_memory,
     detect_nodes,
     engines_per_gpu,
     plan_placement,
@@ -190,6 +192,8 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     if split is not None:
         plan = dataclasses.replace(plan, split=split.mode, notes=[split.reason, *plan.notes])
     check_plan(cfg, plan)
+    if shape is not None and cfg.train.offload_optimizer:
+        plan.notes.append(check_offload_host_memory(cfg, shape, "critic" in stages, detect_host_memory(cfg.run.address)))
     rollout = cfg.rollout
     if plan.rollout_memory_fraction != rollout.gpu_memory_utilization:
         rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=plan.rollout_memory_fraction)

@@ -97,8 +97,9 @@ def _entries(cfg: ConveyorConfig) -> dict[str, Any]:
             "reward_model": p.reward_model, "critic": p.critic, "trainer": p.trainer}
 
 
-def estimate_trainer_bytes_per_param(dtype: str) -> int:
-    """Bytes per parameter a DeepSpeed trainer holds at its peak (the optimizer step).
+def estimate_trainer_bytes_per_param(dtype: str, offload_optimizer: bool = False) -> int:
+    """Bytes per parameter a DeepSpeed trainer holds on its GPU at its peak (the optimizer
+    step).
 
     float32: weights 4 + gradients 4 + Adam's two moments 8 = 16. Mixed precision
     (bfloat16, float16): weights 2 + the backward's 16-bit gradients 2 + fp32 master
@@ -106,11 +107,39 @@ def estimate_trainer_bytes_per_param(dtype: str) -> int:
     fp32 (the default; DeepSpeed's BF16 optimizer) keeps fp32 accumulators across the
     step's micro-batches and frees the 16-bit gradients only once a backward's are added
     in; bf16 accumulates in the 16-bit gradients and makes the fp32 copy at the step.
+    ``train.offload_optimizer``: the weights and the backward's gradients only (the
+    rest is in host memory, ``estimate_offload_host_bytes``).
     """
     low = DTYPE_BYTES[dtype]
+    if offload_optimizer:
+        return low + low
     if dtype == "float32":
         return low + 4 + 8
     return low + low + 4 + 4 + 8
+
+
+def estimate_offload_host_bytes(trainable_params: int) -> int:
+    """Host memory ``train.offload_optimizer`` pins for ``trainable_params`` (the trainer's,
+    and the critic's, which trains under the same settings): fp32 master weights 4 + fp32
+    gradients 4 + Adam's two moments 8 = 16 bytes a parameter."""
+    return 16 * trainable_params
+
+
+def check_offload_host_memory(cfg: ConveyorConfig, shape: ModelShape, with_critic: bool, host_bytes: int) -> str:
+    """``train.offload_optimizer``'s host memory against ``host_bytes`` (this machine's):
+    a note for the plan, or ``PlacementError`` where it exceeds what the machine has less
+    ``RESERVE_FRACTION``; "" without offload."""
+    if not cfg.train.offload_optimizer:
+        return ""
+    lora = cfg.model.lora
+    trainable = estimate_lora_params(shape, lora.rank) if lora.enabled else shape.num_params
+    need = estimate_offload_host_bytes(trainable + (shape.num_params if with_critic else 0))
+    what = (f"train.offload_optimizer: the optimizer's state in host memory, ~{need / _GIB:.1f} GiB pinned "
+            f"(16 bytes a trainable parameter{', the critic included' if with_critic else ''})")
+    if host_bytes and need > (1.0 - RESERVE_FRACTION) * host_bytes:
+        raise PlacementError(f"{what}, does not fit this machine's {host_bytes / _GIB:.0f} GiB of memory; "
+                             f"set train.offload_optimizer=false, use model.lora or a smaller model")
+    return f"{what} of {host_bytes / _GIB:.0f} GiB" if host_bytes else what
 
 
 def count_sync_slots(cfg: ConveyorConfig, colocated: bool | None = None) -> int:
@@ -146,24 +175,26 @@ def estimate_lora_params(shape: ModelShape, rank: int) -> int:
 
 def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, with_reference: bool,
                                 pass_bytes: int = 0, trainable_params: int | None = None,
-                                with_critic: bool = False) -> float:
+                                with_critic: bool = False, offload_optimizer: bool = False) -> float:
     """vLLM's share of one GPU that it shares with the trainer (and the reference, and the
     critic): ``1 - (trainer + reference + critic + pass_bytes) / total - RESERVE_FRACTION``,
     at most ``OWN_GPU_FRACTION``; ``pass_bytes``: the largest forward/backward pass of the
     stages beside vLLM (``estimate_pass_bytes``, ``estimate_critic_pass_bytes``).
     ``trainable_params``: fewer than all train (LoRA's adapters): the frozen rest holds its
     weights alone. The critic trains all its parameters, counted as the policy's
-    (``critic.path`` None: the policy with a scalar head).
+    (``critic.path`` None: the policy with a scalar head). ``offload_optimizer``: both
+    keep only their 16-bit weights and gradients on the GPU.
 
     Example: 0.5B params in bf16 on 80 GiB: trainer 0.5e9 x 20 B = 9.3 GiB, reference
     0.5e9 x 2 B = 0.93 GiB: 1 - 10.2 / 80 - 0.1 = 0.77.
     """
     trainable = num_params if trainable_params is None else min(trainable_params, num_params)
-    resident = trainable * estimate_trainer_bytes_per_param(dtype) + (num_params - trainable) * DTYPE_BYTES[dtype]
+    per_param = estimate_trainer_bytes_per_param(dtype, offload_optimizer)
+    resident = trainable * per_param + (num_params - trainable) * DTYPE_BYTES[dtype]
     if with_reference:
         resident += num_params * DTYPE_BYTES[dtype]
     if with_critic:
-        resident += num_params * estimate_trainer_bytes_per_param(dtype)
+        resident += num_params * per_param
     return min(OWN_GPU_FRACTION, 1.0 - (resident + pass_bytes) / gpu_bytes - RESERVE_FRACTION)
 
 
@@ -421,9 +452,11 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
     trainable = estimate_lora_params(shape, lora.rank) if lora.enabled and shape else None
     # The weight sync's ring of copies on the trainer's GPU, held awake or asleep.
     ring = estimate_sync_ring_bytes(cfg, num_params) if ipc_ring and "trainer" in mates else 0
+    offload = cfg.train.offload_optimizer
     planned = estimate_colocated_fraction(num_params, dtype, gpu_bytes, with_reference=with_reference,
                                           pass_bytes=beside + reference_pass + critic_pass + ring,
-                                          trainable_params=trainable, with_critic=with_critic)
+                                          trainable_params=trainable, with_critic=with_critic,
+                                          offload_optimizer=offload)
     resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - beside - reference_pass - critic_pass - ring
     per_pass = (f"train.pass_tokens {cfg.train.pass_tokens}" if cfg.train.pass_tokens
                 else f"train.chunk_size {cfg.train.chunk_size}")
@@ -439,7 +472,8 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
     notes.append(
         f"{' + '.join(mates)} on rollout GPU {list(rollout.gpus)}: ~{resident / _GIB:.1f} GiB resident{passes} of "
         f"{gpu_bytes / _GIB:.0f} GiB ({num_params / 1e6:.0f}M params, {dtype}"
-        f"{f', LoRA: at most {trainable / 1e6:.1f}M trainable' if trainable else ''}), {RESERVE_FRACTION:.0%} reserve; "
+        f"{f', LoRA: at most {trainable / 1e6:.1f}M trainable' if trainable else ''}"
+        f"{', optimizer offloaded to host memory' if offload else ''}), {RESERVE_FRACTION:.0%} reserve; "
         f"vLLM ~{max(planned, 0) * gpu_bytes / _GIB:.1f} GiB"
     )
     planned = round(planned / engines, 3)
@@ -458,7 +492,7 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
             f"{notes[-1]}); lower train.pass_tokens (or train.chunk_size with it 0) or train.logit_chunk_tokens, "
             f"{'critic.chunk_size, ' if with_critic else ''}"
             f"{'' if cfg.train.gradient_checkpointing else 'set train.gradient_checkpointing=true, '}"
-            f"use more GPUs, a smaller model, or train.zero_stage with offload"
+            f"{'' if offload else 'set train.offload_optimizer=true, '}use more GPUs, model.lora or a smaller model"
         )
     return planned
 
@@ -560,6 +594,17 @@ def check_resources(cfg: ConveyorConfig, stages: list[str], nodes: list[dict[str
         parts = ", ".join(f"{name} {cpus:g}" for name, cpus in asked.items())
         raise PlacementError(f"placement: the stages ask for {sum(asked.values()):g} CPUs in all ({parts}), but the "
                              f"cluster has {total:g}; Ray would wait for the rest forever")
+
+
+def detect_host_memory(address: str | None) -> int:
+    """This host's memory in bytes for a local cluster; 0 (unknown) for an existing one
+    (``address`` / ``RAY_ADDRESS``), whose trainer may run elsewhere."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        return 0
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
 
 
 def detect_gpus(address: str | None) -> tuple[int, int]:

@@ -42,9 +42,9 @@ STATES_DIR = "states"
 # Config fields that change what a trainer step computes: replay warns when --config
 # differs from the recording's snapshot in any of them.
 _TRAINING_FIELDS = ("model.path", "model.dtype", "model.tiny", "algorithm", "train.lr", "train.weight_decay",
-                    "train.grad_clip", "train.zero_stage", "train.prompts_per_step", "train.threads",
-                    "train.chunk_size", "train.pass_tokens", "rollout.n", "rollout.temperature", "rollout.logprobs",
-                    "run.seed", "dataflow.max_staleness")
+                    "train.grad_clip", "train.zero_stage", "train.offload_optimizer", "train.prompts_per_step",
+                    "train.threads", "train.chunk_size", "train.pass_tokens", "rollout.n", "rollout.temperature",
+                    "rollout.logprobs", "run.seed", "dataflow.max_staleness")
 
 Out = Callable[[str], None]
 

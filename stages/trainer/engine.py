@@ -124,7 +124,9 @@ def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dic
     bf16 = has_gpu and dtype == "bfloat16"
     fp32_accum = bf16 and train.grad_accum_dtype == "fp32"
     several_ranks = train.num_ranks > 1
-    stage = max(int(train.zero_stage), 1) if fp32_accum or several_ranks else int(train.zero_stage)
+    offload = train.offload_optimizer
+    stage = max(int(train.zero_stage), 1) if fp32_accum or several_ranks or offload else int(train.zero_stage)
+    adam = {"lr": float(train.lr), "weight_decay": float(train.weight_decay), "torch_adam": True}
     return {
         # One sample per "micro-batch" and no managed accumulation: DeepSpeed's counters
         # are bypassed, the boundary is each optimizer_step call.
@@ -132,12 +134,13 @@ def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dic
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
         "gradient_clipping": float(train.grad_clip),
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": float(train.lr), "weight_decay": float(train.weight_decay), "torch_adam": True},
-        },
-        "zero_optimization": {"stage": stage},
+        # Offloaded, torch's fused AdamW steps the host copies (one vectorised kernel a
+        # tensor) instead of DeepSpeed's CPU Adam, which is compiled on first use.
+        "optimizer": {"type": "AdamW", "params": {**adam, "fused": True} if offload else adam},
+        "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu", "pin_memory": has_gpu}}
+                                                 if offload else {})},
         "zero_allow_untested_optimizer": True,
+        **({"zero_force_ds_cpu_optimizer": False} if offload else {}),
         # A non-finite gradient norm skips the step inside the optimizer (see the module guarantees).
         "bf16": {"enabled": bf16, "check_grad_overflow": True},
         **({"data_types": {"grad_accum_dtype": "fp32"}} if fp32_accum else {}),

@@ -43,12 +43,13 @@ def checkpoint(tmp_path_factory):
     return ensure_tiny_checkpoint(TinyModelConfig(), tmp_path_factory.mktemp("models"))
 
 
-def build_engine(checkpoint, zero_stage: int = 0, gradient_checkpointing: bool = False) -> TrainerEngine:
+def build_engine(checkpoint, zero_stage: int = 0, gradient_checkpointing: bool = False,
+                 offload_optimizer: bool = False) -> TrainerEngine:
     # chunk_size 24 does not divide the 32-sample halves of the 64-sample batch, so a
     # split batch runs different forward passes than the whole one (a real test of
     # accumulation, not a replay of identical arithmetic).
     train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1,
-                        gradient_checkpointing=gradient_checkpointing)
+                        gradient_checkpointing=gradient_checkpointing, offload_optimizer=offload_optimizer)
     return TrainerEngine(checkpoint, train, GrpoConfig(kl_coef=0.04), temperature=1.0,
                          dtype="float32", seed=0, chunk_size=24)
 
@@ -289,10 +290,14 @@ def stage0_reference(checkpoint):
     return batch, out, fresh.state_dict_for_sync()
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
-def test_zero_stages_1_and_2_match_stage_0(checkpoint, stage0_reference, zero_stage, tmp_path):
+@pytest.mark.parametrize(("zero_stage", "offload"), [(1, False), (2, False), (0, True), (2, True)])
+def test_zero_stages_1_and_2_match_stage_0(checkpoint, stage0_reference, zero_stage, offload, tmp_path):
+    """ZeRO 1 and 2, and ZeRO-Offload (the optimizer's state in host memory, stage 0
+    raised to 1), take the same step as ZeRO 0 and restore from their own checkpoints."""
     batch, want, weights = stage0_reference
-    engine = build_engine(checkpoint, zero_stage=zero_stage)
+    engine = build_engine(checkpoint, zero_stage=zero_stage, offload_optimizer=offload)
+    assert (engine.engine.zero_optimization_stage(), engine.engine.zero_cpu_offload()) == (max(zero_stage, offload),
+                                                                                           offload)
     engine.save_state(tmp_path / "start")
     got = train_one_split_step(engine, batch)
     assert engine.version == 1
@@ -382,23 +387,29 @@ def test_lr_schedule_steps_with_the_optimizer_and_survives_a_state_round_trip(ch
     assert engine.optimizer_step()["lr"] == pytest.approx(1e-3, rel=1e-12)
 
 
-@pytest.mark.parametrize(("zero_stage", "grad_accum"), [(0, "bf16"), (0, "fp32"), (2, "fp32")])
-def test_grad_scale_equals_a_scaled_loss_under_bf16_optimizers(checkpoint, monkeypatch, zero_stage, grad_accum):
+@pytest.mark.parametrize(("zero_stage", "grad_accum", "offload"),
+                         [(0, "bf16", False), (0, "fp32", False), (2, "fp32", False), (0, "fp32", True)])
+def test_grad_scale_equals_a_scaled_loss_under_bf16_optimizers(checkpoint, monkeypatch, zero_stage, grad_accum,
+                                                               offload):
     """optimizer_step(grad_scale) reaches the gradients wherever DeepSpeed keeps them: the
     bf16 wrappers a GPU run gets (forced on here: fp16-style unfused for ZeRO 0 with bf16
     accumulation, the BF16 optimizer's fp32 accumulators for the default fp32
-    accumulation, ZeRO 2's fp32 partitions)."""
+    accumulation, ZeRO 2's fp32 partitions, ZeRO-Offload's fp32 partitions in host
+    memory stepped by torch's fused AdamW)."""
     force_bf16(monkeypatch)
     results = []
     for loss_scale, grad_scale in ((0.25, 1.0), (1.0, 0.25)):
-        engine = build_engine_bf16(checkpoint, zero_stage, grad_accum)
+        engine = build_engine_bf16(checkpoint, zero_stage, grad_accum, offload)
         batch = on_policy(engine, make_batch(seed=8))
         engine.train_micro_batch(batch, loss_scale)
         out = engine.optimizer_step(grad_scale)
         results.append((type(engine.engine.optimizer).__name__, out["grad_norm"], engine.state_dict_for_sync()))
     (name, norm_a, w_a), (_, norm_b, w_b) = results
-    want = {(0, "bf16"): "FP16_UnfusedOptimizer", (0, "fp32"): "BF16_Optimizer", (2, "fp32"): "DeepSpeedZeroOptimizer"}
-    assert name == want[(zero_stage, grad_accum)]
+    want = {(0, "bf16", False): "FP16_UnfusedOptimizer", (0, "fp32", False): "BF16_Optimizer",
+            (2, "fp32", False): "DeepSpeedZeroOptimizer", (0, "fp32", True): "DeepSpeedZeroOptimizer"}
+    assert name == want[(zero_stage, grad_accum, offload)]
+    assert engine.engine.zero_cpu_offload() == offload
+    assert bool(engine.engine.basic_optimizer.defaults.get("fused")) == offload  # torch's fused AdamW
     assert norm_a == pytest.approx(norm_b, rel=1e-6)
     assert all(torch.equal(w_a[n], w_b[n]) for n in w_a)
 
@@ -449,8 +460,9 @@ def force_bf16(monkeypatch) -> None:
     monkeypatch.setattr(te, "build_deepspeed_config", lambda train, dtype, has_gpu: real(train, dtype, True))
 
 
-def build_engine_bf16(checkpoint, zero_stage: int, grad_accum: str = "fp32") -> TrainerEngine:
-    train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1, grad_accum_dtype=grad_accum)
+def build_engine_bf16(checkpoint, zero_stage: int, grad_accum: str = "fp32", offload: bool = False) -> TrainerEngine:
+    train = TrainConfig(lr=1e-3, grad_clip=1.0, zero_stage=zero_stage, threads=1, grad_accum_dtype=grad_accum,
+                        offload_optimizer=offload)
     return TrainerEngine(checkpoint, train, GrpoConfig(kl_coef=0.0), temperature=1.0, dtype="bfloat16", seed=0,
                          chunk_size=64)
 

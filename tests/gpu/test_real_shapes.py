@@ -7,9 +7,11 @@ runs them.
 ``CONVEYOR_SHAPES`` (comma-separated, default ``qwen3_0.6b``) names the shapes and
 ``CONVEYOR_PLACEMENTS`` (default ``colocate,streaming``) the placements: ``colocate``
 (lock-step, vLLM asleep while the trainer steps) and ``streaming`` (the config's own,
-asynchronous). Each run: ``STEPS`` steps, every weight update read back and verified
-over CUDA IPC, and a checkpoint exported that vLLM then loads, serving exactly the
-weights the run served last.
+asynchronous); ``CONVEYOR_SHAPE_OVERRIDES`` (space-separated ``key=value``) what the
+memory plan's advice asks of a shape on a smaller GPU (a 4B model on 80 GB:
+``train.offload_optimizer=true train.gradient_checkpointing=true``). Each run: ``STEPS``
+steps, every weight update read back and verified over CUDA IPC, and a checkpoint
+exported that vLLM then loads, serving exactly the weights the run served last.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ PLACEMENTS = [p.strip() for p in os.environ.get("CONVEYOR_PLACEMENTS", "colocate
 # A short job: 8 prompts x 8 samples x up to 64 tokens a step.
 JOB = ["rollout.max_tokens=64", "train.prompts_per_step=8", "dataflow.prompts_per_micro_batch=4",
        "reward.function=tests.e2e.test_architectures:score_digit_share", "run.progress=false",
-       "run.tensorboard=false", f"run.steps={STEPS}"]
+       "run.tensorboard=false", f"run.steps={STEPS}", *os.environ.get("CONVEYOR_SHAPE_OVERRIDES", "").split()]
 
 
 @pytest.fixture(scope="module")

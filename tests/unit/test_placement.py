@@ -12,6 +12,7 @@ from pipeline.memory.admission import ModelShape, layer_saved_bytes
 from pipeline.placement import (
     OWN_GPU_FRACTION,
     PlacementError,
+    check_offload_host_memory,
     check_plan,
     check_resources,
     colocated_startup_fraction,
@@ -556,3 +557,30 @@ def test_launch_refuses_more_cpus_than_this_host_has_before_ray_starts(tmp_path,
     assert code == 2
     assert f"placement.rollout.num_cpus: {asked} CPUs for each rollout actor" in capsys.readouterr().err
     assert ray.is_initialized() == joined and not (tmp_path / "run").exists()  # no Ray started, no run dir
+
+
+QWEN3_4B = ModelShape(num_layers=36, num_kv_heads=8, head_dim=128, hidden_size=2560, vocab_size=151_936,
+                      num_params=4_022_000_000, dtype_bytes=2, intermediate_size=9728)
+
+
+def test_an_offloaded_optimizer_leaves_the_gpu_the_16_bit_weights_and_gradients():
+    """A 4B full fine-tune on one 80 GiB GPU: refused with the optimizer on the GPU (20
+    bytes a parameter, 75 GiB), with advice naming train.offload_optimizer; offloaded (4
+    bytes a parameter) and its blocks recomputed, vLLM gets a share; the host memory it
+    pins is counted and refused where the machine has less."""
+    assert estimate_trainer_bytes_per_param("bfloat16", offload_optimizer=True) == 4
+    assert estimate_trainer_bytes_per_param("float32", offload_optimizer=True) == 8
+    job = {"train": {"gradient_checkpointing": True}, "rollout": {"max_tokens": 64}}
+    with pytest.raises(PlacementError, match=r"set train\.offload_optimizer=true"):
+        plan_placement(config(**job), STAGES, 1, gpu_bytes=80 * GIB, shape=QWEN3_4B)
+    offloaded = config(train={**job["train"], "offload_optimizer": True}, rollout=job["rollout"])
+    p = plan_placement(offloaded, STAGES, 1, gpu_bytes=80 * GIB, shape=QWEN3_4B)
+    assert p.rollout_memory_fraction > 0.25  # ~22.7 GiB for vLLM; 75 GiB of optimizer left none
+    # resident: the trainer 4 B x 4.02e9 = 15.0 GiB + the reference 2 B x 4.02e9 = 7.5 GiB.
+    assert any("~22.5 GiB resident" in n and "optimizer offloaded to host memory" in n for n in p.notes), p.notes
+    # 16 bytes a parameter: 59.9 GiB of host memory, fits 128 GiB, not 64.
+    note = check_offload_host_memory(offloaded, QWEN3_4B, with_critic=False, host_bytes=128 * GIB)
+    assert "~59.9 GiB pinned" in note
+    with pytest.raises(PlacementError, match=r"train\.offload_optimizer=false"):
+        check_offload_host_memory(offloaded, QWEN3_4B, with_critic=False, host_bytes=64 * GIB)
+    assert check_offload_host_memory(config(**job), QWEN3_4B, with_critic=False, host_bytes=64 * GIB) == ""

@@ -217,3 +217,15 @@ def test_compiling_blocks_keeps_the_module_tree_and_its_names():
     assert all(layer._compiled_call_impl is None for layer in eager.model.layers)
     count, why = compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)), "on", on_gpu=False, zero_stage=0)
     assert count == 0 and "_no_split_modules" in why
+
+
+def test_offloaded_optimizer_steps_in_host_memory_with_torch_fused_adamw():
+    """train.offload_optimizer: ZeRO-Offload (stage 0 raised to 1, a stage asked for kept),
+    pinned host buffers on a GPU, torch's fused AdamW allowed to step them."""
+    gpu = build_deepspeed_config(TrainConfig(offload_optimizer=True), "bfloat16", has_gpu=True)
+    assert gpu["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    assert gpu["optimizer"]["params"]["fused"] is True and gpu["zero_force_ds_cpu_optimizer"] is False
+    cpu = build_deepspeed_config(TrainConfig(offload_optimizer=True, zero_stage=2), "float32", has_gpu=False)
+    assert cpu["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    plain = build_deepspeed_config(TrainConfig(), "float32", has_gpu=False)
+    assert "fused" not in plain["optimizer"]["params"] and "zero_force_ds_cpu_optimizer" not in plain
