@@ -79,6 +79,20 @@ def describe_gpus() -> dict[str, Any]:
     return {"gpu": torch.cuda.get_device_name(0), "gpu_count": torch.cuda.device_count()}
 
 
+SPEED_PROBE_ADDITIONS = 5_000_000
+
+
+def measure_cpu_speed(additions: int = SPEED_PROBE_ADDITIONS) -> float:
+    """Seconds one core takes for a fixed pure-Python loop of ``additions`` additions: the
+    machine's speed at that moment (lower is faster). A shared host's speed moves by the
+    hour; a control-plane figure, whose calls are CPU-bound, reads beside it."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(additions):
+        total += i
+    return time.perf_counter() - start
+
+
 def describe_machine() -> dict[str, Any]:
     """Host, CPU count and model, memory, GPUs, package versions, date and the load now
     (the machine may be shared: a high load average explains a noisy figure)."""

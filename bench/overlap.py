@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import CpuMeter, new_figure, publish_result
+from bench.common import SPEED_PROBE_ADDITIONS, CpuMeter, measure_cpu_speed, new_figure, publish_result
 from bench.fake_cores import FakeRolloutCore, FakeScorerCore, FakeSourceCore, FakeTrainerCore, GenerationLengths
 from pipeline.dataflow import DataFlow
 from pipeline.profiler import aggregate_spans, compute_efficiency, compute_ideal_throughput
@@ -205,6 +205,7 @@ def build_scenarios(quick: bool) -> tuple[Scenario, list[Scenario], list[int]]:
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     mix, balanced, staleness_values = build_scenarios(quick)
     main_eta = 1 if 1 in staleness_values else staleness_values[-1]
+    probe_before = measure_cpu_speed()
     cases: list[dict[str, Any]] = []
 
     def go(sc: Scenario, **kw: Any) -> dict[str, Any]:
@@ -238,9 +239,15 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         **{f"efficiency_{r['scenario']}_read_ahead": r["efficiency_read_ahead"] for r in balanced_rows},
         **{f"throughput_max_staleness_{eta}": c["throughput_steady"] for eta, c in sweep.items()},
     }
+    # The machine's speed before and after (``measure_cpu_speed``): the same calls cost
+    # twice the CPU on a slow hour of a shared host, which the 10 ms stages feel first.
+    speed = {"additions": SPEED_PROBE_ADDITIONS, "before_s": probe_before, "after_s": measure_cpu_speed()}
+    print(f"machine speed: {SPEED_PROBE_ADDITIONS:,} additions in {speed['before_s']:.2f} s before, "
+          f"{speed['after_s']:.2f} s after", flush=True)
     payload = {
         "quick": quick,
         "units": "micro-batches per second; breakdowns in milliseconds per micro-batch",
+        "machine_speed": speed,
         "params": {"rl_mix": _scenario_dict(mix), "balanced": [_scenario_dict(s) for s in balanced],
                    "main_max_staleness": main_eta, "balanced_max_staleness": 2},
         "async": main,

@@ -41,6 +41,8 @@ def test_overlap_quick_writes_result(ray_cluster, tmp_path):
     assert main(["overlap", "--quick", "--out", str(tmp_path)]) == 0
     doc = _load(tmp_path, "overlap")
     assert {"async", "sync", "ideal", "efficiency", "staleness_sweep", "balanced", "cases"} <= doc.keys()
+    # The machine's speed, read before and after, for the reader of a 10 ms figure.
+    assert doc["machine_speed"].keys() == {"additions", "before_s", "after_s"}
     assert {"async_throughput_per_s", "sync_throughput_per_s", "ideal_throughput_per_s", "async_over_sync",
             "efficiency"} <= doc["ratios"].keys()
     assert doc["async"]["mode"] == "async" and doc["sync"]["mode"] == "sync"
