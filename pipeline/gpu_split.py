@@ -29,10 +29,10 @@ from pipeline.config import ConfigError, ConveyorConfig, apply_overrides, decode
 from pipeline.memory.admission import ModelShape
 from pipeline.placement import (
     RESERVE_FRACTION,
+    count_trainable_params,
     estimate_colocated_fraction,
     estimate_critic_pass_bytes,
     estimate_job_kv_bytes,
-    estimate_lora_params,
     estimate_pass_bytes,
     estimate_sync_ring_bytes,
     is_manual,
@@ -107,8 +107,7 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
     with_reference, with_critic = "reference" in stages, "critic" in stages
     trainer_pass, reference_pass = estimate_pass_bytes(cfg, shape, with_reference)
     critic_pass = estimate_critic_pass_bytes(cfg, shape) if with_critic else 0
-    lora = cfg.model.lora
-    trainable = estimate_lora_params(shape, lora.rank) if lora.enabled else None
+    trainable = count_trainable_params(cfg, shape)
     others = max(0, gpu_bytes - free_bytes) if free_bytes else 0
 
     def room(pass_bytes: int, colocated: bool = False) -> float:  # what vLLM may have beside the others

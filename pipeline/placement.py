@@ -108,7 +108,7 @@ def estimate_trainer_bytes_per_param(dtype: str, offload_optimizer: bool = False
     step's micro-batches and frees the 16-bit gradients only once a backward's are added
     in; bf16 accumulates in the 16-bit gradients and makes the fp32 copy at the step.
     ``train.offload_optimizer``: the weights and the backward's gradients only (the
-    rest is in host memory, ``estimate_offload_host_bytes``).
+    rest is in host memory, ``check_offload_host_memory``).
     """
     low = DTYPE_BYTES[dtype]
     if offload_optimizer:
@@ -118,22 +118,16 @@ def estimate_trainer_bytes_per_param(dtype: str, offload_optimizer: bool = False
     return low + low + 4 + 4 + 8
 
 
-def estimate_offload_host_bytes(trainable_params: int) -> int:
-    """Host memory ``train.offload_optimizer`` pins for ``trainable_params`` (the trainer's,
-    and the critic's, which trains under the same settings): fp32 master weights 4 + fp32
-    gradients 4 + Adam's two moments 8 = 16 bytes a parameter."""
-    return 16 * trainable_params
-
-
 def check_offload_host_memory(cfg: ConveyorConfig, shape: ModelShape, with_critic: bool, host_bytes: int) -> str:
     """``train.offload_optimizer``'s host memory against ``host_bytes`` (this machine's):
     a note for the plan, or ``PlacementError`` where it exceeds what the machine has less
-    ``RESERVE_FRACTION``; "" without offload."""
+    ``RESERVE_FRACTION``; "" without offload. It pins fp32 master weights 4 + fp32
+    gradients 4 + Adam's two moments 8 = 16 bytes a trainable parameter, the critic's
+    (which trains under the same settings) included."""
     if not cfg.train.offload_optimizer:
         return ""
-    lora = cfg.model.lora
-    trainable = estimate_lora_params(shape, lora.rank) if lora.enabled else shape.num_params
-    need = estimate_offload_host_bytes(trainable + (shape.num_params if with_critic else 0))
+    trainable = count_trainable_params(cfg, shape)
+    need = 16 * ((shape.num_params if trainable is None else trainable) + (shape.num_params if with_critic else 0))
     what = (f"train.offload_optimizer: the optimizer's state in host memory, ~{need / _GIB:.1f} GiB pinned "
             f"(16 bytes a trainable parameter{', the critic included' if with_critic else ''})")
     if host_bytes and need > (1.0 - RESERVE_FRACTION) * host_bytes:
@@ -171,6 +165,13 @@ def estimate_lora_params(shape: ModelShape, rank: int) -> int:
     hidden, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
     inter = shape.intermediate_size or 4 * hidden
     return rank * shape.num_layers * (9 * hidden + 2 * kv + 3 * inter)
+
+
+def count_trainable_params(cfg: ConveyorConfig, shape: ModelShape | None) -> int | None:
+    """With ``model.lora``, an upper bound on the adapter's parameters
+    (``estimate_lora_params``); None where every parameter trains (or no shape is known)."""
+    lora = cfg.model.lora
+    return estimate_lora_params(shape, lora.rank) if lora.enabled and shape is not None else None
 
 
 def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, with_reference: bool,
@@ -448,8 +449,7 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
     critic_pass = estimate_critic_pass_bytes(cfg, shape) if with_critic and shape else 0
     # Colocated, the trainer's passes run while vLLM sleeps: its share leaves room for the reference's only.
     beside = 0 if cfg.placement.mode == "colocate" else trainer_pass
-    lora = cfg.model.lora
-    trainable = estimate_lora_params(shape, lora.rank) if lora.enabled and shape else None
+    trainable = count_trainable_params(cfg, shape)
     # The weight sync's ring of copies on the trainer's GPU, held awake or asleep.
     ring = estimate_sync_ring_bytes(cfg, num_params) if ipc_ring and "trainer" in mates else 0
     offload = cfg.train.offload_optimizer

@@ -120,6 +120,8 @@ def build_deepspeed_config(train: TrainConfig, dtype: str, has_gpu: bool) -> dic
     ZeRO 2 accumulates its partitions in fp32 itself. With ``train.num_ranks`` > 1 stage
     0 becomes 1 too: ZeRO's optimizer reports the norm of the ranks' averaged gradients
     (torch AdamW's would be read before DeepSpeed averages them, inside ``step()``).
+    ``train.offload_optimizer`` needs ZeRO as well (stage 0 becomes 1): DeepSpeed's
+    ZeRO-Offload, its host buffers pinned on a GPU.
     """
     bf16 = has_gpu and dtype == "bfloat16"
     fp32_accum = bf16 and train.grad_accum_dtype == "fp32"
