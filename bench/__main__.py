@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join", type=Path, nargs="+", metavar="RESULT",
                    help="longtail: run nothing; write one result from the rows of these earlier ones (the same job "
                         "on the same GPU model, split over calls by a time limit)")
+    p.add_argument("--set", nargs="+", metavar="KEY=VALUE", dest="job",
+                   help="gpu_e2e: config overrides for every row's job, TRL's included (it follows "
+                        "train.gradient_checkpointing and train.chunk_size), e.g. train.gradient_checkpointing=true")
     p.add_argument("--reward", action="store_true", help="longtail: the quickstart task with long-tail lengths, "
                                                          "reporting each row's wall time to reach a reward")
     return p
@@ -103,6 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("scale", "steps", "reward", "add_to", "join"):
         if getattr(args, flag) not in (None, False) and args.name != "longtail":
             parser.error(f"--{flag.replace('_', '-')}: only longtail takes it, not {args.name}")
+    if args.job is not None:
+        if args.name != "gpu_e2e":
+            parser.error(f"--set: only gpu_e2e takes job overrides, not {args.name}")
+        bad = [kv for kv in args.job if "=" not in kv]
+        if bad:
+            parser.error(f"--set: overrides are key=value, got {bad}")
+        if args.systems is None:
+            from bench.gpu_e2e import check_rows, parse_systems
+
+            try:
+                check_rows(parse_systems(None, args.model), job=tuple(args.job))
+            except ValueError as exc:
+                parser.error(str(exc))
     if args.faults is not None:
         from bench.soak_faults import parse_faults
 
@@ -129,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 check_longtail_rows(parse_longtail(args.systems), args.reward)
             elif args.name == "gpu_e2e":
-                check_rows(parse_systems(args.systems))
+                check_rows(parse_systems(args.systems, args.model), job=tuple(args.job or ()))
             else:
                 parse_configs(args.systems)
         except ValueError as exc:
@@ -169,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 extra["systems"] = args.systems
             if args.model and name in MODEL_BENCHES:
                 extra["model"] = args.model
+            if args.job and name == "gpu_e2e":
+                extra["job"] = tuple(args.job)
             if name == "longtail":
                 extra.update({k: v for k, v in (("scale", args.scale), ("steps", args.steps)) if v is not None})
                 extra.update({"reward": True} if args.reward else {})

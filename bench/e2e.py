@@ -208,6 +208,7 @@ def build_trl_args(cfg: Any, root: Path, steps: int) -> dict[str, Any]:
         scale_rewards="group" if alg.norm_adv_by_std else "none", num_iterations=1, max_steps=steps,
         logging_steps=1, report_to="none", save_strategy="no", seed=cfg.run.seed, shuffle_dataset=False,
         dataloader_num_workers=0, disable_dropout=True, log_completions=False,
+        gradient_checkpointing=tr.gradient_checkpointing,
     )
 
 

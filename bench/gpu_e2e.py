@@ -149,6 +149,17 @@ def _mean(values: list[Any]) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+def trl_micro_batch(cfg: Any) -> int:
+    """TRL's samples per forward/backward: as many as one of Conveyor's trainer passes
+    holds at the job's longest row (``train.pass_tokens`` over prompt + completion
+    tokens; ``train.chunk_size`` where ``pass_tokens`` is 0), lowered to a divisor of
+    the step's samples so that one step is whole passes."""
+    batch = cfg.train.prompts_per_step * cfg.rollout.n
+    tokens, longest = cfg.train.pass_tokens, cfg.data.max_prompt_len + cfg.rollout.max_tokens
+    rows = min(batch, max(1, tokens // longest) if tokens else cfg.train.chunk_size)
+    return max(d for d in range(1, rows + 1) if batch % d == 0)
+
+
 def run_trl(steps: int, root: Path, job: tuple[str, ...] = ()) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer, TrainerCallback
@@ -184,7 +195,10 @@ def run_trl(steps: int, root: Path, job: tuple[str, ...] = ()) -> dict[str, Any]
             if logs and "reward" in logs:
                 curve.append((time.time() - t0, float(logs["reward"])))
 
-    args = GRPOConfig(**build_trl_args(cfg, root, steps), bf16=True, model_init_kwargs={"dtype": torch.bfloat16},
+    micro = trl_micro_batch(cfg)
+    trl_args = {**build_trl_args(cfg, root, steps), "per_device_train_batch_size": micro,
+                "gradient_accumulation_steps": per_step * n // micro}
+    args = GRPOConfig(**trl_args, bf16=True, model_init_kwargs={"dtype": torch.bfloat16},
                       use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
                       vllm_enable_sleep_mode=False)
     trainer = GRPOTrainer(model=str(path), reward_funcs=reward, args=args, train_dataset=data,
@@ -194,6 +208,7 @@ def run_trl(steps: int, root: Path, job: tuple[str, ...] = ()) -> dict[str, Any]
     rate = compute_steady_rate(times, per_step * n, WARMUP_STEPS) or 0.0
     return {
         "system": "trl-grpo-vllm-colocate", "trl_version": _version("trl"), "config_sha256": hash_config(cfg),
+        "micro_batch": micro, "gradient_checkpointing": cfg.train.gradient_checkpointing,
         "steps": trainer.state.global_step,
         "gpus": 1, "startup_s": times[0] - t0 if times else None, "total_s": total,
         "samples_trained": trainer.state.global_step * per_step * n, "samples_dropped": {},
@@ -266,17 +281,21 @@ def parse_systems(text: str | None, model: str | None = None) -> tuple[str, ...]
     return tuple(rows)
 
 
-def check_rows(specs: tuple[str, ...], config: Path = CONFIG) -> None:
-    """Load the job as each row runs it (its mode's overrides, then its own), so a bad
-    key or value, or a combination the config refuses, stops the bench before any row
-    starts (``ConfigError``, a ``ValueError``, naming the row)."""
+def check_rows(specs: tuple[str, ...], config: Path = CONFIG, job: tuple[str, ...] = ()) -> None:
+    """Load the job as each row runs it (``job``'s overrides, its mode's, then its own), so
+    a bad key or value, or a combination the config refuses, stops the bench before any
+    row starts (``ConfigError``, a ``ValueError``, naming the row or ``--set``)."""
     from pipeline.config import ConfigError, load_config
 
+    try:
+        load_config(config, list(job))
+    except ConfigError as exc:
+        raise ConfigError(f"--set: {exc}") from None
     for spec in dict.fromkeys(specs):
         name, overrides = split_row(spec)
         if overrides:
             try:
-                load_config(config, [*mode_overrides(name), *overrides])
+                load_config(config, [*job, *mode_overrides(name), *overrides])
             except ConfigError as exc:
                 raise ConfigError(f"--systems: row {spec!r}: {exc}") from None
 
@@ -291,13 +310,14 @@ def row_labels(specs: tuple[str, ...]) -> list[str]:
     return labels
 
 
-def run_rows(specs: tuple[str, ...], steps: int, model: str | None = None) -> dict[str, dict[str, Any]]:
+def run_rows(specs: tuple[str, ...], steps: int, model: str | None = None,
+             job: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Each row in order, each in a fresh directory (the job at shape ``model`` when one
-    is named); a failing one is a row with its error."""
+    is named, with the ``job`` overrides); a failing one is a row with its error."""
     root = Path(tempfile.mkdtemp(prefix="conveyor-bench-gpu-e2e-"))
     rows: dict[str, dict[str, Any]] = {}
     try:
-        job = prepare_job(model, steps, root / "job", CONFIG) if model else ()
+        job = (*(prepare_job(model, steps, root / "job", CONFIG) if model else ()), *job)
         for i, (spec, label) in enumerate(zip(specs, row_labels(specs), strict=True)):
             name, overrides = split_row(spec)
             where = root / str(i)
@@ -360,19 +380,21 @@ def over_trl_by_round(rows: dict[str, dict[str, Any]]) -> dict[str, list[float |
     return ratios
 
 
-def result_label(specs: tuple[str, ...], model: str | None = None) -> str:
+def result_label(specs: tuple[str, ...], model: str | None = None, job: tuple[str, ...] = ()) -> str:
     """``default`` for the default rows (``SYSTEMS``; ``SHAPE_SYSTEMS`` at a shape), else
-    every row in order, repeats too, joined by ``-``; at a shape, ``<model>-`` first
-    (``publish_result`` makes it safe for a file name and short): another choice is
-    never taken for the full comparison."""
+    every row in order, repeats too, joined by ``-``; at a shape, ``<model>-`` first; the
+    ``job`` overrides last (``publish_result`` makes it safe for a file name and short):
+    another choice is never taken for the full comparison."""
     rows = "default" if specs == (SYSTEMS if model is None else SHAPE_SYSTEMS) else "-".join(specs)
-    return rows if model is None else f"{model}-{rows}"
+    return "-".join([*([model] if model else []), rows, *job])
 
 
-def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | None = None) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | None = None,
+        job: tuple[str, ...] = ()) -> dict[str, Any]:
     """``systems``: the rows to run, in order (``--systems``, see ``parse_systems``;
     default ``SYSTEMS``, ``SHAPE_SYSTEMS`` with a ``model``); a call limit of ten minutes
     holds about four. ``model``: a name of ``stages.models.shapes.REAL_SHAPES`` (``--model``).
+    ``job``: overrides for every row, TRL's included (``--set``).
     Where a spec repeats, its figure is the mean of its rows, and the ratios'
     ``over_trl_by_round`` gives each row's ratio to its round's TRL row."""
     import torch
@@ -381,12 +403,12 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
     shape = describe_shape(model, CONFIG)
     if not torch.cuda.is_available():
         return publish_result(out_dir, "gpu_e2e", {"status": "skipped", "error": "no CUDA GPU", "ratios": {},
-                                                   "params": {"model": shape["name"]}},
-                              plot, result_label(chosen, model))
+                                                   "params": {"model": shape["name"], "job_overrides": list(job)}},
+                              plot, result_label(chosen, model, job))
     from pipeline.config import load_config
 
     steps = WARMUP_STEPS + 2 if quick else load_config(CONFIG).run.steps
-    rows = run_rows(chosen, steps, model)
+    rows = run_rows(chosen, steps, model, job)
     rates = rates_by_spec(rows)
 
     def per_gpu(spec: str) -> float | None:
@@ -428,9 +450,9 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
     payload = {"status": status, "quick": quick, "units": "samples = completions; seconds",
                "params": {"config": str(CONFIG), "model": shape["name"], "shape": shape, "steps": steps,
                           "warmup_steps": WARMUP_STEPS, "systems": list(chosen),
-                          "one_gpu_bound_samples_per_s": ONE_GPU_BOUND},
+                          "job_overrides": list(job), "one_gpu_bound_samples_per_s": ONE_GPU_BOUND},
                "runs": rows, "ratios": ratios}
-    return publish_result(out_dir, "gpu_e2e", payload, plot, result_label(chosen, model))
+    return publish_result(out_dir, "gpu_e2e", payload, plot, result_label(chosen, model, job))
 
 
 def plot(payload: dict[str, Any]) -> Any:

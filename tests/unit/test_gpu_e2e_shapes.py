@@ -34,6 +34,42 @@ def test_model_picks_the_shape_rows_and_the_result_label():
     chosen = parse_systems("engines,colocate[train.chunk_size=16]", "qwen3_4b")
     assert result_label(chosen, "qwen3_4b") == "qwen3_4b-engines-colocate[train.chunk_size=16]"
     assert result_label(SYSTEMS, "qwen3_4b") == "qwen3_4b-async-sync-colocate-trl"
+    job = ("train.gradient_checkpointing=true",)
+    assert result_label(SHAPE_SYSTEMS, "qwen3_4b", job) == "qwen3_4b-default-train.gradient_checkpointing=true"
+
+
+def test_set_overrides_every_rows_job_and_a_bad_one_exits_2(tmp_path: Path, monkeypatch, capsys):
+    """``--set`` reaches every row's config, TRL's included: TRL follows the job's
+    gradient checkpointing and takes as many rows a pass as Conveyor's trainer does."""
+    import torch
+
+    from bench.e2e import build_trl_args
+    from bench.gpu_e2e import trl_micro_batch
+
+    for bad, says in ((["train.gradient_checkpointing"], "--set: overrides are key=value"),
+                      (["train.gradient_chekpointing=true"], "--set: ")):
+        with pytest.raises(SystemExit) as info:
+            bench_main(["gpu_e2e", "--model", "qwen3_4b", "--set", *bad])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and says in err and bad[0].split("=")[0] in err
+    with pytest.raises(SystemExit) as info:
+        bench_main(["e2e", "--set", "train.lr=1e-5"])
+    assert info.value.code == 2 and "only gpu_e2e takes job overrides" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_main(["gpu_e2e", "--model", "qwen3_4b", "--out", str(tmp_path), "--set",
+                       "train.gradient_checkpointing=true"]) == 0
+    (path,) = (tmp_path / "gpu_e2e").glob("*.json")
+    doc = json.loads(path.read_text())
+    assert doc["label"].startswith("qwen3_4b-default-train.gradient")
+    assert doc["params"]["job_overrides"] == ["train.gradient_checkpointing=true"]
+    cfg = load_config(CONFIG, ["train.gradient_checkpointing=true"])
+    assert build_trl_args(cfg, tmp_path, 3)["gradient_checkpointing"] is True
+    assert build_trl_args(load_config(CONFIG), tmp_path, 3)["gradient_checkpointing"] is False
+    # 256 samples of up to 64 + 128 tokens: 16384 tokens a pass hold 85 rows, 64 divide the step.
+    assert trl_micro_batch(cfg) == 64
+    assert trl_micro_batch(load_config(CONFIG, ["train.pass_tokens=0", "train.chunk_size=32"])) == 32
+    assert trl_micro_batch(load_config(CONFIG, ["train.pass_tokens=100000"])) == 256
+    assert trl_micro_batch(load_config(CONFIG, ["train.pass_tokens=0", "train.chunk_size=48"])) == 32
 
 
 def test_a_bad_model_or_one_for_another_bench_exits_2(capsys):
