@@ -29,6 +29,7 @@ from pipeline.config import ConfigError, ConveyorConfig, apply_overrides, decode
 from pipeline.memory.admission import ModelShape
 from pipeline.placement import (
     RESERVE_FRACTION,
+    check_colocated_turn,
     count_trainable_params,
     estimate_colocated_fraction,
     estimate_critic_pass_bytes,
@@ -137,8 +138,7 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
     short = (f"the job needs {stream_need / _GIB:.1f} GiB ({stream_what}), {beside} leave "
              f"{max(stream_room, 0) / _GIB:.1f} GiB beside their largest passes{held}")
     if not cfg.train.gradient_checkpointing:  # would recomputing the trainer's blocks make streaming fit?
-        checkpointed = decode_config(apply_overrides(to_dict(cfg), ["train.gradient_checkpointing=true"]))
-        lean_pass = estimate_pass_bytes(checkpointed, shape, with_reference)[0]
+        lean_pass = estimate_pass_bytes(cfg, shape, with_reference, checkpointed=True)[0]
         if stream_need <= room(lean_pass + reference_pass):
             short += (f"; set train.gradient_checkpointing=true to stream: the trainer's pass "
                       f"{trainer_pass / _GIB:.1f} -> {lean_pass / _GIB:.1f} GiB")
@@ -148,11 +148,14 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
     except ConfigError as exc:
         why = f"colocate is not possible: {exc}"
     else:
-        if colo_need <= colo_room:
+        turn = check_colocated_turn(cfg, shape, gpu_bytes, with_reference=with_reference, with_critic=with_critic,
+                                    ring=estimate_sync_ring_bytes(cfg, shape.num_params, True), others=others)
+        if colo_need <= colo_room and turn is None:
             return SplitChoice("colocate", f"placement auto: colocate on one GPU: streaming does not fit ({short}); "
                                            f"taking turns vLLM has {colo_room / _GIB:.1f} GiB for {colo_need / _GIB:.1f} "
                                            f"GiB ({colo_what}); lock-step and on-policy{_changed_by_colocate(cfg)}",
                                sized=True)
-        why = f"colocate does not fit either: {colo_need / _GIB:.1f} GiB for {colo_room / _GIB:.1f} GiB"
+        why = (f"colocate does not fit either: {colo_need / _GIB:.1f} GiB for {colo_room / _GIB:.1f} GiB"
+               if colo_need > colo_room else f"colocate does not fit either: {turn}")
     return SplitChoice("streaming", f"placement auto: streaming on one GPU with the memory left, KV cache from "
                                     f"vLLM's share (fewer sequences at once): {short}; {why}")

@@ -189,6 +189,16 @@ def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, 
     Example: 0.5B params in bf16 on 80 GiB: trainer 0.5e9 x 20 B = 9.3 GiB, reference
     0.5e9 x 2 B = 0.93 GiB: 1 - 10.2 / 80 - 0.1 = 0.77.
     """
+    resident = estimate_resident_bytes(num_params, dtype, with_reference=with_reference,
+                                       trainable_params=trainable_params, with_critic=with_critic,
+                                       offload_optimizer=offload_optimizer)
+    return min(OWN_GPU_FRACTION, 1.0 - (resident + pass_bytes) / gpu_bytes - RESERVE_FRACTION)
+
+
+def estimate_resident_bytes(num_params: int, dtype: str, *, with_reference: bool, trainable_params: int | None = None,
+                            with_critic: bool = False, offload_optimizer: bool = False) -> int:
+    """What the trainer (and the reference, and the critic) hold on their GPU between
+    passes: weights, gradients and optimizer state (``estimate_colocated_fraction``)."""
     trainable = num_params if trainable_params is None else min(trainable_params, num_params)
     per_param = estimate_trainer_bytes_per_param(dtype, offload_optimizer)
     resident = trainable * per_param + (num_params - trainable) * DTYPE_BYTES[dtype]
@@ -196,10 +206,54 @@ def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, 
         resident += num_params * DTYPE_BYTES[dtype]
     if with_critic:
         resident += num_params * per_param
-    return min(OWN_GPU_FRACTION, 1.0 - (resident + pass_bytes) / gpu_bytes - RESERVE_FRACTION)
+    return resident
 
 
-def estimate_pass_bytes(cfg: ConveyorConfig, shape: ModelShape, with_reference: bool) -> tuple[int, int]:
+def check_colocated_turn(cfg: ConveyorConfig, shape: ModelShape, gpu_bytes: int, *, with_reference: bool,
+                         with_critic: bool, ring: int, others: int = 0) -> str | None:
+    """Colocated, the trainer steps while vLLM sleeps: its turn holds what the trainer,
+    reference and critic keep resident, their largest passes and the weight sync's
+    copies (``ring``), within the GPU less ``RESERVE_FRACTION`` (vLLM's sleeping
+    context among it) and ``others`` (bytes other processes hold). None where it fits;
+    else why not, with the keys that would make it fit."""
+    trainer_pass, reference_pass = estimate_pass_bytes(cfg, shape, with_reference)
+    critic_pass = estimate_critic_pass_bytes(cfg, shape) if with_critic else 0
+    offload = cfg.train.offload_optimizer
+
+    def resident_bytes(offloaded: bool) -> int:
+        return estimate_resident_bytes(shape.num_params, cfg.model.dtype, with_reference=with_reference,
+                                       trainable_params=count_trainable_params(cfg, shape), with_critic=with_critic,
+                                       offload_optimizer=offloaded)
+
+    resident = resident_bytes(offload)
+    turn = resident + trainer_pass + reference_pass + critic_pass + ring
+    room = (1.0 - RESERVE_FRACTION) * gpu_bytes - others
+    if turn <= room:
+        return None
+    # Name a key where setting it alone makes the turn fit, both where only both do.
+    lean = trainer_pass if cfg.train.gradient_checkpointing else estimate_pass_bytes(
+        cfg, shape, with_reference, checkpointed=True)[0]
+    light = resident_bytes(True)
+    ways = []
+    if lean < trainer_pass and turn - trainer_pass + lean <= room:
+        ways.append(f"set train.gradient_checkpointing=true (the trainer's pass {trainer_pass / _GIB:.1f} -> "
+                    f"{lean / _GIB:.1f} GiB)")
+    if light < resident and turn - resident + light <= room:
+        ways.append(f"set train.offload_optimizer=true (resident {resident / _GIB:.1f} -> {light / _GIB:.1f} GiB)")
+    if not ways and lean < trainer_pass and light < resident and turn - trainer_pass + lean - resident + light <= room:
+        ways.append("set train.gradient_checkpointing=true and train.offload_optimizer=true")
+    ways.append("lower train.pass_tokens (or train.chunk_size with it 0) or train.logit_chunk_tokens, model.lora, "
+                "more GPUs or a smaller model")
+    return (f"the trainer's turn needs ~{turn / _GIB:.1f} GiB (resident {resident / _GIB:.1f} + trainer pass "
+            f"{trainer_pass / _GIB:.1f}{f' + reference pass {reference_pass / _GIB:.1f}' if reference_pass else ''}"
+            f"{f' + critic pass {critic_pass / _GIB:.1f}' if critic_pass else ''}"
+            f"{f' + weight sync buffers {ring / _GIB:.1f}' if ring else ''} GiB), one GPU has "
+            f"{max(room, 0) / _GIB:.1f} GiB with the {RESERVE_FRACTION:.0%} reserve"
+            f"{f' and {others / _GIB:.1f} GiB held by other processes' if others else ''}; " + ", ".join(ways))
+
+
+def estimate_pass_bytes(cfg: ConveyorConfig, shape: ModelShape, with_reference: bool,
+                        checkpointed: bool | None = None) -> tuple[int, int]:
     """(trainer, reference) bytes of one forward pass at its largest: with
     ``train.pass_tokens`` that many tokens (rows of any length fill a pass up to it), or
     one row longer than it; with it 0, ``train.chunk_size`` samples (the reference's 16)
@@ -208,15 +262,17 @@ def estimate_pass_bytes(cfg: ConveyorConfig, shape: ModelShape, with_reference: 
     (``train.logit_chunk_tokens``, both stages; 0: all of them), with grad for the trainer
     (its blocks recomputed in backward with ``train.gradient_checkpointing``); the
     reference's 0 when it does not share the GPU. The trainer's pass and the reference's
-    can run at once on a streaming GPU, so both are reserved."""
+    can run at once on a streaming GPU, so both are reserved. ``checkpointed``: as if
+    ``train.gradient_checkpointing`` were that (None: as it is)."""
     seq = cfg.data.max_prompt_len + cfg.rollout.max_tokens
+    checkpointed = cfg.train.gradient_checkpointing if checkpointed is None else checkpointed
     logit_tokens = cfg.train.logit_chunk_tokens or None
 
     def largest(kind: Literal["trainer", "reference"], chunk: int) -> int:
         # estimate_forward_bytes counts rows x width tokens: one row of the pass's tokens stands for its rows.
         lens = [max(seq, cfg.train.pass_tokens)] if cfg.train.pass_tokens else [seq] * chunk
         return estimate_batch_bytes(kind, shape, lens, chunk_size=chunk, logit_tokens=logit_tokens,
-                                    checkpointed=kind == "trainer" and cfg.train.gradient_checkpointing)
+                                    checkpointed=kind == "trainer" and checkpointed)
 
     return largest("trainer", cfg.train.chunk_size), largest("reference", REFERENCE_CHUNK) if with_reference else 0
 
@@ -476,6 +532,11 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
         f"{', optimizer offloaded to host memory' if offload else ''}), {RESERVE_FRACTION:.0%} reserve; "
         f"vLLM ~{max(planned, 0) * gpu_bytes / _GIB:.1f} GiB"
     )
+    if shape is not None and beside == 0 and "trainer" in mates:
+        short = check_colocated_turn(cfg, shape, gpu_bytes, with_reference=with_reference, with_critic=with_critic,
+                                     ring=ring)
+        if short:
+            raise PlacementError(f"placement: colocate: {short}")
     planned = round(planned / engines, 3)
     if chosen is not None:
         if chosen > planned + 1e-9:

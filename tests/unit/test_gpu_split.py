@@ -90,16 +90,45 @@ def test_colocate_when_only_taking_turns_leaves_the_cache_room(monkeypatch):
 
 
 def test_memory_other_processes_hold_counts(monkeypatch):
-    # 40 GiB with 15 held by others: streaming has 14.086 - 15 < 0 GiB for 8.25; taking
-    # turns 36 - 6.912 - 15 = 14.1 GiB.
-    FakeGpu(monkeypatch, 40, free_gib=25)
+    # 40 GiB with 14 held by others: streaming has 14.086 - 14 = 0.1 GiB for 8.25; taking
+    # turns 36 - 6.912 - 14 = 15.1 GiB, and the trainer's turn (5.005 + 0.500 resident,
+    # passes 14.501 + 0.907, one copy 0.500: 21.413 GiB) fits the 36 - 14 = 22 GiB.
+    FakeGpu(monkeypatch, 40, free_gib=26)
     cfg, plan = launch.plan_run_placement(job())
     assert plan.split == "colocate" and cfg.placement.mode == "colocate"
-    assert "leave 0.0 GiB beside their largest passes; 15.0 GiB held by other processes" in plan.notes[0]
-    assert "taking turns vLLM has 14.1 GiB for 8.3 GiB" in plan.notes[0]
+    assert "leave 0.1 GiB beside their largest passes; 14.0 GiB held by other processes" in plan.notes[0]
+    assert "taking turns vLLM has 15.1 GiB for 8.3 GiB" in plan.notes[0]
     # Already lock-step and on-policy: nothing else changes.
     _, plan = launch.plan_run_placement(job(dataflow={"async_execution": False, "max_staleness": 0}))
     assert plan.split == "colocate" and plan.notes[0].endswith("lock-step and on-policy")
+
+
+def test_a_colocated_trainer_turn_that_does_not_fit_is_refused_before_launch(monkeypatch):
+    """Taking turns, the trainer steps while vLLM sleeps: what it holds then (resident,
+    passes, the weight sync's copy) must fit the GPU, not only vLLM's share beside it."""
+    from pipeline.placement import PlacementError
+
+    # 20 GiB: vLLM's turn fits (18 - 6.912 = 11.1 GiB for 4.25 + 2.0), the trainer's
+    # (21.413 GiB, above) does not fit 18 GiB; checkpointing alone makes it
+    # 21.413 - 14.501 + 1.86 = 8.8 GiB, offloading alone 21.413 - 5.005 + 1.001 = 17.4.
+    FakeGpu(monkeypatch, 20)
+    choice = choose_gpu_split(job(), STAGES, 1, SHAPE, 20 * GIB)
+    assert choice.mode == "streaming" and not choice.sized
+    turn = ("colocate does not fit either: the trainer's turn needs ~21.4 GiB (resident 5.5 + trainer pass 14.5 "
+            "+ reference pass 0.9 + weight sync buffers 0.5 GiB), one GPU has 18.0 GiB with the 10% reserve; "
+            "set train.gradient_checkpointing=true (the trainer's pass 14.5 -> 1.9 GiB), set "
+            "train.offload_optimizer=true (resident 5.5 -> 1.5 GiB), lower train.pass_tokens")
+    assert turn in choice.reason
+    # Nothing fits then: refused before any actor starts, naming the keys.
+    with pytest.raises(PlacementError, match="set train.gradient_checkpointing=true"):
+        launch.plan_run_placement(job())
+    # Chosen by the user, colocate is refused for the trainer's turn itself.
+    with pytest.raises(PlacementError, match=r"placement: colocate: the trainer's turn needs ~21.4 GiB"):
+        launch.plan_run_placement(job(placement={"mode": "colocate"},
+                                      dataflow={"async_execution": False, "max_staleness": 0}))
+    # Offloading alone: the turn fits (17.4 GiB) and the plan colocates.
+    cfg, plan = launch.plan_run_placement(job(train={"offload_optimizer": True}))
+    assert plan.split == "colocate" and cfg.placement.mode == "colocate"
 
 
 def test_streaming_with_what_is_left_where_colocate_cannot_run_or_fit():
