@@ -31,6 +31,7 @@ import os
 import random
 import shutil
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -641,6 +642,34 @@ class TrainerEngine:
             else:
                 out[k, :length] = torch.as_tensor(kept, dtype=out.dtype, device=out.device)
         return out
+
+    def warm_up_compile(self) -> float:
+        """Build the compiled blocks' graphs now, at set-up (beside vLLM's start), rather
+        than in the first step: forward and backward passes, at zero loss, of synthetic
+        rows in the three forms passes take (rows of different lengths, so padded; rows of
+        one length, unpadded; one row alone, whose batch of 1 dynamo specializes), through
+        the trainer's own forward. Gradients are discarded and the random state restored,
+        so training is as without it. Returns its seconds; 0 where no block compiled."""
+        if not self.compiled_blocks:
+            return 0.0
+        began = time.monotonic()
+        rng = self.get_rng_state()
+        vocab = int(self.module.get_input_embeddings().weight.shape[0])
+        prompt = 4
+        for lens in ((prompt + 13, prompt + 7), (prompt + 9, prompt + 9), (prompt + 11,)):
+            rows, longest, width = len(lens), max(lens), max(lens) - prompt
+            ids = torch.arange(rows * longest).reshape(rows, longest) % max(vocab - 1, 1) + 1
+            mask = (torch.arange(longest)[None, :] < torch.tensor(lens)[:, None]).long()
+            completion = (torch.arange(width)[None, :] < torch.tensor(lens)[:, None] - prompt).float()
+            positions = (prompt + torch.arange(width)[None, :]).clamp(max=longest - 1).repeat(rows, 1)
+            logprobs = forward_completion_logprobs(
+                self.engine, ids * mask, mask, completion, positions, temperature=self.temperature,
+                use_logits_to_keep=self._keep, entropy_out=[],
+                router_loss_out=[] if self.router_aux_loss_coef else None, chunk_tokens=self.logit_tokens or 0)
+            self.engine.backward(logprobs.sum() * 0.0, scale_wrt_gas=False)
+        self._discard_gradients()
+        self.set_rng_state(rng)
+        return time.monotonic() - began
 
     def pad_backwards(self, batch: RolloutBatch, count: int) -> None:
         """``count`` forward/backward passes of ``batch``'s first sample with weight 0:

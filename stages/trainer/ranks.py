@@ -151,6 +151,9 @@ class TrainerRank:
     def discard_gradients(self) -> None:
         self.engine.discard_gradients()
 
+    def warm_up_compile(self) -> float:
+        return self.engine.warm_up_compile()
+
     def release_cached_memory(self) -> tuple[int, int]:
         return self.engine.release_cached_memory()
 
@@ -312,6 +315,11 @@ class DataParallelEngine:
 
     def discard_gradients(self) -> None:
         self._on_all_ranks(self.local.discard_gradients, lambda: [a.discard_gradients.remote() for a in self.actors])
+
+    def warm_up_compile(self) -> float:
+        """Every rank builds its compiled graphs (their backward passes reduce together)."""
+        return self._on_all_ranks(self.local.warm_up_compile,
+                                  lambda: [a.warm_up_compile.remote() for a in self.actors])[0]
 
     def release_cached_memory(self) -> tuple[int, int]:
         """Every rank's cache back to its GPU; rank 0's GPU's (free, total) bytes."""

@@ -221,6 +221,10 @@ class TrainerStage:
 
             self.engine = await asyncio.to_thread(build_trainer_engine, cfg)
         self.startup_phases = {"engine": time.monotonic() - began}  # model, optimizer, DeepSpeed
+        if self.engine.compiled_blocks:
+            # Built here, beside vLLM's start, instead of in the first step.
+            self.setup_doing = "compiling the trainer's blocks (torch.compile, forward and backward)"
+            self.startup_phases["compile"] = await asyncio.to_thread(self.engine.warm_up_compile)
         module = self.engine.module
         self.shape = build_model_shape(module, str(next(module.parameters()).dtype).removeprefix("torch."))
         self.guard = MemoryGuard(ctx.name, cfg.train.memory, spans=ctx.spans)

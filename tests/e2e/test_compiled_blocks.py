@@ -37,3 +37,40 @@ def test_every_block_shares_one_graph_through_new_shapes_and_matches_eager():
         grads = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (eager, compiled)]
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-3, atol=1e-5)
     assert counters["frames"]["ok"] == 1 and counters["stats"]["unique_graphs"] == 1, dict(counters["frames"])
+
+
+def test_the_trainers_warm_up_builds_every_graph_its_passes_use(tmp_path):
+    """``TrainerEngine.warm_up_compile`` at set-up leaves the first step nothing to
+    compile: passes of padded rows, of rows of one length and of one row alone run on
+    the graphs it built; it leaves no gradient and the random state as it was."""
+    import msgspec
+    import numpy as np
+
+    from pipeline.config import TinyModelConfig, TrainConfig
+    from stages.algorithms import assign_advantages
+    from stages.algorithms.grpo import GrpoConfig
+    from stages.models.tiny import ensure_tiny_checkpoint
+    from stages.trainer.engine import TrainerEngine
+    from tests.e2e.test_trainer_engine import GROUP, MAX_COMPLETION, make_batch
+
+    checkpoint = ensure_tiny_checkpoint(TinyModelConfig(), tmp_path)
+    torch._dynamo.reset()
+    counters.clear()
+    engine = TrainerEngine(checkpoint, TrainConfig(compile="on", threads=1, pass_tokens=0), GrpoConfig(),
+                           temperature=1.0, dtype="float32", seed=0, chunk_size=GROUP)
+    assert engine.compiled_blocks == TinyModelConfig().num_layers
+    rng = engine.get_rng_state()
+    assert engine.warm_up_compile() > 0
+    assert engine.get_rng_state() == rng
+    assert all(p.grad is None or not p.grad.any() for p in engine.module.parameters())
+    built = counters["stats"]["unique_graphs"]
+    assert built >= 3, dict(counters["stats"])  # padded, unpadded, one row: each its own graph
+    batch = assign_advantages(make_batch(), engine.algo)
+    engine.train_micro_batch(batch, 1.0)  # passes of one group each: rows of different lengths
+    # Every completion as long as the longest: a group's rows are of one length, unpadded.
+    even = msgspec.structs.replace(batch, completion_lens=np.full(batch.num_samples, MAX_COMPLETION, np.int32))
+    engine.train_micro_batch(even, 1.0)
+    engine.chunk_size = 1  # one row a pass
+    engine.train_micro_batch(batch, 1.0)
+    assert counters["stats"]["unique_graphs"] == built, dict(counters["stats"])
+    assert any(p.grad is not None and p.grad.any() for p in engine.module.parameters())
