@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,24 @@ JOB = ["rollout.max_tokens=64", "train.prompts_per_step=8", "dataflow.prompts_pe
        "run.tensorboard=false", f"run.steps={STEPS}", *os.environ.get("CONVEYOR_SHAPE_OVERRIDES", "").split()]
 
 
+# What the stages' own logs say of their start-up: vLLM's loading, profiling, compile and
+# CUDA graph lines, DeepSpeed's and the trainer's set-up.
+TIMING_LINES = re.compile(r"took|seconds|in \d+(\.\d+)? ?s\b|torch\.compile|Memory profiling|KV cache|CUDA graph",
+                          re.IGNORECASE)
+
+
+def append_stage_timings(run_dir: Path, log: Path, per_file: int = 60) -> None:
+    """Append to ``log`` the last ``per_file`` timing lines of each stage log of the run
+    (``run_dir/logs``), each prefixed with its file: they leave the machine with it."""
+    lines = []
+    for path in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []:
+        found = [line.rsplit("\r", 1)[-1][:300] for line in path.read_text(errors="replace").splitlines()
+                 if TIMING_LINES.search(line)]
+        lines += [f"{path.name}: {line}" for line in found[-per_file:]]
+    with log.open("a") as out:
+        out.write("\n----- stage logs: timing lines -----\n" + "\n".join(lines) + "\n")
+
+
 @pytest.fixture(scope="module")
 def shape_runs(tmp_path_factory):
     """``run(name, placement)``: (run dir, summary) of that launch, run on first use."""
@@ -57,8 +76,10 @@ def shape_runs(tmp_path_factory):
             data = write_chat_rows(load_config(GPU_SMALL, JOB), 64, root / "prompts.jsonl")
             run_dir = root / "run"
             mode = mode_overrides("colocate") if placement == "colocate" else []
+            log = LOG_DIR / f"shape-{name}-{placement}.log"
             done = _conveyor("launch", "--config", str(GPU_SMALL), f"model.path={ckpts[name]}", f"data.path={data}",
-                             f"run.dir={run_dir}", *JOB, *mode, log=LOG_DIR / f"shape-{name}-{placement}.log")
+                             f"run.dir={run_dir}", *JOB, *mode, log=log)
+            append_stage_timings(run_dir, log)
             assert done.returncode == 0, f"{name} {placement}: " + done.stderr[-4000:]
             runs[name, placement] = run_dir, json.loads((run_dir / "summary.json").read_text())
         return runs[name, placement]
