@@ -116,7 +116,8 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
         ring = estimate_sync_ring_bytes(cfg, shape.num_params, colocated)
         share = estimate_colocated_fraction(shape.num_params, cfg.model.dtype, gpu_bytes, with_reference=with_reference,
                                             pass_bytes=pass_bytes + critic_pass + ring, trainable_params=trainable,
-                                            with_critic=with_critic, offload_optimizer=cfg.train.offload_optimizer)
+                                            with_critic=with_critic, offload_optimizer=cfg.train.offload_optimizer,
+                                            fp32_accum=cfg.train.grad_accum_dtype == "fp32")
         return share * gpu_bytes - others
 
     def need(lockstep: bool) -> tuple[float, str]:  # vLLM's engines awake, their own reserve included

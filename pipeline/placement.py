@@ -97,7 +97,7 @@ def _entries(cfg: ConveyorConfig) -> dict[str, Any]:
             "reward_model": p.reward_model, "critic": p.critic, "trainer": p.trainer}
 
 
-def estimate_trainer_bytes_per_param(dtype: str, offload_optimizer: bool = False) -> int:
+def estimate_trainer_bytes_per_param(dtype: str, offload_optimizer: bool = False, fp32_accum: bool = True) -> int:
     """Bytes per parameter a DeepSpeed trainer holds on its GPU at its peak (the optimizer
     step).
 
@@ -107,12 +107,15 @@ def estimate_trainer_bytes_per_param(dtype: str, offload_optimizer: bool = False
     fp32 (the default; DeepSpeed's BF16 optimizer) keeps fp32 accumulators across the
     step's micro-batches and frees the 16-bit gradients only once a backward's are added
     in; bf16 accumulates in the 16-bit gradients and makes the fp32 copy at the step.
-    ``train.offload_optimizer``: the weights and the backward's gradients only (the
-    rest is in host memory, ``check_offload_host_memory``).
+    ``train.offload_optimizer``: the weights and the backward's gradients (the rest is
+    in host memory, ``check_offload_host_memory``), and with mixed precision and
+    ``fp32_accum`` (``train.grad_accum_dtype: fp32``) DeepSpeed's fp32 accumulators,
+    which stay on the GPU: 2 + 2 + 4 = 8 (a 4B model's first step asked for their
+    15 GiB at once on an 80 GB GPU); bf16 accumulation: 4.
     """
     low = DTYPE_BYTES[dtype]
     if offload_optimizer:
-        return low + low
+        return low + low + (4 if fp32_accum and dtype != "float32" else 0)
     if dtype == "float32":
         return low + 4 + 8
     return low + low + 4 + 4 + 8
@@ -176,7 +179,8 @@ def count_trainable_params(cfg: ConveyorConfig, shape: ModelShape | None) -> int
 
 def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, with_reference: bool,
                                 pass_bytes: int = 0, trainable_params: int | None = None,
-                                with_critic: bool = False, offload_optimizer: bool = False) -> float:
+                                with_critic: bool = False, offload_optimizer: bool = False,
+                                fp32_accum: bool = True) -> float:
     """vLLM's share of one GPU that it shares with the trainer (and the reference, and the
     critic): ``1 - (trainer + reference + critic + pass_bytes) / total - RESERVE_FRACTION``,
     at most ``OWN_GPU_FRACTION``; ``pass_bytes``: the largest forward/backward pass of the
@@ -184,23 +188,25 @@ def estimate_colocated_fraction(num_params: int, dtype: str, gpu_bytes: int, *, 
     ``trainable_params``: fewer than all train (LoRA's adapters): the frozen rest holds its
     weights alone. The critic trains all its parameters, counted as the policy's
     (``critic.path`` None: the policy with a scalar head). ``offload_optimizer``: both
-    keep only their 16-bit weights and gradients on the GPU.
+    keep only their 16-bit weights and gradients on the GPU (and, with ``fp32_accum``,
+    fp32 accumulators: ``estimate_trainer_bytes_per_param``).
 
     Example: 0.5B params in bf16 on 80 GiB: trainer 0.5e9 x 20 B = 9.3 GiB, reference
     0.5e9 x 2 B = 0.93 GiB: 1 - 10.2 / 80 - 0.1 = 0.77.
     """
     resident = estimate_resident_bytes(num_params, dtype, with_reference=with_reference,
                                        trainable_params=trainable_params, with_critic=with_critic,
-                                       offload_optimizer=offload_optimizer)
+                                       offload_optimizer=offload_optimizer, fp32_accum=fp32_accum)
     return min(OWN_GPU_FRACTION, 1.0 - (resident + pass_bytes) / gpu_bytes - RESERVE_FRACTION)
 
 
 def estimate_resident_bytes(num_params: int, dtype: str, *, with_reference: bool, trainable_params: int | None = None,
-                            with_critic: bool = False, offload_optimizer: bool = False) -> int:
+                            with_critic: bool = False, offload_optimizer: bool = False,
+                            fp32_accum: bool = True) -> int:
     """What the trainer (and the reference, and the critic) hold on their GPU between
     passes: weights, gradients and optimizer state (``estimate_colocated_fraction``)."""
     trainable = num_params if trainable_params is None else min(trainable_params, num_params)
-    per_param = estimate_trainer_bytes_per_param(dtype, offload_optimizer)
+    per_param = estimate_trainer_bytes_per_param(dtype, offload_optimizer, fp32_accum)
     resident = trainable * per_param + (num_params - trainable) * DTYPE_BYTES[dtype]
     if with_reference:
         resident += num_params * DTYPE_BYTES[dtype]
@@ -223,7 +229,7 @@ def check_colocated_turn(cfg: ConveyorConfig, shape: ModelShape, gpu_bytes: int,
     def resident_bytes(offloaded: bool) -> int:
         return estimate_resident_bytes(shape.num_params, cfg.model.dtype, with_reference=with_reference,
                                        trainable_params=count_trainable_params(cfg, shape), with_critic=with_critic,
-                                       offload_optimizer=offloaded)
+                                       offload_optimizer=offloaded, fp32_accum=cfg.train.grad_accum_dtype == "fp32")
 
     resident = resident_bytes(offload)
     turn = resident + trainer_pass + reference_pass + critic_pass + ring
@@ -512,7 +518,7 @@ def _rollout_fraction(cfg: ConveyorConfig, placed: dict[str, StagePlacement], nu
     planned = estimate_colocated_fraction(num_params, dtype, gpu_bytes, with_reference=with_reference,
                                           pass_bytes=beside + reference_pass + critic_pass + ring,
                                           trainable_params=trainable, with_critic=with_critic,
-                                          offload_optimizer=offload)
+                                          offload_optimizer=offload, fp32_accum=cfg.train.grad_accum_dtype == "fp32")
     resident = (1.0 - RESERVE_FRACTION - planned) * gpu_bytes - beside - reference_pass - critic_pass - ring
     per_pass = (f"train.pass_tokens {cfg.train.pass_tokens}" if cfg.train.pass_tokens
                 else f"train.chunk_size {cfg.train.chunk_size}")

@@ -38,12 +38,13 @@ class TrainConfig(msgspec.Struct, **_section()):
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 0
-    # DeepSpeed ZeRO-Offload: the fp32 master weights, the gradients' fp32 accumulators
-    # and AdamW's moments live in host memory (pinned, 16 bytes a parameter) and the
-    # optimizer steps there (torch's fused AdamW on the CPU); the GPU keeps the 16-bit
-    # weights and gradients, 4 bytes a parameter instead of 20. For a model whose
-    # optimizer does not fit beside vLLM on its GPUs (a 4B full fine-tune on one 80 GB
-    # GPU); a step then waits on the copies and the CPU step. ZeRO stage 0 becomes 1.
+    # DeepSpeed ZeRO-Offload: the fp32 master weights, gradients and AdamW's moments live
+    # in host memory (pinned, 16 bytes a parameter) and the optimizer steps there (torch's
+    # fused AdamW on the CPU); the GPU keeps the 16-bit weights and gradients and, with
+    # grad_accum_dtype fp32, DeepSpeed's fp32 accumulators: 8 bytes a parameter instead
+    # of 20 (4 with grad_accum_dtype bf16). For a model whose optimizer does not fit
+    # beside vLLM on its GPUs (a 4B full fine-tune on one 80 GB GPU); a step then waits on
+    # the copies and the CPU step. ZeRO stage 0 becomes 1.
     offload_optimizer: bool = False
     # Data-parallel DeepSpeed ranks of the one trainer stage (stages/trainer/ranks.py):
     # each on its own GPU where there are GPUs; a step's groups are split across them.

@@ -108,16 +108,17 @@ def test_a_colocated_trainer_turn_that_does_not_fit_is_refused_before_launch(mon
     passes, the weight sync's copy) must fit the GPU, not only vLLM's share beside it."""
     from pipeline.placement import PlacementError
 
-    # 20 GiB: vLLM's turn fits (18 - 6.912 = 11.1 GiB for 4.25 + 2.0), the trainer's
-    # (21.413 GiB, above) does not fit 18 GiB; checkpointing alone makes it
-    # 21.413 - 14.501 + 1.86 = 8.8 GiB, offloading alone 21.413 - 5.005 + 1.001 = 17.4.
-    FakeGpu(monkeypatch, 20)
-    choice = choose_gpu_split(job(), STAGES, 1, SHAPE, 20 * GIB)
+    # 21 GiB: vLLM's turn fits (18.9 - 6.912 = 12.0 GiB for 4.25 + 2.1), the trainer's
+    # (21.413 GiB, above) does not fit 18.9 GiB; checkpointing alone makes it
+    # 21.413 - 14.501 + 1.86 = 8.8 GiB, offloading alone (8 B a parameter with fp32
+    # accumulators) 21.413 - 5.005 + 2.002 = 18.4.
+    FakeGpu(monkeypatch, 21)
+    choice = choose_gpu_split(job(), STAGES, 1, SHAPE, 21 * GIB)
     assert choice.mode == "streaming" and not choice.sized
     turn = ("colocate does not fit either: the trainer's turn needs ~21.4 GiB (resident 5.5 + trainer pass 14.5 "
-            "+ reference pass 0.9 + weight sync buffers 0.5 GiB), one GPU has 18.0 GiB with the 10% reserve; "
+            "+ reference pass 0.9 + weight sync buffers 0.5 GiB), one GPU has 18.9 GiB with the 10% reserve; "
             "set train.gradient_checkpointing=true (the trainer's pass 14.5 -> 1.9 GiB), set "
-            "train.offload_optimizer=true (resident 5.5 -> 1.5 GiB), lower train.pass_tokens")
+            "train.offload_optimizer=true (resident 5.5 -> 2.5 GiB), lower train.pass_tokens")
     assert turn in choice.reason
     # Nothing fits then: refused before any actor starts, naming the keys.
     with pytest.raises(PlacementError, match="set train.gradient_checkpointing=true"):
@@ -126,7 +127,7 @@ def test_a_colocated_trainer_turn_that_does_not_fit_is_refused_before_launch(mon
     with pytest.raises(PlacementError, match=r"placement: colocate: the trainer's turn needs ~21.4 GiB"):
         launch.plan_run_placement(job(placement={"mode": "colocate"},
                                       dataflow={"async_execution": False, "max_staleness": 0}))
-    # Offloading alone: the turn fits (17.4 GiB) and the plan colocates.
+    # Offloading alone: the turn fits (18.4 GiB) and the plan colocates.
     cfg, plan = launch.plan_run_placement(job(train={"offload_optimizer": True}))
     assert plan.split == "colocate" and cfg.placement.mode == "colocate"
 

@@ -565,15 +565,24 @@ QWEN3_4B = ModelShape(num_layers=36, num_kv_heads=8, head_dim=128, hidden_size=2
 
 def test_an_offloaded_optimizer_leaves_the_gpu_the_16_bit_weights_and_gradients():
     """A 4B full fine-tune on one 80 GiB GPU: refused with the optimizer on the GPU (20
-    bytes a parameter, 75 GiB), with advice naming train.offload_optimizer; offloaded (4
-    bytes a parameter) and its blocks recomputed, vLLM gets a share; the host memory it
-    pins is counted and refused where the machine has less."""
-    assert estimate_trainer_bytes_per_param("bfloat16", offload_optimizer=True) == 4
+    bytes a parameter, 75 GiB), with advice naming train.offload_optimizer; offloaded (8
+    bytes a parameter with fp32 accumulators, 4 with bf16 ones) and its blocks
+    recomputed, vLLM gets a share; the host memory it pins is counted and refused where
+    the machine has less."""
+    assert estimate_trainer_bytes_per_param("bfloat16", offload_optimizer=True) == 8  # fp32 accumulators stay
+    assert estimate_trainer_bytes_per_param("bfloat16", offload_optimizer=True, fp32_accum=False) == 4
     assert estimate_trainer_bytes_per_param("float32", offload_optimizer=True) == 8
     job = {"train": {"gradient_checkpointing": True}, "rollout": {"max_tokens": 64}}
     with pytest.raises(PlacementError, match=r"set train\.offload_optimizer=true"):
         plan_placement(config(**job), STAGES, 1, gpu_bytes=80 * GIB, shape=QWEN3_4B)
-    offloaded = config(train={**job["train"], "offload_optimizer": True}, rollout=job["rollout"])
+    # fp32 accumulators (the default) stay on the GPU: 8 B x 4.02e9 = 30.0 GiB + the
+    # reference's 7.5 leave vLLM 7.7 GiB; bf16 ones, 22.7.
+    fp32_accum = plan_placement(config(train={**job["train"], "offload_optimizer": True}, rollout=job["rollout"]),
+                                STAGES, 1, gpu_bytes=80 * GIB, shape=QWEN3_4B)
+    assert any("~37.5 GiB resident" in n for n in fp32_accum.notes), fp32_accum.notes
+    assert fp32_accum.rollout_memory_fraction < 0.1
+    offloaded = config(train={**job["train"], "offload_optimizer": True, "grad_accum_dtype": "bf16"},
+                       rollout=job["rollout"])
     p = plan_placement(offloaded, STAGES, 1, gpu_bytes=80 * GIB, shape=QWEN3_4B)
     assert p.rollout_memory_fraction > 0.25  # ~22.7 GiB for vLLM; 75 GiB of optimizer left none
     # resident: the trainer 4 B x 4.02e9 = 15.0 GiB + the reference 2 B x 4.02e9 = 7.5 GiB.
