@@ -645,14 +645,20 @@ class TrainerEngine:
 
     def warm_up_compile(self) -> float:
         """Build the compiled blocks' graphs now, at set-up (beside vLLM's start), rather
-        than in the first step: forward and backward passes, at zero loss, of synthetic
-        rows in the three forms passes take (rows of different lengths, so padded; rows of
-        one length, unpadded; one row alone, whose batch of 1 dynamo specializes), through
-        the trainer's own forward. Gradients are discarded and the random state restored,
-        so training is as without it. Returns its seconds; 0 where no block compiled."""
+        than in the first step (``warm_up_passes``). Returns its seconds; 0 where no
+        block compiled."""
         if not self.compiled_blocks:
             return 0.0
         began = time.monotonic()
+        self.warm_up_passes()
+        return time.monotonic() - began
+
+    def warm_up_passes(self) -> None:
+        """Forward and backward passes, at zero loss, of synthetic rows in the three forms
+        passes take (rows of different lengths, so padded; rows of one length, unpadded;
+        one row alone, whose batch of 1 dynamo specializes), through the trainer's own
+        forward. Gradients are discarded and the random state restored, so training is as
+        without them."""
         rng = self.get_rng_state()
         vocab = int(self.module.get_input_embeddings().weight.shape[0])
         prompt = 4
@@ -669,7 +675,6 @@ class TrainerEngine:
             self.engine.backward(logprobs.sum() * 0.0, scale_wrt_gas=False)
         self._discard_gradients()
         self.set_rng_state(rng)
-        return time.monotonic() - began
 
     def pad_backwards(self, batch: RolloutBatch, count: int) -> None:
         """``count`` forward/backward passes of ``batch``'s first sample with weight 0:

@@ -414,6 +414,24 @@ def test_grad_scale_equals_a_scaled_loss_under_bf16_optimizers(checkpoint, monke
     assert all(torch.equal(w_a[n], w_b[n]) for n in w_a)
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_warm_up_passes_leave_the_next_step_as_without_them(checkpoint, monkeypatch, offload):
+    """The compile warm-up's zero-loss passes (``warm_up_passes``, run at set-up where
+    blocks compile) through the bf16 optimizers a GPU run gets: the step after them
+    updates the weights exactly as a fresh engine's does."""
+    force_bf16(monkeypatch)
+    weights = []
+    for warm in (False, True):
+        engine = build_engine_bf16(checkpoint, 0, "fp32", offload)
+        batch = on_policy(engine, make_batch(seed=9))
+        if warm:
+            engine.warm_up_passes()
+        engine.train_micro_batch(batch, 1.0)
+        engine.optimizer_step()
+        weights.append(engine.state_dict_for_sync())
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+
+
 def test_bf16_run_accumulates_gradients_and_keeps_master_weights_in_fp32(checkpoint, monkeypatch, tmp_path):
     """A bf16 run (forced on CPU) by default: fp32 master weights, and a small piece's
     gradient added after a large one survives in the accumulators (bf16 keeps 8 bits of
