@@ -91,7 +91,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # The run stopped (a dead trainer, say): how to continue it, when it can be.
         if find_latest_checkpoint(cfg.run_dir) is None:
             raise
-        print(f"conveyor: {exc}\nconveyor: resume with: conveyor launch --resume {cfg.run_dir}", file=sys.stderr)
+        print(f"conveyor: {exc}{describe_failure(exc)}\nconveyor: resume with: conveyor launch --resume {cfg.run_dir}",
+              file=sys.stderr)
         return 1
     if summary["status"] == "interrupted":
         return 128 + signal.Signals[summary["signal"]].value  # 130 for SIGINT, 143 for SIGTERM
@@ -251,6 +252,14 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def describe_failure(exc: StageError) -> str:
+    """The console's lines after a stage's error: where it was raised, and the file that
+    holds its whole traceback (``pipeline.launch.write_failure_traceback``)."""
+    where = f"\nconveyor: at {exc.where}" if exc.where else ""
+    path = getattr(exc, "traceback_path", None)
+    return where + (f"\nconveyor: traceback: {path}" if path else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_command_line(argv)
     try:
@@ -259,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"conveyor: invalid config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except StageError as exc:
-        # The stage's traceback was logged where it happened; summary.json says "failed".
-        print(f"conveyor: {exc}", file=sys.stderr)
+        # summary.json says "failed"; the stage's traceback is in its run's logs/.
+        print(f"conveyor: {exc}{describe_failure(exc)}", file=sys.stderr)
         return 1
 
 

@@ -542,7 +542,10 @@ def _drive(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan, run_dir: Path
                                      **checks.to_summary())
     except StageError as exc:
         exc.restarts = dict(reporter.restarts)  # the restarts of this attempt, for an auto-resume's record
+        failure = write_failure_traceback(run_dir, exc)
         write_stopped_summary(cfg, run_dir, reporter, "failed", stage=exc.stage, error=exc.message,
+                              **({"where": exc.where} if exc.where else {}),
+                              **({"traceback": str(failure)} if failure else {}),
                               **({"auto_resumes": resumes} if resumes else {}), **checks.to_summary())
         raise
     finally:
@@ -571,6 +574,19 @@ def slowest_setup(startup: dict[str, Any]) -> str | None:
     phases = ", ".join(f"{k.removesuffix('_s')} {v:g}" for k, v in t.items()
                        if k not in ("setup_s", "process_age_s", "constructed_s"))
     return f"{name} {t.get('setup_s', 0.0):g} s" + (f" ({phases})" if phases else "")
+
+
+def write_failure_traceback(run_dir: Path, exc: StageError) -> Path | None:
+    """The failed stage's whole traceback in ``run_dir/logs/<stage>-failure.txt`` (also
+    named by the summary and the console), so that what the driver saw of the failure
+    outlives it; None where the stage's process died without one."""
+    if not exc.remote_traceback:
+        return None
+    path = run_dir / "logs" / f"{exc.stage}-failure.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{exc}\n\n{exc.remote_traceback}")
+    exc.traceback_path = path
+    return path
 
 
 def write_stopped_summary(cfg: ConveyorConfig, run_dir: Path, reporter: Reporter, status: str,

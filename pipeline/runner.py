@@ -620,7 +620,7 @@ async def _run_streaming(graph: Graph, on_tick: Callable[[Graph], Any] | None, t
                     reports[name][r] = fut.result()
                 except Exception as exc:
                     err = _stage_error(name, exc)
-                    log.error("stage_failed", failed=name, error=str(err))
+                    log.error("stage_failed", failed=name, error=str(err), **({"where": err.where} if err.where else {}))
                     raise err from None
             if on_tick is not None:
                 await _maybe_await(on_tick(graph))

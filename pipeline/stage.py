@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import re
 import time
 import traceback
 from collections.abc import AsyncIterator
@@ -54,6 +55,45 @@ class StageError(RuntimeError):
     def __reduce__(self) -> tuple[Any, ...]:
         # Exceptions pickle their ``args``; ours has more, so say how to rebuild it.
         return (StageError, (self.stage, self.message, self.remote_traceback, self.died))
+
+    @property
+    def where(self) -> str:
+        """Where the core's exception was raised (``describe_where``); "" if unknown."""
+        return describe_where(self.remote_traceback)
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
+
+
+def describe_where(remote_traceback: str, root: str = _PROJECT_ROOT) -> str:
+    """The innermost frame of a formatted traceback as ``path:line in function`` and,
+    where that frame is a library's (outside ``root``, this project's checkout), the
+    innermost of the project's frames that led there (``..., called from ...``). Paths
+    from the project root or the library's package; "" for a traceback without frames."""
+    frames = _FRAME.findall(remote_traceback or "")
+    if not frames:
+        return ""
+
+    def ours(path: str) -> bool:
+        return path.startswith(root) and "-packages" + os.sep not in path[len(root):]
+
+    def short(path: str) -> str:
+        if ours(path):
+            return path[len(root):]
+        for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+            if marker in path:
+                return path.split(marker, 1)[1]
+        return path
+
+    def text(frame: tuple[str, str, str]) -> str:
+        return f"{short(frame[0])}:{frame[1]} in {frame[2]}"
+
+    last = frames[-1]
+    project = [f for f in frames if ours(f[0])]
+    if ours(last[0]) or not project:
+        return text(last)
+    return f"{text(last)}, called from {text(project[-1])}"
 
 
 def core_error_message(exc: BaseException) -> str:

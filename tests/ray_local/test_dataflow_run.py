@@ -58,6 +58,8 @@ def test_stage_that_raises_stops_the_run_with_its_error(ray_cluster):
     assert info.value.stage == "bad"
     assert "fake failure at item 3" in str(info.value)
     assert "ValueError" in info.value.remote_traceback
+    # Where it was raised: the core's line, from the project's root.
+    assert info.value.where.startswith("tests/ray_local/fakes.py:90 in "), info.value.where
 
 
 def test_a_core_that_reports_a_failure_stops_the_run_while_its_input_waits(ray_cluster):
