@@ -64,11 +64,16 @@ def append_stage_timings(run_dir: Path, log: Path, per_file: int = 60) -> None:
 
 @pytest.fixture(scope="module")
 def shape_runs(tmp_path_factory):
-    """``run(name, placement)``: (run dir, summary) of that launch, run on first use."""
+    """``run(name, placement)``: (run dir, summary) of that launch, run on first use; a
+    launch that failed fails every later use with its first error, not run again (its
+    log would be overwritten, and the call's time spent twice)."""
     runs: dict[tuple[str, str], tuple[Path, dict]] = {}
+    failed: dict[tuple[str, str], str] = {}
     ckpts: dict[str, Path] = {}
 
     def run(name: str, placement: str) -> tuple[Path, dict]:
+        if (name, placement) in failed:
+            pytest.fail(f"{name} {placement} failed before: {failed[name, placement]}")
         if (name, placement) not in runs:
             if name not in ckpts:
                 ckpts[name] = build_in_subprocess(name)  # this process holds no CUDA context
@@ -80,7 +85,9 @@ def shape_runs(tmp_path_factory):
             done = _conveyor("launch", "--config", str(GPU_SMALL), f"model.path={ckpts[name]}", f"data.path={data}",
                              f"run.dir={run_dir}", *JOB, *mode, log=log)
             append_stage_timings(run_dir, log)
-            assert done.returncode == 0, f"{name} {placement}: " + done.stderr[-4000:]
+            if done.returncode != 0:
+                failed[name, placement] = done.stderr[-4000:]
+                pytest.fail(f"{name} {placement}: " + failed[name, placement])
             runs[name, placement] = run_dir, json.loads((run_dir / "summary.json").read_text())
         return runs[name, placement]
 
