@@ -111,13 +111,16 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
     trainable = count_trainable_params(cfg, shape)
     others = max(0, gpu_bytes - free_bytes) if free_bytes else 0
 
-    def room(pass_bytes: int, colocated: bool = False) -> float:  # what vLLM may have beside the others
-        # One GPU: the trainer's weights reach vLLM through cuda_ipc copies on it.
+    fp32_accum = cfg.train.grad_accum_dtype == "fp32"
+
+    def room(pass_bytes: int, colocated: bool = False, fp32_accum: bool = fp32_accum) -> float:
+        """What vLLM may have beside the others. One GPU: the trainer's weights reach
+        vLLM through cuda_ipc copies on it."""
         ring = estimate_sync_ring_bytes(cfg, shape.num_params, colocated)
         share = estimate_colocated_fraction(shape.num_params, cfg.model.dtype, gpu_bytes, with_reference=with_reference,
                                             pass_bytes=pass_bytes + critic_pass + ring, trainable_params=trainable,
                                             with_critic=with_critic, offload_optimizer=cfg.train.offload_optimizer,
-                                            fp32_accum=cfg.train.grad_accum_dtype == "fp32")
+                                            fp32_accum=fp32_accum)
         return share * gpu_bytes - others
 
     def need(lockstep: bool) -> tuple[float, str]:  # vLLM's engines awake, their own reserve included
@@ -143,6 +146,11 @@ def choose_gpu_split(cfg: ConveyorConfig, stages: list[str], available: int, sha
         if stream_need <= room(lean_pass + reference_pass):
             short += (f"; set train.gradient_checkpointing=true to stream: the trainer's pass "
                       f"{trainer_pass / _GIB:.1f} -> {lean_pass / _GIB:.1f} GiB")
+    offloaded_accum = cfg.train.offload_optimizer and fp32_accum and cfg.model.dtype != "float32"
+    if offloaded_accum and stream_need <= room(trainer_pass + reference_pass, fp32_accum=False):
+        # Offloaded, the fp32 accumulators are most of what stays on the GPU (4 of 8 bytes a parameter).
+        short += (f"; set train.grad_accum_dtype=bf16 to stream: the offloaded trainer keeps "
+                  f"{shape.num_params * 4 / _GIB:.1f} GiB less of fp32 accumulators on the GPU")
     colo_room, (colo_need, colo_what) = room(reference_pass, colocated=True), need(True)
     try:
         to_colocate(cfg)

@@ -132,6 +132,21 @@ def test_a_colocated_trainer_turn_that_does_not_fit_is_refused_before_launch(mon
     assert plan.split == "colocate" and cfg.placement.mode == "colocate"
 
 
+def test_an_offloaded_trainer_is_told_bf16_accumulation_would_stream():
+    # Offloaded, fp32 accumulators: 8 B x 268.7e6 = 2.002 GiB + the reference's 0.500; bf16
+    # ones: 1.001 + 0.500. On 28 GiB streaming has 25.2 - (2.502 + 14.501 + 0.907 + 1.001) =
+    # 6.29 GiB for 4.250 + 2.8 = 7.05 with fp32 accumulators, 7.29 with bf16 ones.
+    offloaded = {"offload_optimizer": True}
+    choice = choose_gpu_split(job(train=offloaded), STAGES, 1, SHAPE, 28 * GIB)
+    assert choice.mode == "colocate"
+    assert ("set train.grad_accum_dtype=bf16 to stream: the offloaded trainer keeps 1.0 GiB less of fp32 "
+            "accumulators on the GPU") in choice.reason
+    choice = choose_gpu_split(job(train={**offloaded, "grad_accum_dtype": "bf16"}), STAGES, 1, SHAPE, 28 * GIB)
+    assert choice.mode == "streaming" and choice.sized
+    # Not offloaded, the accumulators are a fifth of the optimizer's bytes: not named.
+    assert "grad_accum_dtype" not in choose_gpu_split(job(), STAGES, 1, SHAPE, 28 * GIB).reason
+
+
 def test_streaming_with_what_is_left_where_colocate_cannot_run_or_fit():
     # PPO trains a critic, which does not give the GPU back while vLLM generates.
     ppo = job(algorithm={"name": "ppo"})
