@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -39,10 +40,13 @@ def test_every_block_shares_one_graph_through_new_shapes_and_matches_eager():
     assert counters["frames"]["ok"] == 1 and counters["stats"]["unique_graphs"] == 1, dict(counters["frames"])
 
 
-def test_the_trainers_warm_up_builds_every_graph_its_passes_use(tmp_path):
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_trainers_warm_up_builds_every_graph_its_passes_use(tmp_path, checkpointed):
     """``TrainerEngine.warm_up_compile`` at set-up leaves the first step nothing to
     compile: passes of padded rows, of rows of one length and of one row alone run on
-    the graphs it built; it leaves no gradient and the random state as it was."""
+    the graphs it built, with the blocks recomputed in backward too
+    (``train.gradient_checkpointing``); it leaves no gradient and the random state as it
+    was."""
     import msgspec
     import numpy as np
 
@@ -57,7 +61,8 @@ def test_the_trainers_warm_up_builds_every_graph_its_passes_use(tmp_path):
     checkpoint = ensure_tiny_checkpoint(TinyModelConfig(), tmp_path)
     torch._dynamo.reset()
     counters.clear()
-    engine = TrainerEngine(checkpoint, TrainConfig(compile="on", threads=1, pass_tokens=0), GrpoConfig(),
+    train = TrainConfig(compile="on", threads=1, pass_tokens=0, gradient_checkpointing=checkpointed)
+    engine = TrainerEngine(checkpoint, train, GrpoConfig(),
                            temperature=1.0, dtype="float32", seed=0, chunk_size=GROUP)
     assert engine.compiled_blocks == TinyModelConfig().num_layers
     rng = engine.get_rng_state()
