@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "on the same GPU model, split over calls by a time limit)")
     p.add_argument("--set", nargs="+", metavar="KEY=VALUE", dest="job",
                    help="gpu_e2e: config overrides for every row's job, TRL's included (it follows "
-                        "train.gradient_checkpointing and train.chunk_size), e.g. train.gradient_checkpointing=true")
+                        "train.gradient_checkpointing and the trainer's pass size), e.g. "
+                        "train.gradient_checkpointing=true")
     p.add_argument("--reward", action="store_true", help="longtail: the quickstart task with long-tail lengths, "
                                                          "reporting each row's wall time to reach a reward")
     return p
