@@ -113,13 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         bad = [kv for kv in args.job if "=" not in kv]
         if bad:
             parser.error(f"--set: overrides are key=value, got {bad}")
-        if args.systems is None:
-            from bench.gpu_e2e import check_rows, parse_systems
-
-            try:
-                check_rows(parse_systems(None, args.model), job=tuple(args.job))
-            except ValueError as exc:
-                parser.error(str(exc))
     if args.faults is not None:
         from bench.soak_faults import parse_faults
 
@@ -133,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--scale: expected > 0, got {args.scale}")
     if args.steps is not None and args.steps < 2:
         parser.error(f"--steps: expected >= 2 (one warm-up step, one measured), got {args.steps}")
-    if args.systems is not None:
+    if args.systems is not None or args.job:
         from bench.gpu_e2e import check_rows, parse_systems
         from bench.gpu_scale import parse_configs
 
-        if args.name not in ("gpu_e2e", "gpu_scale", "longtail"):
+        if args.systems is not None and args.name not in ("gpu_e2e", "gpu_scale", "longtail"):
             parser.error(f"--systems: only gpu_e2e, gpu_scale and longtail have rows to choose, not {args.name}")
         try:
             if args.name == "longtail":
