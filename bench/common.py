@@ -260,6 +260,28 @@ def describe_startup_parts(summary: dict[str, Any]) -> dict[str, Any]:
             **({"slowest_setup": {"stage": slowest, **stages[slowest]}} if slowest else {})}
 
 
+# What a stage's own log says of its start-up: vLLM's loading, memory profiling, compile
+# and CUDA-graph lines, DeepSpeed's and the trainer's set-up.
+STAGE_TIMING_LINES = re.compile(
+    r"took|takes|seconds|secs\b|time: |in \d+(\.\d+)? ?s\b|torch\.compile|Memory profiling|KV cache|CUDA graph",
+    re.IGNORECASE)
+
+
+def stage_log_timings(run_dir: Path, per_file: int = 40) -> dict[str, list[str]]:
+    """``{stage log file: its last per_file timing lines}`` of a run (``run_dir/logs``;
+    lines cut to 300 characters, the last of a carriage-return-rewritten line): where a
+    start-up went, in the engines' own words, kept with a result that otherwise only
+    times it from outside. Empty where the run has no logs."""
+    logs = Path(run_dir) / "logs"
+    out: dict[str, list[str]] = {}
+    for path in sorted(logs.glob("*.log")) if logs.is_dir() else []:
+        lines = [line.rsplit("\r", 1)[-1][:300] for line in path.read_bytes().decode(errors="replace").split("\n")
+                 if STAGE_TIMING_LINES.search(line)]
+        if lines:
+            out[path.name] = lines[-per_file:]
+    return out
+
+
 def check_row_streamed(name: str, summary: dict[str, Any]) -> None:
     """A row meant to stream must have: on one GPU ``placement: auto`` runs a job whose
     streaming plan does not fit colocated and lock-step, and such a row would compare

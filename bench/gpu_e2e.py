@@ -37,6 +37,7 @@ from bench.common import (
     new_figure,
     note_config,
     publish_result,
+    stage_log_timings,
 )
 from bench.e2e import _attempt, _version, build_trl_args, build_trl_dataset, summarize_curve
 from bench.shape_job import build_job_rows, describe_shape, prepare_job
@@ -114,7 +115,8 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
     tokens = [r.get("throughput/tokens_per_s") for r in rows[WARMUP_STEPS:]]
     return {
         "system": f"conveyor-{mode}", "overrides": overrides, "steps": summary["steps"], "gpus": gpus,
-        "startup_s": times[0] - t0 if times else None, "startup": describe_startup_parts(summary), "total_s": total,
+        "startup_s": times[0] - t0 if times else None, "startup": describe_startup_parts(summary),
+        "startup_log": stage_log_timings(cfg.run_dir), "total_s": total,
         "samples_trained": summary["samples"]["trained"], "samples_dropped": summary["samples"]["dropped"],
         "samples_per_s": rate, "samples_per_s_per_gpu": rate / gpus if rate else None,
         "completion_tokens_per_s": _mean([r.get("response_length/mean", 0) * per_step / r["time/step_s"]

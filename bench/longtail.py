@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import check_row_streamed, describe_startup_parts, new_figure, note_config, publish_result
+from bench.common import (
+    check_row_streamed,
+    describe_startup_parts,
+    new_figure,
+    note_config,
+    publish_result,
+    stage_log_timings,
+)
 from bench.e2e import REWARD_THRESHOLDS, _attempt, _version, summarize_curve
 from bench.gpu_e2e import _mean, compute_stage_rates, compute_steady_rate
 from bench.longtail_lengths import MAX_FIELD, MIN_FIELD, LengthSchedule, write_prompt_file
@@ -201,7 +208,7 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
     return {
         "system": f"conveyor-{name}", "overrides": overrides, "steps": summary["steps"], "mode": summary["mode"],
         "startup_s": times[0] - t0 if times else None, "startup": describe_startup_parts(summary),
-        "total_s": total, "warmup_steps": warmup,
+        "startup_log": stage_log_timings(cfg.run_dir), "total_s": total, "warmup_steps": warmup,
         "samples_trained": summary["samples"]["trained"], "samples_dropped": summary["samples"]["dropped"],
         "samples_per_s": compute_steady_rate(times, per_step, warmup),
         "completion_tokens_per_s": tokens / span if span > 0 else None,

@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.common import stage_log_timings
 from bench.gpu_e2e import mode_overrides
 from bench.shape_job import write_chat_rows
 from pipeline.config import load_config
@@ -44,20 +44,11 @@ JOB = ["rollout.max_tokens=64", "train.prompts_per_step=8", "dataflow.prompts_pe
        "run.tensorboard=false", f"run.steps={STEPS}", *os.environ.get("CONVEYOR_SHAPE_OVERRIDES", "").split()]
 
 
-# What the stages' own logs say of their start-up: vLLM's loading, profiling, compile and
-# CUDA graph lines, DeepSpeed's and the trainer's set-up.
-TIMING_LINES = re.compile(r"took|seconds|in \d+(\.\d+)? ?s\b|torch\.compile|Memory profiling|KV cache|CUDA graph",
-                          re.IGNORECASE)
-
-
 def append_stage_timings(run_dir: Path, log: Path, per_file: int = 60) -> None:
-    """Append to ``log`` the last ``per_file`` timing lines of each stage log of the run
-    (``run_dir/logs``), each prefixed with its file: they leave the machine with it."""
-    lines = []
-    for path in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []:
-        found = [line.rsplit("\r", 1)[-1][:300] for line in path.read_text(errors="replace").splitlines()
-                 if TIMING_LINES.search(line)]
-        lines += [f"{path.name}: {line}" for line in found[-per_file:]]
+    """Append to ``log`` the timing lines of each stage log of the run
+    (``bench.common.stage_log_timings``), each prefixed with its file: they leave the
+    machine with it."""
+    lines = [f"{name}: {line}" for name, found in stage_log_timings(run_dir, per_file).items() for line in found]
     with log.open("a") as out:
         out.write("\n----- stage logs: timing lines -----\n" + "\n".join(lines) + "\n")
 

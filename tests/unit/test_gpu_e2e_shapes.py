@@ -10,7 +10,7 @@ import pytest
 
 import stages.models.shapes
 from bench.__main__ import main as bench_main
-from bench.common import describe_startup_parts
+from bench.common import describe_startup_parts, stage_log_timings
 from bench.gpu_e2e import (
     CONFIG,
     SHAPE_SYSTEMS,
@@ -185,3 +185,26 @@ def test_a_rows_start_up_names_its_parts_and_slowest_set_up():
         "slowest_setup": {"stage": "rollout:0", "setup_s": 32.2, "imports_s": 10.2, "engine_s": 12.0,
                           "compile_cached_s": 9.9}}
     assert describe_startup_parts({"status": "failed"}) == {}  # a run that never started its stages
+
+
+def test_a_rows_start_up_keeps_the_stage_logs_timing_lines(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rollout.log").write_text(
+        "INFO starting\n"
+        "INFO Loading weights took 0.91 seconds\n"
+        "INFO Dynamo bytecode transform time: 5.20 s\n"
+        "INFO torch.compile takes 21.4 s in total\n"
+        "Capturing CUDA graphs: 50%\rCapturing CUDA graphs: 100%\n"
+        "INFO Graph capturing finished in 9 secs, took 0.38 GiB\n"
+        "INFO init engine (profile, create kv cache, warmup model) took 31.02 seconds\n"
+        "INFO generated 256 samples\n")
+    (logs / "reward.log").write_text("INFO scored a micro-batch\n")  # nothing timed: left out
+    found = stage_log_timings(tmp_path)
+    assert found == {"rollout.log": [
+        "INFO Loading weights took 0.91 seconds", "INFO Dynamo bytecode transform time: 5.20 s",
+        "INFO torch.compile takes 21.4 s in total", "Capturing CUDA graphs: 100%",
+        "INFO Graph capturing finished in 9 secs, took 0.38 GiB",
+        "INFO init engine (profile, create kv cache, warmup model) took 31.02 seconds"]}
+    assert stage_log_timings(tmp_path, per_file=2)["rollout.log"] == found["rollout.log"][-2:]
+    assert stage_log_timings(tmp_path / "never-ran") == {}
