@@ -54,9 +54,9 @@ SAFE_RESUME_KEYS = (
     "train.checkpoint_every", "train.keep_checkpoints", "train.weight_sync_timeout_s", "train.save_checkpoint",
     "train.on_checkpoint_error", "train.max_bad_steps",
     "record.", "placement.", "eval.",  # evaluation reads the weights, never changes them
-    # Where vLLM's memory goes, not what is learned (runs saved before the planned KV
+    # Where vLLM's memory goes and how many sequences it batches, not what is learned (runs saved before the planned KV
     # cache hold kv_cache_gib: 1.0; resume them with rollout.kv_cache_gib=null).
-    "rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.max_model_len",
+    "rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.max_model_len", "rollout.max_num_seqs",
 )
 
 

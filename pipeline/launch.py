@@ -62,6 +62,7 @@ from pipeline.placement import (
     detect_host_memory,
     detect_nodes,
     engines_per_gpu,
+    plan_max_num_seqs,
     plan_placement,
     size_job_kv_cache,
 )
@@ -203,6 +204,8 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     if kv is not None:
         rollout = msgspec.structs.replace(rollout, kv_cache_gib=kv[0] / (1 << 30), max_model_len=kv[1])
         plan.notes.append(kv[2])
+    if cfg.rollout.backend == "vllm" and rollout.max_num_seqs is None:
+        rollout = msgspec.structs.replace(rollout, max_num_seqs=plan_max_num_seqs(cfg))
     share = rollout.gpu_memory_utilization
     where = ("colocate" if cfg.placement.mode == "colocate" else f"{engines} vLLM engines on one GPU" if engines > 1
              else "streaming on one GPU")

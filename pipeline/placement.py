@@ -303,14 +303,36 @@ def engines_per_gpu(plan: PlacementPlan) -> int:
     return max(rollout.gpus.count(g) for g in set(rollout.gpus))
 
 
-def estimate_job_kv_bytes(cfg: ConveyorConfig, shape: ModelShape, lockstep: bool) -> tuple[int, int, int]:
-    """(bytes, sequences, tokens each) of the KV cache one vLLM engine needs for the
-    job: every sequence a worker can have generating at once (``max_inflight``
-    micro-batches; lock-step: at most a step's) at its longest, × ``KV_HEADROOM``
-    (``size_job_kv_cache`` says why)."""
+def job_sequences(cfg: ConveyorConfig, lockstep: bool) -> int:
+    """The sequences one rollout worker can have generating at once for training:
+    ``max_inflight`` micro-batches (lock-step: at most a step's) of
+    ``prompts_per_micro_batch × n``."""
     ro = cfg.rollout
     inflight = min(ro.max_inflight, cfg.micro_batches_per_step) if lockstep else ro.max_inflight
-    sequences = inflight * cfg.dataflow.prompts_per_micro_batch * ro.n
+    return inflight * cfg.dataflow.prompts_per_micro_batch * ro.n
+
+
+def plan_max_num_seqs(cfg: ConveyorConfig) -> int:
+    """vLLM's ``max_num_seqs`` for one rollout worker of this job: its training sequences
+    (``job_sequences``) plus, with ``eval`` on, an evaluation's (``max_inflight``
+    micro-batches of ``prompts_per_micro_batch`` prompts, one greedy completion each and
+    ``eval.n`` samples with ``eval.temperature`` > 0), which worker 0 may generate beside
+    them. More is never used: each extra size costs start-up (vLLM captures CUDA graphs
+    for up to twice it, to 512) and memory (its sampler is profiled for that many rows of
+    vocabulary-wide logits)."""
+    sequences = job_sequences(cfg, not cfg.dataflow.async_execution)
+    if cfg.eval.enabled:
+        per_prompt = 1 + (cfg.eval.n if cfg.eval.temperature > 0 else 0)
+        sequences += cfg.rollout.max_inflight * cfg.dataflow.prompts_per_micro_batch * per_prompt
+    return sequences
+
+
+def estimate_job_kv_bytes(cfg: ConveyorConfig, shape: ModelShape, lockstep: bool) -> tuple[int, int, int]:
+    """(bytes, sequences, tokens each) of the KV cache one vLLM engine needs for the
+    job: every sequence a worker can have generating at once (``job_sequences``) at its
+    longest, × ``KV_HEADROOM`` (``size_job_kv_cache`` says why)."""
+    ro = cfg.rollout
+    sequences = job_sequences(cfg, lockstep)
     seq_tokens = cfg.data.max_prompt_len + ro.max_tokens
     return math.ceil(estimate_kv_cache_bytes(shape, sequences * seq_tokens) * KV_HEADROOM), sequences, seq_tokens
 

@@ -35,7 +35,8 @@ ENGINE_KWARGS_OWNED: dict[str, str] = {
     "seed": "rollout.seed", "tensor_parallel_size": "rollout.tensor_parallel_size",
     "enforce_eager": "rollout.enforce_eager", "enable_sleep_mode": "rollout.sleep_mode",
     "kv_cache_memory_bytes": "rollout.kv_cache_gib", "gpu_memory_utilization": "rollout.gpu_memory_utilization",
-    "max_model_len": "rollout.max_model_len", "worker_extension_cls": "(Conveyor's weight loading)",
+    "max_model_len": "rollout.max_model_len", "max_num_seqs": "rollout.max_num_seqs",
+    "worker_extension_cls": "(Conveyor's weight loading)",
     "logprobs_mode": "(Conveyor's importance ratios)", "distributed_executor_backend": "(rollout placement)",
     "disable_log_stats": "(Conveyor's logging)", "pipeline_parallel_size": "rollout.tensor_parallel_size",
     "data_parallel_size": "rollout.num_workers (one engine per replica)",
@@ -62,6 +63,11 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # (max_position_embeddings); ``placement: colocate`` sets data.max_prompt_len +
     # rollout.max_tokens when it sizes the KV cache.
     max_model_len: PosInt | None = None
+    # vLLM's most sequences at once (its max_num_seqs). None: planned at launch to the
+    # most a worker can have generating (max_inflight x dataflow.prompts_per_micro_batch x
+    # n, plus an evaluation's), so vLLM captures CUDA graphs and profiles its sampler for
+    # batches the job makes, not for 1,024 (its offline default on an H100 or H200).
+    max_num_seqs: PosInt | None = None
     # vLLM's share of its GPU's memory. None: chosen by the placement plan (what trainer
     # and reference on the same GPU leave, or 0.9 on a GPU of its own; 0.5 unplanned).
     gpu_memory_utilization: Ratio | None = None
@@ -116,7 +122,7 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # AsyncLLM always keeps the KV: see docs/architecture.md).
     recompute_on_update: bool = True
     # vLLM backend: further keyword arguments of vLLM's AsyncEngineArgs (verl's
-    # rollout.engine_kwargs.vllm), e.g. {async_scheduling: true, max_num_seqs: 512}. The
+    # rollout.engine_kwargs.vllm), e.g. {async_scheduling: true, max_num_batched_tokens: 8192}. The
     # arguments Conveyor sets from other keys are refused here (ENGINE_KWARGS_OWNED); a
     # name the installed vLLM does not know stops the launch (preflight), naming it.
     engine_kwargs: dict[str, Any] = {}

@@ -121,6 +121,8 @@ def build_engine_kwargs(
             kwargs["distributed_executor_backend"] = "mp"
     if cfg.max_model_len is not None:
         kwargs["max_model_len"] = cfg.max_model_len
+    if cfg.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = cfg.max_num_seqs
     if supported is not None:
         check_engine_kwargs(cfg.engine_kwargs, supported)
     kwargs.update(cfg.engine_kwargs)

@@ -61,10 +61,14 @@ def test_verifying_the_sampler_tap_needs_vllms_engine_core_in_the_rollouts_proce
 
 
 def test_engine_kwargs_reach_the_config_and_need_the_vllm_backend():
-    cfg = load_config(None, ["rollout.engine_kwargs.max_num_seqs=512", "rollout.engine_kwargs.async_scheduling=true"])
-    assert cfg.rollout.engine_kwargs == {"max_num_seqs": 512, "async_scheduling": True}
+    cfg = load_config(None, ["rollout.engine_kwargs.max_num_batched_tokens=8192",
+                             "rollout.engine_kwargs.async_scheduling=true"])
+    assert cfg.rollout.engine_kwargs == {"max_num_batched_tokens": 8192, "async_scheduling": True}
     with pytest.raises(ConfigError, match=r"rollout.engine_kwargs: vLLM's engine arguments; rollout.backend is 'hf'"):
-        load_config(None, ["rollout.backend=hf", "rollout.engine_kwargs.max_num_seqs=512"])
+        load_config(None, ["rollout.backend=hf", "rollout.engine_kwargs.max_num_batched_tokens=8192"])
+    # One that a rollout key sets is refused here, naming the key.
+    with pytest.raises(ConfigError, match=r"rollout.engine_kwargs.max_num_seqs.*rollout.max_num_seqs"):
+        load_config(None, ["rollout.engine_kwargs.max_num_seqs=512"])
 
 
 @pytest.mark.parametrize(

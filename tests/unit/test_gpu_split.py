@@ -209,3 +209,23 @@ def test_status_prints_the_choice_and_its_reason(monkeypatch):
     console.print(render_plan(cfg, launch.build_dataflow(cfg, plan), plan))
     text = console.export_text()
     assert "sync mode, max_staleness 0" in text and "placement auto: colocate on one GPU: streaming does not fit" in text
+
+
+def test_vllm_batches_at_most_what_the_job_has_in_flight(monkeypatch):
+    FakeGpu(monkeypatch, 140)
+    # Streaming: 4 micro-batches in flight x 8 prompts x n 8 = 256 (vLLM's own default on
+    # an H100 or H200 is 1,024).
+    cfg, _ = launch.plan_run_placement(job())
+    assert cfg.dataflow.async_execution and cfg.rollout.max_num_seqs == 256
+    # Lock-step with 2 micro-batches a step: at most those 2 generate at once.
+    cfg, _ = launch.plan_run_placement(job(train={"prompts_per_step": 16},
+                                           dataflow={"async_execution": False, "max_staleness": 0}))
+    assert cfg.rollout.max_num_seqs == 2 * 8 * 8
+    # An evaluation generates beside training: 4 micro-batches x 8 prompts x (1 greedy + 4 samples).
+    cfg, _ = launch.plan_run_placement(job(eval={"path": "eval.jsonl", "n": 4, "temperature": 1.0}))
+    assert cfg.rollout.max_num_seqs == 256 + 4 * 8 * 5
+    # The user's value stands; the HF backend has no such setting.
+    cfg, _ = launch.plan_run_placement(job(rollout={"max_num_seqs": 512}))
+    assert cfg.rollout.max_num_seqs == 512
+    cfg, _ = launch.plan_run_placement(job(rollout={"backend": "hf"}))
+    assert cfg.rollout.max_num_seqs is None

@@ -153,7 +153,7 @@ def test_checking_engine_arguments_leaves_the_environment_as_it_was(setup, monke
     config, tmp = setup
     monkeypatch.chdir(tmp)
     cfg = load_config(config, ["data.path=chat.jsonl", "reward.function=my_reward.py:compute_score",
-                               "rollout.engine_kwargs.max_num_seqs=8"])
+                               "rollout.engine_kwargs.max_num_batched_tokens=8192"])
     import pipeline.preflight as preflight
 
     real = preflight.load_builtin

@@ -127,12 +127,16 @@ def test_engine_kwargs_on_cpu_and_gpu() -> None:
     with pytest.raises(RuntimeError, match="logprobs_mode"):
         build_engine_kwargs(Path("/ckpt"), cfg, "auto", on_cpu=True, supported=set(cpu) - {"logprobs_mode"})
     # rollout.engine_kwargs pass through; a name this vLLM lacks is refused, named.
-    extra = msgspec.structs.replace(cfg, engine_kwargs={"max_num_seqs": 512, "async_scheduling": True})
+    extra = msgspec.structs.replace(cfg, engine_kwargs={"max_num_batched_tokens": 8192, "async_scheduling": True})
     passed = build_engine_kwargs(Path("/ckpt"), extra, "auto", on_cpu=False,
-                                 supported=set(gpu) | {"max_num_seqs", "async_scheduling"})
-    assert passed == gpu | {"max_num_seqs": 512, "async_scheduling": True}
+                                 supported=set(gpu) | {"max_num_batched_tokens", "async_scheduling"})
+    assert passed == gpu | {"max_num_batched_tokens": 8192, "async_scheduling": True}
     with pytest.raises(ValueError, match=r"rollout.engine_kwargs.async_scheduling: not an engine argument"):
-        build_engine_kwargs(Path("/ckpt"), extra, "auto", on_cpu=False, supported=set(gpu) | {"max_num_seqs"})
+        build_engine_kwargs(Path("/ckpt"), extra, "auto", on_cpu=False, supported=set(gpu) | {"max_num_batched_tokens"})
+    # rollout.max_num_seqs (the launch plans it) becomes vLLM's; unset, vLLM's own default.
+    assert "max_num_seqs" not in gpu
+    seqs = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, max_num_seqs=64), "auto", on_cpu=False)
+    assert seqs == gpu | {"max_num_seqs": 64}
     module, _, name = WORKER_EXTENSION.rpartition(".")
     ext = getattr(__import__(module, fromlist=[name]), name)
     assert callable(ext.apply_weights) and callable(ext.fingerprint)
