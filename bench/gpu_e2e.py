@@ -231,6 +231,12 @@ def run_engines_isolated(root: Path, overrides: tuple[str, ...] = ()) -> dict[st
     return _run_child("engines-row", None, root, overrides)
 
 
+def describe_engines(row: dict[str, Any]) -> str:
+    """The console line of an ``engines`` row (``bench.engine_alone.measure_engines``)."""
+    return (f"rollout alone {row['rollout_tokens_per_s']:.0f} tokens per s, "
+            f"trainer alone {row['trainer_tokens_per_s']:.0f} tokens per s")
+
+
 def _run_child(kind: str, steps: str | None, root: Path, overrides: tuple[str, ...]) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     out = root / f"{kind}.json"
@@ -327,7 +333,8 @@ def run_rows(specs: tuple[str, ...], steps: int, model: str | None = None,
                 rows[label] = (_attempt("trl-grpo", run_trl_isolated, steps, where, job) if _version("trl")
                                else {"system": "trl-grpo", "status": "skipped", "error": "trl is not installed"})
             elif name == "engines":
-                rows[label] = _attempt("engines-alone", run_engines_isolated, where, (*job, *overrides))
+                rows[label] = _attempt("engines-alone", run_engines_isolated, where, (*job, *overrides),
+                                       describe=describe_engines)
             else:
                 rows[label] = _attempt(f"conveyor-{spec}", run_conveyor, name, steps, where, (*job, *overrides))
             rows[label]["label"], rows[label]["spec"] = label, spec

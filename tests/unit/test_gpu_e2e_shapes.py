@@ -208,3 +208,24 @@ def test_a_rows_start_up_keeps_the_stage_logs_timing_lines(tmp_path):
         "INFO init engine (profile, create kv cache, warmup model) took 31.02 seconds"]}
     assert stage_log_timings(tmp_path, per_file=2)["rollout.log"] == found["rollout.log"][-2:]
     assert stage_log_timings(tmp_path / "never-ran") == {}
+
+
+def test_every_kind_of_row_is_run_and_reported(monkeypatch, capsys):
+    """``run_rows`` with each row's runner faked by the row it returns on a GPU: each
+    gets its console line, and the engines row's has no samples/s to print."""
+    import bench.e2e
+    import bench.gpu_e2e as gpu_e2e
+
+    conveyor = {"samples_per_s": 160.0, "reward_final": 0.5, "time_to_threshold_s": {}}
+    monkeypatch.setattr(gpu_e2e, "run_conveyor", lambda name, steps, where, job: {"system": f"conveyor-{name}",
+                                                                                  **conveyor})
+    monkeypatch.setattr(gpu_e2e, "run_trl_isolated", lambda steps, where, job: {"system": "trl-grpo", **conveyor})
+    monkeypatch.setattr(gpu_e2e, "run_engines_isolated", lambda where, job: {
+        "system": "engines-alone", "rollout_tokens_per_s": 61234.5, "trainer_tokens_per_s": 40321.0})
+    monkeypatch.setattr(gpu_e2e, "_version", lambda dist: "1.16.0")
+    monkeypatch.setattr(bench.e2e, "vllm_compile_cache_entries", lambda: set())
+    rows = gpu_e2e.run_rows(("engines", "async", "trl"), steps=3)
+    assert [r["status"] for r in rows.values()] == ["ok", "ok", "ok"]
+    out = capsys.readouterr().out
+    assert "engines-alone: rollout alone 61234 tokens per s, trainer alone 40321 tokens per s" in out
+    assert "conveyor-async: 160.0 samples per s" in out and "trl-grpo: 160.0 samples per s" in out
