@@ -41,6 +41,14 @@ prepare() {
   df -h / | tail -1
 }
 
+# After a command: the disk's free space, where core dumps go, and the largest files on
+# the root file system (a 4B run once filled the disk and nothing said with what).
+disk_report() {
+  echo "device.sh: disk $(df -h / | tail -1 | awk '{print $4 " free of " $2}'); core_pattern $(cat /proc/sys/kernel/core_pattern 2>/dev/null), core size limit $(ulimit -c)"
+  find / -xdev -type f -size +1G -printf '%s %p\n' 2>/dev/null | sort -rn | head -8 \
+    | awk '{printf "device.sh:   %6.1f GiB  %s\n", $1 / 1073741824, $2}'
+}
+
 need_secs() {
   [[ "${1:-}" =~ ^[0-9]+$ ]] || { echo "device.sh $mode: expected SECS (a whole number of seconds), got '${1:-}'" >&2; exit 2; }
 }
@@ -51,10 +59,10 @@ case "$mode" in
     mkdir -p /root/wheels && cp ".gpu-wheels/$1"/* /root/wheels/ && ls /root/wheels | wc -l ;;
   tests)
     need_secs "${1:-}"; secs=$1; shift; prepare
-    timeout "$secs" bash tests/gpu/run.sh "$@"; echo "device.sh: exit $?" ;;
+    timeout "$secs" bash tests/gpu/run.sh "$@"; echo "device.sh: exit $?"; disk_report ;;
   run)
     need_secs "${1:-}"; secs=$1; shift; prepare
-    timeout "$secs" "$@" 2>&1 | tee "$out/run.log"; echo "device.sh: exit ${PIPESTATUS[0]}" ;;
+    timeout "$secs" "$@" 2>&1 | tee "$out/run.log"; echo "device.sh: exit ${PIPESTATUS[0]}"; disk_report ;;
   start)
     need_secs "${1:-}"; secs=$1; shift; prepare
     [ $# -gt 0 ] || { echo "device.sh start: expected a command" >&2; exit 2; }
@@ -70,7 +78,8 @@ case "$mode" in
     mkdir -p "$out/job"
     cp "$job/log" "$out/job/" 2>/dev/null
     find "$job/out" -type f \( -name '*.json' -o -name '*.png' -o -name '*.log' \) -exec cp -t "$out/job/" {} + 2>/dev/null
-    grep -v '^\s*$' "$job/log" 2>/dev/null | tail -60 ;;
+    grep -v '^\s*$' "$job/log" 2>/dev/null | tail -60
+    [ -f "$job/done" ] && disk_report ;;
   *)
     sed -n '2,15p' "$0"; exit 2 ;;
 esac
