@@ -99,7 +99,7 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
     from pipeline.metrics import read_metrics
 
     overrides = [f"run.dir={root / mode}", f"run.steps={steps}", "run.progress=false", f"run.name=gpu-e2e-{mode}",
-                 "train.save_checkpoint=false", "run.tensorboard=false", *mode_overrides(mode), *extra]
+                 "train.save_checkpoint=false", "train.resumable=false", "run.tensorboard=false", *mode_overrides(mode), *extra]
     cfg = load_config(config, overrides)
     note_config(cfg)
     per_step = cfg.train.prompts_per_step * cfg.rollout.n

@@ -189,7 +189,8 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
     from pipeline.metrics import read_metrics
 
     overrides = [f"run.dir={root / name}", f"run.steps={job.steps}", "run.progress=false", f"run.name=longtail-{name}",
-                 "train.save_checkpoint=false", "run.tensorboard=false", *job.overrides, *MODES[name], *extra]
+                 "train.save_checkpoint=false", "train.resumable=false", "run.tensorboard=false", *job.overrides,
+                 *MODES[name], *extra]
     cfg = load_config(job.config, overrides)
     note_config(cfg)
     per_step = cfg.train.prompts_per_step * cfg.rollout.n

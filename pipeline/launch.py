@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from pipeline.placement import (
     check_offload_host_memory,
     check_plan,
     check_resources,
+    check_run_disk,
     colocated_startup_fraction,
     detect_gpus,
     detect_host_memory,
@@ -86,6 +88,7 @@ RESTARTABLE_STAGES = ("rollout", "reward", "reward_model", "reference")
 MAX_SYNC_MARKERS = 10_000
 AUTO_RESUME_ATTEMPTS = 3  # resumes of one launch after deaths it could not restart
 NOTHING_TO_RESUME = "stopped before its first checkpoint: nothing to resume; launch the run again"
+NOT_RESUMABLE = "train.resumable: false wrote no checkpoint: nothing to resume; launch the run again"
 
 
 def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> DataFlow:
@@ -195,6 +198,9 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     check_plan(cfg, plan)
     if shape is not None and cfg.train.offload_optimizer:
         plan.notes.append(check_offload_host_memory(cfg, shape, "critic" in stages, detect_host_memory(cfg.run.address)))
+    disk = check_run_disk(cfg, shape if shape is not None else read_model_shape(cfg), detect_free_disk(cfg.run_dir))
+    if disk:
+        plan.notes.append(disk)
     rollout = cfg.rollout
     if plan.rollout_memory_fraction != rollout.gpu_memory_utilization:
         rollout = msgspec.structs.replace(rollout, gpu_memory_utilization=plan.rollout_memory_fraction)
@@ -224,6 +230,15 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
                               f"{startup:g} of the GPU, more than its share {share:g}: it may run "
                               f"out of memory; lower rollout.kv_cache_gib or rollout.max_inflight")
     return msgspec.structs.replace(cfg, rollout=rollout), plan
+
+
+def detect_free_disk(run_dir: Path) -> int:
+    """Bytes free on the file system that holds ``run_dir`` (its nearest existing folder;
+    the driver's: a run's files are written by the stage that makes them, on its node)."""
+    path = Path(run_dir).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def read_model_shape(cfg: ConveyorConfig) -> ModelShape:
@@ -692,7 +707,9 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
     summary = {
         "run": cfg.run.name,
         "status": "interrupted" if result.interrupted else "completed",
-        **({"signal": result.interrupted, "resume": f"conveyor launch --resume {run_dir}"}
+        **({"signal": result.interrupted,
+            **({"resume": f"conveyor launch --resume {run_dir}"} if cfg.train.resumable
+               else {"resume": None, "resume_why": NOT_RESUMABLE})}
            if result.interrupted else {}),
         "mode": result.mode,
         "wall_s": result.wall_s,

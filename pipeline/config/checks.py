@@ -33,6 +33,9 @@ def check_config(cfg: ConveyorConfig) -> None:
             "record.edges: a recorded trainer input replays one optimizer update per step; with "
             "train.ppo_epochs or train.ppo_mini_batches > 1 a step makes several, so it cannot be recorded")
     check_staleness(cfg)
+    if cfg.run.auto_resume and not tr.resumable:
+        raise ConfigError("run.auto_resume: resumes from the newest checkpoint, and train.resumable: false writes "
+                          "none; set train.resumable=true or run.auto_resume=false")
     if tr.num_ranks > 1 and any(e.endswith("->trainer") for e in cfg.record.edges):
         raise ConfigError(f"record.edges: replay retrains a recorded step on one rank; record with "
                           f"train.num_ranks 1, got {tr.num_ranks}")

@@ -60,6 +60,10 @@ class TrainConfig(msgspec.Struct, **_section()):
     # done) every k steps (0: none) and at the end of every run, interrupted ones included.
     checkpoint_every: NonNegInt = 50
     keep_checkpoints: PosInt = 2
+    # false: no resumable checkpoint at all, not even at the end (verl's save_freq -1,
+    # TRL's save_strategy "no"): the run cannot be resumed. Each holds the weights and
+    # the optimizer's state, 14 bytes a parameter in bf16: 52 GiB for a 4B model.
+    resumable: bool = True
     # A checkpoint that cannot be written (a full disk): stop the run, status failed and
     # the last good checkpoint named (at most checkpoint_every steps to redo), or
     # continue and try again at the next interval.

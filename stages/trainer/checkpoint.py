@@ -6,7 +6,7 @@ Guarantees:
   version v covers exactly the optimizer steps before v and the drops recorded so far.
 - A checkpoint is written every ``train.checkpoint_every`` versions and at the end of
   every run (an interrupted one too), each atomically, the newest
-  ``train.keep_checkpoints`` kept.
+  ``train.keep_checkpoints`` kept; none with ``train.resumable: false``.
 - A write that fails (``OSError``: a full disk) leaves the checkpoints already written
   as they were; under ``train.on_checkpoint_error: stop`` it raises
   ``CheckpointWriteError`` naming the last good checkpoint, under ``continue`` it
@@ -53,6 +53,7 @@ class TrainerCheckpoints:
     def __init__(self, cfg: Any, engine: Any) -> None:
         self.run_dir = cfg.run_dir
         self.every = cfg.train.checkpoint_every
+        self.enabled = cfg.train.resumable  # false: nothing is written (train.resumable)
         self.keep = cfg.train.keep_checkpoints
         self.train_cfg = cfg.train  # its num_ranks: recorded, and checked on restore
         self.engine = engine
@@ -119,7 +120,8 @@ class TrainerCheckpoints:
                 "done_count": self.trained_prompts + sum(self.dropped.values())}
 
     def due(self) -> bool:
-        return bool(self.every) and self.engine.version % self.every == 0 and self.engine.version != self.last_written
+        return (self.enabled and bool(self.every) and self.engine.version % self.every == 0
+                and self.engine.version != self.last_written)
 
     def write(self) -> Path | None:
         """A checkpoint of the engine's current version (call from a thread); None when

@@ -244,7 +244,7 @@ class CriticStage:
 
     async def _maybe_checkpoint(self, step: int) -> None:
         every = self.cfg.train.checkpoint_every
-        if every and step // every > self.last_checkpoint_step // every:
+        if every and self.cfg.train.resumable and step // every > self.last_checkpoint_step // every:
             self.last_checkpoint_step = step
             await asyncio.to_thread(self._write)
 
@@ -253,6 +253,8 @@ class CriticStage:
                                   {"batches": self.batches, "checkpoint_step": self.last_checkpoint_step})
 
     async def finish(self) -> None:
+        if not self.cfg.train.resumable:
+            return
         path = await asyncio.to_thread(self._write)
         self.ctx.log.info("critic_state_saved", path=str(path), critic_steps=self.engine.steps)
 

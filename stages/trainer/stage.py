@@ -632,7 +632,8 @@ class TrainerStage:
     async def finish(self) -> None:
         # Before the drops below: a step cut short by a stop is not done, so a resumed
         # run issues its prompts again.
-        if self.checkpoints.dirty or self.checkpoints.last_written != self.engine.version:
+        if self.checkpoints.enabled and (self.checkpoints.dirty
+                                         or self.checkpoints.last_written != self.engine.version):
             await self._write_checkpoint()
         if self._step_batches or self._held:
             # The ledger admits whole steps, so this only happens when a run is cut short

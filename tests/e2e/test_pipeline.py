@@ -198,12 +198,14 @@ def test_lockstep_is_exactly_on_policy(lockstep_run):
 def test_lockstep_without_sampler_logprobs_anchors_the_ratio_on_the_trainer(ray_cluster, tmp_path):
     """``rollout.logprobs: false``: the rollout reports no log-probs, the trainer's own (detached)
     anchor its ratio, so it is 1 on every token and nothing clips; a dense reward keeps
-    every step's gradient non-zero, and it stays finite."""
+    every step's gradient non-zero, and it stays finite. With ``train.resumable: false``
+    no resumable checkpoint is written, not even at the end; the model is still exported."""
     steps = 3
     summary, rows = _launch(tmp_path, f"run.steps={steps}", "dataflow.async_execution=false",
                             "dataflow.max_staleness=0", "rollout.logprobs=false", HF,
-                            "reward.function=tests.e2e.test_architectures:score_digit_share")
+                            "reward.function=tests.e2e.test_architectures:score_digit_share", "train.resumable=false")
     assert summary["steps"] == steps and summary["samples"]["reconciles"]
+    assert not (tmp_path / "checkpoints").exists() and (tmp_path / "checkpoint" / "config.json").is_file()
     assert len(rows) == steps
     for r in rows:
         assert r["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-9) and r["actor/ratio_max"] == 1.0

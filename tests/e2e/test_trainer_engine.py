@@ -556,3 +556,24 @@ def test_a_nonfinite_step_is_not_applied(checkpoint, zero_stage, where):
     out = engine.optimizer_step()
     assert out["skipped_nonfinite"] == 0.0 and math.isfinite(out["grad_norm"]) and engine.version == version + 1
     assert engine.weights_sha256() != sha
+
+
+def test_a_saved_state_is_the_size_the_disk_plan_counts(engine, tmp_path):
+    """``pipeline.placement.estimate_checkpoint_bytes``, which refuses a run whose
+    checkpoints do not fit its disk, against a state DeepSpeed wrote: float32 weights
+    and Adam's two moments, 12 bytes a parameter, plus the pickles' own few KiB."""
+    from pipeline.config import decode_config
+    from pipeline.memory.admission import ModelShape
+    from pipeline.placement import estimate_checkpoint_bytes
+
+    batch = on_policy(engine, make_batch(seed=5))
+    engine.train_micro_batch(batch, 1.0)
+    engine.optimizer_step()  # Adam's moments exist from the first step on
+    engine.save_state(tmp_path / "state")
+    written = sum(f.stat().st_size for f in (tmp_path / "state").rglob("*") if f.is_file())
+    params = sum(p.numel() for p in engine.module.parameters())
+    shape = ModelShape(num_layers=1, num_kv_heads=1, head_dim=1, hidden_size=1, vocab_size=1, num_params=params,
+                       dtype_bytes=4)
+    expected = estimate_checkpoint_bytes(decode_config({"model": {"dtype": "float32"}}), shape)
+    assert expected == 12 * params
+    assert expected <= written <= expected + (256 << 10), (written, expected)

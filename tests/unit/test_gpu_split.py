@@ -37,10 +37,12 @@ def job(**sections):
 
 class FakeGpu:
     """One GPU of ``total_gib``, ``free_gib`` of it free (None: ``nvidia-smi`` says nothing),
-    in place of the launch's detection; the model's shape read as ``SHAPE``."""
+    and ``disk_free_gib`` free where run.dir is, in place of the launch's detection; the
+    model's shape read as ``SHAPE``."""
 
-    def __init__(self, monkeypatch, total_gib: float, free_gib: float | None = None) -> None:
+    def __init__(self, monkeypatch, total_gib: float, free_gib: float | None = None, disk_free_gib: float = 1024) -> None:
         monkeypatch.setattr(launch, "detect_gpus", lambda address: (1, int(total_gib * GIB)))
+        monkeypatch.setattr(launch, "detect_free_disk", lambda run_dir: int(disk_free_gib * GIB))
         monkeypatch.setattr(launch, "detect_free_gpu_bytes",
                             lambda address: 0 if free_gib is None else int(free_gib * GIB))
         monkeypatch.setattr(launch, "read_model_shape", lambda cfg: SHAPE)
@@ -229,3 +231,39 @@ def test_vllm_batches_at_most_what_the_job_has_in_flight(monkeypatch):
     assert cfg.rollout.max_num_seqs == 512
     cfg, _ = launch.plan_run_placement(job(rollout={"backend": "hf"}))
     assert cfg.rollout.max_num_seqs is None
+
+
+def test_a_run_whose_checkpoints_do_not_fit_the_disk_stops_before_launch(monkeypatch):
+    from pipeline.config import ConfigError
+
+    # 268.7M parameters in bf16: a resumable checkpoint holds 2 + 12 bytes each (3.503
+    # GiB), the exported model 2 (0.500 GiB). 100 steps, one every 50 and one at the
+    # end: 3 written, the newest 2 kept and a third while it is written.
+    FakeGpu(monkeypatch, 140, disk_free_gib=8)
+    with pytest.raises(ConfigError) as info:
+        launch.plan_run_placement(job(run={"steps": 100}))
+    assert str(info.value) == (
+        "disk: the run writes up to 11.0 GiB under run.dir (3 resumable checkpoints of 3.5 GiB (weights and the "
+        "optimizer's state) and the exported model, 0.5 GiB); 8.0 GiB free: it does not fit; set run.dir (a larger "
+        "disk), train.keep_checkpoints=1, train.resumable=false (no resumable checkpoints), train.save_checkpoint=false "
+        "(no exported model)")
+    # Keeping one: 2 x 3.503 + 0.500 = 7.5 GiB fit, with a note (more than half the disk).
+    _, plan = launch.plan_run_placement(job(run={"steps": 100}, train={"keep_checkpoints": 1}))
+    (disk,) = [n for n in plan.notes if n.startswith("disk:")]
+    assert disk.startswith("disk: the run writes up to 7.5 GiB under run.dir (2 resumable checkpoints") and \
+        disk.endswith("; 8.0 GiB free")
+    # No resumable checkpoints: the exported model alone, no note; a run of 10 steps writes one.
+    _, plan = launch.plan_run_placement(job(run={"steps": 100}, train={"resumable": False}))
+    assert not any(n.startswith("disk:") for n in plan.notes)
+    FakeGpu(monkeypatch, 140, disk_free_gib=3.9)
+    with pytest.raises(ConfigError, match=r"1 resumable checkpoint of 3.5 GiB .* set run.dir \(a larger disk\), "
+                                          r"train.resumable=false"):
+        launch.plan_run_placement(job(run={"steps": 10}))
+
+
+def test_auto_resume_needs_resumable_checkpoints():
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="run.auto_resume: resumes from the newest checkpoint, and "
+                                          "train.resumable: false writes none"):
+        job(run={"auto_resume": True}, train={"resumable": False})

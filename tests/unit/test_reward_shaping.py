@@ -130,7 +130,7 @@ def test_step_statistics_count_groups_dropped_upstream():
 
 
 def test_trainer_account_takes_upstream_drops_into_its_done_set():
-    cfg = SimpleNamespace(run_dir=None, train=SimpleNamespace(checkpoint_every=0, keep_checkpoints=1),
+    cfg = SimpleNamespace(run_dir=None, train=SimpleNamespace(checkpoint_every=0, keep_checkpoints=1, resumable=True),
                           data=SimpleNamespace(curriculum=None))
     ckpt = TrainerCheckpoints(cfg, engine=None)
     ckpt.record_dropped_prompts([0, 2], ZERO_VARIANCE)
@@ -146,7 +146,7 @@ def test_trainer_records_a_carriers_drops_and_trains_nothing():
     filt.add(scored([1, 1, 0, 0], batch_id=9, first_index=10))
     (carrier,) = filt.flush()
     stage = TrainerStage()  # no engine: an empty batch must not reach it
-    cfg = SimpleNamespace(run_dir=None, train=SimpleNamespace(checkpoint_every=0, keep_checkpoints=1),
+    cfg = SimpleNamespace(run_dir=None, train=SimpleNamespace(checkpoint_every=0, keep_checkpoints=1, resumable=True),
                           data=SimpleNamespace(curriculum=None))
     stage.checkpoints = TrainerCheckpoints(cfg, engine=None)
     assert asyncio.run(stage.process(carrier)) is None
