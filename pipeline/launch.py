@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from pipeline.checkpoint import find_latest_checkpoint, prepare_run_dir, reconcile_prompt_ids
+from pipeline.checkpoint import CHECKPOINTS_DIR, find_latest_checkpoint, prepare_run_dir, reconcile_prompt_ids
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
 from pipeline.dtypes import DTYPE_BYTES
@@ -198,7 +198,9 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     check_plan(cfg, plan)
     if shape is not None and cfg.train.offload_optimizer:
         plan.notes.append(check_offload_host_memory(cfg, shape, "critic" in stages, detect_host_memory(cfg.run.address)))
-    disk = check_run_disk(cfg, shape if shape is not None else read_model_shape(cfg), detect_free_disk(cfg.run_dir))
+    existing = len(list((cfg.run_dir / CHECKPOINTS_DIR).glob("step-*"))) if cfg.run.resume_from else 0
+    disk = check_run_disk(cfg, shape if shape is not None else read_model_shape(cfg), detect_free_disk(cfg.run_dir),
+                          existing)
     if disk:
         plan.notes.append(disk)
     rollout = cfg.rollout

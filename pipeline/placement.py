@@ -152,16 +152,17 @@ def estimate_checkpoint_bytes(cfg: ConveyorConfig, shape: ModelShape) -> int:
     return per_param * params
 
 
-def estimate_run_disk_bytes(cfg: ConveyorConfig, shape: ModelShape) -> tuple[int, str]:
-    """(bytes, what they are) that a run writes at most under ``run.dir`` at once: its
+def estimate_run_disk_bytes(cfg: ConveyorConfig, shape: ModelShape, existing: int = 0) -> tuple[int, str]:
+    """(bytes, what they are) that a run adds at most under ``run.dir`` at once: its
     resumable checkpoints (``estimate_checkpoint_bytes``; one every
     ``train.checkpoint_every`` steps and one at the end, the newest
     ``train.keep_checkpoints`` kept and one more while the next is written; none with
-    ``train.resumable: false``) and the exported model (``train.save_checkpoint``). Logs,
-    metrics and recordings are not counted."""
+    ``train.resumable: false``), less the ``existing`` ones a resumed run finds there
+    (already off the disk's free space, and removed as new ones come), and the exported
+    model (``train.save_checkpoint``). Logs, metrics and recordings are not counted."""
     tr = cfg.train
     writes = (cfg.run.steps // tr.checkpoint_every if tr.checkpoint_every else 0) + 1 if tr.resumable else 0
-    copies = min(tr.keep_checkpoints + 1, writes)
+    copies = max(0, min(tr.keep_checkpoints + 1, writes) - existing)
     one = estimate_checkpoint_bytes(cfg, shape)
     export = shape.num_params * DTYPE_BYTES[cfg.model.dtype] if tr.save_checkpoint else 0
     parts = []
@@ -173,18 +174,19 @@ def estimate_run_disk_bytes(cfg: ConveyorConfig, shape: ModelShape) -> tuple[int
     return copies * one + export, " and ".join(parts)
 
 
-def check_run_disk(cfg: ConveyorConfig, shape: ModelShape, free_bytes: int) -> str:
-    """What the run writes (``estimate_run_disk_bytes``) against ``free_bytes`` free
-    where ``run.dir`` is: ``PlacementError`` naming the keys that write less where it
-    does not fit, a note for the plan where it takes more than half of it, else ""."""
-    need, what = estimate_run_disk_bytes(cfg, shape)
+def check_run_disk(cfg: ConveyorConfig, shape: ModelShape, free_bytes: int, existing: int = 0) -> str:
+    """What the run writes (``estimate_run_disk_bytes``, ``existing`` checkpoints found)
+    against ``free_bytes`` free where ``run.dir`` is: ``PlacementError`` naming the keys
+    that write less where it does not fit, a note for the plan where it takes more than
+    half of it, else ""."""
+    need, what = estimate_run_disk_bytes(cfg, shape, existing)
     if not need or not free_bytes:
         return ""
     text = f"disk: the run writes up to {need / _GIB:.1f} GiB under run.dir ({what}); {free_bytes / _GIB:.1f} GiB free"
     if need > free_bytes:
         keys = ["run.dir (a larger disk)", "train.resumable=false (no resumable checkpoints)"]
         keep_one = msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, keep_checkpoints=1))
-        if estimate_run_disk_bytes(keep_one, shape)[0] < need:
+        if estimate_run_disk_bytes(keep_one, shape, existing)[0] < need:
             keys.insert(1, "train.keep_checkpoints=1")
         if cfg.train.save_checkpoint:
             keys.append("train.save_checkpoint=false (no exported model)")

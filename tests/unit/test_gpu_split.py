@@ -261,6 +261,21 @@ def test_a_run_whose_checkpoints_do_not_fit_the_disk_stops_before_launch(monkeyp
         launch.plan_run_placement(job(run={"steps": 10}))
 
 
+def test_a_resumed_run_counts_the_checkpoints_it_finds_as_already_written(monkeypatch, tmp_path):
+    from pipeline.config import ConfigError
+
+    # Two checkpoints of 3.503 GiB are already off the 5 GiB free; a third while the
+    # next is written and the export: 4.0 GiB more, which fit. A fresh run would need 11.0.
+    FakeGpu(monkeypatch, 140, disk_free_gib=5)
+    for name in ("step-00000050", "step-00000060"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    with pytest.raises(ConfigError, match="up to 11.0 GiB"):
+        launch.plan_run_placement(job(run={"steps": 100, "dir": str(tmp_path)}))
+    _, plan = launch.plan_run_placement(job(run={"steps": 100, "dir": str(tmp_path), "resume_from": str(tmp_path)}))
+    (disk,) = [n for n in plan.notes if n.startswith("disk:")]
+    assert disk.startswith("disk: the run writes up to 4.0 GiB under run.dir (1 resumable checkpoint of 3.5 GiB")
+
+
 def test_auto_resume_needs_resumable_checkpoints():
     from pipeline.config import ConfigError
 
