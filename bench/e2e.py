@@ -165,8 +165,19 @@ def _attempt(name: str, fn: Any, *args: Any, describe: Any = _describe_run) -> d
     except Exception as exc:
         row = {"system": name, "status": "error", "error": f"{type(exc).__name__}: {exc}",
                "traceback": _clip(traceback.format_exc())}
-    print(f"{name}: {describe(row) if row['status'] == 'ok' else row['error']}", flush=True)
+    print(f"{name}: {_console_line(row, describe)}", flush=True)
     return row
+
+
+def _console_line(row: dict[str, Any], describe: Any) -> str:
+    """A row's console line; a ``describe`` that fails on it costs the line, not the
+    row (a benchmark's other rows and its result file still come)."""
+    if row["status"] != "ok":
+        return row["error"]
+    try:
+        return describe(row)
+    except Exception as exc:  # the row was measured: only its line is lost
+        return f"ok ({type(exc).__name__} describing it: {exc})"
 
 
 def _clip(text: str, head: int = 1500, tail: int = 3000) -> str:

@@ -229,3 +229,6 @@ def test_every_kind_of_row_is_run_and_reported(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "engines-alone: rollout alone 61234 tokens per s, trainer alone 40321 tokens per s" in out
     assert "conveyor-async: 160.0 samples per s" in out and "trl-grpo: 160.0 samples per s" in out
+    # A console line that cannot be made loses the line, not the row.
+    row = bench.e2e._attempt("odd", lambda: {"system": "odd"})
+    assert row["status"] == "ok" and "odd: ok (KeyError describing it: 'samples_per_s')" in capsys.readouterr().out
