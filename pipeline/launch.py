@@ -199,8 +199,10 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     if shape is not None and cfg.train.offload_optimizer:
         plan.notes.append(check_offload_host_memory(cfg, shape, "critic" in stages, detect_host_memory(cfg.run.address)))
     existing = len(list((cfg.run_dir / CHECKPOINTS_DIR).glob("step-*"))) if cfg.run.resume_from else 0
+    recording = recording_root(cfg)
+    other_disk = detect_disk(recording) != detect_disk(cfg.run_dir)
     disk = check_run_disk(cfg, shape if shape is not None else read_model_shape(cfg), detect_free_disk(cfg.run_dir),
-                          existing)
+                          existing, detect_free_disk(recording) if other_disk else None)
     if disk:
         plan.notes.append(disk)
     rollout = cfg.rollout
@@ -234,13 +236,23 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     return msgspec.structs.replace(cfg, rollout=rollout), plan
 
 
-def detect_free_disk(run_dir: Path) -> int:
-    """Bytes free on the file system that holds ``run_dir`` (its nearest existing folder;
-    the driver's: a run's files are written by the stage that makes them, on its node)."""
-    path = Path(run_dir).expanduser().absolute()
+def _nearest_existing(path: Path) -> Path:
+    path = Path(path).expanduser().absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
-    return shutil.disk_usage(path).free
+    return path
+
+
+def detect_free_disk(path: Path) -> int:
+    """Bytes free on the file system that will hold ``path`` (its nearest existing
+    folder's; the driver's: a run's files are written by the stage that makes them, on
+    its node)."""
+    return shutil.disk_usage(_nearest_existing(path)).free
+
+
+def detect_disk(path: Path) -> int:
+    """The device of the file system that will hold ``path`` (``detect_free_disk``)."""
+    return os.stat(_nearest_existing(path)).st_dev
 
 
 def read_model_shape(cfg: ConveyorConfig) -> ModelShape:
@@ -267,12 +279,17 @@ def count_engine_restarts(statuses: dict[str, dict[str, Any]]) -> dict[str, floa
     return {"rollout/engine_restarts": float(sum(counts))} if counts else {}
 
 
+def recording_root(cfg: ConveyorConfig) -> Path:
+    """Where the run's recording goes: ``record.dir``, else ``<run dir>/recording``. A
+    resumed run records apart (recording-from-step-N): its batch ids and sequence
+    numbers start again, and must not replace the first session's files."""
+    default = f"recording-from-{Path(cfg.run.resume_from).name}" if cfg.run.resume_from else "recording"
+    return Path(cfg.record.dir).expanduser() if cfg.record.dir else cfg.run_dir / default
+
+
 def record_taps(cfg: ConveyorConfig, df: DataFlow) -> dict[str, str]:
     """Edge name -> recording dir (``<record.dir>/<consumer>``: one writer per directory)."""
-    # A resumed run records apart (recording-from-step-N): its batch ids and sequence
-    # numbers start again, and must not replace the first session's files.
-    default = f"recording-from-{Path(cfg.run.resume_from).name}" if cfg.run.resume_from else "recording"
-    root = Path(cfg.record.dir).expanduser() if cfg.record.dir else cfg.run_dir / default
+    root = recording_root(cfg)
     for edge in cfg.record.edges:
         if edge not in df.edge_names:
             raise ConfigError(f"record.edges: {edge!r} is not an edge of the graph (edges: {df.edge_names})")

@@ -139,17 +139,30 @@ def check_offload_host_memory(cfg: ConveyorConfig, shape: ModelShape, with_criti
     return f"{what} of {host_bytes / _GIB:.0f} GiB" if host_bytes else what
 
 
-def estimate_checkpoint_bytes(cfg: ConveyorConfig, shape: ModelShape) -> int:
+def estimate_checkpoint_bytes(cfg: ConveyorConfig, shape: ModelShape, with_critic: bool | None = None) -> int:
     """Bytes of one resumable checkpoint (``<run dir>/checkpoints/step-N``): DeepSpeed's
     state of each trainable parameter (``model.lora``: the adapter's), its weights and
     Adam's two fp32 moments, with mixed precision its fp32 master weights too: 12 bytes
-    in float32, 2 + 4 + 8 = 14 in bfloat16 (a 4B model's: 52 GiB); with a critic, its
-    state as well (``RUN_DIR/critic``). Measured on the CPU's float32 trainer: 12.0."""
+    in float32, 2 + 4 + 8 = 14 in bfloat16 (a 4B model's: 52 GiB); with a critic
+    (``with_critic``, default: the algorithm's), its state as well (``RUN_DIR/critic``).
+    Measured on the CPU's float32 trainer: 12.0."""
     dtype = cfg.model.dtype
     per_param = 12 if dtype == "float32" else DTYPE_BYTES[dtype] + 12
     trainable = count_trainable_params(cfg, shape)
-    params = (shape.num_params if trainable is None else trainable) + (shape.num_params if cfg.critic_enabled else 0)
-    return per_param * params
+    critic = cfg.critic_enabled if with_critic is None else with_critic
+    return per_param * ((shape.num_params if trainable is None else trainable) + (shape.num_params if critic else 0))
+
+
+def estimate_replay_states_bytes(cfg: ConveyorConfig, shape: ModelShape) -> tuple[int, str]:
+    """(bytes, what they are) of the trainer's states a recording keeps for replay
+    (``<record dir>/trainer/states``): where an edge into the trainer is recorded, its
+    state at the start and every ``record.state_every`` versions, none removed, each a
+    checkpoint's trainer state (``estimate_checkpoint_bytes``, no critic)."""
+    if not any(e.endswith("->trainer") for e in cfg.record.edges):
+        return 0, ""
+    states = 1 + (cfg.run.steps // cfg.record.state_every if cfg.record.state_every else 0)
+    one = estimate_checkpoint_bytes(cfg, shape, with_critic=False)
+    return states * one, f"{states} trainer state{'s' if states > 1 else ''} of {one / _GIB:.1f} GiB for replay"
 
 
 def estimate_run_disk_bytes(cfg: ConveyorConfig, shape: ModelShape, existing: int = 0) -> tuple[int, str]:
@@ -159,7 +172,8 @@ def estimate_run_disk_bytes(cfg: ConveyorConfig, shape: ModelShape, existing: in
     ``train.keep_checkpoints`` kept and one more while the next is written; none with
     ``train.resumable: false``), less the ``existing`` ones a resumed run finds there
     (already off the disk's free space, and removed as new ones come), and the exported
-    model (``train.save_checkpoint``). Logs, metrics and recordings are not counted."""
+    model (``train.save_checkpoint``). Logs, metrics and recorded micro-batches are not
+    counted (``estimate_replay_states_bytes`` counts a recording's trainer states)."""
     tr = cfg.train
     writes = (cfg.run.steps // tr.checkpoint_every if tr.checkpoint_every else 0) + 1 if tr.resumable else 0
     copies = max(0, min(tr.keep_checkpoints + 1, writes) - existing)
@@ -174,24 +188,45 @@ def estimate_run_disk_bytes(cfg: ConveyorConfig, shape: ModelShape, existing: in
     return copies * one + export, " and ".join(parts)
 
 
-def check_run_disk(cfg: ConveyorConfig, shape: ModelShape, free_bytes: int, existing: int = 0) -> str:
-    """What the run writes (``estimate_run_disk_bytes``, ``existing`` checkpoints found)
-    against ``free_bytes`` free where ``run.dir`` is: ``PlacementError`` naming the keys
-    that write less where it does not fit, a note for the plan where it takes more than
-    half of it, else ""."""
-    need, what = estimate_run_disk_bytes(cfg, shape, existing)
-    if not need or not free_bytes:
-        return ""
-    text = f"disk: the run writes up to {need / _GIB:.1f} GiB under run.dir ({what}); {free_bytes / _GIB:.1f} GiB free"
-    if need > free_bytes:
-        keys = ["run.dir (a larger disk)", "train.resumable=false (no resumable checkpoints)"]
+def check_run_disk(cfg: ConveyorConfig, shape: ModelShape, free_bytes: int, existing: int = 0,
+                   recording_free_bytes: int | None = None) -> str:
+    """What the run writes (``estimate_run_disk_bytes``, ``existing`` checkpoints found,
+    and ``estimate_replay_states_bytes``) against ``free_bytes`` free where ``run.dir``
+    is; ``recording_free_bytes``: free where the recording is, when that is another file
+    system (None: the same). ``PlacementError`` naming the keys that write less where it
+    does not fit, a note for the plan where it takes more than half of it, else ""."""
+    run_need, run_what = estimate_run_disk_bytes(cfg, shape, existing)
+    rec_need, rec_what = estimate_replay_states_bytes(cfg, shape)
+    disks = [(run_need, run_what, free_bytes, "run.dir")]
+    if recording_free_bytes is None:
+        disks[0] = (run_need + rec_need, " and ".join(w for w in (run_what, rec_what) if w), free_bytes, "run.dir")
+    else:
+        disks.append((rec_need, rec_what, recording_free_bytes, "record.dir"))
+    notes = []
+    for need, what, free, where in disks:
+        if not need or not free:
+            continue
+        text = f"disk: the run writes up to {need / _GIB:.1f} GiB under {where} ({what}); {free / _GIB:.1f} GiB free"
+        if need > free:
+            raise PlacementError(f"{text}: it does not fit; set {', '.join(_disk_keys(cfg, shape, existing, where))}")
+        if need > free / 2:
+            notes.append(text)
+    return "; ".join(notes)
+
+
+def _disk_keys(cfg: ConveyorConfig, shape: ModelShape, existing: int, where: str) -> list[str]:
+    """The keys that make a run write less on the disk of ``where`` (run.dir, record.dir)."""
+    keys = [f"{where} (a larger disk)"]
+    if where == "run.dir":
+        keys.append("train.resumable=false (no resumable checkpoints)")
         keep_one = msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, keep_checkpoints=1))
-        if estimate_run_disk_bytes(keep_one, shape, existing)[0] < need:
+        if estimate_run_disk_bytes(keep_one, shape, existing)[0] < estimate_run_disk_bytes(cfg, shape, existing)[0]:
             keys.insert(1, "train.keep_checkpoints=1")
         if cfg.train.save_checkpoint:
             keys.append("train.save_checkpoint=false (no exported model)")
-        raise PlacementError(f"{text}: it does not fit; set {', '.join(keys)}")
-    return text if need > free_bytes / 2 else ""
+    if estimate_replay_states_bytes(cfg, shape)[0]:
+        keys.append("record.state_every (larger: fewer trainer states)")
+    return keys
 
 
 def count_sync_slots(cfg: ConveyorConfig, colocated: bool | None = None) -> int:

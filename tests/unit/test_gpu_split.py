@@ -276,6 +276,41 @@ def test_a_resumed_run_counts_the_checkpoints_it_finds_as_already_written(monkey
     assert disk.startswith("disk: the run writes up to 4.0 GiB under run.dir (1 resumable checkpoint of 3.5 GiB")
 
 
+def test_a_recordings_trainer_states_count_on_their_disk(monkeypatch):
+    from pipeline.config import ConfigError
+
+    # Recording the trainer's input keeps its state at the start and every 10 versions
+    # for replay, none removed: 11 of 3.503 GiB over 100 steps.
+    FakeGpu(monkeypatch, 140, disk_free_gib=30)
+    recorded = {"run": {"steps": 100}, "train": {"resumable": False, "save_checkpoint": False},
+                "record": {"edges": ["reference->trainer"], "state_every": 10}}
+    with pytest.raises(ConfigError) as info:
+        launch.plan_run_placement(job(**recorded))
+    assert str(info.value) == (
+        "disk: the run writes up to 38.5 GiB under run.dir (11 trainer states of 3.5 GiB for replay); 30.0 GiB free: "
+        "it does not fit; set run.dir (a larger disk), train.resumable=false (no resumable checkpoints), "
+        "record.state_every (larger: fewer trainer states)")
+    FakeGpu(monkeypatch, 140, disk_free_gib=18)  # 3 states fit, in more than half of it
+    _, plan = launch.plan_run_placement(job(**{**recorded, "record": {**recorded["record"], "state_every": 50}}))
+    (disk,) = [n for n in plan.notes if n.startswith("disk:")]
+    assert disk.startswith("disk: the run writes up to 10.5 GiB under run.dir (3 trainer states")
+
+
+def test_a_recording_on_another_disk_is_checked_against_that_disk():
+    from pipeline.config import ConfigError
+    from pipeline.placement import check_run_disk
+
+    cfg = job(run={"steps": 10}, record={"edges": ["reference->trainer"], "state_every": 10, "dir": "/elsewhere"})
+    # run.dir: one checkpoint and the export, 4.0 GiB of 100 free; record.dir: 2 states, 7.0 GiB of 5 free.
+    with pytest.raises(ConfigError, match=r"up to 7.0 GiB under record.dir \(2 trainer states of 3.5 GiB for "
+                                          r"replay\); 5.0 GiB free: it does not fit; set record.dir \(a larger disk\), "
+                                          r"record.state_every"):
+        check_run_disk(cfg, SHAPE, 100 * GIB, recording_free_bytes=5 * GIB)
+    assert check_run_disk(cfg, SHAPE, 100 * GIB, recording_free_bytes=100 * GIB) == ""
+    # On one disk the two add up: 11.0 GiB of 20 free, more than half.
+    assert check_run_disk(cfg, SHAPE, 20 * GIB).startswith("disk: the run writes up to 11.0 GiB under run.dir")
+
+
 def test_auto_resume_needs_resumable_checkpoints():
     from pipeline.config import ConfigError
 
