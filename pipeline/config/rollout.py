@@ -66,7 +66,7 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # vLLM's most sequences at once (its max_num_seqs). None: planned at launch to the
     # most a worker can have generating (max_inflight x dataflow.prompts_per_micro_batch x
     # n, plus an evaluation's), so vLLM captures CUDA graphs and profiles its sampler for
-    # batches the job makes, not for 1,024 (its offline default on an H100 or H200).
+    # batches the job makes, not for 1,024 (its offline default on a GPU of 70 GiB or more).
     max_num_seqs: PosInt | None = None
     # vLLM's share of its GPU's memory. None: chosen by the placement plan (what trainer
     # and reference on the same GPU leave, or 0.9 on a GPU of its own; 0.5 unplanned).

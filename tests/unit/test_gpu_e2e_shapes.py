@@ -212,7 +212,7 @@ def test_a_rows_start_up_keeps_the_stage_logs_timing_lines(tmp_path):
 
 def test_every_kind_of_row_is_run_and_reported(monkeypatch, capsys):
     """``run_rows`` with each row's runner faked by the row it returns on a GPU: each
-    gets its console line, and the engines row's has no samples/s to print."""
+    gets its console line, and the engines row's has no samples per second to print."""
     import bench.e2e
     import bench.gpu_e2e as gpu_e2e
 

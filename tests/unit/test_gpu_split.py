@@ -216,7 +216,7 @@ def test_status_prints_the_choice_and_its_reason(monkeypatch):
 def test_vllm_batches_at_most_what_the_job_has_in_flight(monkeypatch):
     FakeGpu(monkeypatch, 140)
     # Streaming: 4 micro-batches in flight x 8 prompts x n 8 = 256 (vLLM's own default on
-    # an H100 or H200 is 1,024).
+    # a GPU of 70 GiB or more is 1,024).
     cfg, _ = launch.plan_run_placement(job())
     assert cfg.dataflow.async_execution and cfg.rollout.max_num_seqs == 256
     # Lock-step with 2 micro-batches a step: at most those 2 generate at once.
