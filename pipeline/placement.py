@@ -197,30 +197,31 @@ def check_run_disk(cfg: ConveyorConfig, shape: ModelShape, free_bytes: int, exis
     does not fit, a note for the plan where it takes more than half of it, else ""."""
     run_need, run_what = estimate_run_disk_bytes(cfg, shape, existing)
     rec_need, rec_what = estimate_replay_states_bytes(cfg, shape)
-    disks = [(run_need, run_what, free_bytes, "run.dir")]
     if recording_free_bytes is None:
-        disks[0] = (run_need + rec_need, " and ".join(w for w in (run_what, rec_what) if w), free_bytes, "run.dir")
+        disks = [(run_need + rec_need, " and ".join(w for w in (run_what, rec_what) if w), free_bytes, "run.dir")]
     else:
-        disks.append((rec_need, rec_what, recording_free_bytes, "record.dir"))
+        disks = [(run_need, run_what, free_bytes, "run.dir"), (rec_need, rec_what, recording_free_bytes, "record.dir")]
     notes = []
     for need, what, free, where in disks:
         if not need or not free:
             continue
         text = f"disk: the run writes up to {need / _GIB:.1f} GiB under {where} ({what}); {free / _GIB:.1f} GiB free"
         if need > free:
-            raise PlacementError(f"{text}: it does not fit; set {', '.join(_disk_keys(cfg, shape, existing, where))}")
+            keys = _disk_keys(cfg, shape, existing, where, run_need)
+            raise PlacementError(f"{text}: it does not fit; set {', '.join(keys)}")
         if need > free / 2:
             notes.append(text)
     return "; ".join(notes)
 
 
-def _disk_keys(cfg: ConveyorConfig, shape: ModelShape, existing: int, where: str) -> list[str]:
-    """The keys that make a run write less on the disk of ``where`` (run.dir, record.dir)."""
+def _disk_keys(cfg: ConveyorConfig, shape: ModelShape, existing: int, where: str, run_need: int) -> list[str]:
+    """The keys that make a run write less on the disk of ``where`` (run.dir, record.dir);
+    ``run_need``: what it writes under run.dir (``estimate_run_disk_bytes``)."""
     keys = [f"{where} (a larger disk)"]
     if where == "run.dir":
         keys.append("train.resumable=false (no resumable checkpoints)")
         keep_one = msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, keep_checkpoints=1))
-        if estimate_run_disk_bytes(keep_one, shape, existing)[0] < estimate_run_disk_bytes(cfg, shape, existing)[0]:
+        if estimate_run_disk_bytes(keep_one, shape, existing)[0] < run_need:
             keys.insert(1, "train.keep_checkpoints=1")
         if cfg.train.save_checkpoint:
             keys.append("train.save_checkpoint=false (no exported model)")

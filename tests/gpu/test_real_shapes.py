@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from bench.common import stage_log_timings
 from bench.gpu_e2e import mode_overrides
 from bench.shape_job import write_chat_rows
 from pipeline.config import load_config
+from pipeline.launch import detect_free_disk
 from pipeline.metrics import read_metrics
 from pipeline.weights import fingerprints_match
 from stages.models.shapes import REAL_SHAPES, build_in_subprocess
@@ -57,43 +57,16 @@ def append_stage_timings(run_dir: Path, log: Path, per_file: int = 60) -> None:
         out.write("\n----- stage logs: timing lines -----\n" + "\n".join(lines) + "\n")
 
 
-def _device_of(path: str) -> int | None:
-    try:
-        return os.lstat(path).st_dev
-    except OSError:
-        return None
-
-
-def largest_files(roots: tuple[str, ...], count: int = 12) -> list[tuple[int, str]]:
-    """The ``count`` largest files under ``roots`` (one file system each, links not
-    followed), largest first: what filled a disk, where a run ran out of it."""
-    found: list[tuple[int, str]] = []
-    for root in roots:
-        dev = os.stat(root).st_dev if os.path.exists(root) else None
-        for dirpath, dirnames, filenames in os.walk(root, onerror=lambda e: None):
-            dirnames[:] = [d for d in dirnames if _device_of(os.path.join(dirpath, d)) == dev]
-            for f in filenames:
-                try:
-                    st = os.lstat(os.path.join(dirpath, f))
-                except OSError:
-                    continue
-                found.append((st.st_size, os.path.join(dirpath, f)))
-            found = sorted(found, reverse=True)[:count]
-    return found
-
-
 def append_failure_evidence(run_dir: Path, log: Path, lines: int = 40) -> None:
     """After a failed launch, append to ``log`` what it leaves on the machine only: the
-    last ``lines`` of each stage log, the disk's free space and its largest files."""
+    last ``lines`` of each stage log and the disk's free space (``tests/gpu/device.sh``
+    lists the disk's largest files after each command)."""
     logs = sorted((run_dir / "logs").glob("*")) if (run_dir / "logs").is_dir() else []
     with log.open("a") as out:
         for path in logs:
             tail = path.read_bytes().decode(errors="replace").split("\n")[-lines:]
             out.write(f"\n----- {path.name}: last {lines} lines -----\n" + "\n".join(t[-400:] for t in tail) + "\n")
-        usage = shutil.disk_usage(run_dir if run_dir.exists() else run_dir.parent)
-        out.write(f"\n----- disk: {usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB -----\n")
-        for size, path in largest_files(("/tmp", "/root", str(run_dir))):
-            out.write(f"{size / 2**30:8.2f} GiB  {path}\n")
+        out.write(f"\n----- disk: {detect_free_disk(run_dir) / 2**30:.1f} GiB free -----\n")
 
 
 @pytest.fixture(scope="module")
