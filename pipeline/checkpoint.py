@@ -57,6 +57,7 @@ SAFE_RESUME_KEYS = (
     # Where vLLM's memory goes and how many sequences it batches, not what is learned (runs saved before the planned KV
     # cache hold kv_cache_gib: 1.0; resume them with rollout.kv_cache_gib=null).
     "rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.max_model_len", "rollout.max_num_seqs",
+    "rollout.compile",  # how vLLM runs the same model, not what is learned
 )
 
 

@@ -69,6 +69,9 @@ def check_config(cfg: ConveyorConfig) -> None:
     if not ro.recompute_on_update and ro.engine_kwargs.get("enable_prefix_caching"):
         raise ConfigError("rollout.engine_kwargs.enable_prefix_caching: true would let new requests start on KV "
                           "the old weights filled; rollout.recompute_on_update false turns it off")
+    if ro.compile == "off" and "compilation_config" in ro.engine_kwargs:
+        raise ConfigError("rollout.engine_kwargs.compilation_config: rollout.compile off sets vLLM's compilation "
+                          "config; set one of them")
     if ro.engine_kwargs and ro.backend != "vllm":
         raise ConfigError(f"rollout.engine_kwargs: vLLM's engine arguments; rollout.backend is {ro.backend!r}")
     if ro.backend not in ("vllm", "hf") and ":" not in ro.backend:

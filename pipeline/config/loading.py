@@ -165,6 +165,7 @@ def decode_algorithm(algo: Any) -> AlgorithmFields:
 _SWITCH_WORDS: dict[tuple[str, str], dict[bool, str]] = {
     ("algorithm", "off_policy"): {False: "off"},
     ("reference", "enabled"): {False: "off", True: "on"},
+    ("rollout", "compile"): {False: "off", True: "on"},
     ("train", "compile"): {False: "off", True: "on"},
 }
 

@@ -72,6 +72,9 @@ log = structlog.get_logger(__name__).bind(stage="rollout", backend="vllm")
 WORKER_EXTENSION = "stages.rollout.vllm_worker_ext.WeightSyncExtension"
 _GIB = 1 << 30
 _SHUTDOWN_GRACE_S = 30.0
+# rollout.compile: off: no torch.compile; full CUDA graphs for decode batches only (vLLM
+# keeps full graphs without compiling; its piecewise ones need the compiled graph).
+COMPILE_OFF = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
 ENGINE_POLL_S = 1.0  # how often a call waiting on the engine core checks that its process lives
 T = TypeVar("T")
 
@@ -98,6 +101,8 @@ def build_engine_kwargs(
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,
     )
+    if cfg.compile == "off" and not kwargs["enforce_eager"]:
+        kwargs["compilation_config"] = dict(COMPILE_OFF)
     if not cfg.recompute_on_update:
         # Requests in flight keep old-weight KV across updates; new ones must not share it.
         kwargs["enable_prefix_caching"] = False

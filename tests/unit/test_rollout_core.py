@@ -26,6 +26,7 @@ from stages.rollout import BACKENDS, build_backend, resolve_backend
 from stages.rollout.base import SamplingSettings, build_sampling_settings, check_version_order
 from stages.rollout.hf_backend import check_payload_names, cut_at_stop, group_prompts_by_length
 from stages.rollout.vllm_backend import (
+    COMPILE_OFF,
     WORKER_EXTENSION,
     build_engine_kwargs,
     describe_compile,
@@ -137,6 +138,18 @@ def test_engine_kwargs_on_cpu_and_gpu() -> None:
     assert "max_num_seqs" not in gpu
     seqs = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, max_num_seqs=64), "auto", on_cpu=False)
     assert seqs == gpu | {"max_num_seqs": 64}
+    # rollout.compile off: vLLM's compilation config without torch.compile, full decode
+    # graphs kept; nothing where the engine is eager anyway (the CPU, enforce_eager).
+    assert "compilation_config" not in gpu
+    off = msgspec.structs.replace(cfg, compile="off")
+    assert build_engine_kwargs(Path("/ckpt"), off, "auto", on_cpu=False) == gpu | {"compilation_config": COMPILE_OFF}
+    assert "compilation_config" not in build_engine_kwargs(Path("/ckpt"), off, "auto", on_cpu=True)
+    eager_off = msgspec.structs.replace(off, enforce_eager=True)
+    assert "compilation_config" not in build_engine_kwargs(Path("/ckpt"), eager_off, "auto", on_cpu=False)
+    import vllm.config as vllm_config
+    parsed = vllm_config.CompilationConfig(**COMPILE_OFF)  # the names this vLLM takes
+    assert (parsed.mode, parsed.cudagraph_mode) == (vllm_config.CompilationMode.NONE,
+                                                    vllm_config.CUDAGraphMode.FULL_DECODE_ONLY)
     module, _, name = WORKER_EXTENSION.rpartition(".")
     ext = getattr(__import__(module, fromlist=[name]), name)
     assert callable(ext.apply_weights) and callable(ext.fingerprint)
