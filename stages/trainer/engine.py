@@ -63,7 +63,20 @@ from stages.trainer.lr_schedule import build_lr_scheduler
 _STATE_TAG = "conveyor"
 # Files a checkpoint directory holds besides weights and config: tokenizer, chat
 # template, custom code. Weight files are never copied (we write our own).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
+# Weights and the index of a sharded checkpoint's files (``model.safetensors.index.json``):
+# an exported checkpoint has its own, and a source's index names shards it lacks.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".index.json")
+
+
+def copy_model_files(model_path: Path, out: Path, config: bool = True) -> None:
+    """Tokenizer, chat template and custom code from ``model_path`` (``config``: and the
+    model's config files too) into ``out``, never weights, their index, nor what ``out``
+    already holds."""
+    for src in sorted(Path(model_path).iterdir()):
+        if not src.is_file() or src.name.endswith(_WEIGHT_SUFFIXES) or (out / src.name).exists():
+            continue
+        if config or src.name not in ("config.json", "generation_config.json"):
+            shutil.copy2(src, out / src.name)
 
 
 def find_free_port() -> int:
@@ -895,13 +908,7 @@ class TrainerEngine:
         return self._save_full(out)
 
     def _copy_model_files(self, out: Path, config: bool = True) -> None:
-        """Tokenizer, chat template and custom code from ``model_path`` (``config``: and
-        the model's config files too), never weights nor what ``out`` already holds."""
-        for src in sorted(self.model_path.iterdir()):
-            if not src.is_file() or src.name.endswith(_WEIGHT_SUFFIXES) or (out / src.name).exists():
-                continue
-            if config or src.name not in ("config.json", "generation_config.json"):
-                shutil.copy2(src, out / src.name)
+        copy_model_files(self.model_path, out, config=config)
 
     def _save_full(self, out_dir: Path) -> Path:
         """The served model (LoRA: merged) as a Hugging Face checkpoint in ``out_dir``."""

@@ -15,6 +15,7 @@ from stages.trainer.engine import (
     build_deepspeed_config,
     compile_blocks,
     compute_chunk_weights,
+    copy_model_files,
     decode_rng_state,
     encode_rng_state,
     find_blocks,
@@ -229,3 +230,24 @@ def test_offloaded_optimizer_steps_in_host_memory_with_torch_fused_adamw():
     assert cpu["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
     plain = build_deepspeed_config(TrainConfig(), "float32", has_gpu=False)
     assert "fused" not in plain["optimizer"]["params"] and "zero_force_ds_cpu_optimizer" not in plain
+
+
+def test_an_export_copies_the_models_files_but_not_a_sharded_sources_index(tmp_path):
+    """A source saved in shards has ``model.safetensors.index.json``; an export saved
+    whole must not inherit it (vLLM then looks for shards that are not there)."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir(), out.mkdir()
+    names = ["config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja",
+             "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+             "model.safetensors.index.json", "pytorch_model.bin.index.json"]
+    for name in names:
+        (src / name).write_text(name)
+    (out / "config.json").write_text("the export's own")
+    copy_model_files(src, out)
+    assert sorted(p.name for p in out.iterdir()) == ["chat_template.jinja", "config.json",
+                                                    "generation_config.json", "tokenizer.json"]
+    assert (out / "config.json").read_text() == "the export's own"
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    copy_model_files(src, adapter, config=False)  # LoRA: peft writes its own config
+    assert sorted(p.name for p in adapter.iterdir()) == ["chat_template.jinja", "tokenizer.json"]
