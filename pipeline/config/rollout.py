@@ -75,12 +75,12 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # kernel launches; graphs are captured once at start-up and survive weight updates,
     # which load in place).
     enforce_eager: bool | None = None
-    # vLLM's torch.compile of the model, on a GPU without enforce_eager. "on": vLLM's
-    # default (Dynamo and Inductor, piecewise CUDA graphs for prefills, full ones for
-    # decoding). "off": no torch.compile, the most of a cold engine start
-    # (docs/performance/vllm-engine.md); decode batches still replay full CUDA graphs,
-    # prefills run eagerly on vLLM's own kernels.
-    compile: Literal["on", "off"] = "on"
+    # vLLM's torch.compile of the model, on a GPU without enforce_eager. "off": none;
+    # decode batches replay full CUDA graphs, prefills run eagerly on vLLM's own kernels.
+    # "on": vLLM's default (Dynamo and Inductor, piecewise CUDA graphs for prefills too),
+    # which costs about 40 s of a cold start for no measured gain in an RL job's
+    # generation (docs/performance/vllm-engine.md, "torch.compile").
+    compile: Literal["on", "off"] = "off"
     # vLLM backend: "subprocess" runs vLLM's engine core in a process of its own
     # (AsyncLLM); "in_process" runs it in the rollout actor's process, stepped by a thread
     # (stages/rollout/vllm_inproc.py), without serialising every step's outputs. "auto":

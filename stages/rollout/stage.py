@@ -205,7 +205,8 @@ class RolloutStage:
 
             self.tools = load_tools(cfg.rollout.tools.functions)
         self._new_backend = lambda: build_backend(cfg.rollout.backend, model_path, cfg.rollout, dtype)
-        self.setup_doing = ("starting vLLM's engine (weights, torch.compile, CUDA graphs, KV cache)"
+        compiling = "torch.compile, " if cfg.rollout.compile == "on" else ""
+        self.setup_doing = (f"starting vLLM's engine (weights, {compiling}CUDA graphs, KV cache)"
                             if cfg.rollout.backend == "vllm" else f"starting the {cfg.rollout.backend} backend")
         self.backend = await self._start_backend(self.startup_phases)
         self.restarts = EngineRestarts(cfg.rollout.max_engine_restarts, ctx.worker_id)

@@ -70,9 +70,10 @@ def test_engine_kwargs_reach_the_config_and_need_the_vllm_backend():
     with pytest.raises(ConfigError, match=r"rollout.engine_kwargs.max_num_seqs.*rollout.max_num_seqs"):
         load_config(None, ["rollout.engine_kwargs.max_num_seqs=512"])
     # rollout.compile off writes vLLM's compilation config: one of the two, not both.
-    assert load_config(None, ["rollout.engine_kwargs.compilation_config={mode: 3}"]).rollout.compile == "on"
     with pytest.raises(ConfigError, match=r"rollout.engine_kwargs.compilation_config: rollout.compile off"):
-        load_config(None, ["rollout.compile=off", "rollout.engine_kwargs.compilation_config={mode: 3}"])
+        load_config(None, ["rollout.engine_kwargs.compilation_config={mode: 3}"])
+    both = load_config(None, ["rollout.compile=on", "rollout.engine_kwargs.compilation_config={mode: 3}"])
+    assert both.rollout.engine_kwargs == {"compilation_config": {"mode": 3}}
 
 
 @pytest.mark.parametrize(

@@ -138,11 +138,13 @@ def test_engine_kwargs_on_cpu_and_gpu() -> None:
     assert "max_num_seqs" not in gpu
     seqs = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, max_num_seqs=64), "auto", on_cpu=False)
     assert seqs == gpu | {"max_num_seqs": 64}
-    # rollout.compile off: vLLM's compilation config without torch.compile, full decode
-    # graphs kept; nothing where the engine is eager anyway (the CPU, enforce_eager).
-    assert "compilation_config" not in gpu
+    # rollout.compile off (the default): vLLM's compilation config without torch.compile,
+    # full decode graphs kept; nothing where the engine is eager anyway (the CPU,
+    # enforce_eager). on: vLLM's own.
+    assert gpu["compilation_config"] == COMPILE_OFF
+    on = build_engine_kwargs(Path("/ckpt"), msgspec.structs.replace(cfg, compile="on"), "auto", on_cpu=False)
+    assert on == {k: v for k, v in gpu.items() if k != "compilation_config"}
     off = msgspec.structs.replace(cfg, compile="off")
-    assert build_engine_kwargs(Path("/ckpt"), off, "auto", on_cpu=False) == gpu | {"compilation_config": COMPILE_OFF}
     assert "compilation_config" not in build_engine_kwargs(Path("/ckpt"), off, "auto", on_cpu=True)
     eager_off = msgspec.structs.replace(off, enforce_eager=True)
     assert "compilation_config" not in build_engine_kwargs(Path("/ckpt"), eager_off, "auto", on_cpu=False)
