@@ -2,13 +2,17 @@
 with nothing else on it, the ceiling ``bench gpu_e2e`` reports its rows against.
 
 For the job a ``gpu_e2e`` row runs (its config and overrides: model, data, step shape),
-in this process, one engine after the other:
+each engine in a process of its own (``bench.gpu_e2e`` runs one child per engine, so
+each starts on an empty GPU and gives its memory back when it exits):
 
 - ``rollout_tokens_per_s``: completion tokens/s of one step's requests (``prompts_per_step``
   prompts of the job's data, rendered as the run renders them, ``n`` samples each, up
-  to ``max_tokens``) submitted straight to vLLM's ``AsyncLLM`` (``bench.rollout_gpu``'s
-  bare step), the engine given ``ENGINE_MEMORY`` of the GPU; the best of ``ROUNDS``
-  after a warm-up step;
+  to ``max_tokens``) submitted straight to the engine the rows run (the rollout's
+  vLLM config, its engine core in this process as ``rollout.engine_core: auto`` has it
+  with one GPU; ``bench.rollout_gpu``'s bare in-process step), asking for no log-probs,
+  the engine given ``ENGINE_MEMORY`` of the GPU; the best of ``ROUNDS`` after a warm-up
+  step. What the rows add (Conveyor's requests, the sampler's log-probs, sharing the
+  GPU) is what their fraction of it shows;
 - ``trainer_tokens_per_s``: prompt and completion tokens/s of one step's micro-batches
   through ``train_micro_batch`` and ``optimizer_step`` of the run's own trainer engine
   (``bench.trainer_gpu``'s step and batches: prompts of 12-23 tokens, completions of
@@ -25,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from bench.rollout_gpu import ROUNDS, _bare_step, _timed
+from bench.rollout_gpu import ROUNDS, _bare_in_process_step, _timed
 from bench.trainer_gpu import _timed_step, build_step_batches
 
 ENGINE_MEMORY = 0.85  # vLLM's share of the GPU when it runs alone
@@ -59,12 +63,12 @@ async def measure_rollout_alone(cfg: Any, model_path: Path, prompts: list[list[i
 
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     rcfg = msgspec.structs.replace(cfg.rollout, gpu_memory_utilization=ENGINE_MEMORY, kv_cache_gib=None,
-                                   engine_core="subprocess")
+                                   engine_core="in_process")
     backend = VLLMBackend(model_path, rcfg, cfg.model.dtype)
     await backend.start()
     try:
-        return await _timed(lambda s: _bare_step(backend._engine, prompts, cfg.rollout.n, cfg.rollout.max_tokens, s),
-                            ROUNDS)
+        return await _timed(lambda s: _bare_in_process_step(backend._engine, prompts, cfg.rollout.n,
+                                                            cfg.rollout.max_tokens, s, logprobs=None), ROUNDS)
     finally:
         await backend.shutdown()
 
@@ -88,20 +92,30 @@ def measure_trainer_alone(cfg: Any) -> dict[str, Any]:
             "step_s_rounds": [r["train_s"] + r["update_s"] for r in laps]}
 
 
-def measure_engines(config: Path, overrides: list[str]) -> dict[str, Any]:
-    """Both engines alone on the job ``config`` with ``overrides`` (see the module docstring)."""
-    from transformers import AutoTokenizer
-
+def measure_engine(which: str, config: Path, overrides: list[str]) -> dict[str, Any]:
+    """One engine alone (``which``: ``rollout`` or ``trainer``) on the job ``config`` with
+    ``overrides`` (see the module docstring); in a process of its own."""
     from pipeline.config import load_config
-    from stages.models.tiny import resolve_model_path
 
     cfg = load_config(config, overrides)
+    if which == "trainer":
+        return measure_trainer_alone(cfg)
+    if which != "rollout":
+        raise ValueError(f"which: expected 'rollout' or 'trainer', got {which!r}")
+    from transformers import AutoTokenizer
+
+    from stages.models.tiny import resolve_model_path
+
     model_path = resolve_model_path(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = build_prompt_ids(cfg, tokenizer, model_path, cfg.train.prompts_per_step)
-    rollout = asyncio.run(measure_rollout_alone(cfg, model_path, prompts))
-    trainer = measure_trainer_alone(cfg)
+    return {**asyncio.run(measure_rollout_alone(cfg, model_path, prompts)),
+            "prompt_len_mean": sum(map(len, prompts)) / len(prompts)}
+
+
+def engines_row(rollout: dict[str, Any], trainer: dict[str, Any]) -> dict[str, Any]:
+    """The ``engines`` row of ``bench gpu_e2e`` from the two engines' measurements."""
     return {"system": "engines-alone", "status": "ok", "rollout": rollout, "trainer": trainer,
-            "prompt_len_mean": sum(map(len, prompts)) / len(prompts),
+            "prompt_len_mean": rollout.get("prompt_len_mean"),
             "rollout_tokens_per_s": rollout["tokens_per_s"], "trainer_tokens_per_s": trainer["tokens_per_s"],
-            "engine_memory": ENGINE_MEMORY}
+            "engine_memory": ENGINE_MEMORY, "rollout_engine_core": "in_process", "rollout_logprobs": False}

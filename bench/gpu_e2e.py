@@ -226,13 +226,17 @@ def run_trl_isolated(steps: int, root: Path, job: tuple[str, ...] = ()) -> dict[
 
 
 def run_engines_isolated(root: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``bench.engine_alone.measure_engines`` of the job in a process of its own (its
-    engines' GPU memory goes back when it exits), its row read back."""
-    return _run_child("engines-row", None, root, overrides)
+    """``bench.engine_alone.measure_engine`` of the job, vLLM and then the trainer, each
+    in a process of its own (the GPU's memory goes back when it exits), read back into
+    one row."""
+    from bench.engine_alone import engines_row
+
+    return engines_row(_run_child("engines-rollout", None, root, overrides),
+                       _run_child("engines-trainer", None, root, overrides))
 
 
 def describe_engines(row: dict[str, Any]) -> str:
-    """The console line of an ``engines`` row (``bench.engine_alone.measure_engines``)."""
+    """The console line of an ``engines`` row (``bench.engine_alone.engines_row``)."""
     return (f"rollout alone {row['rollout_tokens_per_s']:.0f} tokens per s, "
             f"trainer alone {row['trainer_tokens_per_s']:.0f} tokens per s")
 
@@ -493,10 +497,10 @@ if __name__ == "__main__":  # the isolated rows' children (``_run_child``)
     args = sys.argv[1:]
     if len(args) >= 4 and args[0] == "trl-row":  # trl-row STEPS ROOT OUT_JSON [OVERRIDE...]
         Path(args[3]).write_text(json.dumps(run_trl(int(args[1]), Path(args[2]), tuple(args[4:]))))
-    elif len(args) >= 3 and args[0] == "engines-row":  # engines-row ROOT OUT_JSON [OVERRIDE...]
-        from bench.engine_alone import measure_engines
+    elif len(args) >= 3 and args[0] in ("engines-rollout", "engines-trainer"):  # KIND ROOT OUT_JSON [OVERRIDE...]
+        from bench.engine_alone import measure_engine
 
-        Path(args[2]).write_text(json.dumps(measure_engines(CONFIG, args[3:])))
+        Path(args[2]).write_text(json.dumps(measure_engine(args[0].removeprefix("engines-"), CONFIG, args[3:])))
     else:
         sys.exit("usage: python -m bench.gpu_e2e trl-row STEPS ROOT OUT_JSON [OVERRIDE...] | "
-                 "engines-row ROOT OUT_JSON [OVERRIDE...]")
+                 "engines-rollout|engines-trainer ROOT OUT_JSON [OVERRIDE...]")

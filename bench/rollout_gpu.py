@@ -40,12 +40,13 @@ CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 ROUNDS = 3
 
 
-def _bare_params(max_tokens: int) -> Any:
-    """A bare request's sampling: one output when it finishes, no detokenization."""
+def _bare_params(max_tokens: int, logprobs: int | None = 0) -> Any:
+    """A bare request's sampling: one output when it finishes, no detokenization;
+    ``logprobs`` as vLLM takes it (0: the sampled token's, None: none)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=0,
+    return SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=logprobs,
                           output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
 
 
@@ -61,12 +62,13 @@ async def _bare_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: 
     return sum(counts)
 
 
-async def _bare_in_process_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int) -> int:
+async def _bare_in_process_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int,
+                                logprobs: int | None = 0) -> int:
     """``_bare_step`` against ``InProcessEngine`` (its ``add_request`` and collectors)."""
 
     async def one(i: int, prompt: list[int]) -> int:
         collector = await engine.add_request(f"bare-{round_}-{i}", {"prompt_token_ids": prompt},
-                                             _bare_params(max_tokens))
+                                             _bare_params(max_tokens, logprobs))
         out = await collector.get()
         return len(out.outputs[0].token_ids)
 

@@ -232,3 +232,21 @@ def test_every_kind_of_row_is_run_and_reported(monkeypatch, capsys):
     # A console line that cannot be made loses the line, not the row.
     row = bench.e2e._attempt("odd", lambda: {"system": "odd"})
     assert row["status"] == "ok" and "odd: ok (KeyError describing it: 'samples_per_s')" in capsys.readouterr().out
+
+
+def test_the_engines_row_measures_each_engine_in_a_process_of_its_own(monkeypatch, tmp_path):
+    """vLLM first, then the trainer, each a child of its own (a GPU each starts empty),
+    read back into one row whose rates are theirs."""
+    import bench.gpu_e2e as gpu_e2e
+
+    children = []
+
+    def child(kind, steps, root, overrides):
+        children.append((kind, overrides))
+        return {"tokens_per_s": 100.0 if kind == "engines-rollout" else 40.0, "prompt_len_mean": 25.0}
+
+    monkeypatch.setattr(gpu_e2e, "_run_child", child)
+    row = gpu_e2e.run_engines_isolated(tmp_path, ("rollout.compile=on",))
+    assert children == [("engines-rollout", ("rollout.compile=on",)), ("engines-trainer", ("rollout.compile=on",))]
+    assert (row["rollout_tokens_per_s"], row["trainer_tokens_per_s"]) == (100.0, 40.0)
+    assert row["status"] == "ok" and row["rollout_engine_core"] == "in_process" and not row["rollout_logprobs"]
