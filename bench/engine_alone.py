@@ -15,9 +15,9 @@ each starts on an empty GPU and gives its memory back when it exits):
   GPU) is what their fraction of it shows;
 - ``trainer_tokens_per_s``: prompt and completion tokens/s of one step's micro-batches
   through ``train_micro_batch`` and ``optimizer_step`` of the run's own trainer engine
-  (``bench.trainer_gpu``'s step and batches: prompts of 12-23 tokens, completions of
-  ``max_tokens / 2`` to ``max_tokens``; the run's chunk size and compile setting), the
-  best of ``ROUNDS`` after a warm-up step.
+  (``bench.trainer_gpu``'s step and batches: prompts of 12-23 tokens, every completion
+  ``max_tokens`` long; the run's chunk size and compile setting), the best of
+  ``ROUNDS`` after a warm-up step.
 """
 
 from __future__ import annotations
@@ -81,9 +81,11 @@ def measure_trainer_alone(cfg: Any) -> dict[str, Any]:
 
     engine = build_trainer_engine(cfg)
     vocab = int(engine.module.config.vocab_size)
+    # Every completion at the cap: the trainer's most tokens a step at this job's shape
+    # (its best rate), as a random-init checkpoint's completions run in the rows.
     batches = [assign_advantages(b, cfg.algorithm) for b in build_step_batches(
         cfg.train.prompts_per_step, cfg.dataflow.prompts_per_micro_batch, cfg.rollout.n, cfg.rollout.max_tokens,
-        vocab)]
+        vocab, min_tokens=cfg.rollout.max_tokens)]
     tokens = sum(b.num_tokens for b in batches)
     _timed_step(engine, batches, torch)  # warm-up
     laps = [_timed_step(engine, batches, torch) for _ in range(ROUNDS)]

@@ -38,10 +38,11 @@ CHUNK_SIZES = (16, 32, 64)
 
 
 def build_step_batches(prompts_per_step: int, per_micro: int, n: int, max_tokens: int, vocab: int,
-                       seed: int = 0) -> list[Any]:
-    """The step's micro-batches: random token ids, every second sample of a group
-    rewarded, behaviour log-probs of a uniform sampler (ratios far from 1 are clipped,
-    as they would be)."""
+                       seed: int = 0, min_tokens: int | None = None) -> list[Any]:
+    """The step's micro-batches: random token ids, completions of ``min_tokens`` (None:
+    half of ``max_tokens``) to ``max_tokens``, every second sample of a group rewarded,
+    behaviour log-probs of a uniform sampler (ratios far from 1 are clipped, as they
+    would be)."""
     from pipeline.types import Prompt, RolloutBatch
 
     rng = np.random.default_rng(seed)
@@ -51,7 +52,8 @@ def build_step_batches(prompts_per_step: int, per_micro: int, n: int, max_tokens
         plens = np.repeat(rng.integers(12, 24, per_micro), n).astype(np.int32)
         prompt_ids = rng.integers(4, vocab, (num, int(plens.max()))).astype(np.int32)
         prompt_ids[np.arange(prompt_ids.shape[1])[None, :] >= plens[:, None]] = 0
-        clens = rng.integers(max_tokens // 2, max_tokens + 1, num).astype(np.int32)
+        clens = rng.integers(max_tokens // 2 if min_tokens is None else min_tokens, max_tokens + 1,
+                             num).astype(np.int32)
         comp = rng.integers(4, vocab, (num, max_tokens)).astype(np.int32)
         comp[np.arange(max_tokens)[None, :] >= clens[:, None]] = 0
         out.append(RolloutBatch(

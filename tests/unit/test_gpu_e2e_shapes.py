@@ -6,6 +6,7 @@ stage rates and their fractions of the engines alone. No GPU: what runs on one i
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import stages.models.shapes
@@ -250,3 +251,14 @@ def test_the_engines_row_measures_each_engine_in_a_process_of_its_own(monkeypatc
     assert children == [("engines-rollout", ("rollout.compile=on",)), ("engines-trainer", ("rollout.compile=on",))]
     assert (row["rollout_tokens_per_s"], row["trainer_tokens_per_s"]) == (100.0, 40.0)
     assert row["status"] == "ok" and row["rollout_engine_core"] == "in_process" and not row["rollout_logprobs"]
+
+
+def test_the_trainer_alone_trains_every_completion_at_the_cap():
+    """The engines row's trainer step: completions at ``max_tokens`` (its best rate at the
+    job's shape); ``bench trainer_gpu`` keeps its spread from half the cap."""
+    from bench.trainer_gpu import build_step_batches
+
+    full = build_step_batches(8, 2, 4, 16, 100, min_tokens=16)
+    assert len(full) == 4 and all((b.completion_lens == 16).all() for b in full)
+    spread = np.concatenate([b.completion_lens for b in build_step_batches(8, 2, 4, 16, 100)])
+    assert spread.min() >= 8 and spread.max() <= 16 and len(set(spread.tolist())) > 1
