@@ -7,12 +7,13 @@ each starts on an empty GPU and gives its memory back when it exits):
 
 - ``rollout_tokens_per_s``: completion tokens/s of one step's requests (``prompts_per_step``
   prompts of the job's data, rendered as the run renders them, ``n`` samples each, up
-  to ``max_tokens``) submitted straight to the engine the rows run (the rollout's
-  vLLM config, its engine core in this process as ``rollout.engine_core: auto`` has it
-  with one GPU; ``bench.rollout_gpu``'s bare in-process step), asking for no log-probs,
-  the engine given ``ENGINE_MEMORY`` of the GPU; the best of ``ROUNDS`` after a warm-up
-  step. What the rows add (Conveyor's requests, the sampler's log-probs, sharing the
-  GPU) is what their fraction of it shows;
+  to ``max_tokens``) submitted straight to vLLM configured as the rollout configures
+  it (its engine core where ``rollout.engine_core: auto`` puts it: in this process on
+  one GPU; ``bench.rollout_gpu``'s bare step), with no log-probs computed (no sampler
+  tap either), vLLM's own ``max_num_seqs`` (the rows get the launch's plan) and
+  ``ENGINE_MEMORY`` of the GPU; the best of ``ROUNDS`` after a warm-up step. What the
+  rows add (Conveyor's requests, the sampler's log-probs, sharing the GPU) is what
+  their fraction of it shows;
 - ``trainer_tokens_per_s``: prompt and completion tokens/s of one step's micro-batches
   through ``train_micro_batch`` and ``optimizer_step`` of the run's own trainer engine
   (``bench.trainer_gpu``'s step and batches: prompts of 12-23 tokens, every completion
@@ -29,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from bench.rollout_gpu import ROUNDS, _bare_in_process_step, _timed
+from bench.rollout_gpu import ROUNDS, _bare_in_process_step, _bare_step, _timed
 from bench.trainer_gpu import _timed_step, build_step_batches
 
 ENGINE_MEMORY = 0.85  # vLLM's share of the GPU when it runs alone
@@ -62,13 +63,19 @@ async def measure_rollout_alone(cfg: Any, model_path: Path, prompts: list[list[i
     from stages.rollout.vllm_backend import VLLMBackend
 
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from stages.rollout.vllm_backend import resolve_engine_core
+
+    # No log-probs at all: with them on, the in-process engine would install the sampler
+    # tap, which computes one for every sampled token whatever a request asks.
     rcfg = msgspec.structs.replace(cfg.rollout, gpu_memory_utilization=ENGINE_MEMORY, kv_cache_gib=None,
-                                   engine_core="in_process")
+                                   engine_core=resolve_engine_core("auto", cfg.rollout.tensor_parallel_size),
+                                   logprobs=False, sampler_tap="never")
     backend = VLLMBackend(model_path, rcfg, cfg.model.dtype)
     await backend.start()
     try:
-        return await _timed(lambda s: _bare_in_process_step(backend._engine, prompts, cfg.rollout.n,
-                                                            cfg.rollout.max_tokens, s, logprobs=None), ROUNDS)
+        step = _bare_in_process_step if rcfg.engine_core == "in_process" else _bare_step
+        return await _timed(lambda s: step(backend._engine, prompts, cfg.rollout.n, cfg.rollout.max_tokens, s,
+                                           logprobs=None), ROUNDS)
     finally:
         await backend.shutdown()
 
@@ -107,11 +114,13 @@ def measure_engine(which: str, config: Path, overrides: list[str]) -> dict[str, 
     from transformers import AutoTokenizer
 
     from stages.models.tiny import resolve_model_path
+    from stages.rollout.vllm_backend import resolve_engine_core
 
     model_path = resolve_model_path(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = build_prompt_ids(cfg, tokenizer, model_path, cfg.train.prompts_per_step)
     return {**asyncio.run(measure_rollout_alone(cfg, model_path, prompts)),
+            "engine_core": resolve_engine_core("auto", cfg.rollout.tensor_parallel_size),
             "prompt_len_mean": sum(map(len, prompts)) / len(prompts)}
 
 
@@ -120,4 +129,5 @@ def engines_row(rollout: dict[str, Any], trainer: dict[str, Any]) -> dict[str, A
     return {"system": "engines-alone", "status": "ok", "rollout": rollout, "trainer": trainer,
             "prompt_len_mean": rollout.get("prompt_len_mean"),
             "rollout_tokens_per_s": rollout["tokens_per_s"], "trainer_tokens_per_s": trainer["tokens_per_s"],
-            "engine_memory": ENGINE_MEMORY, "rollout_engine_core": "in_process", "rollout_logprobs": False}
+            "engine_memory": ENGINE_MEMORY, "rollout_engine_core": rollout.get("engine_core"),
+            "rollout_logprobs": False}

@@ -50,9 +50,10 @@ def _bare_params(max_tokens: int, logprobs: int | None = 0) -> Any:
                           output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
 
 
-async def _bare_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int) -> int:
+async def _bare_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int,
+                     logprobs: int | None = 0) -> int:
     async def one(i: int, prompt: list[int]) -> int:
-        params = _bare_params(max_tokens)
+        params = _bare_params(max_tokens, logprobs)
         tokens = 0
         async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id=f"bare-{round_}-{i}"):
             tokens = len(out.outputs[0].token_ids)

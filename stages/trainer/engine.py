@@ -70,10 +70,12 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", 
 
 def copy_model_files(model_path: Path, out: Path, config: bool = True) -> None:
     """Tokenizer, chat template and custom code from ``model_path`` (``config``: and the
-    model's config files too) into ``out``, never weights, their index, nor what ``out``
-    already holds."""
+    model's config files too) into ``out``, never weights, their index, a source's
+    adapter config (a full export has no adapter; peft writes an adapter's own), nor
+    what ``out`` already holds."""
     for src in sorted(Path(model_path).iterdir()):
-        if not src.is_file() or src.name.endswith(_WEIGHT_SUFFIXES) or (out / src.name).exists():
+        if (not src.is_file() or src.name.endswith(_WEIGHT_SUFFIXES) or src.name == "adapter_config.json"
+                or (out / src.name).exists()):
             continue
         if config or src.name not in ("config.json", "generation_config.json"):
             shutil.copy2(src, out / src.name)

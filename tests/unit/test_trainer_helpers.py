@@ -234,12 +234,13 @@ def test_offloaded_optimizer_steps_in_host_memory_with_torch_fused_adamw():
 
 def test_an_export_copies_the_models_files_but_not_a_sharded_sources_index(tmp_path):
     """A source saved in shards has ``model.safetensors.index.json``; an export saved
-    whole must not inherit it (vLLM then looks for shards that are not there)."""
+    whole must not inherit it (vLLM then looks for shards that are not there), nor a
+    source adapter's config (transformers would look for the adapter's weights)."""
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir(), out.mkdir()
     names = ["config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja",
              "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-             "model.safetensors.index.json", "pytorch_model.bin.index.json"]
+             "model.safetensors.index.json", "pytorch_model.bin.index.json", "adapter_config.json"]
     for name in names:
         (src / name).write_text(name)
     (out / "config.json").write_text("the export's own")
