@@ -76,10 +76,11 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # which load in place).
     enforce_eager: bool | None = None
     # vLLM's torch.compile of the model, on a GPU without enforce_eager. "off": none;
-    # decode batches replay full CUDA graphs, prefills run eagerly on vLLM's own kernels.
-    # "on": vLLM's default (Dynamo and Inductor, piecewise CUDA graphs for prefills too),
-    # which costs about 40 s of a cold start for no measured gain in an RL job's
-    # generation (docs/performance/vllm-engine.md, "torch.compile").
+    # decode batches replay full CUDA graphs, a step that holds a prefill runs eagerly
+    # on vLLM's own kernels. "on": vLLM's default (Dynamo and Inductor, piecewise CUDA
+    # graphs for prefills too): a cold start some 30-40 s longer, generation as fast
+    # colocated and a few percent faster streaming, where prefills join running batches
+    # (docs/performance/vllm-engine.md, "torch.compile").
     compile: Literal["on", "off"] = "off"
     # vLLM backend: "subprocess" runs vLLM's engine core in a process of its own
     # (AsyncLLM); "in_process" runs it in the rollout actor's process, stepped by a thread
