@@ -139,11 +139,21 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
                           for r in summary.get("rollout") or [] if r],
         "gpu_handoff_s": _mean([r.get("colocate/handoff_s") for r in rows[WARMUP_STEPS:]]),
         # The trainer's step, in its parts (the rest is waiting for micro-batches).
-        "trainer_timing_s": {k: _mean([r.get(f"timing_s/{k}") for r in rows[WARMUP_STEPS:]])
-                             for k in ("train", "update", "weight_publish")}
-        | {"step": _mean([r.get("time/step_s") for r in rows[WARMUP_STEPS:]])},
+        "trainer_timing_s": summarize_trainer_timing(rows[WARMUP_STEPS:]),
+        "trainer_seconds": summary["stages"].get("trainer", {}).get("seconds"),
         **summarize_curve([(row["time"] - t0, row.get("reward/mean")) for row in rows]),
     }
+
+
+def summarize_trainer_timing(steady: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The trainer's mean step after the warm-up in parts (``timing_s/*``: passes, the
+    optimizer's update, the weight publish) and ``other``: the step less those (waiting
+    for micro-batches, advantages, the colocated handoff, the step's own bookkeeping)."""
+    parts = {k: _mean([r.get(f"timing_s/{k}") for r in steady]) for k in ("train", "update", "weight_publish")}
+    step = _mean([r.get("time/step_s") for r in steady])
+    known = [v for v in parts.values() if v is not None]
+    other = step - sum(known) if step is not None and len(known) == len(parts) else None
+    return {**parts, "step": step, "other": other}
 
 
 def _mean(values: list[Any]) -> float | None:

@@ -44,7 +44,7 @@ from bench.common import (
     stage_log_timings,
 )
 from bench.e2e import REWARD_THRESHOLDS, _attempt, _version, summarize_curve
-from bench.gpu_e2e import _mean, compute_stage_rates, compute_steady_rate
+from bench.gpu_e2e import _mean, compute_stage_rates, compute_steady_rate, summarize_trainer_timing
 from bench.longtail_lengths import MAX_FIELD, MIN_FIELD, LengthSchedule, write_prompt_file
 from stages.rollout.occupancy import TAIL_THRESHOLD, compute_tail_wait
 
@@ -216,6 +216,10 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
         "step_s": _mean([r.get("time/step_s") for r in steady]),
         **compute_stage_rates(steady, per_step),
         "busy_share": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
+        # The trainer stage's seconds by span kind (busy; inside it wait_memory: admission
+        # waiting for GPU memory) and its step in parts: where a trainer-bound row's time goes.
+        "trainer_seconds": summary["stages"].get("trainer", {}).get("seconds"),
+        "trainer_timing_s": summarize_trainer_timing(steady),
         "padding_fraction": _mean([r.get("actor/padding_fraction") for r in steady]),
         # The trainer's allocator at the end: retries mean passes ran at the memory limit (slow).
         **{k.removeprefix("memory/"): rows[-1][k] for k in ("memory/trainer_alloc_retries", "memory/trainer_reserved_gib")
@@ -472,6 +476,9 @@ DEFINITIONS = {
                                          "found every compile cached (or compiled nothing)"),
     "busy_share": "per stage, the union of its busy spans over the run's window",
     "padding_fraction": "the trainer's padded share of its token slots (actor/padding_fraction), where reported",
+    "trainer_seconds": "the trainer stage's seconds by span kind (busy, wait_input, wait_memory inside busy, ...)",
+    "trainer_timing_s": ("the trainer's mean step after the warm-up: train (passes), update (optimizer), "
+                         "weight_publish, and other (the step less those)"),
     "tail_share": (f"of the time the rollout had a sample in flight, the share with fewer than {TAIL_THRESHOLD:g} x "
                    "the peak count in flight; in lock-step that is each step's time from its median sample's end "
                    "to its longest's"),

@@ -757,7 +757,10 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         # The stages' controller calls by method (its budget: pipeline/controller.py).
         "controller_calls": result.controller["calls"],
         "queues": result.queues,
-        "stages": {name: {"busy_s": t.seconds.get("busy", 0.0), "busy_ratio": t.busy_ratio} for name, t in agg.items()},
+        # Each stage's busy share and its seconds by span kind (pipeline.profiler.SPAN_KINDS:
+        # wait_input, wait_memory inside busy, sync, transfer, ...), the console table's.
+        "stages": {name: {"busy_s": t.seconds.get("busy", 0.0), "busy_ratio": t.busy_ratio,
+                          "seconds": {k: round(v, 3) for k, v in t.seconds.items()}} for name, t in agg.items()},
         "startup": reporter.startup,
         "reward_first": reporter.first_step.get("reward/mean") if reporter.first_step else None,
         "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,

@@ -126,6 +126,11 @@ def test_run_outputs_are_written(streaming_run):
     trace = json.loads((run_dir / "trace.json").read_text())
     assert {e["ph"] for e in trace["traceEvents"]} >= {"X", "M"}
     assert set(summary["stages"]) >= {"source", "rollout", "reward", "reference", "trainer"}
+    # Each stage's seconds by span kind, as the console's table has them: busy, and the
+    # trainer's waits for its input; busy_s is the busy kind's.
+    trainer = summary["stages"]["trainer"]
+    assert trainer["seconds"]["busy"] == pytest.approx(trainer["busy_s"], abs=1e-3) and trainer["busy_s"] > 0
+    assert trainer["seconds"]["wait_input"] > 0
     # status.json (what `conveyor status` reads) says the run ended, not "running".
     assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
     # Each stage's own output (and its engine's) is in its log file, not on the console.

@@ -262,3 +262,14 @@ def test_the_trainer_alone_trains_every_completion_at_the_cap():
     assert len(full) == 4 and all((b.completion_lens == 16).all() for b in full)
     spread = np.concatenate([b.completion_lens for b in build_step_batches(8, 2, 4, 16, 100)])
     assert spread.min() >= 8 and spread.max() <= 16 and len(set(spread.tolist())) > 1
+
+
+def test_a_trainer_step_is_told_in_its_parts_and_the_rest():
+    from bench.gpu_e2e import summarize_trainer_timing
+
+    rows = [{"time/step_s": 2.0, "timing_s/train": 1.2, "timing_s/update": 0.1, "timing_s/weight_publish": 0.1},
+            {"time/step_s": 4.0, "timing_s/train": 2.8, "timing_s/update": 0.1, "timing_s/weight_publish": 0.1}]
+    timing = summarize_trainer_timing(rows)
+    assert timing["step"] == 3.0 and timing["train"] == 2.0
+    assert timing["other"] == pytest.approx(3.0 - 2.0 - 0.1 - 0.1)
+    assert summarize_trainer_timing([{"time/step_s": 1.0}])["other"] is None  # parts unknown: no rest
