@@ -60,11 +60,9 @@ def build_prompt_ids(cfg: Any, tokenizer: Any, model_path: Path, count: int) -> 
 
 
 async def measure_rollout_alone(cfg: Any, model_path: Path, prompts: list[list[int]]) -> dict[str, Any]:
-    from stages.rollout.vllm_backend import VLLMBackend
+    from stages.rollout.vllm_backend import VLLMBackend, resolve_engine_core
 
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    from stages.rollout.vllm_backend import resolve_engine_core
-
     # No log-probs at all: with them on, the in-process engine would install the sampler
     # tap, which computes one for every sampled token whatever a request asks.
     rcfg = msgspec.structs.replace(cfg.rollout, gpu_memory_utilization=ENGINE_MEMORY, kv_cache_gib=None,
@@ -74,8 +72,9 @@ async def measure_rollout_alone(cfg: Any, model_path: Path, prompts: list[list[i
     await backend.start()
     try:
         step = _bare_in_process_step if rcfg.engine_core == "in_process" else _bare_step
-        return await _timed(lambda s: step(backend._engine, prompts, cfg.rollout.n, cfg.rollout.max_tokens, s,
-                                           logprobs=None), ROUNDS)
+        timed = await _timed(lambda s: step(backend._engine, prompts, cfg.rollout.n, cfg.rollout.max_tokens, s,
+                                            logprobs=None), ROUNDS)
+        return {**timed, "engine_core": rcfg.engine_core}
     finally:
         await backend.shutdown()
 
@@ -114,13 +113,11 @@ def measure_engine(which: str, config: Path, overrides: list[str]) -> dict[str, 
     from transformers import AutoTokenizer
 
     from stages.models.tiny import resolve_model_path
-    from stages.rollout.vllm_backend import resolve_engine_core
 
     model_path = resolve_model_path(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = build_prompt_ids(cfg, tokenizer, model_path, cfg.train.prompts_per_step)
     return {**asyncio.run(measure_rollout_alone(cfg, model_path, prompts)),
-            "engine_core": resolve_engine_core("auto", cfg.rollout.tensor_parallel_size),
             "prompt_len_mean": sum(map(len, prompts)) / len(prompts)}
 
 

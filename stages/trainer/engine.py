@@ -903,14 +903,11 @@ class TrainerEngine:
 
             with self.gathered_parameters():
                 save_adapter(self.peft_model, out)
-            self._copy_model_files(out, config=False)
+            copy_model_files(self.model_path, out, config=False)
             if self.lora.export_merged if merged is None else merged:
                 self._save_full(out / "merged")
             return out
         return self._save_full(out)
-
-    def _copy_model_files(self, out: Path, config: bool = True) -> None:
-        copy_model_files(self.model_path, out, config=config)
 
     def _save_full(self, out_dir: Path) -> Path:
         """The served model (LoRA: merged) as a Hugging Face checkpoint in ``out_dir``."""
@@ -923,7 +920,7 @@ class TrainerEngine:
         config = self.module.config.__class__.from_dict(self.module.config.to_dict())
         config.dtype = self.sync_dtype
         config.save_pretrained(out)
-        self._copy_model_files(out)
+        copy_model_files(self.model_path, out)
         return out
 
     # ------------------------------------------------------------------ replay state
