@@ -86,6 +86,25 @@ def compute_stage_rates(rows: list[dict[str, Any]], samples_per_step: int) -> di
     return {"rollout_tokens_per_busy_s": _mean(rollout), "trainer_tokens_per_busy_s": _mean(trainer)}
 
 
+def compute_wall_rates(rows: list[dict[str, Any]], samples_per_step: int, warmup: int) -> dict[str, float | None]:
+    """Tokens/s of the rollout and the trainer per second of the steady window (from the
+    end of step ``warmup - 1`` to the end of the last step, as ``compute_steady_rate``):
+    the completion tokens the steady steps trained (mean length x samples) and the
+    trainer's prompt and completion tokens (``throughput/tokens_per_s`` x
+    ``time/step_s``), each over the window's wall seconds. Unlike the busy-second rates
+    these hold under streaming, where a step's samples were generated partly during the
+    step before; None without a steady step."""
+    steady = rows[warmup:]
+    if warmup < 1 or not steady or any("time" not in r for r in (rows[warmup - 1], steady[-1])):
+        return {"rollout_tokens_per_wall_s": None, "trainer_tokens_per_wall_s": None}
+    span = steady[-1]["time"] - rows[warmup - 1]["time"]
+    rollout = [r.get("response_length/mean") for r in steady]
+    trainer = [(r.get("throughput/tokens_per_s") or 0.0) * (r.get("time/step_s") or 0.0) for r in steady]
+    return {"rollout_tokens_per_wall_s": sum(rollout) * samples_per_step / span
+            if span > 0 and None not in rollout else None,
+            "trainer_tokens_per_wall_s": sum(trainer) / span if span > 0 and all(trainer) else None}
+
+
 def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
                  gpus: int | None = None, config: Path = CONFIG) -> dict[str, Any]:
     """One Conveyor run of the config with ``mode``'s overrides (``sync``, ``colocate``,
@@ -123,6 +142,7 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
                                           for r in rows[WARMUP_STEPS:] if r.get("time/step_s")]),
         "trainer_tokens_per_s": _mean(tokens),
         **compute_stage_rates(rows[WARMUP_STEPS:], per_step),
+        **compute_wall_rates(rows, per_step, WARMUP_STEPS),
         "weight_sync_share": _mean([r.get("perf/weight_sync_share") for r in rows[WARMUP_STEPS:]]),
         "gpu_util": _mean([r.get("perf/gpu_util") for r in rows[WARMUP_STEPS:]]),
         "busy_ratio": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
@@ -358,8 +378,10 @@ def run_rows(specs: tuple[str, ...], steps: int, model: str | None = None,
 
 
 def compute_engine_fractions(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Each Conveyor row's rollout and trainer tokens/s (per busy second) over the first
-    ``engines`` row's engine alone, by label; empty without an ``engines`` row that ran."""
+    """Each Conveyor row's rollout and trainer tokens/s per second of its steady window
+    (``compute_wall_rates``) over the first ``engines`` row's engine alone, by label;
+    empty without an ``engines`` row that ran. Colocated, the two take turns, so their
+    sum is at most about 1; streaming, a sum above 1 is what sharing the GPU gained."""
     engines = next((r for r in rows.values() if r["spec"].startswith("engines") and r.get("status") == "ok"), None)
     if engines is None:
         return {}
@@ -367,8 +389,8 @@ def compute_engine_fractions(rows: dict[str, dict[str, Any]]) -> dict[str, dict[
     def frac(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
 
-    return {label: {"rollout": frac(r.get("rollout_tokens_per_busy_s"), engines.get("rollout_tokens_per_s")),
-                    "trainer": frac(r.get("trainer_tokens_per_busy_s"), engines.get("trainer_tokens_per_s"))}
+    return {label: {"rollout": frac(r.get("rollout_tokens_per_wall_s"), engines.get("rollout_tokens_per_s")),
+                    "trainer": frac(r.get("trainer_tokens_per_wall_s"), engines.get("trainer_tokens_per_s"))}
             for label, r in rows.items() if r.get("system", "").startswith("conveyor") and r.get("status") == "ok"}
 
 
@@ -463,7 +485,7 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
         "async_rollout_busy": (rows.get("async", {}).get("busy_ratio") or {}).get("rollout"),
         "async_weight_sync_share": rows.get("async", {}).get("weight_sync_share"),
         "colocate_gpu_free_gib_while_training": rows.get("colocate", {}).get("gpu_free_gib_while_training"),
-        # Rollout and trainer tokens/s per busy second over the engine alone (an engines row).
+        # Rollout and trainer tokens/s per second of the steady window over the engine alone.
         "engine_fraction": compute_engine_fractions(rows),
         "targets": {"async_over_sync": 1.8, "async_rollout_busy": 0.7, "async_over_trl": 1.5,
                     "colocate_over_trl": 1.5},

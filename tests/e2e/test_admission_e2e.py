@@ -31,6 +31,7 @@ STEPS = 4
 STAGES = ("rollout", "reference", "trainer")
 
 
+@pytest.mark.slow  # about 30 s; admission's splits with fakes run in every run (tests/ray_local/test_oom_recovery.py)
 def test_tight_budgets_split_every_stage_and_the_run_reconciles(ray_cluster, tmp_path):
     # One 4-prompt micro-batch of the quickstart needs about 650 KB of KV cache, 2.9 MB
     # for the reference forward and 5.6 MB for the trainer's (estimates, before the

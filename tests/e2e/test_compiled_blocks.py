@@ -40,7 +40,8 @@ def test_every_block_shares_one_graph_through_new_shapes_and_matches_eager():
     assert counters["frames"]["ok"] == 1 and counters["stats"]["unique_graphs"] == 1, dict(counters["frames"])
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
+# Without checkpointing is slow (about 20 s): the checkpointed variant builds the same graphs and runs in every run.
+@pytest.mark.parametrize("checkpointed", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_the_trainers_warm_up_builds_every_graph_its_passes_use(tmp_path, checkpointed):
     """``TrainerEngine.warm_up_compile`` at set-up leaves the first step nothing to
     compile: passes of padded rows, of rows of one length and of one row alone run on

@@ -21,6 +21,7 @@ from stages.rollout.occupancy import summarize_length_counts
 SCALE = 1 / 64  # median 16 tokens, p99 128, cap 256
 
 
+@pytest.mark.slow  # a bench's job, as the other bench smokes; its schedule is unit-tested
 def test_every_sample_generates_exactly_its_prompts_scheduled_length(ray_cluster, tmp_path):
     schedule = LengthSchedule(scale=SCALE)
     job = prepare_job("tiny", 2, schedule, tmp_path / "job", on_gpu=False)

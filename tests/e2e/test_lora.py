@@ -143,7 +143,9 @@ def loop(rollout_loop):
     return rollout_loop
 
 
-@pytest.mark.parametrize("name", ["hf", "vllm"])
+# vLLM is slow (about 30 s): the same payload and check on the HF backend run in every run; the GPU
+# tier serves LoRA merged syncs on vLLM (tests/gpu/test_day_one_gpu.py).
+@pytest.mark.parametrize("name", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_the_rollout_serves_the_trainers_merged_model_after_a_sync(engine, checkpoint, loop, shared_vllm, name) -> None:
     """Behaviour log-probs of the served model after a partial sync equal a transformers
     forward pass of peft's merged model: the partial payload landed, nothing else moved."""

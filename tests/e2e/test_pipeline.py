@@ -200,6 +200,7 @@ def test_lockstep_is_exactly_on_policy(lockstep_run):
     assert summary["samples"]["reconciles"]
 
 
+@pytest.mark.slow  # a second lock-step run; test_lockstep_is_exactly_on_policy runs in every run
 def test_lockstep_without_sampler_logprobs_anchors_the_ratio_on_the_trainer(ray_cluster, tmp_path):
     """``rollout.logprobs: false``: the rollout reports no log-probs, the trainer's own (detached)
     anchor its ratio, so it is 1 on every token and nothing clips; a dense reward keeps
@@ -372,6 +373,7 @@ def test_staleness_2_with_truncated_importance_weights_learns_like_sync(ray_clus
     assert all(r["actor/clip_frac"] == 0.0 for r in rows)  # the ratio to the current weights is 1
 
 
+@pytest.mark.slow  # about 35 s; the variants' estimators and losses are unit-tested, exact accounting runs in every launch
 def test_dynamic_sampling_kl_in_reward_and_gspo_run_with_exact_accounting(ray_cluster, tmp_path):
     """Zero-variance groups dropped at the reward stage and replaced, the adaptive KL
     controller, GSPO's sequence ratio and k3+ together, in a short run: every prompt is

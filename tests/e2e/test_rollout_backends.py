@@ -416,6 +416,7 @@ def test_hf_backend_ignores_the_checkpoints_sampling_penalties(loop, checkpoint,
             assert max(abs(a - b) for a, b in zip(c.logprobs, expected, strict=True)) < LOGPROB_ATOL
 
 
+@pytest.mark.slow  # this suite again in a subprocess; the GPU tier runs the in-process core, the default there
 def test_in_process_engine_core_passes_this_suite() -> None:
     """Every test above on rollout.engine_core: in_process, in a fresh process."""
     env = {**os.environ, "CONVEYOR_TEST_IN_PROCESS_ENGINE": "1"}

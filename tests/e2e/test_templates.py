@@ -44,6 +44,7 @@ def curriculum_run(ray_cluster, tmp_path_factory):
     return job, run_dir
 
 
+@pytest.mark.slow  # a curriculum run of its own; the templates' representative is the tool-RL one
 def test_curriculum_template_promotes_and_reports_its_level(curriculum_run):
     _, run_dir = curriculum_run
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -90,6 +91,7 @@ def _init_and_launch(name: str, tmp_path: Path, steps: int, extra: tuple[str, ..
     return rows
 
 
+@pytest.mark.slow  # the templates' representative is the tool-RL one; DPO's loss is unit-tested
 def test_dpo_template_trains_offline_pairs_and_reports_preferences(ray_cluster, tmp_path):
     rows = _init_and_launch("dpo", tmp_path, steps=12)
     keys = ("actor/preference_accuracy", "actor/reward_margin", "actor/chosen_reward", "actor/rejected_reward")

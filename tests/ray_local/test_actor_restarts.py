@@ -14,7 +14,8 @@ from tests.ray_local.fakes import FakeDyingStage, FakeGroupSource, FakeSampleSin
 BATCHES, GROUPS, GROUP_SIZE = 24, 2, 2
 
 
-@pytest.mark.parametrize("async_execution", [True, False], ids=["streaming", "lock-step"])
+# Lock-step is slow: the same kills and the same accounting as streaming, which runs in every run.
+@pytest.mark.parametrize("async_execution", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["streaming", "lock-step"])
 def test_killed_stages_restart_and_nothing_is_lost_or_repeated(ray_cluster, tmp_path, async_execution):
     df = DataFlow()
     df.add_node("source", FakeGroupSource, None, count=BATCHES, groups=GROUPS, group_size=GROUP_SIZE)

@@ -60,6 +60,7 @@ def test_overlap_quick_writes_result(ray_cluster, tmp_path):
         assert 1 <= case["weight_updates_applied"] <= case["steps"]
 
 
+@pytest.mark.slow  # about 30 s; the bench smokes' representative is overlap's, above
 def test_queue_hop_quick_writes_result(ray_cluster, tmp_path):
     assert main(["queue_hop", "--quick", "--out", str(tmp_path)]) == 0
     doc = _load(tmp_path, "queue_hop")

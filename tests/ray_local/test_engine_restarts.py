@@ -201,6 +201,7 @@ def test_a_rebuilt_engine_that_serves_other_weights_is_refused(ray_cluster, monk
     assert FakeDyingBackend.built[1].events[-1] == ("shutdown",)  # the refused engine was stopped
 
 
+@pytest.mark.slow  # a launched run with real engines; the rebuild rules above run in every run
 def test_engine_deaths_in_a_run_lose_and_repeat_no_prompt(ray_cluster, tmp_path):
     """Real runner, queues and stage shell (four micro-batches in the rollout at once):
     the first engine dies at its 3rd call, the second at its 4th."""

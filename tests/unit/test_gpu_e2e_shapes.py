@@ -18,6 +18,7 @@ from bench.gpu_e2e import (
     SYSTEMS,
     compute_engine_fractions,
     compute_stage_rates,
+    compute_wall_rates,
     over_trl_by_round,
     parse_systems,
     result_label,
@@ -111,12 +112,28 @@ def test_stage_rates_per_busy_second():
     assert compute_stage_rates([], 256) == {"rollout_tokens_per_busy_s": None, "trainer_tokens_per_busy_s": None}
 
 
+def test_wall_rates_count_the_steady_steps_tokens_over_the_windows_seconds():
+    rows = [{"time": 10.0, "response_length/mean": 999.0, "throughput/tokens_per_s": 9e9, "time/step_s": 9.0},
+            {"time": 12.0, "response_length/mean": 100.0, "throughput/tokens_per_s": 1000.0, "time/step_s": 4.0},
+            {"time": 16.0, "response_length/mean": 50.0, "throughput/tokens_per_s": 3000.0, "time/step_s": 2.0}]
+    # The window is 10 s -> 16 s (the warm-up step is left out): (100 + 50) x 256 tokens
+    # generated and 4,000 + 6,000 trained in 6 s, however the steps overlapped.
+    assert compute_wall_rates(rows, 256, 1) == {"rollout_tokens_per_wall_s": 150 * 256 / 6.0,
+                                                "trainer_tokens_per_wall_s": 10000.0 / 6.0}
+    none = {"rollout_tokens_per_wall_s": None, "trainer_tokens_per_wall_s": None}
+    assert compute_wall_rates(rows[:1], 256, 1) == none  # no steady step
+    rows[2].pop("response_length/mean")
+    assert compute_wall_rates(rows, 256, 1) == {**none, "trainer_tokens_per_wall_s": 10000.0 / 6.0}
+
+
 def test_engine_fractions_and_trl_ratios_leave_the_engines_row_out():
     rows = {
         "engines": {"spec": "engines", "system": "engines-alone", "status": "ok",
                     "rollout_tokens_per_s": 20000.0, "trainer_tokens_per_s": 50000.0},
         "async": {"spec": "async", "system": "conveyor-async", "status": "ok", "samples_per_s_per_gpu": 300.0,
-                  "rollout_tokens_per_busy_s": 15000.0, "trainer_tokens_per_busy_s": 40000.0},
+                  "rollout_tokens_per_wall_s": 15000.0, "trainer_tokens_per_wall_s": 40000.0,
+                  # per busy second (higher under streaming): not what a fraction divides
+                  "rollout_tokens_per_busy_s": 30000.0, "trainer_tokens_per_busy_s": 45000.0},
         "colocate": {"spec": "colocate", "system": "conveyor-colocate", "status": "error"},
         "trl": {"spec": "trl", "system": "trl-grpo-vllm-colocate", "status": "ok", "samples_per_s_per_gpu": 150.0},
     }
