@@ -142,6 +142,8 @@ def test_two_ranks_save_and_load_their_state(ray_cluster, single, tmp_path, zero
     ray.kill(pair)
 
 
+@pytest.mark.slow  # two DeepSpeed ranks again; a rank's error stopping the others runs in every run with fakes
+# (tests/ray_local/test_trainer_rank_errors.py)
 def test_an_error_on_rank_1_stops_the_step_naming_it(ray_cluster, single, tmp_path):
     """Rank 1 raises in its part of a micro-batch (``FakeFailingTrainerRank``) while rank 0
     trains its own part into ZeRO 2's gradient reduction, which waits for rank 1: the
