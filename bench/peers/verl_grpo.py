@@ -253,6 +253,8 @@ def build_verl_overrides(job: VerlJob, files: VerlFiles, root: Path) -> list[str
 
 
 _NUMPY_SCALAR = re.compile(r"np\.\w+\((.*)\)")
+# Ray colours the ``(Actor pid=..)`` prefix of a worker's lines even when they go to a pipe.
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def _parse_value(text: str) -> float | None:
@@ -272,6 +274,7 @@ def parse_verl_line(line: str) -> dict[str, float] | None:
     """One console line of verl's ``LocalLogger`` (``step:N - key:value - ...``, after any
     ``(TaskRunnerV1 pid=..)`` prefix Ray adds) as ``{"step": N, key: value...}``; None for
     any other line. A training step's line carries ``timing_s/step``."""
+    line = _ANSI.sub("", line)
     at = line.find("step:")
     if at < 0 or (at > 0 and not line[:at].endswith(") ")):
         return None
@@ -333,7 +336,8 @@ def run_verl(job: VerlJob, rows: list[dict[str, Any]], root: Path, warmup: int,
              pythonpath: tuple[str, ...] = (), python: str = sys.executable) -> dict[str, Any]:
     """Run verl's GRPO trainer on ``job`` under ``root`` (its full output in ``root/verl.log``)
     and return its row; ``pythonpath``: directories put first on verl's path (a transformers at
-    verl's pin, say). A failed run raises ``RuntimeError`` with the log's last lines."""
+    verl's pin, say). A failed run, or one that logs no training step, raises ``RuntimeError``
+    with the log's last lines."""
     files = write_verl_files(job, rows, root)
     argv = [python, "-m", "verl.trainer.main_ppo", *build_verl_overrides(job, files, root)]
     path = [*pythonpath, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -353,6 +357,10 @@ def run_verl(job: VerlJob, rows: list[dict[str, Any]], root: Path, warmup: int,
         tail = "".join(line for _, line in timed[-60:])
         raise RuntimeError(f"verl exited with status {proc.returncode}; the end of {root / 'verl.log'}:\n{tail}")
     steps = parse_verl_log(timed)
+    if not steps:
+        tail = "".join(line for _, line in timed[-80:])
+        raise RuntimeError(f"verl exited with status 0 but logged no training step (no `step:N` line with "
+                           f"timing_s/step); the end of {root / 'verl.log'}:\n{tail}")
     return {"system": f"verl-grpo-{job.trainer_mode}", "verl_version": _installed("verl"),
             "pythonpath_first": list(pythonpath), "total_s": total, "argv": argv[1:],
             **summarize_verl_steps(steps, t0, job.prompts_per_step * job.group_size, job.gpus, warmup)}

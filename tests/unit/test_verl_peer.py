@@ -22,6 +22,7 @@ from bench.peers.verl_grpo import (
     check_job,
     parse_verl_line,
     parse_verl_log,
+    run_verl,
     summarize_verl_steps,
     write_verl_files,
 )
@@ -171,3 +172,26 @@ def test_the_row_rates_come_from_the_arrival_times() -> None:
     want = sum(m * 32 / s for m, s in ((98.25, 7.5523), (99.25, 7.4923), (100.25, 7.6523))) / 3
     assert row["completion_tokens_per_s"] == pytest.approx(want)
     assert row["reward_first"] == 0.0625 and row["curve"][0] == [60.0, 0.0625]
+
+
+def _fake_verl(tmp_path: Path, lines: list[str]) -> str:
+    """A stand-in for ``python -m verl.trainer.main_ppo ...``: prints ``lines``, exits 0."""
+    script = tmp_path / "fake_verl_python"
+    script.write_text("#!/bin/sh\n" + "".join(f"printf '%s\\n' '{line}'\n" for line in lines))
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_ray_colour_codes_around_the_actor_prefix_do_not_hide_a_step(tmp_path: Path) -> None:
+    # Ray writes the prefix as ESC[36m(TaskRunnerV1 pid=..)ESC[0m even into a pipe.
+    step = "\x1b[36m(TaskRunnerV1 pid=7)\x1b[0m step:{} - timing_s/step:{} - critic/score/mean:0.5"
+    assert parse_verl_line(step.format(1, 2.5)) == {"step": 1, "timing_s/step": 2.5, "critic/score/mean": 0.5}
+    lines = ["ray init", *(step.format(i, 2.0).replace("\x1b", "\033") for i in (1, 2, 3))]
+    row = run_verl(JOB, _rows(12), tmp_path, warmup=1, python=_fake_verl(tmp_path, lines))
+    assert row["steps"] == 3 and row["reward_first"] == 0.5
+
+
+def test_a_verl_run_that_trains_no_step_is_an_error_with_its_last_lines(tmp_path: Path) -> None:
+    lines = ["ray init", "(TaskRunnerV1 pid=7) Training Progress: 0it", "(TaskRunnerV1 pid=7) the last word"]
+    with pytest.raises(RuntimeError, match="logged no training step(.|\n)*the last word"):
+        run_verl(JOB, _rows(12), tmp_path, warmup=1, python=_fake_verl(tmp_path, lines))
