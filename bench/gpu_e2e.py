@@ -168,12 +168,20 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
 def summarize_trainer_timing(steady: list[dict[str, Any]]) -> dict[str, float | None]:
     """The trainer's mean step after the warm-up in parts (``timing_s/*``: passes, the
     optimizer's update, the weight publish) and ``other``: the step less those (waiting
-    for micro-batches, advantages, the colocated handoff, the step's own bookkeeping)."""
+    for micro-batches, advantages, the colocated handoff, the step's own bookkeeping); and
+    the passes: ``passes`` a step, ``pass_tokens`` (computed, padding included) a pass,
+    ``pass_s`` a pass and ``pass_tokens_per_s`` while passes run, so that a slow trainer
+    can be read as many small passes or slow ones."""
     parts = {k: _mean([r.get(f"timing_s/{k}") for r in steady]) for k in ("train", "update", "weight_publish")}
     step = _mean([r.get("time/step_s") for r in steady])
     known = [v for v in parts.values() if v is not None]
     other = step - sum(known) if step is not None and len(known) == len(parts) else None
-    return {**parts, "step": step, "other": other}
+    passes, tokens, train = (_mean([r.get("actor/passes") for r in steady]),
+                             _mean([r.get("actor/pass_tokens") for r in steady]), parts["train"])
+    return {**parts, "step": step, "other": other, "passes": passes,
+            "pass_tokens": tokens / passes if tokens is not None and passes else None,
+            "pass_s": train / passes if train is not None and passes else None,
+            "pass_tokens_per_s": tokens / train if tokens is not None and train else None}
 
 
 def _mean(values: list[Any]) -> float | None:

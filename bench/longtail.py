@@ -478,7 +478,8 @@ DEFINITIONS = {
     "padding_fraction": "the trainer's padded share of its token slots (actor/padding_fraction), where reported",
     "trainer_seconds": "the trainer stage's seconds by span kind (busy, wait_input, wait_memory inside busy, ...)",
     "trainer_timing_s": ("the trainer's mean step after the warm-up: train (passes), update (optimizer), "
-                         "weight_publish, and other (the step less those)"),
+                         "weight_publish, and other (the step less those); passes a step, pass_tokens (computed) and "
+                         "pass_s a pass, pass_tokens_per_s while passes ran"),
     "tail_share": (f"of the time the rollout had a sample in flight, the share with fewer than {TAIL_THRESHOLD:g} x "
                    "the peak count in flight; in lock-step that is each step's time from its median sample's end "
                    "to its longest's"),

@@ -80,12 +80,14 @@ def summarise_reward_extras(batches: Sequence[Any]) -> dict[str, float]:
 def summarise_pass_padding(metrics: Sequence[dict[str, float]], prefix: str = "actor") -> dict[str, float]:
     """``<prefix>/padding_fraction`` (padded / computed tokens over the passes the
     micro-batches' metrics count: ``TrainerEngine.train_micro_batch``), the same for chunks
-    of ``chunk_size`` consecutive samples (``_unpacked``) and ``<prefix>/passes``; empty
-    when a micro-batch did not count them."""
+    of ``chunk_size`` consecutive samples (``_unpacked``), ``<prefix>/passes`` and
+    ``<prefix>/pass_tokens`` (the tokens they computed, padding included); empty when a
+    micro-batch did not count them."""
     keys = ("passes", "pass_real_tokens", "pass_tokens", "pass_tokens_unpacked")
     if not metrics or not all(k in m for m in metrics for k in keys):
         return {}
     real, packed, unpacked, passes = (sum(m[k] for m in metrics) for k in
                                       ("pass_real_tokens", "pass_tokens", "pass_tokens_unpacked", "passes"))
     return {f"{prefix}/padding_fraction": padding_fraction(real, packed),
-            f"{prefix}/padding_fraction_unpacked": padding_fraction(real, unpacked), f"{prefix}/passes": passes}
+            f"{prefix}/padding_fraction_unpacked": padding_fraction(real, unpacked), f"{prefix}/passes": passes,
+            f"{prefix}/pass_tokens": packed}

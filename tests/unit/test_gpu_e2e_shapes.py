@@ -290,3 +290,11 @@ def test_a_trainer_step_is_told_in_its_parts_and_the_rest():
     assert timing["step"] == 3.0 and timing["train"] == 2.0
     assert timing["other"] == pytest.approx(3.0 - 2.0 - 0.1 - 0.1)
     assert summarize_trainer_timing([{"time/step_s": 1.0}])["other"] is None  # parts unknown: no rest
+    assert timing["passes"] is None and timing["pass_s"] is None  # no pass counts in these rows
+    # 4 then 12 passes of 4,000 then 36,000 computed tokens: 8 a step, 2,500 tokens and 0.25 s
+    # a pass, 20,000 / 2.0 s while passes ran.
+    rows[0] |= {"actor/passes": 4.0, "actor/pass_tokens": 4000.0}
+    rows[1] |= {"actor/passes": 12.0, "actor/pass_tokens": 36000.0}
+    timing = summarize_trainer_timing(rows)
+    assert timing["passes"] == 8.0 and timing["pass_tokens"] == 2500.0
+    assert timing["pass_s"] == pytest.approx(0.25) and timing["pass_tokens_per_s"] == pytest.approx(10000.0)

@@ -112,7 +112,8 @@ def test_step_padding_metrics_add_up_the_pieces():
     second = {"passes": 1.0, "pass_real_tokens": 300.0, "pass_tokens": 500.0, "pass_tokens_unpacked": 900.0}
     got = summarise_pass_padding([first, second])
     assert got == pytest.approx({"actor/padding_fraction": 1 - 900 / 1500,
-                                 "actor/padding_fraction_unpacked": 1 - 900 / 2500, "actor/passes": 4.0})
+                                 "actor/padding_fraction_unpacked": 1 - 900 / 2500, "actor/passes": 4.0,
+                                 "actor/pass_tokens": 1500.0})
     assert summarise_pass_padding([{"loss": 0.0}]) == {}
     # A micro-batch trained as pieces counts the tokens of all of them.
     merged = merge_piece_metrics([{**first, "num_samples": 2.0}, {**second, "num_samples": 2.0}], [0.5, 0.5])
