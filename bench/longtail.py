@@ -11,7 +11,9 @@ same group size, sampling, learning rate, loss and steps. Rows (``--systems``, i
 - ``trl``: TRL's ``GRPOTrainer``, vLLM colocated, each prompt's length put on its own
   request (``bench.longtail_trl``); skipped, with the reason, without TRL or a GPU;
 - ``verl``: verl's GRPO trainer (``bench.peers.verl_grpo``, its ``sync`` mode), each
-  prompt's length on its own requests; skipped, with the reason, without verl or a GPU.
+  prompt's length on its own requests; skipped, with the reason, without verl or a GPU;
+- ``engines``: vLLM and the trainer engine alone on the same prompts and lengths
+  (``bench.engine_alone.run_schedule_engines``), what each row's stages are compared with.
 
 A Conveyor row may carry overrides (``streaming[rollout.max_inflight=128]``). ``--reward``
 runs the quickstart's task (the embedded tiny model learns it by RL alone) with long-tail
@@ -44,14 +46,20 @@ from bench.common import (
     stage_log_timings,
 )
 from bench.e2e import REWARD_THRESHOLDS, _attempt, _version, summarize_curve
-from bench.gpu_e2e import _mean, compute_stage_rates, compute_steady_rate, summarize_trainer_timing
+from bench.gpu_e2e import (
+    _mean,
+    compute_stage_rates,
+    compute_steady_rate,
+    compute_wall_rates,
+    summarize_trainer_timing,
+)
 from bench.longtail_lengths import MAX_FIELD, MIN_FIELD, LengthSchedule, write_prompt_file
 from stages.rollout.occupancy import TAIL_THRESHOLD, compute_tail_wait
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "longtail.yaml"
 REWARD_CONFIG = ROOT / "configs" / "quickstart.yaml"
-SYSTEMS = ("streaming", "lockstep", "colocate", "trl", "verl")
+SYSTEMS = ("streaming", "lockstep", "colocate", "trl", "verl", "engines")
 PEERS = ("trl", "verl")
 LOCKSTEP = ("dataflow.async_execution=false", "dataflow.max_staleness=0")
 MODES: dict[str, tuple[str, ...]] = {"streaming": (), "lockstep": LOCKSTEP, "colocate": (*LOCKSTEP, "placement=colocate")}
@@ -110,7 +118,7 @@ def check_rows(specs: tuple[tuple[str, tuple[str, ...]], ...], reward: bool = Fa
     for name, extra in dict.fromkeys(specs):
         if extra:
             try:
-                load_config(REWARD_CONFIG if reward else CONFIG, [*MODES[name], *extra])
+                load_config(REWARD_CONFIG if reward else CONFIG, [*MODES.get(name, ()), *extra])
             except ConfigError as exc:
                 raise ConfigError(f"--systems: row {name}[{';'.join(extra)}]: {exc}") from None
 
@@ -215,6 +223,7 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
         "completion_tokens_per_s": tokens / span if span > 0 else None,
         "step_s": _mean([r.get("time/step_s") for r in steady]),
         **compute_stage_rates(steady, per_step),
+        **compute_wall_rates(rows, per_step, warmup),
         "busy_share": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
         # The trainer stage's seconds by span kind (busy; inside it wait_memory: admission
         # waiting for GPU memory) and its step in parts: where a trainer-bound row's time goes.
@@ -258,6 +267,21 @@ def run_verl_row(job: Job, root: Path, warmup: int) -> dict[str, Any]:
     return run_verl(vjob, rows, root, warmup)
 
 
+def run_engines_row(job: Job, root: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """vLLM and the trainer engine alone on the job's prompts and lengths (the streaming
+    row's config with ``extra``), each in a process of its own."""
+    from bench.engine_alone import run_schedule_engines
+
+    return run_schedule_engines(job.config, (*job.overrides, *extra), job.prompts, root)
+
+
+def _describe_engines(row: dict[str, Any]) -> str:
+    return (f"vLLM alone {row['rollout_tokens_per_s_by_step']:.0f} completion tokens/s a step at a time, "
+            f"{row['rollout_tokens_per_s_all_at_once']:.0f} all at once; trainer alone "
+            f"{row['trainer_tokens_per_s_micro_batches']:.0f} tokens/s in the job's micro-batches, "
+            f"{row['trainer_tokens_per_s_one_per_step']:.0f} a step as one")
+
+
 def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Path, on_gpu: bool,
              warmup: int, rows: dict[str, dict[str, Any]] | None = None,
              on_row: Callable[[dict[str, dict[str, Any]]], Any] | None = None) -> dict[str, dict[str, Any]]:
@@ -279,6 +303,8 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
             why = why or (None if on_gpu else "TRL's vLLM colocate mode needs a CUDA GPU")
             row = ({"system": "trl-grpo-vllm-colocate", "status": "skipped", "error": why} if why else
                    _attempt("trl-grpo", run_trl_isolated, job, where, warmup, describe=_describe))
+        elif name == "engines":
+            row = _attempt("engines-alone", run_engines_row, job, where, extra, describe=_describe_engines)
         elif name == "colocate" and not on_gpu:
             row = {"system": "conveyor-colocate", "status": "skipped",
                    "error": "placement: colocate time-shares a GPU; this machine has none"}
@@ -353,7 +379,9 @@ def compute_ratios(rows: dict[str, dict[str, Any]], reward: bool) -> dict[str, A
         "verl_samples_per_s": _rate(first.get("verl")),
         "streaming_over_trl": ratio(s, _rate(first.get("trl"))),
         "streaming_over_verl": ratio(s, _rate(first.get("verl"))),
-        **{f"{spec}_tail_share": r.get("tail_share") for spec, r in first.items() if r.get("status") == "ok"},
+        **{f"{spec}_tail_share": r.get("tail_share") for spec, r in first.items()
+           if r.get("status") == "ok" and spec != "engines"},
+        **compute_bounds(first),
         "targets": {"streaming_over_lockstep": 2.5, "streaming_over_fastest_peer": 2.0},
     }
     if reward:
@@ -363,6 +391,34 @@ def compute_ratios(rows: dict[str, dict[str, Any]], reward: bool) -> dict[str, A
         out.update({f"{spec}_time_to_reward_{key}_s": t for spec, t in times.items()})
         out["streaming_time_to_reward_over_lockstep"] = ratio(times.get("streaming"), times.get("lockstep"))
         out["targets"]["streaming_time_to_reward_over_lockstep"] = 0.5
+    return out
+
+
+def compute_bounds(first: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What bounded each Conveyor row (``{spec}_bound``: its busiest stage and that stage's
+    busy share) and, with an ``engines`` row, each row's rollout and trainer tokens per
+    wall second as a share of that engine alone (``{spec}_rollout_of_alone``: of vLLM with
+    every step's requests at once; ``{spec}_trainer_of_alone``: of the trainer in the job's
+    micro-batches)."""
+    out: dict[str, Any] = {}
+    engines = first.get("engines")
+    alone = engines if engines and engines.get("status") == "ok" else None
+    if alone:
+        out["engines_alone"] = {k: alone[k] for k in (
+            "rollout_tokens_per_s_by_step", "rollout_tokens_per_s_all_at_once",
+            "trainer_tokens_per_s_micro_batches", "trainer_tokens_per_s_one_per_step")}
+    for spec, row in first.items():
+        if spec not in MODES or row.get("status") != "ok":
+            continue
+        busy = row.get("busy_share") or {}
+        if busy:
+            stage = max(busy, key=busy.__getitem__)
+            out[f"{spec}_bound"] = {"stage": stage, "busy_share": busy[stage]}
+        if alone:
+            for part, key in (("rollout", "rollout_tokens_per_s_all_at_once"),
+                              ("trainer", "trainer_tokens_per_s_micro_batches")):
+                wall = row.get(f"{part}_tokens_per_wall_s")
+                out[f"{spec}_{part}_of_alone"] = wall / alone[key] if wall and alone[key] else None
     return out
 
 
@@ -484,13 +540,20 @@ DEFINITIONS = {
                    "the peak count in flight; in lock-step that is each step's time from its median sample's end "
                    "to its longest's"),
     "lengths": "the completion lengths generated (median, p90, p99, max), beside the schedule's",
+    "rollout_tokens_per_wall_s": ("completion tokens trained per second of the steady window; trainer_tokens_per_wall_s: "
+                                  "the trainer's prompt and completion tokens per second of it"),
+    "engines": ("the engines row: vLLM alone on the job's requests a step at a time (by_step) and all at once "
+                "(all_at_once); the trainer engine alone in the job's micro-batches and with each step as one "
+                "micro-batch (one_per_step), with its passes and the GPU's kernel-busy share of a micro-batch"),
+    "bound": ("ratios' {row}_bound: the row's busiest stage and its busy share; {row}_rollout_of_alone and "
+              "{row}_trainer_of_alone: its tokens per wall second over the engine alone's"),
     "time_to_threshold_s": "launch to the first step where the 5-step mean reward reaches the threshold",
 }
 
 
 def plot(payload: dict[str, Any]) -> Any:
     fig, axes = new_figure(1, 3, size=(15, 4.5))
-    runs = [r for r in payload.get("runs", {}).values() if r.get("status") == "ok"]
+    runs = [r for r in payload.get("runs", {}).values() if r.get("status") == "ok" and r.get("spec") != "engines"]
     ax = axes[0][0]
     ax.bar([r["label"] for r in runs], [r.get("samples_per_s") or 0.0 for r in runs])
     ax.set_ylabel("samples / s (after warm-up)")

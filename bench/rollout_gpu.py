@@ -40,40 +40,50 @@ CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu_small.yaml"
 ROUNDS = 3
 
 
-def _bare_params(max_tokens: int, logprobs: int | None = 0) -> Any:
+def _bare_params(max_tokens: int, logprobs: int | None = 0, min_tokens: int = 0) -> Any:
     """A bare request's sampling: one output when it finishes, no detokenization;
-    ``logprobs`` as vLLM takes it (0: the sampled token's, None: none)."""
+    ``logprobs`` as vLLM takes it (0: the sampled token's, None: none); ``min_tokens``:
+    stop tokens held back until then (a row's exact length: ``min_tokens == max_tokens``)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=logprobs,
+    return SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, min_tokens=min_tokens, logprobs=logprobs,
                           output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
 
 
-async def _bare_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int,
-                     logprobs: int | None = 0) -> int:
-    async def one(i: int, prompt: list[int]) -> int:
-        params = _bare_params(max_tokens, logprobs)
+def _budget(budgets: list[tuple[int, int]] | None, i: int, max_tokens: int) -> tuple[int, int]:
+    """Prompt ``i``'s (max, min) tokens: its own where ``budgets`` are given, else (``max_tokens``, 0)."""
+    return budgets[i] if budgets is not None else (max_tokens, 0)
+
+
+async def _bare_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int | str,
+                     logprobs: int | None = 0, budgets: list[tuple[int, int]] | None = None) -> int:
+    """``n`` requests per prompt, all at once, each up to ``max_tokens`` (or its prompt's
+    (max, min) ``budgets``); the completion tokens made."""
+    async def one(i: int, prompt: list[int], budget: tuple[int, int]) -> int:
+        params = _bare_params(budget[0], logprobs, budget[1])
         tokens = 0
         async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id=f"bare-{round_}-{i}"):
             tokens = len(out.outputs[0].token_ids)
         return tokens
 
-    counts = await asyncio.gather(*(one(i * n + j, p) for i, p in enumerate(prompts) for j in range(n)))
+    counts = await asyncio.gather(*(one(i * n + j, p, _budget(budgets, i, max_tokens))
+                                    for i, p in enumerate(prompts) for j in range(n)))
     return sum(counts)
 
 
-async def _bare_in_process_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int,
-                                logprobs: int | None = 0) -> int:
+async def _bare_in_process_step(engine: Any, prompts: list[list[int]], n: int, max_tokens: int, round_: int | str,
+                                logprobs: int | None = 0, budgets: list[tuple[int, int]] | None = None) -> int:
     """``_bare_step`` against ``InProcessEngine`` (its ``add_request`` and collectors)."""
 
-    async def one(i: int, prompt: list[int]) -> int:
+    async def one(i: int, prompt: list[int], budget: tuple[int, int]) -> int:
         collector = await engine.add_request(f"bare-{round_}-{i}", {"prompt_token_ids": prompt},
-                                             _bare_params(max_tokens, logprobs))
+                                             _bare_params(budget[0], logprobs, budget[1]))
         out = await collector.get()
         return len(out.outputs[0].token_ids)
 
-    counts = await asyncio.gather(*(one(i * n + j, p) for i, p in enumerate(prompts) for j in range(n)))
+    counts = await asyncio.gather(*(one(i * n + j, p, _budget(budgets, i, max_tokens))
+                                    for i, p in enumerate(prompts) for j in range(n)))
     return sum(counts)
 
 

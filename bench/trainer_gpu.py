@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,30 +39,40 @@ CHUNK_SIZES = (16, 32, 64)
 
 
 def build_step_batches(prompts_per_step: int, per_micro: int, n: int, max_tokens: int, vocab: int,
-                       seed: int = 0, min_tokens: int | None = None) -> list[Any]:
+                       seed: int = 0, min_tokens: int | None = None,
+                       groups: Sequence[tuple[int, int]] | None = None) -> list[Any]:
     """The step's micro-batches: random token ids, completions of ``min_tokens`` (None:
     half of ``max_tokens``) to ``max_tokens``, every second sample of a group rewarded,
     behaviour log-probs of a uniform sampler (ratios far from 1 are clipped, as they
-    would be)."""
+    would be). ``groups``: each prompt's (prompt tokens, completion tokens), shared by
+    its ``n`` samples (a long-tail job's schedule), instead of drawn lengths."""
     from pipeline.types import Prompt, RolloutBatch
 
+    if groups is not None and len(groups) != prompts_per_step:
+        raise ValueError(f"groups: expected one (prompt, completion) length per prompt ({prompts_per_step}), "
+                         f"got {len(groups)}")
     rng = np.random.default_rng(seed)
     out = []
     for m in range(prompts_per_step // per_micro):
         num = per_micro * n
-        plens = np.repeat(rng.integers(12, 24, per_micro), n).astype(np.int32)
+        if groups is None:
+            plens = np.repeat(rng.integers(12, 24, per_micro), n).astype(np.int32)
+            clens = rng.integers(max_tokens // 2 if min_tokens is None else min_tokens, max_tokens + 1,
+                                 num).astype(np.int32)
+        else:
+            mine = np.asarray(groups[m * per_micro:(m + 1) * per_micro], dtype=np.int32)
+            plens, clens = np.repeat(mine[:, 0], n), np.repeat(np.minimum(mine[:, 1], max_tokens), n)
         prompt_ids = rng.integers(4, vocab, (num, int(plens.max()))).astype(np.int32)
         prompt_ids[np.arange(prompt_ids.shape[1])[None, :] >= plens[:, None]] = 0
-        clens = rng.integers(max_tokens // 2 if min_tokens is None else min_tokens, max_tokens + 1,
-                             num).astype(np.int32)
-        comp = rng.integers(4, vocab, (num, max_tokens)).astype(np.int32)
-        comp[np.arange(max_tokens)[None, :] >= clens[:, None]] = 0
+        width = int(clens.max()) if groups is not None else max_tokens  # a batch is as wide as its longest
+        comp = rng.integers(4, vocab, (num, width)).astype(np.int32)
+        comp[np.arange(width)[None, :] >= clens[:, None]] = 0
         out.append(RolloutBatch(
             batch_id=m, step=0, prompts=[Prompt(prompt_id=f"p{m}-{g}", text="") for g in range(per_micro)],
             group_size=n, sample_ids=[f"p{m}-{i // n}-{i % n}" for i in range(num)],
             prompt_ids=prompt_ids, prompt_lens=plens, completion_ids=comp, completion_lens=clens,
-            completions=[""] * num, behaviour_logprobs=np.full((num, max_tokens), -np.log(vocab), np.float32),
-            token_versions=np.zeros((num, max_tokens), np.int32), policy_version=0,
+            completions=[""] * num, behaviour_logprobs=np.full((num, width), -np.log(vocab), np.float32),
+            token_versions=np.zeros((num, width), np.int32), policy_version=0,
             rewards=(np.arange(num) % 2 == 0).astype(np.float32)))
     return out
 

@@ -3,7 +3,8 @@ and the bench's Conveyor rows end to end with their JSON.
 
 The first test reads the micro-batches the trainer received (a recording of the
 reward->trainer edge) and checks each sample's length against its prompt's scheduled
-length; the second runs the bench itself (slow: two launches).
+length; the second runs the bench itself (slow: two launches); the third measures the
+engines alone on the schedule, each in a process of its own (about 25 s, no Ray).
 """
 
 from __future__ import annotations
@@ -71,3 +72,23 @@ def test_the_bench_runs_its_conveyor_rows_and_writes_its_json(ray_cluster, tmp_p
         assert r["vllm_compile_cache_entries_added"] == 0
     assert doc["ratios"]["streaming_over_lockstep"] > 0
     assert doc["provenance"]["commit"] and doc["definitions"]["tail_share"]
+
+
+def test_the_engines_alone_generate_and_train_each_prompts_length(tmp_path):
+    from bench.longtail import run_engines_row
+
+    schedule = LengthSchedule(scale=SCALE)
+    job = prepare_job("tiny", 2, schedule, tmp_path / "job", on_gpu=False)
+    job.overrides = (*job.overrides, "train.prompts_per_step=4", "rollout.n=2")
+    job.prompts = 8  # 2 steps of 4 prompts
+    row = run_engines_row(job, tmp_path / "engines")
+    made = sum(n for n in schedule.lengths(8)) * 2  # every sample exactly its prompt's length
+    rollout, trainer = row["rollout"], row["trainer"]
+    assert rollout["by_step"]["tokens"] == rollout["all_at_once"]["tokens"] == made
+    assert rollout["requests"] == 16 and row["rollout_tokens_per_s_all_at_once"] > 0
+    # A prompt per micro-batch (configs/longtail.yaml), or each step as one micro-batch:
+    # the same tokens, 8 micro-batches against 2.
+    steps, whole = trainer["micro_batches"], trainer["one_per_step"]
+    assert steps["tokens"] == whole["tokens"] > made and (steps["micro_batches"], whole["micro_batches"]) == (8, 2)
+    assert whole["passes"] <= steps["passes"] and steps["tokens_per_s"] > 0 and whole["tokens_per_s"] > 0
+    assert steps["gpu_busy_share"] is None  # no GPU here

@@ -341,3 +341,62 @@ def test_the_scheduler_probe_counts_each_preemption_once_also_after_its_request_
     other.observe()
     assert other.stats() == {} and "differs" in other.unavailable
     assert SchedulerProbe.of(NS()).stats() == {}
+
+
+def test_the_trainers_batches_follow_each_prompts_scheduled_length():
+    from bench.trainer_gpu import build_step_batches
+
+    groups = [(5, 10), (7, 40), (6, 3), (9, 200)]  # (prompt tokens, completion tokens) per prompt
+    first, second = build_step_batches(4, 2, 3, 100, 50, groups=groups)
+    assert first.prompt_lens.tolist() == [5, 5, 5, 7, 7, 7] and first.completion_lens.tolist() == [10] * 3 + [40] * 3
+    assert first.completion_ids.shape == (6, 40)  # as wide as its longest, not the cap
+    assert second.completion_lens.tolist() == [3] * 3 + [100] * 3  # 200 clamped to max_tokens
+    assert second.behaviour_logprobs.shape == second.token_versions.shape == (6, 100)
+    assert int((first.completion_ids[:3] != 0).sum(axis=1).max()) <= 10  # nothing past a sample's length
+    (whole,) = build_step_batches(4, 4, 3, 100, 50, groups=groups)  # the step as one micro-batch
+    assert whole.num_tokens == first.num_tokens + second.num_tokens
+    with pytest.raises(ValueError, match="one .* per prompt \\(4\\), got 3"):
+        build_step_batches(4, 2, 3, 100, 50, groups=groups[:3])
+
+
+def test_the_engines_alone_get_each_rows_budget_clamped_as_the_rollout_clamps_it(tmp_path):
+    from transformers import AutoTokenizer
+
+    from bench.engine_alone import build_prompt_requests
+    from bench.longtail import prepare_job
+    from stages.models.tiny import resolve_model_path
+
+    schedule = LengthSchedule(scale=1 / 64)
+    job = prepare_job("tiny", 1, schedule, tmp_path, on_gpu=False)
+    cap = 20  # below some of the schedule's lengths
+    cfg = load_config(job.config, [*job.overrides, f"rollout.max_tokens={cap}"])
+    path = resolve_model_path(cfg.model)
+    got = build_prompt_requests(cfg, AutoTokenizer.from_pretrained(path), path, job.prompts)
+    want = [min(n, cap) for n in schedule.lengths(job.prompts)]
+    assert [b for _, b in got] == [(n, n) for n in want] and cap in want and min(want) < cap
+    assert all(ids for ids, _ in got)
+
+
+def test_each_row_names_its_bound_and_its_share_of_the_engines_alone():
+    from bench.engine_alone import schedule_engines_row
+    from bench.longtail import compute_bounds
+
+    engines = {**schedule_engines_row(
+        {"engine_core": "in_process", "by_step": {"tokens_per_s": 8000.0}, "all_at_once": {"tokens_per_s": 20000.0}},
+        {"micro_batches": {"tokens_per_s": 15000.0}, "one_per_step": {"tokens_per_s": 45000.0}}), "spec": "engines"}
+    rows = {"streaming": {"spec": "streaming", "status": "ok", "busy_share": {"rollout": 0.6, "trainer": 0.99},
+                          "rollout_tokens_per_wall_s": 5000.0, "trainer_tokens_per_wall_s": 12000.0},
+            "lockstep": {"spec": "lockstep", "status": "ok", "busy_share": {"rollout": 0.95, "trainer": 0.7},
+                         "rollout_tokens_per_wall_s": None, "trainer_tokens_per_wall_s": 3000.0},
+            "trl": {"spec": "trl", "status": "ok", "samples_per_s": 3.0},
+            "engines": engines}
+    assert parse_systems("engines[train.pass_tokens=8192]") == (("engines", ("train.pass_tokens=8192",)),)
+    got = compute_bounds(rows)
+    assert got["streaming_bound"] == {"stage": "trainer", "busy_share": 0.99}
+    assert got["lockstep_bound"] == {"stage": "rollout", "busy_share": 0.95}
+    assert got["streaming_rollout_of_alone"] == 0.25 and got["streaming_trainer_of_alone"] == 0.8
+    assert got["lockstep_rollout_of_alone"] is None and got["lockstep_trainer_of_alone"] == 0.2
+    assert "trl_bound" not in got  # a peer's stages are not Conveyor's
+    assert got["engines_alone"]["trainer_tokens_per_s_one_per_step"] == 45000.0
+    assert "engines_alone" not in compute_bounds({k: v for k, v in rows.items() if k != "engines"})
+    assert "engines_tail_share" not in compute_ratios(rows, reward=False)
