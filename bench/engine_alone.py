@@ -147,7 +147,9 @@ async def measure_rollout_on_schedule(cfg: Any, model_path: Path, requests: list
         t1 = time.perf_counter()
         together = await run("all", 0, len(prompts))
         t2 = time.perf_counter()
-    return {"engine_core": core, "requests": len(prompts) * n,
+        scheduler = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+    # vLLM's own max_num_seqs (a launch plans the rollout's to what it keeps in flight).
+    return {"engine_core": core, "requests": len(prompts) * n, "max_num_seqs": getattr(scheduler, "max_num_seqs", None),
             "by_step": {"tokens": sum(by_step), "s": t1 - t0, "tokens_per_s": sum(by_step) / (t1 - t0)},
             "all_at_once": {"tokens": together, "s": t2 - t1, "tokens_per_s": together / (t2 - t1)}}
 

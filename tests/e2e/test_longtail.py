@@ -85,7 +85,7 @@ def test_the_engines_alone_generate_and_train_each_prompts_length(tmp_path):
     made = sum(n for n in schedule.lengths(8)) * 2  # every sample exactly its prompt's length
     rollout, trainer = row["rollout"], row["trainer"]
     assert rollout["by_step"]["tokens"] == rollout["all_at_once"]["tokens"] == made
-    assert rollout["requests"] == 16 and row["rollout_tokens_per_s_all_at_once"] > 0
+    assert rollout["requests"] == 16 and row["rollout_tokens_per_s_all_at_once"] > 0 and rollout["max_num_seqs"] >= 1
     # A prompt per micro-batch (configs/longtail.yaml), or each step as one micro-batch:
     # the same tokens, 8 micro-batches against 2.
     steps, whole = trainer["micro_batches"], trainer["one_per_step"]
