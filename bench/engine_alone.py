@@ -42,7 +42,7 @@ from typing import Any
 import msgspec
 
 from bench.rollout_gpu import ROUNDS, _bare_in_process_step, _bare_step, _timed
-from bench.trainer_gpu import _timed_step, build_step_batches
+from bench.trainer_gpu import _timed_step, build_step_batches, time_train_and_update
 
 ENGINE_MEMORY = 0.85  # vLLM's share of the GPU when it runs alone
 
@@ -198,8 +198,8 @@ def measure_trainer_on_schedule(cfg: Any, groups: list[tuple[int, int]], per_ste
     for name, per_micro in (("micro_batches", cfg.dataflow.prompts_per_micro_batch), ("one_per_step", per_step)):
         planned = [[assign_advantages(b, cfg.algorithm)
                     for b in build_step_batches(per_step, per_micro, n, cap, vocab, groups=g)] for g in steps]
-        _train_step(engine, planned[0], torch)  # warm-up
-        laps = [_train_step(engine, batches, torch) for batches in planned]
+        time_train_and_update(engine, planned[0], torch)  # warm-up
+        laps = [time_train_and_update(engine, batches, torch) for batches in planned]
         tokens = sum(b.num_tokens for batches in planned for b in batches)
         train, update = sum(t for t, _ in laps), sum(u for _, u in laps)
         probe = sorted(planned[0], key=lambda b: b.num_tokens)[len(planned[0]) // 2]
@@ -209,20 +209,6 @@ def measure_trainer_on_schedule(cfg: Any, groups: list[tuple[int, int]], per_ste
                      "gpu_busy_share": _gpu_busy_share(engine, probe, torch) if on_gpu else None}
     return out
 
-
-def _train_step(engine: Any, batches: list[Any], torch: Any) -> tuple[float, float]:
-    """(seconds of ``batches``' passes, seconds of the optimizer's update): one step."""
-    def lap(fn: Any) -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    scale = 1.0 / len(batches)
-    return sum(lap(lambda b=b: engine.train_micro_batch(b, scale)) for b in batches), lap(engine.optimizer_step)
 
 
 def measure_schedule_engine(which: str, config: Path, overrides: list[str], prompts: int) -> dict[str, Any]:

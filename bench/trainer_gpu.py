@@ -77,21 +77,30 @@ def build_step_batches(prompts_per_step: int, per_micro: int, n: int, max_tokens
     return out
 
 
-def _timed_step(engine: Any, batches: list[Any], torch: Any) -> dict[str, float]:
-    def lap(fn: Any) -> float:
+def timed_seconds(fn: Any, torch: Any) -> float:
+    """Seconds ``fn()`` takes, the device's queued work finished on both sides (on a GPU)."""
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-        return time.perf_counter() - t0
+    return time.perf_counter() - t0
 
-    torch.cuda.reset_peak_memory_stats()
+
+def time_train_and_update(engine: Any, batches: list[Any], torch: Any) -> tuple[float, float]:
+    """(seconds of ``batches``' passes, seconds of the optimizer's update): one step."""
     scale = 1.0 / len(batches)
-    train = sum(lap(lambda b=b: engine.train_micro_batch(b, scale)) for b in batches)
-    update = lap(engine.optimizer_step)
+    return (sum(timed_seconds(lambda b=b: engine.train_micro_batch(b, scale), torch) for b in batches),
+            timed_seconds(engine.optimizer_step, torch))
+
+
+def _timed_step(engine: Any, batches: list[Any], torch: Any) -> dict[str, float]:
+    torch.cuda.reset_peak_memory_stats()
+    train, update = time_train_and_update(engine, batches, torch)
     peak = torch.cuda.max_memory_allocated() / (1 << 30)
-    export = lap(engine.export_weights_ipc)
-    release = lap(engine.release_cached_memory)
+    export = timed_seconds(engine.export_weights_ipc, torch)
+    release = timed_seconds(engine.release_cached_memory, torch)
     return {"train_s": train, "update_s": update, "export_s": export, "release_s": release,
             "step_s": train + update + export + release, "peak_gib": peak}
 
