@@ -242,6 +242,14 @@ class QueueActor:
         origins stay leased upstream, where that producer's requeue delivers them again);
         ``parts``: releases of outputs downstream that the consumer carries here
         (``release_parts``)."""
+        got = await self.lease_ready(consumer, released, lost, parts)
+        return got if is_end(got) else got[0]
+
+    async def lease_ready(self, consumer: str, released: list[int] = (), lost: list[int] = (),
+                          parts: list[tuple[str, int, int]] = (), limit: int = 1) -> Any:
+        """``[[ref, seq], ...]``: the next item as ``lease`` waits for it, then up to
+        ``limit`` - 1 more that are already queued (never waited for), each leased
+        alike; or ``END``."""
         if consumer in self._dead:
             return END  # a call from a process that died, arriving late
         held = self._leases[consumer]
@@ -258,10 +266,22 @@ class QueueActor:
                 self._items.appendleft(entry)
                 self._cond.notify_all()
             return END
-        self._seq += 1
-        self._leases[consumer][self._seq] = _Lease(*entry)
+        taken = [entry]
+        if limit > 1 and self._items:
+            async with self._cond:
+                if consumer not in self._dead:
+                    while len(taken) < limit and self._items:
+                        self._touch()
+                        taken.append(self._items.popleft())
+                        self._gets += 1
+                    self._cond.notify_all()
+        out, leases = [], self._leases[consumer]
+        for wrapped, origin in taken:
+            self._seq += 1
+            leases[self._seq] = _Lease(wrapped, origin)
+            out.append([wrapped[0], self._seq])
         self._note_drained()
-        return [entry[0][0], self._seq]
+        return out
 
     async def release_parts(self, parts: list[tuple[str, int, int]]) -> None:
         """For each ``(consumer, seq, parts)``: one output derived from lease ``seq`` was
@@ -409,6 +429,14 @@ class QueueHandle:
         parts, self._parts = self._parts, []
         item = await self.actor.lease.remote(consumer, released, lost, parts)
         return (END, -1) if is_end(item) else (item[0], item[1])
+
+    async def lease_ready(self, consumer: str, released: list[int], lost: list[int],
+                          limit: int) -> list[tuple[Any, int]]:
+        """[(entry, its lease seq), ...]: the next one and up to ``limit`` - 1 already
+        queued, or [(``END``, -1)]; see ``QueueActor.lease_ready``."""
+        parts, self._parts = self._parts, []
+        got = await self.actor.lease_ready.remote(consumer, released, lost, parts, limit)
+        return [(END, -1)] if is_end(got) else [(ref, seq) for ref, seq in got]
 
     def flush_releases(self) -> None:
         """Fire and forget: the releases this process still carries (see ``put_entry``),

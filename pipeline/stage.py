@@ -300,44 +300,59 @@ class StageActor:
             self._gen = self.core.generate()
         return self._gen
 
-    async def _fetch(self, inp: QueueHandle) -> tuple[Any, int]:
-        """The next input item (or ``END``) and its lease, with wait and transfer spans."""
+    async def _fetch(self, inp: QueueHandle, limit: int = 1) -> list[tuple[Any, int]]:
+        """The next input item and up to ``limit`` - 1 more already queued, each with its
+        lease, with wait and transfer spans; or [(``END``, -1)]."""
         while True:
             t0 = time.time()
             released, self._released = self._released, []
             lost, self._lost = self._lost, []
-            ref, seq = await inp.lease(self.lease_id, released, lost)
-            if is_end(ref):
+            if limit > 1:
+                leased = await inp.lease_ready(self.lease_id, released, lost, limit)
+            else:
+                leased = [await inp.lease(self.lease_id, released, lost)]
+            if is_end(leased[0][0]):
                 self.spans.add("wait_input", t0, time.time())
-                return END, -1
+                return [(END, -1)]
             t1 = time.time()
-            try:
-                item = await resolve_entry(ref)
-            except ray.exceptions.ObjectLostError:
-                # Its producer died before this read it; the producer's own input is
-                # still leased upstream and is delivered again to its restarted self.
-                self._lost_inputs += 1
-                self._lost.append(seq)
-                self.ctx.log.warning("input_lost", edge=inp.name, detail="its producer died; redelivered upstream")
-                continue
-            if self._seen is not None:
-                item = self._seen.filter(item)
+            got = []
+            for ref, seq in leased:
+                item = await self._resolve(inp, ref, seq)
                 if item is None:
-                    self._released.append(seq)
-                    self.ctx.log.info("duplicate_dropped", edge=inp.name)
                     continue
-            batch_id = getattr(item, "batch_id", -1)
-            # Waiting for an item and moving it are told apart: "transfer" is the hop's cost.
-            self.spans.add("wait_input", t0, t1, batch_id)
-            self.spans.add("transfer", t1, time.time(), batch_id)
-            self._record_input(item)
-            if self._debug_pending:
-                self._debug_pending = False
-                text = inspect_first_micro_batch(inp.name, item, read_contract(type(self.core), self.name), self.name)
-                # On the console (the user asked for it) and in this stage's log.
-                for fd in {self._console, 2}:
-                    os.write(fd, (text + "\n").encode())
-            return item, seq
+                batch_id = getattr(item, "batch_id", -1)
+                # Waiting for an item and moving it are told apart: "transfer" is the hop's cost.
+                self.spans.add("wait_input", t0, t1, batch_id)
+                self.spans.add("transfer", t1, time.time(), batch_id)
+                got.append((item, seq))
+            if got:
+                return got
+
+    async def _resolve(self, inp: QueueHandle, ref: Any, seq: int) -> Any:
+        """The leased item, or None when it is lost or a duplicate (its lease settled)."""
+        try:
+            item = await resolve_entry(ref)
+        except ray.exceptions.ObjectLostError:
+            # Its producer died before this read it; the producer's own input is
+            # still leased upstream and is delivered again to its restarted self.
+            self._lost_inputs += 1
+            self._lost.append(seq)
+            self.ctx.log.warning("input_lost", edge=inp.name, detail="its producer died; redelivered upstream")
+            return None
+        if self._seen is not None:
+            item = self._seen.filter(item)
+            if item is None:
+                self._released.append(seq)
+                self.ctx.log.info("duplicate_dropped", edge=inp.name)
+                return None
+        self._record_input(item)
+        if self._debug_pending:
+            self._debug_pending = False
+            text = inspect_first_micro_batch(inp.name, item, read_contract(type(self.core), self.name), self.name)
+            # On the console (the user asked for it) and in this stage's log.
+            for fd in {self._console, 2}:
+                os.write(fd, (text + "\n").encode())
+        return item
 
     async def _consume(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
         if self.concurrency == 1:
@@ -349,27 +364,54 @@ class StageActor:
         """One item at a time, in order, with the hops hidden behind compute: the next
         input is fetched and the previous outputs are put while the core works. This
         stage then holds at most one item beyond its input queue and one beyond its
-        output queue; backpressure still reaches the producer one item later."""
-        fetch = asyncio.create_task(self._fetch(inp))
+        output queue; backpressure still reaches the producer one item later. A core
+        with ``max_gather`` > 1 gets what is already queued, up to that many items at
+        once, in one ``process_many`` call (one item: ``process``)."""
+        limit = self._gather_limit()
+        fetch = asyncio.create_task(self._fetch(inp, limit))
         sender: asyncio.Task[None] | None = None
         try:
             while True:
-                item, seq = await fetch
-                if is_end(item):
+                got = await fetch
+                if is_end(got[0][0]):
                     break
-                fetch = asyncio.create_task(self._fetch(inp))
-                with self.spans.span("busy", batch_id=getattr(item, "batch_id", -1)):
-                    out = await self.core.process(item)
-                self._processed += 1
+                fetch = asyncio.create_task(self._fetch(inp, limit))
+                items = [item for item, _ in got]
+                with self.spans.span("busy", batch_id=getattr(items[0], "batch_id", -1)):
+                    outs_each = await self._process_items(items)
+                self._processed += len(items)
                 if sender is not None:
                     await sender  # outputs leave in order; a failed put surfaces here
-                sender = asyncio.create_task(self._emit_all(_as_list(out), outs, inp, seq))
+                seqs = [seq for _, seq in got]
+                sender = asyncio.create_task(self._emit_each(outs_each, seqs, outs, inp))
             if sender is not None:
                 await sender
         finally:
             for task in (fetch, sender):
                 if task is not None and not task.done():
                     task.cancel()
+
+    def _gather_limit(self) -> int:
+        """Items the core takes at once (its ``max_gather``, read after ``setup``)."""
+        limit = int(getattr(self.core, "max_gather", 1) or 1)
+        if limit > 1 and not hasattr(self.core, "process_many"):
+            raise TypeError(f"node {self.name!r}: max_gather is {limit} but its core has no process_many()")
+        return max(1, limit)
+
+    async def _process_items(self, items: list[Any]) -> list[Any]:
+        """The core's output for each of ``items``, in order."""
+        if len(items) == 1:
+            return [await self.core.process(items[0])]
+        outs = await self.core.process_many(items)
+        if not isinstance(outs, list) or len(outs) != len(items):
+            raise TypeError(f"node {self.name!r}: process_many must return a list of one output per item "
+                            f"({len(items)}), got {type(outs).__name__}")
+        return outs
+
+    async def _emit_each(self, outs_each: list[Any], seqs: list[int], outs: list[QueueHandle],
+                         inp: QueueHandle) -> None:
+        for out, seq in zip(outs_each, seqs, strict=True):
+            await self._emit_all(_as_list(out), outs, inp, seq)
 
     async def _emit_all(self, items: list[Any], outs: list[QueueHandle], inp: QueueHandle, seq: int) -> None:
         """Put the outputs derived from input lease ``seq``, each tagged with its origin
@@ -401,7 +443,7 @@ class StageActor:
             await slots.acquire()
             if errors:
                 raise errors[0]
-            item, seq = await self._fetch(inp)
+            ((item, seq),) = await self._fetch(inp)
             if is_end(item):
                 slots.release()
                 break

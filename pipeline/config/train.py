@@ -85,6 +85,13 @@ class TrainConfig(msgspec.Struct, **_section()):
     # its real tokens, not the micro-batch's longest sample per row. 0: fixed chunks of
     # chunk_size samples in batch order.
     pass_tokens: NonNegInt = 16384
+    # Micro-batches already waiting in the trainer's queue when it is free are trained
+    # as one, up to this many: their samples share passes of pass_tokens, so a trainer
+    # that falls behind catches up in fuller passes (fewer, larger kernels) instead of
+    # one short micro-batch at a time. Never across the end of a step (or of a PPO
+    # mini-batch); a held step (colocate) is trained in units of this many. 1: each
+    # micro-batch alone. The gradient is the same either way.
+    gather_micro_batches: PosInt = 8
     # Rows of [tokens, vocabulary] logits alive at once when the trainer and the
     # reference compute log-probs (stages/models/logprobs.py: the output head runs on completion
     # tokens only, this many at a time, recomputed in backward): memory does not grow

@@ -17,7 +17,8 @@ Guarantees:
   piece) equal the pieces cut at once with the final counts: a replay can rebuild them.
 - ``merge_rollout_batches`` is the inverse: it concatenates pieces in the given order,
   re-pads with 0 (the wire convention, see ``stages/models/logprobs.py``) and refuses pieces
-  of different batches or a sample seen twice.
+  of different batches or a sample seen twice; ``gather_micro_batches`` concatenates
+  whole micro-batches alike (the trainer trains them as one).
 """
 
 from __future__ import annotations
@@ -189,14 +190,34 @@ def merge_rollout_batches(pieces: Sequence[RolloutBatch]) -> RolloutBatch:
     if not pieces:
         raise ValueError("merge: no pieces")
     first = pieces[0]
-    if len(pieces) == 1:
-        return first
     for p in pieces:
         if (p.batch_id, p.step, p.group_size) != (first.batch_id, first.step, first.group_size):
             raise ValueError(
                 f"merge: piece of batch {p.batch_id} (step {p.step}, group_size {p.group_size}) does not "
                 f"belong with batch {first.batch_id} (step {first.step}, group_size {first.group_size})"
             )
+    return _concat(pieces)
+
+
+def gather_micro_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """Several micro-batches as one, in order, to be trained in one call (the trainer's
+    ``train.gather_micro_batches``): the first's ``batch_id`` and ``step``, the oldest
+    ``policy_version``; per-sample values (token versions included) kept as they were."""
+    if not batches:
+        raise ValueError("gather: no micro-batches")
+    first = batches[0]
+    for b in batches:
+        if b.group_size != first.group_size:
+            raise ValueError(f"gather: batch {b.batch_id} has group_size {b.group_size}, "
+                             f"batch {first.batch_id} {first.group_size}")
+    return _concat(batches)
+
+
+def _concat(pieces: Sequence[RolloutBatch]) -> RolloutBatch:
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first
+    for p in pieces:
         check_rollout_batch(p)
     ids = [s for p in pieces for s in p.sample_ids]
     if len(set(ids)) != len(ids):

@@ -73,6 +73,11 @@ class PPOTrainerStage(TrainerStage):
             self._step_pieces = []
             self._step_rng = self.engine.get_rng_state()
 
+    def _next_boundary(self) -> int:
+        """The end of the current first-epoch mini-batch: units never span two."""
+        applied = sum(b.num_samples for b in self._step_batches[:self._applied])
+        return min(self.step_samples, applied + self.mini_samples)
+
     def _update(self, batches: list[RolloutBatch], bump_version: bool) -> dict[str, float]:
         self.updates += 1
         scale = compute_step_grad_scale(batches, self.step_samples, self.cfg.algorithm.loss_agg)

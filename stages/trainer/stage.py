@@ -38,7 +38,7 @@ from pipeline.memory.admission import count_seq_lens, estimate_batch_bytes
 from pipeline.memory.guard import MemoryGuard
 from pipeline.memory.oom import OomRecovery, free_cached_memory, freeze_setup_heap, is_oom_error
 from pipeline.memory.readings import read_allocator_counters
-from pipeline.memory.splitting import count_groups, split_rollout_batch, split_rollout_batch_at
+from pipeline.memory.splitting import count_groups, gather_micro_batches, split_rollout_batch, split_rollout_batch_at
 from pipeline.plugins import register_stage
 from pipeline.queue import fits_inline
 from pipeline.transport import TRANSPORT_ENV, select_transport
@@ -56,6 +56,7 @@ from stages.trainer.metrics import (
 from stages.trainer.pieces import compute_piece_weight, merge_piece_metrics, pool_logp_mismatch
 
 _LAYOUT = "pieces"  # StepRecord.metrics["pieces/<batch_id>/<k>"] = groups in piece k
+_GATHER = "gathered"  # StepRecord.metrics["gathered/<batch_id>/<k>"] = k-th micro-batch of the unit
 NONFINITE = "nonfinite"  # the drop reason of a step's samples when its loss or gradient was not finite
 
 
@@ -104,6 +105,35 @@ def encode_piece_layout(layouts: Mapping[int, list[int]]) -> dict[str, float]:
     return {f"{_LAYOUT}/{bid}/{k}": float(g) for bid, groups in layouts.items() for k, g in enumerate(groups)}
 
 
+def encode_gathers(gathers: Mapping[int, list[int]]) -> dict[str, float]:
+    """``StepRecord.metrics`` entries for the micro-batches trained as one unit: the
+    unit's ``batch_id`` (its first micro-batch's) -> the ids of its micro-batches."""
+    return {f"{_GATHER}/{bid}/{k}": float(m) for bid, members in gathers.items() for k, m in enumerate(members)}
+
+
+def regather_units(batches: list[RolloutBatch], metrics: Mapping[str, float]) -> list[RolloutBatch]:
+    """A recorded step's micro-batches as its trainer trained them: those the record
+    says were gathered (``encode_gathers``) concatenated again, in the same order."""
+    members: dict[int, dict[int, int]] = {}
+    for key, value in metrics.items():
+        if key.startswith(f"{_GATHER}/"):
+            _, bid, k = key.split("/")
+            members.setdefault(int(bid), {})[int(k)] = int(value)
+    by_id = {b.batch_id: b for b in batches}
+    inside = {m for unit in members.values() for m in unit.values()}
+    units = []
+    for b in batches:
+        if b.batch_id in members:
+            ids = [members[b.batch_id][k] for k in range(len(members[b.batch_id]))]
+            missing = [i for i in ids if i not in by_id]
+            if missing:
+                raise ValueError(f"step record: micro-batches {missing} gathered with {b.batch_id} are not recorded")
+            units.append(gather_micro_batches([by_id[i] for i in ids]))
+        elif b.batch_id not in inside:
+            units.append(b)
+    return units
+
+
 def read_piece_layout(metrics: Mapping[str, float], batch_id: int) -> list[int] | None:
     """Groups per piece of ``batch_id`` as recorded, or None when it was trained whole."""
     prefix = f"{_LAYOUT}/{batch_id}/"
@@ -131,7 +161,8 @@ def train_as_recorded(engine: Any, batch: RolloutBatch, step_samples: int, layou
 def train_recorded_step(engine: Any, batches: list[RolloutBatch], step_samples: int,
                         metrics: Mapping[str, float]) -> tuple[float, dict[str, float]]:
     """One recorded step trained again as the trainer trained it (``conveyor replay``):
-    each micro-batch through ``train_as_recorded`` with the pieces and KL-in-reward
+    each unit (micro-batches gathered as the record says: ``regather_units``) through
+    ``train_as_recorded`` with the pieces and KL-in-reward
     coefficient the step record's ``metrics`` name, then the optimizer step with the
     step's grad scale. Advantages are assigned over the whole step first, as the trainer
     does for an algorithm that whitens over it. Returns the step's loss (as
@@ -139,12 +170,12 @@ def train_recorded_step(engine: Any, batches: list[RolloutBatch], step_samples: 
     from stages.algorithms import assign_step_advantages
 
     kl_coef = float(metrics.get("kl_reward_coef", 0.0))
-    batches = assign_step_advantages(batches, engine.algo, kl_reward_coef=kl_coef)
-    losses = [train_as_recorded(engine, b, step_samples, read_piece_layout(metrics, b.batch_id), kl_coef)["loss"]
-              for b in batches]
+    units = regather_units(assign_step_advantages(batches, engine.algo, kl_reward_coef=kl_coef), metrics)
+    losses = [train_as_recorded(engine, u, step_samples, read_piece_layout(metrics, u.batch_id), kl_coef)["loss"]
+              for u in units]
     loss_agg = engine.algo.loss_agg
-    step_out = engine.optimizer_step(compute_step_grad_scale(batches, step_samples, loss_agg))
-    return compute_step_loss(losses, batches, step_samples, loss_agg), step_out
+    step_out = engine.optimizer_step(compute_step_grad_scale(units, step_samples, loss_agg))
+    return compute_step_loss(losses, units, step_samples, loss_agg), step_out
 
 
 def holds_whole_step(cfg: Any) -> bool:
@@ -175,8 +206,9 @@ class TrainerStage:
         self.steps_done = 0
         self.publishes, self.publish_s_total = 0, 0.0  # running totals: a long run keeps no list
         self.skipped_nonfinite, self._bad_in_a_row = 0, 0  # steps not applied: in all, and since the last good one
-        self._step_batches: list[RolloutBatch] = []
-        self._step_metrics: list[dict[str, float]] = []
+        self._step_batches: list[RolloutBatch] = []  # the step's micro-batches as they came
+        self._step_units: list[RolloutBatch] = []  # ... as trained: several gathered into one
+        self._step_metrics: list[dict[str, float]] = []  # one per unit
         self._step_staleness: list[int] = []
         self._step_train_s = 0.0  # forward/backward of the step's micro-batches so far
         self._step_update_s = 0.0  # optimizer updates inside the step so far (PPO's mini-batches)
@@ -188,6 +220,8 @@ class TrainerStage:
         # order when an OOM leaves partial gradients behind.
         self._step_pieces: list[tuple[RolloutBatch, float]] = []
         self._step_layouts: dict[int, list[int]] = {}
+        self._step_gathers: dict[int, list[int]] = {}  # unit's batch_id -> its micro-batches' ids
+        self.max_gather = 1  # micro-batches trained as one (train.gather_micro_batches, set in setup)
         # Groups dropped upstream for zero reward variance since the last step, and the
         # KL-in-reward penalty measured on each micro-batch of the step (kl, samples).
         self._step_zero_variance = 0
@@ -209,6 +243,7 @@ class TrainerStage:
         self.colocated = cfg.placement.mode == "colocate"
         self.holds_step = holds_whole_step(cfg)
         self.step_samples = cfg.train.prompts_per_step * cfg.rollout.n
+        self.max_gather = cfg.train.gather_micro_batches
         began = time.monotonic()
         self.setup_doing = "building the model, optimizer and DeepSpeed engine"  # the driver's setting_up lines
         if cfg.train.num_ranks > 1:
@@ -263,6 +298,34 @@ class TrainerStage:
 
     # ------------------------------------------------------------------ per batch
     async def process(self, batch: RolloutBatch) -> None:
+        await self.process_many([batch])
+        return None
+
+    async def process_many(self, batches: list[RolloutBatch]) -> list[None]:
+        """Micro-batches that were waiting in this stage's queue together (the shell hands
+        over up to ``max_gather``: ``train.gather_micro_batches``), in order, each gated
+        as if it came alone; those admitted into the same step are trained as one call
+        (their samples packed into the same passes), never across the end of a step or
+        of a PPO mini-batch (``_next_boundary``)."""
+        ready: list[tuple[RolloutBatch, int]] = []
+        for batch in batches:
+            staleness = await self._admit(batch)
+            if staleness is None:
+                continue
+            if self.holds_step:
+                await self._hold(batch, staleness)
+                continue
+            (batch,) = await asyncio.to_thread(self._assign_advantages, [batch])
+            ready.append((batch, staleness))
+            if self._unit_complete(ready):
+                await self._train_into_step(ready)
+                ready = []
+        if ready:
+            await self._train_into_step(ready)
+        return [None] * len(batches)
+
+    async def _admit(self, batch: RolloutBatch) -> int | None:
+        """The batch's staleness, or None when it brings no samples or is dropped as stale."""
         if batch.dropped_prompts:
             self._record_upstream_drops(batch)
         if batch.num_samples == 0:  # it only carried drops
@@ -275,21 +338,38 @@ class TrainerStage:
             return None
         if batch.rewards is None and batch.advantages is None:
             raise ValueError(f"batch {batch.batch_id}: reaches the trainer without rewards (is a reward stage wired?)")
-        if not self.holds_step:
-            (batch,) = await asyncio.to_thread(self._assign_advantages, [batch])
-            await self._train_into_step(batch, staleness)
-            return None
+        return staleness
+
+    async def _hold(self, batch: RolloutBatch, staleness: int) -> None:
+        """Held until the step is whole (``holds_whole_step``), then trained in units."""
         if not self._held:
             self._step_started = time.time()
         self._held.append((batch, staleness))
-        if sum(b.num_samples for b, _ in self._held) >= self.step_samples:
-            if self.colocated:
-                await self._take_gpus()
-            held, self._held = self._held, []
-            assigned = await asyncio.to_thread(self._assign_advantages, [b for b, _ in held])
-            for b, (_, s) in zip(assigned, held, strict=True):
-                await self._train_into_step(b, s)
-        return None
+        if sum(b.num_samples for b, _ in self._held) < self.step_samples:
+            return
+        if self.colocated:
+            await self._take_gpus()
+        held, self._held = self._held, []
+        assigned = await asyncio.to_thread(self._assign_advantages, [b for b, _ in held])
+        unit: list[tuple[RolloutBatch, int]] = []
+        for b, (_, s) in zip(assigned, held, strict=True):
+            unit.append((b, s))
+            if self._unit_complete(unit):
+                await self._train_into_step(unit)
+                unit = []
+        if unit:
+            await self._train_into_step(unit)
+
+    def _unit_complete(self, unit: list[tuple[RolloutBatch, int]]) -> bool:
+        """Whether ``unit`` (untrained micro-batches of the current step) is trained now:
+        it holds ``max_gather`` of them or reaches ``_next_boundary``."""
+        done = sum(b.num_samples for b in self._step_batches) + sum(b.num_samples for b, _ in unit)
+        return len(unit) >= self.max_gather or done >= self._next_boundary()
+
+    def _next_boundary(self) -> int:
+        """Samples into the step at which the trained micro-batches are applied: its end
+        (``PPOTrainerStage``: the end of the current mini-batch)."""
+        return self.step_samples
 
     async def _take_gpus(self) -> None:
         """placement: colocate: every rollout worker asleep before the step trains."""
@@ -305,13 +385,16 @@ class TrainerStage:
                                   **({"colocate/gpu_free_gib": free / (1 << 30),
                                       "colocate/gpu_free_fraction": free / total} if total else {})}
 
-    async def _train_into_step(self, batch: RolloutBatch, staleness: int) -> None:
-        """Train ``batch`` into the current step; the optimizer steps once the step is whole."""
+    async def _train_into_step(self, unit: list[tuple[RolloutBatch, int]]) -> None:
+        """Train the micro-batches of ``unit`` (with their staleness) into the current step
+        as one batch; the optimizer steps once the step is whole."""
         if not self._step_batches:
             if not self.holds_step:  # held: the step started when its first micro-batch was held
                 self._step_started = time.time()
             self._step_rng = self.engine.get_rng_state()
-            self._step_pieces, self._step_layouts = [], {}
+            self._step_pieces, self._step_layouts, self._step_gathers = [], {}, {}
+        batches = [b for b, _ in unit]
+        batch = gather_micro_batches(batches)
         t0 = time.time()
         trained = await self._train(batch)
         self._step_train_s += time.time() - t0
@@ -320,9 +403,13 @@ class TrainerStage:
         metrics = merge_piece_metrics([m for _, m in trained], weights)
         if len(pieces) > 1:
             self._step_layouts[batch.batch_id] = [count_groups(p) for p in pieces]
-        self._step_batches.append(batch)
+        if len(batches) > 1:
+            self._step_gathers[batch.batch_id] = [b.batch_id for b in batches]
+        self._step_batches.extend(batches)
+        self._step_units.append(batch)
         self._step_metrics.append(metrics)
-        self._step_staleness += [staleness] * batch.num_samples
+        for b, staleness in unit:
+            self._step_staleness += [staleness] * b.num_samples
         if sum(b.num_samples for b in self._step_batches) >= self.step_samples:
             await self._optimizer_step()
         else:
@@ -428,9 +515,10 @@ class TrainerStage:
         await self.ctx.controller.record_dropped(len(batch.prompts), reason)
 
     async def _optimizer_step(self) -> None:
-        batches, pieces = self._step_batches, self._step_metrics
-        self._step_batches, self._step_metrics = [], []
+        batches, units, pieces = self._step_batches, self._step_units, self._step_metrics
+        self._step_batches, self._step_units, self._step_metrics = [], [], []
         layouts, self._step_layouts = self._step_layouts, {}
+        gathers, self._step_gathers = self._step_gathers, {}
         self._step_pieces = []
         staleness, self._step_staleness = self._step_staleness, []
         train_s, self._step_train_s = self._step_train_s, 0.0
@@ -439,7 +527,7 @@ class TrainerStage:
         step_out = await asyncio.to_thread(self._apply_step_update, batches)
         update_s, self._step_update_s = self._step_update_s + time.time() - t0, 0.0
         if step_out.get("skipped_nonfinite") and self.engine.version == before:
-            await self._skip_bad_step(batches, pieces, step_out)
+            await self._skip_bad_step(batches, units, pieces, step_out)
             return
         self._bad_in_a_row = 0
         version = self.engine.version
@@ -500,7 +588,8 @@ class TrainerStage:
         async def record() -> None:
             self.checkpoints.record_step(batches, metrics)
             if self.ctx.recorder is not None:
-                await asyncio.to_thread(self._record_step, step, version, batches, pieces, step_out, layouts,
+                await asyncio.to_thread(self._record_step, step, version, batches, units, pieces, step_out,
+                                        {**encode_piece_layout(layouts), **encode_gathers(gathers)},
                                         kl_metrics.get("reward/kl_penalty_coef"))
             if self.checkpoints.due():
                 await self._write_checkpoint()
@@ -519,15 +608,15 @@ class TrainerStage:
         if not self.colocated:
             await record()
 
-    async def _skip_bad_step(self, batches: list[RolloutBatch], pieces: list[dict[str, float]],
-                             step_out: dict[str, float]) -> None:
+    async def _skip_bad_step(self, batches: list[RolloutBatch], units: list[RolloutBatch],
+                             pieces: list[dict[str, float]], step_out: dict[str, float]) -> None:
         """The step the engine did not apply (see the module guarantees)."""
         from pipeline.checkpoint import find_latest_checkpoint
 
         self.skipped_nonfinite += 1
         self._bad_in_a_row += 1
         self._step_kl = []
-        loss = compute_step_loss([p["loss"] for p in pieces], batches, self.step_samples, self.cfg.algorithm.loss_agg)
+        loss = compute_step_loss([p["loss"] for p in pieces], units, self.step_samples, self.cfg.algorithm.loss_agg)
         limit = self.cfg.train.max_bad_steps
         self.ctx.log.warning("nonfinite_step", step=self.engine.version, policy_version=self.engine.version,
                              loss=loss, grad_norm=step_out.get("grad_norm"), in_a_row=self._bad_in_a_row,
@@ -599,14 +688,14 @@ class TrainerStage:
         return update, payload, seconds
 
     # ------------------------------------------------------------------ replay support
-    def _record_step(self, step: int, version: int, batches: list[RolloutBatch],
+    def _record_step(self, step: int, version: int, batches: list[RolloutBatch], units: list[RolloutBatch],
                      pieces: list[dict[str, float]], step_out: dict[str, float],
-                     layouts: Mapping[int, list[int]] | None = None, kl_reward_coef: float | None = None) -> None:
+                     layout: Mapping[str, float], kl_reward_coef: float | None = None) -> None:
         import torch
 
         # The KL-in-reward coefficient the step's advantages used: replay assigns them the same way.
         kl_coef = {"kl_reward_coef": float(kl_reward_coef)} if kl_reward_coef is not None else {}
-        loss = compute_step_loss([p["loss"] for p in pieces], batches, self.step_samples,
+        loss = compute_step_loss([p["loss"] for p in pieces], units, self.step_samples,
                                  self.cfg.algorithm.loss_agg)
         record = StepRecord(
             step=step, policy_version=version, batch_ids=[b.batch_id for b in batches],
@@ -615,7 +704,7 @@ class TrainerStage:
                             else self.engine.weights_sha256()),
             # Replay pins the same thread count: summation order can depend on it.
             metrics={**{k: float(v) for k, v in step_out.items()}, "torch_threads": float(torch.get_num_threads()),
-                     **encode_piece_layout(layouts or {}), **kl_coef},
+                     **layout, **kl_coef},
             rng_state=self._step_rng,
         )
         self.ctx.recorder.write_step(record)
@@ -640,7 +729,7 @@ class TrainerStage:
             # (colocated: the step's micro-batches may still be held, untrained).
             for b in [*self._step_batches, *(b for b, _ in self._held)]:
                 await self._drop(b, "incomplete_step")
-            self._step_batches, self._held = [], []
+            self._step_batches, self._step_units, self._held = [], [], []
         if self.cfg.train.save_checkpoint:
             out = self.run_dir / "checkpoint"
             await asyncio.to_thread(self.engine.save_pretrained, out)

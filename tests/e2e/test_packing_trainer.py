@@ -145,3 +145,35 @@ def test_decoupled_anchors_follow_their_samples_across_plans(checkpoint):
     # A wrong anchor would move the ratio away from 1 for its sample: the clipped mean
     # ratio stays exactly 1 only when every anchor is the sample's own.
     assert again[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_gathered_micro_batches_give_the_step_loss_and_gradients_of_one_at_a_time(checkpoint, loss_agg):
+    # ``train.gather_micro_batches``: micro-batches that waited for the trainer together
+    # are trained as one call, their rows packed into shared passes. The step's loss and
+    # accumulated gradient must be those of training each alone at its own scale.
+    from pipeline.memory.splitting import gather_micro_batches, split_rollout_batch_at
+    from stages.trainer.stage import compute_micro_batch_scale, compute_step_loss
+
+    algo = GrpoConfig(loss_agg=loss_agg, loss_norm_tokens=64, kl_coef=0.04)
+    engine = TrainerEngine(checkpoint, TrainConfig(lr=1e-3, threads=1), algo, temperature=0.9, dtype="float32",
+                           seed=0)
+    engine.pass_tokens = BUDGET
+    step_samples = 4 * GROUPS * GROUP  # this step is a quarter done after these
+    parts = split_rollout_batch_at(off_policy(engine, make_batch(seed=3)), [1, 2, 1, 2])
+    parts = [msgspec.structs.replace(p, batch_id=10 + k, policy_version=k) for k, p in enumerate(parts)]
+
+    def grads() -> dict[str, torch.Tensor]:
+        out = {n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+        engine.discard_gradients()
+        return out
+
+    alone = [engine.train_micro_batch(p, compute_micro_batch_scale(p, step_samples, loss_agg)) for p in parts]
+    alone_loss = compute_step_loss([m["loss"] for m in alone], parts, step_samples, loss_agg)
+    alone_grads = grads()
+    unit = gather_micro_batches(parts)
+    assert (unit.batch_id, unit.policy_version, unit.num_samples) == (10, 0, GROUPS * GROUP)
+    metrics = engine.train_micro_batch(unit, compute_micro_batch_scale(unit, step_samples, loss_agg))
+    gathered_loss, gathered_grads = compute_step_loss([metrics["loss"]], [unit], step_samples, loss_agg), grads()
+    assert metrics["passes"] < sum(m["passes"] for m in alone)  # shared passes: fewer, fuller
+    assert_same_update(({"loss": gathered_loss}, gathered_grads), ({"loss": alone_loss}, alone_grads))

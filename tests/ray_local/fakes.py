@@ -110,6 +110,28 @@ class FakeSink(FakeStage):
         return self.arrived
 
 
+class FakeGatheringSink(FakeSink):
+    """Terminal fake that takes up to ``max_gather`` queued items at once (as the
+    trainer does): records each call's items; each call takes ``delay_s``."""
+
+    def __init__(self, max_gather: int, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.max_gather, self.delay = max_gather, delay_s
+        self.calls: list[list[int]] = []
+
+    async def process(self, item: FakeItem) -> None:
+        return (await self.process_many([item]))[0]
+
+    async def process_many(self, items: list[FakeItem]) -> list[None]:
+        self.calls.append([i.seq for i in items])
+        await asyncio.sleep(self.delay)
+        self.arrived += [(i.producer, i.seq, (*i.trail, "sink")) for i in items]
+        return [None] * len(items)
+
+    def result(self) -> dict[str, Any]:
+        return {"arrived": self.arrived, "calls": self.calls}
+
+
 # ----------------------------------------------------------- memory: admission and OOM
 # Fakes for the admission/OOM tests: real ``RolloutBatch`` items, the real ``MemoryGuard``
 # and recovery drivers; only the compute is fake (it "runs out of memory" by rule).

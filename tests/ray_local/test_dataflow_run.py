@@ -9,6 +9,7 @@ from pipeline.dataflow import DataFlow
 from pipeline.stage import StageError
 from tests.ray_local.fakes import (
     FakeBlockingSetupSink,
+    FakeGatheringSink,
     FakeGroupSource,
     FakeOomStage,
     FakeScoredSink,
@@ -46,6 +47,17 @@ def test_slow_consumer_blocks_producer_within_bound(ray_cluster):
     assert q["max_depth"] == 2  # the fast producer did fill the queue
     assert q["put_wait_s"] > 0  # ... and was suspended while it was full
     assert len(result.result("slow")) == 12
+
+
+def test_a_gathering_core_takes_what_is_queued_in_order_and_each_item_once(ray_cluster):
+    df = DataFlow()
+    df.add_node("source", FakeSource, None, count=30)
+    df.add_node("sink", FakeGatheringSink, "source", queue_size=8, max_gather=4, delay_s=0.05)
+    result = df.run(async_execution=True).result("sink")
+    assert [seq for _, seq, _ in result["arrived"]] == list(range(30))  # once each, in order
+    sizes = [len(c) for c in result["calls"]]
+    assert max(sizes) == 4  # a slow core catches up on what waited, at most max_gather at once
+    assert len(sizes) < 30
 
 
 def test_stage_that_raises_stops_the_run_with_its_error(ray_cluster):

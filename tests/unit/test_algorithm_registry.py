@@ -199,8 +199,8 @@ def test_trainer_holds_a_reinforce_pp_step_and_whitens_it_whole():
     stage.holds_step, stage.step_samples = True, 4
     trained = []
 
-    async def train_into_step(batch, staleness):  # the engine's part, recorded
-        trained.append(batch)
+    async def train_into_step(unit):  # the engine's part, recorded
+        trained.extend(batch for batch, _ in unit)
 
     stage._train_into_step = train_into_step
     a, b = _step_of_two()
