@@ -10,7 +10,9 @@ Guarantees:
   ``StageError`` naming the stage (the runner stops the whole graph), and so does a failure
   the core's own background task reports with ``ctx.fail``, at once, even while no item
   is in the core;
-- ``concurrency == 1``: outputs leave in input order; more: completion order;
+- ``concurrency == 1``: outputs leave in input order; more: completion order; a core
+  with ``max_gather`` > 1 gets the items already queued (never waited for), up to that
+  many, in one ``process_many`` call;
 - the event loop never runs heavy compute, so control calls are answered while a core works;
 - telemetry leaves in one pull per driver tick; a core reaches the controller only
   through ``ctx.controller``, and what it posted has taken effect before ``run`` returns;
