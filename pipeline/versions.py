@@ -8,8 +8,9 @@ Invariants stated where they are enforced:
   trainer), so nothing staler than ``max_staleness`` is ever trained on, whatever the
   producers did.
 - ``required_serving_version`` is only an economy: it holds generation of step k's prompts
-  until the rollout serves a version trainable at step k, so samples are rarely produced
-  only to be dropped. η = 0 in sync mode is exactly on-policy.
+  until the rollout serves a version trainable at step k (with ``tail_slack``, at step
+  k + slack), so samples are rarely produced only to be dropped. η = 0 in sync mode is
+  exactly on-policy.
 - A micro-batch's bound is the η the rollout generated it under, which it carries
   (``batch_bound``): the rollout waits and the trainer gates by the same number while
   ``max_staleness: auto`` raises η; a bound never exceeds the η in force, which only grows.
@@ -35,6 +36,13 @@ def batch_bound(batch_max_staleness: int | None, default: int) -> int:
     """The η a micro-batch is held to: the one it was generated under, else ``default``
     (the config's; a custom rollout that sets none)."""
     return default if batch_max_staleness is None else batch_max_staleness
+
+
+def compute_lookahead(max_staleness: int, tail_slack: int, sync_interval: int) -> int:
+    """Steps generation may run ahead of training: η less the ``tail_slack`` kept for
+    samples that arrive after their step, never below ``sync_interval - 1`` (the version
+    a step waits for must be published by earlier steps: see ``required_serving_version``)."""
+    return max(max_staleness - tail_slack, sync_interval - 1, 0)
 
 
 def required_serving_version(step: int, max_staleness: int, sync_interval: int) -> int:

@@ -118,6 +118,11 @@ def check_staleness(cfg: ConveyorConfig) -> None:
             f"({tr.sync_interval - 1}), or some steps' samples could never be trained, "
             f"got {df.max_staleness}"
         )
+    if not cfg.auto_staleness and df.tail_slack and int(df.max_staleness) - df.tail_slack < tr.sync_interval - 1:
+        raise ConfigError(
+            f"dataflow.tail_slack: expected <= dataflow.max_staleness - (train.sync_interval - 1) "
+            f"({int(df.max_staleness) - tr.sync_interval + 1}): the slack comes out of η's lead, got {df.tail_slack}"
+        )
     if not cfg.auto_staleness:
         return
     if not df.async_execution:

@@ -22,8 +22,8 @@ class DataflowConfig(msgspec.Struct, **_section()):
     """``max_staleness`` is η: 0 with ``async_execution: false`` is exactly on-policy.
 
     With ``async_execution: true`` generation of step k's samples may begin once the
-    rollout serves version ``k - max_staleness``; η = 0 still overlaps stages inside a
-    step but never trains on a sample older than the current weights.
+    rollout serves version ``k - max_staleness + tail_slack``; η = 0 still overlaps
+    stages inside a step but never trains on a sample older than the current weights.
 
     ``max_staleness: auto`` starts at ``max(1, train.sync_interval - 1)`` and raises η,
     at most to ``max_staleness_cap``, where the measured steps show the trainer waiting
@@ -33,6 +33,12 @@ class DataflowConfig(msgspec.Struct, **_section()):
     async_execution: bool = True
     max_staleness: NonNegInt | Literal["auto"] = 1
     max_staleness_cap: PosInt = 4  # the most ``max_staleness: auto`` may choose
+    # Steps of η kept for samples that finish after their step (a long tail): generation
+    # of step k's prompts starts at version k - (max_staleness - tail_slack), so a sample
+    # that reaches the trainer up to tail_slack steps after its step is still within η.
+    # 0: generation runs η steps ahead and any sample that arrives after its step (a long
+    # one overtaken by shorter, later ones) is dropped as stale.
+    tail_slack: NonNegInt = 0
     prompts_per_micro_batch: PosInt = 4
     queue_size: PosInt = 4  # default bound (micro-batches) of every edge
     queue_sizes: dict[str, PosInt] = {}  # per edge, "producer->consumer": bound

@@ -12,7 +12,7 @@ Guarantees:
 - at shutdown every worker serves and has verified the final policy;
 - generation for step k waits for the newest version step k may train with
   (``required_serving_version`` under η as the controller last handed it with a weight
-  update), so no sample is made only to be dropped; that wait is a ``wait_version``
+  update, less ``dataflow.tail_slack``), so no sample is made only to be dropped; that wait is a ``wait_version``
   span, and the micro-batch carries the η it was generated under to the trainer's gate;
 - under ``rollout.memory`` a micro-batch generates only once its KV cache fits; queues
   carry whole micro-batches only; colocated, no micro-batch generates on a sleeping
@@ -56,7 +56,7 @@ from pipeline.memory.oom import run_with_oom_recovery
 from pipeline.memory.splitting import count_groups, split_prompt_batch
 from pipeline.plugins import register_stage
 from pipeline.types import EvalResult, PromptBatch, RolloutBatch, WeightConfirmation
-from pipeline.versions import required_serving_version
+from pipeline.versions import compute_lookahead, required_serving_version
 from pipeline.weights import WeightSyncError, compute_sha256, fingerprints_match
 from stages.rollout.base import EngineDied, GenerationResult, SamplingSettings, apply_budget
 from stages.rollout.occupancy import OccupancyMeter, summarize_length_counts
@@ -486,7 +486,9 @@ class RolloutStage:
         return max(self.cfg.initial_max_staleness, self.max_staleness or 0)
 
     def _needs(self, step: int) -> int:
-        return required_serving_version(step, self._bound(), self.cfg.train.sync_interval)
+        interval = self.cfg.train.sync_interval
+        lookahead = compute_lookahead(self._bound(), self.cfg.dataflow.tail_slack, interval)
+        return required_serving_version(step, lookahead, interval)
 
     async def _wait_for_version(self, step: int, batch_id: int) -> int:
         """Until the engine serves a version step ``step`` may train with under η as it

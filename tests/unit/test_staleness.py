@@ -229,6 +229,10 @@ def test_auto_starts_at_one_or_the_sync_interval_and_describes_itself():
     ({"dataflow": {"max_staleness": "fast"}},
      "dataflow.max_staleness: expected an integer >= 0 or one of ['auto'], got 'fast'"),
     ({"dataflow": {"max_staleness_cap": 0}}, "dataflow.max_staleness_cap: expected int >= 1, got 0"),
+    ({"dataflow": {"max_staleness": 2, "tail_slack": 3}},
+     "dataflow.tail_slack: expected <= dataflow.max_staleness - (train.sync_interval - 1) (2)"),
+    ({"dataflow": {"max_staleness": 0, "async_execution": False, "tail_slack": 1}},
+     "dataflow.tail_slack: expected <= dataflow.max_staleness - (train.sync_interval - 1) (0)"),
 ])
 def test_auto_is_refused_where_it_cannot_apply(raw, message):
     with pytest.raises(ConfigError) as err:
@@ -253,3 +257,14 @@ def test_conveyor_status_shows_eta_and_the_latest_verdict():
     assert describe_live_staleness(board) == ["max_staleness auto: 2 now (started at 1)",
                                               "  after step 9: stays 2 (trainer busy 95% of step time: ...)"]
     assert describe_live_staleness({**board, "auto": False}) == [] and describe_live_staleness(None) == []
+
+
+def test_the_rollout_starts_a_step_later_by_the_tail_slack():
+    from pipeline.config import load_config
+    from stages.rollout.stage import RolloutStage
+
+    stage = RolloutStage.__new__(RolloutStage)  # only the gate's arithmetic: no engine
+    stage.max_staleness = None
+    for slack, need in ((0, 3), (1, 4), (2, 5)):
+        stage.cfg = load_config(None, ["dataflow.max_staleness=2", f"dataflow.tail_slack={slack}"])
+        assert stage._needs(5) == need  # step 5 under η 2: trainable through step 5 + slack

@@ -64,3 +64,17 @@ def test_ledger_refuses_more_than_in_flight():
     led.admit(2)
     with pytest.raises(ValueError, match="only 2 in flight"):
         led.record_trained(3)
+
+
+@pytest.mark.parametrize(("eta", "slack", "interval", "lookahead"), [
+    (2, 0, 1, 2), (2, 1, 1, 1), (2, 2, 1, 0), (3, 1, 2, 2), (2, 2, 2, 1), (1, 3, 1, 0)])
+def test_tail_slack_comes_out_of_the_lead_and_leaves_a_late_sample_trainable(eta, slack, interval, lookahead):
+    from pipeline.versions import compute_lookahead
+
+    assert compute_lookahead(eta, slack, interval) == lookahead
+    # A sample of step k generated on the version it waited for is trainable up to
+    # step k + (η - lookahead), at least k: the slack a long sample has to arrive late.
+    for step in range(20):
+        v = required_serving_version(step, lookahead, interval)
+        last = max(k for k in range(step, step + 10) if not is_too_stale(k, v, eta))
+        assert last >= step + min(slack, eta - (interval - 1)) and v <= step
