@@ -314,6 +314,7 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
                 extra = (f"rollout.kv_cache_gib={job.colocate_kv_gib}", *extra)
             row = _attempt(f"conveyor-{name}", run_conveyor_row, name, job, where, extra, warmup, describe=_describe)
         row["label"], row["spec"] = label, name
+        row["requested"] = f"{name}[{';'.join(extra)}]" if extra else name  # as --systems gave it
         rows[label] = row
         # Each row on the console as it ends: a bench stopped later keeps what it measured.
         print(f"longtail row {label}: {json.dumps(row, default=str)}", flush=True)
@@ -449,7 +450,7 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
     earlier = load_earlier(add_to, params, schedule.describe(count), describe_gpus()["gpu"]) if add_to else None
     prior = dict(earlier["runs"]) if earlier else {}
     parts = [*((earlier.get("parts") or [_part(earlier)]) if earlier else []),
-             {"systems": [n for n, _ in specs], "commit": describe_source()["commit"],
+             {"systems": [f"{n}[{';'.join(e)}]" if e else n for n, e in specs], "commit": describe_source()["commit"],
               "utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())}]
     names = [r["spec"] for r in prior.values()] + [n for n, _ in specs]
     label = _result_label(model, reward, [] if systems is None else names, scale)
@@ -510,7 +511,8 @@ def _payload(rows: dict[str, dict[str, Any]], params: dict[str, Any], schedule: 
     return {
         "status": "partial" if pending else ("ok" if ok else "error"), "quick": quick,
         "units": "samples = completions; tokens = completion tokens; seconds",
-        "params": {**params, "systems": [r["spec"] for r in rows.values()]}, "rows_pending": pending,
+        "params": {**params, "systems": [r.get("requested", r["spec"]) for r in rows.values()]},
+        "rows_pending": pending,
         "parts": parts, "schedule": schedule, "definitions": DEFINITIONS, "runs": rows,
         "ratios": compute_ratios(rows, bool(params.get("reward_mode"))),
     }

@@ -316,10 +316,7 @@ class TrainerStage:
                 await self._hold(batch, staleness)
                 continue
             (batch,) = await asyncio.to_thread(self._assign_advantages, [batch])
-            ready.append((batch, staleness))
-            if self._unit_complete(ready):
-                await self._train_into_step(ready)
-                ready = []
+            ready = await self._grow_unit(ready, batch, staleness)
         if ready:
             await self._train_into_step(ready)
         return [None] * len(batches)
@@ -353,18 +350,20 @@ class TrainerStage:
         assigned = await asyncio.to_thread(self._assign_advantages, [b for b, _ in held])
         unit: list[tuple[RolloutBatch, int]] = []
         for b, (_, s) in zip(assigned, held, strict=True):
-            unit.append((b, s))
-            if self._unit_complete(unit):
-                await self._train_into_step(unit)
-                unit = []
+            unit = await self._grow_unit(unit, b, s)
         if unit:
             await self._train_into_step(unit)
 
-    def _unit_complete(self, unit: list[tuple[RolloutBatch, int]]) -> bool:
-        """Whether ``unit`` (untrained micro-batches of the current step) is trained now:
-        it holds ``max_gather`` of them or reaches ``_next_boundary``."""
+    async def _grow_unit(self, unit: list[tuple[RolloutBatch, int]], batch: RolloutBatch,
+                         staleness: int) -> list[tuple[RolloutBatch, int]]:
+        """``unit`` (untrained micro-batches of the current step) with ``batch``; trained,
+        and so emptied, once it holds ``max_gather`` of them or reaches ``_next_boundary``."""
+        unit = [*unit, (batch, staleness)]
         done = sum(b.num_samples for b in self._step_batches) + sum(b.num_samples for b, _ in unit)
-        return len(unit) >= self.max_gather or done >= self._next_boundary()
+        if len(unit) < self.max_gather and done < self._next_boundary():
+            return unit
+        await self._train_into_step(unit)
+        return []
 
     def _next_boundary(self) -> int:
         """Samples into the step at which the trained micro-batches are applied: its end

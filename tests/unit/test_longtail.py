@@ -250,6 +250,16 @@ def test_the_verl_row_without_verl_or_a_gpu_is_skipped_with_its_reason(tmp_path)
     assert "verl" in rows["verl"]["error"]
 
 
+def test_a_repeated_row_records_its_overrides_among_the_results_systems(tmp_path):
+    from bench.longtail import _payload, run_rows
+
+    specs = (("colocate", ()), ("colocate", ("train.gather_micro_batches=1", "run.seed=1")))
+    rows = run_rows(job=None, specs=specs, root=tmp_path, on_gpu=False, warmup=1)  # skipped: no GPU
+    assert list(rows) == ["colocate", "colocate#2"]
+    payload = _payload(rows, {}, {}, [], quick=True, pending=[])
+    assert payload["params"]["systems"] == ["colocate", "colocate[train.gather_micro_batches=1;run.seed=1]"]
+
+
 def test_a_streaming_row_that_placement_auto_colocated_is_an_error():
     """On a GPU too small for the streaming plan, ``placement: auto`` runs the job
     colocated and lock-step: the streaming row would measure lock-step twice."""
