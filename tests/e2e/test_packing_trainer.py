@@ -177,3 +177,45 @@ def test_gathered_micro_batches_give_the_step_loss_and_gradients_of_one_at_a_tim
     gathered_loss, gathered_grads = compute_step_loss([metrics["loss"]], [unit], step_samples, loss_agg), grads()
     assert metrics["passes"] < sum(m["passes"] for m in alone)  # shared passes: fewer, fuller
     assert_same_update(({"loss": gathered_loss}, gathered_grads), ({"loss": alone_loss}, alone_grads))
+
+
+def test_a_replayed_step_rebuilds_its_gathered_units_and_lands_on_the_same_weights(checkpoint):
+    # ``conveyor replay`` trains a recorded step again from its micro-batches: the step
+    # record names the units the trainer gathered, and replay must train those same
+    # units (the same passes, the same float sums) to land on the same weights, bit for bit.
+    from pipeline.memory.splitting import gather_micro_batches, split_rollout_batch_at
+    from stages.trainer.stage import (
+        compute_micro_batch_scale,
+        compute_step_grad_scale,
+        compute_step_loss,
+        encode_gathers,
+        train_recorded_step,
+    )
+
+    def fresh() -> TrainerEngine:
+        engine = TrainerEngine(checkpoint, TrainConfig(lr=1e-3, threads=1), GrpoConfig(kl_coef=0.0),
+                               temperature=0.9, dtype="float32", seed=0)
+        engine.pass_tokens = BUDGET
+        return engine
+
+    live = fresh()
+    step_samples = GROUPS * GROUP
+    parts = split_rollout_batch_at(off_policy(live, make_batch(seed=4)), [2, 1, 1, 2])
+    parts = [msgspec.structs.replace(p, batch_id=20 + k) for k, p in enumerate(parts)]
+    units = [gather_micro_batches(parts[:3]), parts[3]]  # as the trainer took them
+    agg = live.algo.loss_agg
+    losses = [live.train_micro_batch(u, compute_micro_batch_scale(u, step_samples, agg))["loss"] for u in units]
+    live.optimizer_step(compute_step_grad_scale(units, step_samples, agg))
+    loss = compute_step_loss(losses, units, step_samples, agg)
+
+    def weights(engine: TrainerEngine) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+    replayed = fresh()
+    again, _ = train_recorded_step(replayed, parts, step_samples, {"grad_norm": 0.0, **encode_gathers({20: [20, 21, 22]})})
+    assert again == loss
+    assert all(torch.equal(a, b) for a, b in zip(weights(live).values(), weights(replayed).values(), strict=True))
+    # Without the record the micro-batches are trained one by one: other passes, other sums.
+    alone = fresh()
+    train_recorded_step(alone, parts, step_samples, {"grad_norm": 0.0})
+    assert not all(torch.equal(a, b) for a, b in zip(weights(live).values(), weights(alone).values(), strict=True))
