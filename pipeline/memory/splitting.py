@@ -210,7 +210,21 @@ def gather_micro_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         if b.group_size != first.group_size:
             raise ValueError(f"gather: batch {b.batch_id} has group_size {b.group_size}, "
                              f"batch {first.batch_id} {first.group_size}")
-    return _concat(batches)
+    return _concat([_with_extras(b, {k for x in batches for k in x.reward_extras},
+                                 {k for x in batches for k in x.rollout_extras}) for b in batches])
+
+
+def _with_extras(batch: RolloutBatch, reward_keys: set[str], rollout_keys: set[str]) -> RolloutBatch:
+    """``batch`` with every key of the gathered batches' extras, NaN (none) where it had none:
+    micro-batches of one run may report different per-sample numbers."""
+    if set(batch.reward_extras) == reward_keys and set(batch.rollout_extras) == rollout_keys:
+        return batch
+    n = batch.num_samples
+    return msgspec.structs.replace(
+        batch,
+        reward_extras={k: batch.reward_extras.get(k, [float("nan")] * n) for k in sorted(reward_keys)},
+        rollout_extras={k: batch.rollout_extras.get(k, [float("nan")] * n) for k in sorted(rollout_keys)},
+    )
 
 
 def _concat(pieces: Sequence[RolloutBatch]) -> RolloutBatch:

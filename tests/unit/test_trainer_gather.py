@@ -117,3 +117,11 @@ def test_gather_concatenates_micro_batches_and_refuses_other_group_sizes():
     assert unit.completion_ids.shape[1] == max(a.completion_ids.shape[1], b.completion_ids.shape[1])
     with pytest.raises(ValueError, match="group_size"):
         gather_micro_batches([a, make_batch(num_groups=1, group_size=3, batch_id=3)])
+
+
+def test_gather_keeps_extras_that_only_some_micro_batches_report():
+    a = batch(1)
+    b = msgspec.structs.replace(batch(2), reward_extras={}, rollout_extras={"turns": [2.0, 3.0]})
+    unit = gather_micro_batches([a, b])
+    assert unit.reward_extras["acc"][:2] == a.reward_extras["acc"] and all(x != x for x in unit.reward_extras["acc"][2:])
+    assert all(x != x for x in unit.rollout_extras["turns"][:2]) and unit.rollout_extras["turns"][2:] == [2.0, 3.0]
