@@ -118,7 +118,8 @@ def check_rows(specs: tuple[tuple[str, tuple[str, ...]], ...], reward: bool = Fa
     for name, extra in dict.fromkeys(specs):
         if extra:
             try:
-                load_config(REWARD_CONFIG if reward else CONFIG, [*MODES.get(name, ()), *extra])
+                load_config(REWARD_CONFIG if reward else CONFIG,
+                            [*(REWARD_STREAMING if reward else ()), *MODES.get(name, ()), *extra])
             except ConfigError as exc:
                 raise ConfigError(f"--systems: row {name}[{';'.join(extra)}]: {exc}") from None
 

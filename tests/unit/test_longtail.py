@@ -410,3 +410,13 @@ def test_each_row_names_its_bound_and_its_share_of_the_engines_alone():
     assert got["engines_alone"]["trainer_tokens_per_s_one_per_step"] == 45000.0
     assert "engines_alone" not in compute_bounds({k: v for k, v in rows.items() if k != "engines"})
     assert "engines_tail_share" not in compute_ratios(rows, reward=False)
+
+
+def test_a_rows_overrides_are_checked_against_the_job_it_runs():
+    # --reward's streaming rows run at η 2 (REWARD_STREAMING): a slack of 2 fits there, 3 does not.
+    from bench.longtail import check_rows
+    from pipeline.config import ConfigError
+
+    check_rows((("streaming", ("dataflow.tail_slack=2",)),), reward=True)
+    with pytest.raises(ConfigError, match=r"--systems: row streaming\[dataflow.tail_slack=3\]: dataflow.tail_slack"):
+        check_rows((("streaming", ("dataflow.tail_slack=3",)),), reward=True)
