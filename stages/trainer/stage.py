@@ -100,45 +100,50 @@ def compute_step_loss(piece_losses: list[float], batches: list[RolloutBatch], st
     return float(total * compute_step_grad_scale(batches, step_samples, loss_agg))
 
 
+def _encode_lists(prefix: str, lists: Mapping[int, list[int]]) -> dict[str, float]:
+    """``StepRecord.metrics`` entries ``<prefix>/<batch_id>/<k>`` = the k-th value of each list."""
+    return {f"{prefix}/{bid}/{k}": float(v) for bid, values in lists.items() for k, v in enumerate(values)}
+
+
+def _read_list(metrics: Mapping[str, float], prefix: str, batch_id: int) -> list[int] | None:
+    """The list ``_encode_lists`` recorded for ``batch_id``, or None."""
+    head = f"{prefix}/{batch_id}/"
+    found = {int(k[len(head):]): int(v) for k, v in metrics.items() if k.startswith(head)}
+    return [found[k] for k in range(len(found))] if found else None
+
+
 def encode_piece_layout(layouts: Mapping[int, list[int]]) -> dict[str, float]:
     """``StepRecord.metrics`` entries for the micro-batches trained as several pieces."""
-    return {f"{_LAYOUT}/{bid}/{k}": float(g) for bid, groups in layouts.items() for k, g in enumerate(groups)}
+    return _encode_lists(_LAYOUT, layouts)
+
+
+def read_piece_layout(metrics: Mapping[str, float], batch_id: int) -> list[int] | None:
+    """Groups per piece of ``batch_id`` as recorded, or None when it was trained whole."""
+    return _read_list(metrics, _LAYOUT, batch_id)
 
 
 def encode_gathers(gathers: Mapping[int, list[int]]) -> dict[str, float]:
     """``StepRecord.metrics`` entries for the micro-batches trained as one unit: the
     unit's ``batch_id`` (its first micro-batch's) -> the ids of its micro-batches."""
-    return {f"{_GATHER}/{bid}/{k}": float(m) for bid, members in gathers.items() for k, m in enumerate(members)}
+    return _encode_lists(_GATHER, gathers)
 
 
 def regather_units(batches: list[RolloutBatch], metrics: Mapping[str, float]) -> list[RolloutBatch]:
     """A recorded step's micro-batches as its trainer trained them: those the record
     says were gathered (``encode_gathers``) concatenated again, in the same order."""
-    members: dict[int, dict[int, int]] = {}
-    for key, value in metrics.items():
-        if key.startswith(f"{_GATHER}/"):
-            _, bid, k = key.split("/")
-            members.setdefault(int(bid), {})[int(k)] = int(value)
     by_id = {b.batch_id: b for b in batches}
-    inside = {m for unit in members.values() for m in unit.values()}
+    members = {b.batch_id: ids for b in batches if (ids := _read_list(metrics, _GATHER, b.batch_id))}
+    inside = {m for ids in members.values() for m in ids}
     units = []
     for b in batches:
         if b.batch_id in members:
-            ids = [members[b.batch_id][k] for k in range(len(members[b.batch_id]))]
-            missing = [i for i in ids if i not in by_id]
+            missing = [i for i in members[b.batch_id] if i not in by_id]
             if missing:
                 raise ValueError(f"step record: micro-batches {missing} gathered with {b.batch_id} are not recorded")
-            units.append(gather_micro_batches([by_id[i] for i in ids]))
+            units.append(gather_micro_batches([by_id[i] for i in members[b.batch_id]]))
         elif b.batch_id not in inside:
             units.append(b)
     return units
-
-
-def read_piece_layout(metrics: Mapping[str, float], batch_id: int) -> list[int] | None:
-    """Groups per piece of ``batch_id`` as recorded, or None when it was trained whole."""
-    prefix = f"{_LAYOUT}/{batch_id}/"
-    found = {int(k[len(prefix):]): int(v) for k, v in metrics.items() if k.startswith(prefix)}
-    return [found[k] for k in range(len(found))] if found else None
 
 
 def train_as_recorded(engine: Any, batch: RolloutBatch, step_samples: int, layout: list[int] | None,
