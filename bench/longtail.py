@@ -249,7 +249,10 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
 
 def run_verl_row(job: Job, root: Path, warmup: int) -> dict[str, Any]:
     """verl's GRPO trainer on the job: the same prompts with their lengths, group size,
-    learning rate, steps and sampling (``bench.peers.verl_grpo``)."""
+    learning rate, steps and sampling, and its passes as Conveyor's trainer makes them:
+    packed to ``train.pass_tokens`` (verl's ``use_dynamic_bsz``; ``train.chunk_size``
+    samples a pass when it is 0), checkpointed as ``train.gradient_checkpointing``
+    (``bench.peers.verl_grpo``)."""
     import json
 
     from bench.peers.verl_grpo import VerlJob, run_verl
@@ -262,7 +265,8 @@ def run_verl_row(job: Job, root: Path, warmup: int) -> dict[str, Any]:
                    task_kwargs=dict(cfg.data.task_kwargs), steps=job.steps,
                    prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.n, lr=cfg.train.lr,
                    max_prompt_tokens=cfg.data.max_prompt_len, max_completion_tokens=cfg.rollout.max_tokens,
-                   micro_batch_samples=cfg.train.chunk_size, temperature=cfg.rollout.temperature,
+                   micro_batch_samples=cfg.train.chunk_size, token_budget=cfg.train.pass_tokens or None,
+                   gradient_checkpointing=cfg.train.gradient_checkpointing, temperature=cfg.rollout.temperature,
                    seed=cfg.run.seed, gpu_memory_utilization=0.45)
     root.mkdir(parents=True, exist_ok=True)
     return run_verl(vjob, rows, root, warmup)

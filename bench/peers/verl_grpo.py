@@ -59,6 +59,7 @@ class VerlJob(msgspec.Struct, frozen=True, kw_only=True):
     task_kwargs: dict[str, Any] = {}
     micro_batch_samples: int = 8  # samples per forward/backward pass (ppo_micro_batch_size_per_gpu)
     token_budget: int | None = None  # tokens per pass instead (verl's use_dynamic_bsz)
+    gradient_checkpointing: bool = True  # verl's default (model.enable_gradient_checkpointing)
     gpu_memory_utilization: float = 0.5  # vLLM's share of the GPU while it generates
     temperature: float = 1.0
     top_p: float = 1.0
@@ -227,6 +228,7 @@ def build_verl_overrides(job: VerlJob, files: VerlFiles, root: Path) -> list[str
         f"data.max_response_length={job.max_completion_tokens}", "data.shuffle=false", "data.truncation=error",
         "data.filter_overlong_prompts=false", "data.dataloader_num_workers=0", f"data.seed={job.seed}",
         f"actor_rollout_ref.model.path={job.model_path}", "actor_rollout_ref.model.use_remove_padding=true",
+        f"actor_rollout_ref.model.enable_gradient_checkpointing={str(job.gradient_checkpointing).lower()}",
         f"+actor_rollout_ref.model.override_config.attn_implementation={job.attn_implementation}",
         f"{actor}.optim.lr={job.lr}", f"{actor}.optim.weight_decay={job.weight_decay}",
         f"{actor}.ppo_mini_batch_size={job.prompts_per_step}", f"{actor}.ppo_epochs=1",
