@@ -293,13 +293,14 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
     """Each row in order (a repeat labelled ``name#2``), after ``rows`` (an earlier call's);
     a failure is a row with its error; ``on_row(rows)`` after each."""
     from bench.longtail_trl import run_trl_isolated
+    from bench.peers.verl_grpo import verl_version
 
     rows = dict(rows or {})
     for i, (name, extra) in enumerate(specs):
         label = _next_label(name, rows)
         where = root / str(i)
         if name == "verl":
-            why = None if _version("verl") else "verl is not installed (docs/performance/peers.md)"
+            why = None if verl_version() else "verl is not installed (docs/performance/peers.md)"
             why = why or (None if on_gpu else "verl's vLLM rollout and FSDP actor need a CUDA GPU")
             row = ({"system": "verl-grpo-sync", "status": "skipped", "error": why} if why else
                    _attempt("verl-grpo", run_verl_row, job, where, warmup, describe=_describe))

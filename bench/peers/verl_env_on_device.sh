@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, after tests/gpu/install-on-device.sh (the shared wheels in /tmp/site) and with
 # verl's part copied to /root/wheels/verl: install verl into /tmp/verl-site and make /tmp/site-notrl,
-# the shared site without TRL. Then run the verl row with
-#   PYTHONPATH=$PWD:/tmp/site-notrl:/tmp/verl-site python3 -m bench longtail --systems verl ...
+# the shared site without TRL. Then run the verl row, beside the others in one call, with
+#   CONVEYOR_VERL_SITE=/tmp/site-notrl:/tmp/verl-site python3 -m bench longtail --systems streaming,lockstep,trl,verl ...
 # Why without TRL: verl 0.9.1's apply_monkey_patch imports AutoModelForCausalLMWithValueHead from
 # `trl` whenever TRL is importable, and TRL 1.16 has no such class (docs/performance/peers.md).
 # Packages the shared site has win over verl's copies (/tmp/site-notrl comes first).

@@ -13,7 +13,10 @@ Guarantees:
   (``apply_prompt_lengths``, called by ``bench.peers.verl_agent_loop`` inside verl);
 - rates come from the times verl's step lines reached this process (the clock of the
   Conveyor and TRL rows); verl's own step timer is reported beside them;
-- importing this module needs neither verl nor a GPU; only ``run_verl`` starts verl.
+- importing this module needs neither verl nor a GPU; only ``run_verl`` starts verl;
+- where ``CONVEYOR_VERL_SITE`` names directories, verl's processes take them as their path
+  (after this checkout) instead of the inherited one, and verl is looked for there: one
+  bench call can run verl beside rows whose packages verl cannot share (TRL, on the GPU).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import msgspec
 
 VERL_VERSION = "0.9.1"
+VERL_SITE_ENV = "CONVEYOR_VERL_SITE"
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_LOOP_NAME = "conveyor_prompt_lengths"
 AGENT_LOOP_TARGET = "bench.peers.verl_agent_loop.PromptLengthAgentLoop"
@@ -342,7 +346,8 @@ def run_verl(job: VerlJob, rows: list[dict[str, Any]], root: Path, warmup: int,
     with the log's last lines."""
     files = write_verl_files(job, rows, root)
     argv = [python, "-m", "verl.trainer.main_ppo", *build_verl_overrides(job, files, root)]
-    path = [*pythonpath, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    site = verl_site()
+    path = [*pythonpath, str(ROOT), *(site if site is not None else filter(None, [os.environ.get("PYTHONPATH")]))]
     # Ray's workers (agent loops, reward) inherit this environment: they import the agent loop
     # and the reward's task from this checkout.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
@@ -363,8 +368,8 @@ def run_verl(job: VerlJob, rows: list[dict[str, Any]], root: Path, warmup: int,
         tail = "".join(line for _, line in timed[-80:])
         raise RuntimeError(f"verl exited with status 0 but logged no training step (no `step:N` line with "
                            f"timing_s/step); the end of {root / 'verl.log'}:\n{tail}")
-    return {"system": f"verl-grpo-{job.trainer_mode}", "verl_version": _installed("verl"),
-            "pythonpath_first": list(pythonpath), "total_s": total, "argv": argv[1:],
+    return {"system": f"verl-grpo-{job.trainer_mode}", "verl_version": verl_version(),
+            "pythonpath_first": list(pythonpath), "verl_site": site, "total_s": total, "argv": argv[1:],
             **summarize_verl_steps(steps, t0, job.prompts_per_step * job.group_size, job.gpus, warmup)}
 
 
@@ -374,9 +379,23 @@ def _mean(values: Iterable[Any]) -> float | None:
     return sum(nums) / len(nums) if nums else None
 
 
-def _installed(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
+def verl_site() -> list[str] | None:
+    """The directories ``CONVEYOR_VERL_SITE`` names (``os.pathsep``-separated), or None."""
+    value = os.environ.get(VERL_SITE_ENV, "")
+    return [p for p in value.split(os.pathsep) if p] or None
 
+
+def verl_version() -> str | None:
+    """verl's version where its processes will find it (``verl_site``, else this path)."""
+    return _installed("verl", verl_site())
+
+
+def _installed(dist: str, path: list[str] | None = None) -> str | None:
+    from importlib.metadata import PackageNotFoundError, distributions, version
+
+    if path is not None:
+        found = next(iter(distributions(name=dist, path=path)), None)
+        return found.version if found is not None else None
     try:
         return version(dist)
     except PackageNotFoundError:

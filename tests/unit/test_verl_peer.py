@@ -24,6 +24,7 @@ from bench.peers.verl_grpo import (
     parse_verl_log,
     run_verl,
     summarize_verl_steps,
+    verl_version,
     write_verl_files,
 )
 from stages.data.tasks import load_task
@@ -195,3 +196,23 @@ def test_a_verl_run_that_trains_no_step_is_an_error_with_its_last_lines(tmp_path
     lines = ["ray init", "(TaskRunnerV1 pid=7) Training Progress: 0it", "(TaskRunnerV1 pid=7) the last word"]
     with pytest.raises(RuntimeError, match="logged no training step(.|\n)*the last word"):
         run_verl(JOB, _rows(12), tmp_path, warmup=1, python=_fake_verl(tmp_path, lines))
+
+
+def test_a_verl_site_replaces_the_inherited_path_for_verl_alone(tmp_path: Path, monkeypatch) -> None:
+    # On the GPU the shared site holds TRL, which verl 0.9.1 cannot sit beside; its own site
+    # lets one bench call run both rows.
+    site = tmp_path / "verl-site"
+    (site / "verl-0.9.1.dist-info").mkdir(parents=True)
+    (site / "verl-0.9.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: verl\nVersion: 0.9.1\n")
+    monkeypatch.setenv("PYTHONPATH", "/shared/site-with-trl")
+    assert verl_version() is None  # not installed here, and no site named
+    monkeypatch.setenv("CONVEYOR_VERL_SITE", f"{tmp_path / 'no-trl'}:{site}")
+    assert verl_version() == "0.9.1"
+    script = tmp_path / "fake_verl_python"
+    script.write_text("#!/bin/sh\necho \"$PYTHONPATH\" > \"$(dirname \"$0\")/seen_path\"\n"
+                      "printf '%s\\n' 'step:1 - timing_s/step:2.0' 'step:2 - timing_s/step:2.0'\n")
+    script.chmod(0o755)
+    row = run_verl(JOB, _rows(12), tmp_path / "run", warmup=1, python=str(script))
+    seen = (tmp_path / "seen_path").read_text().strip().split(":")
+    assert seen[1:] == [str(tmp_path / "no-trl"), str(site)] and "/shared/site-with-trl" not in seen
+    assert row["verl_site"] == seen[1:] and row["verl_version"] == "0.9.1" and row["steps"] == 2
