@@ -250,6 +250,23 @@ def test_the_verl_row_without_verl_or_a_gpu_is_skipped_with_its_reason(tmp_path)
     assert "verl" in rows["verl"]["error"]
 
 
+def test_verl_trains_in_passes_and_checkpoints_as_the_conveyor_rows_do(tmp_path, monkeypatch):
+    """verl's defaults (8 samples a pass, checkpointing on) are not what Conveyor's rows run:
+    its job takes the config's token budget a pass and its checkpointing."""
+    import bench.longtail as lt
+    import bench.peers.verl_grpo as vg
+
+    jobs = []
+    monkeypatch.setattr(vg, "run_verl", lambda vjob, rows, root, warmup: jobs.append(vjob) or {})
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1=", "ground_truth": "1", "max_tokens": 4}\n')
+    for extra, budget, ckpt in (((), 16384, False),
+                                (("train.pass_tokens=0", "train.gradient_checkpointing=true"), None, True)):
+        job = lt.Job(lt.CONFIG, 2, LengthSchedule(scale=1 / 64), "tiny", 1, tmp_path / "p.jsonl", extra)
+        lt.run_verl_row(job, tmp_path / "verl", warmup=1)
+        assert (jobs[-1].token_budget, jobs[-1].gradient_checkpointing) == (budget, ckpt)
+    assert jobs[-1].micro_batch_samples == load_config(lt.CONFIG).train.chunk_size
+
+
 def test_a_repeated_row_records_its_overrides_among_the_results_systems(tmp_path):
     from bench.longtail import _payload, run_rows
 

@@ -58,6 +58,9 @@ def test_the_overrides_carry_the_job(tmp_path: Path) -> None:
     assert o["actor_rollout_ref.rollout.gpu_memory_utilization"] == "0.35"
     assert o["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == "16"
     assert "actor_rollout_ref.actor.use_dynamic_bsz" not in o
+    assert o["actor_rollout_ref.model.enable_gradient_checkpointing"] == "true"  # verl's default unless told
+    plain = _as_dict(build_verl_overrides(msgspec.structs.replace(JOB, gradient_checkpointing=False), files, tmp_path))
+    assert plain["actor_rollout_ref.model.enable_gradient_checkpointing"] == "false"
     assert o["actor_rollout_ref.rollout.agent.default_agent_loop"] == AGENT_LOOP_NAME
     assert o["reward.custom_reward_function.path"] == str(files.reward)
     assert o["data.train_files"] == str(files.train) and o["trainer.n_gpus_per_node"] == "1"
