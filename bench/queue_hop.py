@@ -70,7 +70,7 @@ class HopEndpoint:
         value = self.payloads[size]
         entry = value if fits_inline(value) and not by_reference else ray.put(value)
         t1 = time.time()
-        await self.out.put_entry(entry, Origin(self.inp.name, "hop_producer", seq, 1), self.inp)
+        await self.out.put_entry(entry, Origin(self.inp.name, "hop_producer", seq, 1))
         return t0, t1, time.time()
 
     async def recv(self, q: QueueHandle) -> tuple[float, bool, int]:
@@ -87,7 +87,7 @@ async def measure_hops(size: int, repeats: int, mode: str) -> dict[str, Any]:
     "by_reference" (actor -> actor through the object store whatever the size)."""
     prod, cons = HopEndpoint.remote(), HopEndpoint.remote()
     q = create_queue("hop_producer", "hop_consumer", bound=4)
-    up = create_queue("hop_source", "hop_producer", bound=4)  # the producer's input, for the origins
+    up = create_queue("hop_source", "hop_producer", bound=4, actor=q.actor)  # the producer's input, for the origins
     await prod.prepare.remote(size, q, up)
     payload = np.ones(size, dtype=np.uint8)
     lat, put_copy, put_call, delivery, zero_copy = [], [], [], [], True
@@ -117,7 +117,7 @@ async def measure_hops(size: int, repeats: int, mode: str) -> dict[str, Any]:
             put_call.append(t2 - t1)
             delivery.append(t3 - t2)
     finally:
-        for a in (prod, cons, q.actor, up.actor):
+        for a in (prod, cons, q.actor):
             ray.kill(a, no_restart=True)
     return {"bytes": size, "mode": mode, "latency_s": summarize(lat),
             "put_copy_s": summarize(put_copy), "put_call_s": summarize(put_call),

@@ -10,6 +10,10 @@ Guarantees:
 - once every producer has called ``close()`` and the queue is empty, every ``get`` returns
   ``END`` to every consumer;
 - depth, put-wait and get-wait are measured inside the queue actor (``stats``);
+- every edge of a graph lives in one queue actor (``QueueActor``): a release reaches the
+  edge upstream as a local call, and a stage's put and its next lease can travel as one
+  call (``put_and_lease``); each producer process numbers its puts, so they enter in its
+  order even when its calls start out of order;
 - ``wait_drained`` returns once nothing is queued or leased here;
 - a leased item stays held until what became of it reached the end of the graph; when its
   consumer dies, ``requeue`` puts it back at the front for the restarted actor. An item may
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import uuid
 from typing import Any, NamedTuple
 
 import msgspec
@@ -30,10 +35,6 @@ import ray
 # Ray carries call arguments up to 100 KiB inside the call; a value estimated below this
 # stays well under it (the estimate leaves out per-object overhead).
 INLINE_MAX_BYTES = 64 << 10
-# Streaming: releases no put collected in this interval go upstream in one call (a call
-# per micro-batch and edge was the largest cost of a queue actor; carried by the puts'
-# replies they cost none). Lock-step forwards each at once (0): its step barrier waits.
-FORWARD_INTERVAL_S = 0.02
 
 
 def fits_inline(value: Any, limit: int = INLINE_MAX_BYTES) -> bool:
@@ -98,9 +99,7 @@ class QueueClosed(RuntimeError):
 class Origin(NamedTuple):
     """Where an output came from: the producer's lease ``seq`` on the queue named
     ``queue`` under ``consumer``; ``parts`` outputs (times output queues) derive from it.
-    The queue travels by name: an actor handle in every put cost a hop a third of its
-    time (a handle's serialisation registers a borrower with its owner); the receiving
-    queue learns the handle once per producer process (``QueueHandle.put_entry``)."""
+    The queue travels by name: every edge of a graph lives in the same queue actor."""
 
     queue: str
     consumer: str
@@ -119,18 +118,15 @@ class _Lease:
         self.released_parts = 0
 
 
-# No task events (Ray's per-call records for its dashboard and state API): Conveyor keeps
-# its own spans, so the control-plane actors (queues, controller, stage shells) skip
-# recording and reporting them for every call. bench/queue_hop's ``call_cost`` measures
-# the difference side by side: about 5% of a call's CPU time on an idle 2-core machine.
-@ray.remote(num_cpus=0, max_concurrency=1000, enable_task_events=False)
-class QueueActor:
-    """The state of one edge: a deque of wrapped references guarded by a condition."""
+class _Edge:
+    """The state of one edge: a deque of wrapped references guarded by a condition.
+    ``release_upstream(origin)``: one output derived from lease ``origin`` was released
+    here (the edge named ``origin.queue`` lives in the same hub, so this is a local call)."""
 
-    def __init__(self, name: str, bound: int, producers: int = 1, forward_interval_s: float = FORWARD_INTERVAL_S) -> None:
+    def __init__(self, name: str, bound: int, producers: int, release_upstream: Any) -> None:
         self.name = name
         self.bound = bound
-        self.forward_interval_s = forward_interval_s
+        self._release_upstream = release_upstream
         # Each entry: (wrapped reference, its Origin or None).
         self._items: collections.deque[tuple[list[Any], Origin | None]] = collections.deque()
         self._cond = asyncio.Condition()
@@ -138,12 +134,7 @@ class QueueActor:
         self._closed_by: set[str] = set()
         self._closed = False
         self._leases: dict[str, dict[int, _Lease]] = collections.defaultdict(dict)
-        self._upstreams: dict[str, Any] = {}  # queue name -> actor handle, for Origin.queue
-        # Releases waiting to be forwarded, per upstream queue name (also those for a
-        # queue whose handle is still on its way: calls of one producer to an async
-        # actor may start out of order), and the names with a flush scheduled.
-        self._outbox: dict[str, list[tuple[str, int, int]]] = collections.defaultdict(list)
-        self._flush_due: set[str] = set()
+        self._next_put: dict[str, int] = {}  # producer process -> the number of its next put
         self._seq = 0
         self._redelivered = 0
         self._dead: set[str] = set()  # consumer ids of processes that died
@@ -165,7 +156,6 @@ class QueueActor:
             self._drained.clear()
 
     async def wait_drained(self) -> None:
-        """Until nothing is queued or leased here (see the module guarantees)."""
         await self._drained.wait()
 
     def _touch(self) -> None:
@@ -173,42 +163,29 @@ class QueueActor:
         self._depth_area += len(self._items) * (now - self._last_change)
         self._last_change = now
 
-    async def put(self, wrapped: list[Any], origin: Origin | None = None,
-                  upstream: Any = None) -> tuple[float, list[tuple[str, int, int]]]:
-        """Enqueue ``[ref]``; returns the seconds the producer waited for room and the
-        releases of its leases on ``origin.queue`` waiting here, which the producer
-        carries there with its next ``lease`` (``release_parts``' triples).
-        ``upstream``: the handle of ``origin.queue``, sent with a producer's first put
-        from that queue (kept before any wait, so a later put of the same producer
-        cannot be released before its queue is known)."""
-        if upstream is not None:
-            self._upstreams[origin.queue] = upstream
-            self._flush(origin.queue)
+    async def put(self, wrapped: list[Any], origin: Origin | None = None, producer: str | None = None,
+                  number: int | None = None) -> float:
+        """Enqueue ``[ref]``; returns the seconds the producer waited (for its earlier puts
+        and for room). ``number``: the producer's count of puts to this edge before this
+        one; its puts enter in that order, whatever order their calls arrive in."""
         t0 = time.monotonic()
         async with self._cond:
+            if number is not None:
+                await self._cond.wait_for(lambda: self._next_put.get(producer, 0) == number)
             if self._closed:
                 raise QueueClosed(f"queue {self.name}: put after all producers closed it")
             await self._cond.wait_for(lambda: len(self._items) < self.bound)
             self._touch()
             self._items.append((wrapped, origin))
+            if number is not None:
+                self._next_put[producer] = number + 1
             self._drained.clear()
             self._puts += 1
             self._max_depth = max(self._max_depth, len(self._items))
             self._cond.notify_all()
         waited = time.monotonic() - t0
         self._put_wait_s += waited
-        return waited, self._take_releases(origin)
-
-    def _take_releases(self, origin: Origin | None) -> list[tuple[str, int, int]]:
-        """The releases waiting for ``origin.queue`` of leases held by ``origin.consumer``
-        (the producer of this put), taken out of the outbox: each leaves once."""
-        box = self._outbox.get(origin.queue) if origin is not None else None
-        if not box:
-            return []
-        mine = [r for r in box if r[0] == origin.consumer]
-        if mine:
-            self._outbox[origin.queue] = [r for r in box if r[0] != origin.consumer]
-        return mine
+        return waited
 
     async def _pop(self) -> tuple[list[Any], Origin | None] | None:
         t0 = time.monotonic()
@@ -230,30 +207,21 @@ class QueueActor:
         if entry is None:
             return END
         if entry[1] is not None:
-            self._forward(entry[1])
+            self._release_upstream(entry[1])
         self._note_drained()
         return entry[0]
 
-    async def lease(self, consumer: str, released: list[int] = (), lost: list[int] = (),
-                    parts: list[tuple[str, int, int]] = ()) -> Any:
-        """``[ref, seq]`` of the next item, held under ``consumer`` until released, or
-        ``END``. ``released``: leases the consumer is done with (it emitted nothing for
-        them); ``lost``: leases whose object died with its producer (dropped, their
-        origins stay leased upstream, where that producer's requeue delivers them again);
-        ``parts``: releases of outputs downstream that the consumer carries here
-        (``release_parts``)."""
-        got = await self.lease_ready(consumer, released, lost, parts)
-        return got if is_end(got) else got[0]
-
     async def lease_ready(self, consumer: str, released: list[int] = (), lost: list[int] = (),
-                          parts: list[tuple[str, int, int]] = (), limit: int = 1) -> Any:
-        """``[[ref, seq], ...]``: the next item as ``lease`` waits for it, then up to
-        ``limit`` - 1 more that are already queued (never waited for), each leased
-        alike; or ``END``."""
+                          limit: int = 1) -> Any:
+        """``[[ref, seq], ...]``: the next item, held under ``consumer`` until released,
+        then up to ``limit`` - 1 more that are already queued (never waited for), each
+        leased alike; or ``END``. ``released``: leases the consumer is done with (it
+        emitted nothing for them); ``lost``: leases whose object died with its producer
+        (dropped, their origins stay leased upstream, where that producer's requeue
+        delivers them again)."""
         if consumer in self._dead:
             return END  # a call from a process that died, arriving late
         held = self._leases[consumer]
-        self._release_parts(parts)
         for seq in released:
             self._release(consumer, seq)
         for seq in lost:
@@ -283,13 +251,10 @@ class QueueActor:
         self._note_drained()
         return out
 
-    async def release_parts(self, parts: list[tuple[str, int, int]]) -> None:
+    def release_parts(self, parts: list[tuple[str, int, int]]) -> None:
         """For each ``(consumer, seq, parts)``: one output derived from lease ``seq`` was
         released downstream; the lease is released when all ``parts`` were (unknown or
         requeued leases are ignored)."""
-        self._release_parts(parts)
-
-    def _release_parts(self, parts: list[tuple[str, int, int]]) -> None:
         for consumer, seq, n in parts:
             lease = self._leases.get(consumer, {}).get(seq)
             if lease is None:
@@ -298,37 +263,11 @@ class QueueActor:
             if lease.released_parts >= n:
                 self._release(consumer, seq)
 
-    async def release(self, consumer: str, seq: int) -> None:
-        """``consumer`` is done with lease ``seq`` and emitted nothing for it (sent at
-        once in lock-step; streaming consumers piggyback it on their next ``lease``)."""
-        self._release(consumer, seq)
-
     def _release(self, consumer: str, seq: int) -> None:
         lease = self._leases.get(consumer, {}).pop(seq, None)
         if lease is not None and lease.origin is not None:
-            self._forward(lease.origin)
+            self._release_upstream(lease.origin)
         self._note_drained()
-
-    def _forward(self, origin: Origin) -> None:
-        """Tell the upstream queue that one output of its lease was released: in the
-        reply to the producer's next put, or, where no put took it within
-        ``forward_interval_s``, with the others left then in one call (at once in
-        lock-step)."""
-        name = origin.queue
-        self._outbox[name].append((origin.consumer, origin.seq, origin.parts))
-        if self.forward_interval_s <= 0:
-            self._flush(name)
-        elif name not in self._flush_due:
-            self._flush_due.add(name)
-            asyncio.get_running_loop().call_later(self.forward_interval_s, self._flush, name)
-
-    def _flush(self, name: str) -> None:
-        self._flush_due.discard(name)
-        upstream = self._upstreams.get(name)
-        if upstream is None or not self._outbox.get(name):
-            return  # nothing to send, or its handle comes with a put still on its way
-        # Fire and forget: a lost release only means a duplicate delivery after a death.
-        upstream.release_parts.remote(self._outbox.pop(name))
 
     async def requeue(self, consumer: str) -> int:
         """``consumer``'s process died: its leased items go back to the front, in order.
@@ -376,12 +315,72 @@ class QueueActor:
         }
 
 
+# No task events (Ray's per-call records for its dashboard and state API): Conveyor keeps
+# its own spans, so the control-plane actors (queues, controller, stage shells) skip
+# recording and reporting them for every call. bench/queue_hop's ``call_cost`` measures
+# the difference side by side: about 5% of a call's CPU time on an idle 2-core machine.
+@ray.remote(num_cpus=0, max_concurrency=1000, enable_task_events=False)
+class QueueActor:
+    """Every edge of a graph in one actor: a release reaches the edge upstream as a local
+    call, and a stage's put and its next lease travel as one call (``put_and_lease``).
+    Each method takes the edge's name first."""
+
+    def __init__(self) -> None:
+        self._edges: dict[str, _Edge] = {}
+
+    def add_edge(self, name: str, bound: int, producers: int = 1) -> None:
+        self._edges[name] = _Edge(name, bound, producers, self._release_upstream)
+
+    def _release_upstream(self, origin: Origin) -> None:
+        edge = self._edges.get(origin.queue)
+        if edge is not None:
+            edge.release_parts([(origin.consumer, origin.seq, origin.parts)])
+
+    async def put(self, edge: str, wrapped: list[Any], origin: Origin | None = None, producer: str | None = None,
+                  number: int | None = None) -> float:
+        return await self._edges[edge].put(wrapped, origin, producer, number)
+
+    async def get(self, edge: str) -> Any:
+        return await self._edges[edge].get()
+
+    async def lease_ready(self, edge: str, consumer: str, released: list[int] = (), lost: list[int] = (),
+                          limit: int = 1) -> Any:
+        return await self._edges[edge].lease_ready(consumer, released, lost, limit)
+
+    async def put_and_lease(self, puts: list[tuple[str, list[Any], Origin | None, str, int]], edge: str,
+                            consumer: str, released: list[int] = (), lost: list[int] = (),
+                            limit: int = 1) -> tuple[float, Any]:
+        """The ``puts`` (``put``'s arguments, each edge's in order), then ``lease_ready`` on
+        ``edge``: the seconds the puts waited and the leased items (or ``END``)."""
+        waited = 0.0
+        for out, wrapped, origin, producer, number in puts:
+            waited += await self._edges[out].put(wrapped, origin, producer, number)
+        return waited, await self._edges[edge].lease_ready(consumer, released, lost, limit)
+
+    def release(self, edge: str, consumer: str, seq: int) -> None:
+        """``consumer`` is done with lease ``seq`` and emitted nothing for it."""
+        self._edges[edge]._release(consumer, seq)
+
+    async def requeue(self, edge: str, consumer: str) -> int:
+        return await self._edges[edge].requeue(consumer)
+
+    async def close(self, edge: str, producer: str | None = None) -> int:
+        return await self._edges[edge].close(producer)
+
+    async def wait_drained(self, edge: str) -> None:
+        await self._edges[edge].wait_drained()
+
+    def stats(self, edge: str) -> dict[str, float]:
+        return self._edges[edge].stats()
+
+
 class QueueHandle:
     """Client side of an edge; picklable, so it can be passed to stage actors.
 
     ``put`` stores the value in the object store once (``ray.put``) and moves only the
     reference, or moves a small value inline; ``get`` returns the value (zero-copy for
-    numpy buffers read from the store).
+    numpy buffers read from the store). Each process numbers its puts to the edge, so
+    they enter in the order it made them.
     """
 
     def __init__(self, name: str, actor: Any, bound: int, producer: str, consumer: str) -> None:
@@ -390,33 +389,31 @@ class QueueHandle:
         self.bound = bound
         self.producer = producer
         self.consumer = consumer
-        self._introduced: set[str] = set()  # upstream queues whose handle this process sent
-        self._parts: list[tuple[str, int, int]] = []  # releases to carry with the next lease
+        self._key: str | None = None  # this process's name for its puts
+        self._count = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        # A new process introduces the queues again; releases are carried by the process
-        # they were handed to.
-        return {**self.__dict__, "_introduced": set(), "_parts": []}
+        return {**self.__dict__, "_key": None, "_count": 0}  # a new process numbers anew
 
-    async def put_entry(self, entry: Any, origin: Origin | None = None, upstream: QueueHandle | None = None) -> float:
-        """Enqueue ``entry``: an ``ObjectRef``, or a value that ``fits_inline``.
-        ``origin`` names the lease on ``upstream`` it derives from; the releases the
-        reply brings for ``upstream`` go there with its next ``lease``."""
-        handle = None
-        if upstream is not None and upstream.name not in self._introduced:
-            self._introduced.add(upstream.name)
-            handle = upstream.actor
-        waited, parts = await self.actor.put.remote([entry], origin, handle)
-        if parts and upstream is not None:
-            upstream._parts.extend(parts)
-        return waited
+    def put_args(self, entry: Any, origin: Origin | None = None) -> tuple[str, list[Any], Origin | None, str, int]:
+        """``QueueActor.put``'s arguments for ``entry``, numbered: call it only for a put
+        that is sent (a number taken and never sent would hold every later put back)."""
+        if self._key is None:
+            self._key = uuid.uuid4().hex
+        self._count += 1
+        return self.name, [entry], origin, self._key, self._count - 1
+
+    async def put_entry(self, entry: Any, origin: Origin | None = None) -> float:
+        """Enqueue ``entry``: an ``ObjectRef``, or a value that ``fits_inline``;
+        ``origin`` names the lease it derives from."""
+        return await self.actor.put.remote(*self.put_args(entry, origin))
 
     async def put(self, value: Any) -> float:
         return await self.put_entry(value if fits_inline(value) else ray.put(value))
 
     async def get_entry(self) -> Any:
         """The next entry (an ``ObjectRef`` or an inline value), or ``END``."""
-        item = await self.actor.get.remote()
+        item = await self.actor.get.remote(self.name)
         return END if is_end(item) else item[0]
 
     async def get(self) -> Any:
@@ -425,46 +422,48 @@ class QueueHandle:
         return END if is_end(entry) else await resolve_entry(entry)
 
     async def lease(self, consumer: str, released: list[int], lost: list[int]) -> tuple[Any, int]:
-        """(next entry, its lease seq), or (``END``, -1); see ``QueueActor.lease``."""
-        parts, self._parts = self._parts, []
-        item = await self.actor.lease.remote(consumer, released, lost, parts)
-        return (END, -1) if is_end(item) else (item[0], item[1])
+        """(next entry, its lease seq), or (``END``, -1); see ``_Edge.lease_ready``."""
+        return (await self.lease_ready(consumer, released, lost, 1))[0]
 
     async def lease_ready(self, consumer: str, released: list[int], lost: list[int],
                           limit: int) -> list[tuple[Any, int]]:
         """[(entry, its lease seq), ...]: the next one and up to ``limit`` - 1 already
-        queued, or [(``END``, -1)]; see ``QueueActor.lease_ready``."""
-        parts, self._parts = self._parts, []
-        got = await self.actor.lease_ready.remote(consumer, released, lost, parts, limit)
+        queued, or [(``END``, -1)]; see ``_Edge.lease_ready``."""
+        got = await self.actor.lease_ready.remote(self.name, consumer, released, lost, limit)
         return [(END, -1)] if is_end(got) else [(ref, seq) for ref, seq in got]
 
-    def flush_releases(self) -> None:
-        """Fire and forget: the releases this process still carries (see ``put_entry``),
-        once it leases no more."""
-        parts, self._parts = self._parts, []
-        if parts:
-            self.actor.release_parts.remote(parts)
+    async def put_and_lease(self, puts: list[tuple[str, list[Any], Origin | None, str, int]], consumer: str,
+                            released: list[int], lost: list[int], limit: int) -> tuple[float, list[tuple[Any, int]]]:
+        """``puts`` (``put_args`` of the output edges), then ``lease_ready`` here, in one call."""
+        waited, got = await self.actor.put_and_lease.remote(puts, self.name, consumer, released, lost, limit)
+        return waited, [(END, -1)] if is_end(got) else [(ref, seq) for ref, seq in got]
 
     def release(self, consumer: str, seq: int) -> None:
-        """Fire and forget: ``QueueActor.release``."""
-        self.actor.release.remote(consumer, seq)
+        """Fire and forget: ``consumer`` emitted nothing for lease ``seq``."""
+        self.actor.release.remote(self.name, consumer, seq)
 
     async def wait_drained(self) -> None:
-        await self.actor.wait_drained.remote()
+        await self.actor.wait_drained.remote(self.name)
 
     async def requeue(self, consumer: str) -> int:
-        return await self.actor.requeue.remote(consumer)
+        return await self.actor.requeue.remote(self.name, consumer)
 
     async def close(self, producer: str | None = None) -> int:
-        return await self.actor.close.remote(producer)
+        return await self.actor.close.remote(self.name, producer)
 
     async def stats(self) -> dict[str, float]:
-        return await self.actor.stats.remote()
+        return await self.actor.stats.remote(self.name)
 
 
-def create_queue(producer: str, consumer: str, bound: int, producers: int = 1,
-                 forward_interval_s: float = FORWARD_INTERVAL_S) -> QueueHandle:
-    """Start the actor of edge ``producer->consumer``."""
+def start_queue_actor() -> Any:
+    """The actor that holds every edge of one graph (``create_queue`` adds them)."""
+    return QueueActor.options(name=None).remote()
+
+
+def create_queue(producer: str, consumer: str, bound: int, producers: int = 1, actor: Any = None) -> QueueHandle:
+    """Add edge ``producer->consumer`` to ``actor`` (a new queue actor when None: edges
+    whose releases reach each other must share one)."""
     name = f"{producer}->{consumer}"
-    actor = QueueActor.options(name=None).remote(name, bound, producers, forward_interval_s)
+    actor = actor if actor is not None else start_queue_actor()
+    ray.get(actor.add_edge.remote(name, bound, producers))  # before any stage can put to it
     return QueueHandle(name, actor, bound, producer, consumer)

@@ -42,7 +42,7 @@ from pipeline.delivery import DEDUP_WINDOW, dedup_window
 from pipeline.evaluation import build_eval_schedule
 from pipeline.log import get_logger
 from pipeline.profiler import SpanTotals, StageTimes
-from pipeline.queue import FORWARD_INTERVAL_S, QueueHandle, create_queue
+from pipeline.queue import QueueHandle, create_queue, start_queue_actor
 from pipeline.signals import STOP_SIGNALS, WORKER_SETUP_HOOK, RunInterrupted, StopSignals, hold_stop_signals
 from pipeline.stage import StageActor, StageError, lease_id
 from pipeline.types import Span
@@ -246,9 +246,9 @@ def run_dataflow(
 async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: dict[str, str],
                  async_mode: bool) -> Graph:
     queues: dict[str, QueueHandle] = {}
+    edges = start_queue_actor()  # every edge in one actor: releases travel upstream locally
     for producer, consumer in df.edges:
-        q = create_queue(producer, consumer, df.queue_bound(producer, consumer), df.nodes[producer].replicas,
-                         forward_interval_s=FORWARD_INTERVAL_S if async_mode else 0.0)
+        q = create_queue(producer, consumer, df.queue_bound(producer, consumer), df.nodes[producer].replicas, edges)
         queues[q.name] = q
     level = config.run.log_level if config is not None else os.environ.get("CONVEYOR_LOG_LEVEL", "info")
     began = time.monotonic()
@@ -456,8 +456,8 @@ async def _teardown(graph: Graph) -> None:
             ray.kill(a, no_restart=True)
     # A killed actor cannot stop its children; whatever survives it is killed here.
     reap_processes(spawned)
-    for q in graph.queues.values():
-        ray.kill(q.actor, no_restart=True)
+    for actor in {q.actor._actor_id: q.actor for q in graph.queues.values()}.values():
+        ray.kill(actor, no_restart=True)
     ray.kill(graph.controller.actor, no_restart=True)
     if graph.placement_group is not None:
         ray.util.remove_placement_group(graph.placement_group)

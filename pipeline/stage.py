@@ -273,7 +273,6 @@ class StageActor:
                         await asyncio.gather(*(out.wait_drained() for out in outs))
         else:
             await self._consume(inp, outs)
-            inp.flush_releases()  # what the last puts' replies brought
         if hasattr(self.core, "finish"):
             for item in _as_list(await self.core.finish()):
                 await self._emit(item, outs)
@@ -302,17 +301,19 @@ class StageActor:
             self._gen = self.core.generate()
         return self._gen
 
-    async def _fetch(self, inp: QueueHandle, limit: int = 1) -> list[tuple[Any, int]]:
+    async def _fetch(self, inp: QueueHandle, limit: int = 1, puts: list[Any] = ()) -> list[tuple[Any, int]]:
         """The next input item and up to ``limit`` - 1 more already queued, each with its
-        lease, with wait and transfer spans; or [(``END``, -1)]."""
+        lease, with wait and transfer spans; or [(``END``, -1)]. ``puts``: outputs
+        (``QueueHandle.put_args``) that go in the same call, before the lease."""
         while True:
             t0 = time.time()
             released, self._released = self._released, []
             lost, self._lost = self._lost, []
-            if limit > 1:
-                leased = await inp.lease_ready(self.lease_id, released, lost, limit)
+            if puts:
+                _, leased = await inp.put_and_lease(list(puts), self.lease_id, released, lost, limit)
+                puts = ()
             else:
-                leased = [await inp.lease(self.lease_id, released, lost)]
+                leased = await inp.lease_ready(self.lease_id, released, lost, limit)
             if is_end(leased[0][0]):
                 self.spans.add("wait_input", t0, time.time())
                 return [(END, -1)]
@@ -364,28 +365,38 @@ class StageActor:
 
     async def _consume_in_order(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
         """One item at a time, in order, with the hops hidden behind compute: the next
-        input is fetched and the previous outputs are put while the core works. This
-        stage then holds at most one item beyond its input queue and one beyond its
-        output queue; backpressure still reaches the producer one item later. A core
-        with ``max_gather`` > 1 gets what is already queued, up to that many items at
-        once, in one ``process_many`` call (one item: ``process``)."""
+        input is fetched while the core works, and an item's outputs go with the lease
+        after it when that lease is already back (one call for both), else in a put of
+        their own at once (never held back: in lock-step the next input comes only after
+        them). This stage then holds at most one item beyond its input queue and one
+        beyond its output queue; backpressure still reaches the producer one item later.
+        A core with ``max_gather`` > 1 gets what is already queued, up to that many items
+        at once, in one ``process_many`` call (one item: ``process``)."""
         limit = self._gather_limit()
         fetch = asyncio.create_task(self._fetch(inp, limit))
         sender: asyncio.Task[None] | None = None
+        riding: list[Any] = []  # outputs that go with the next lease
         try:
             while True:
                 got = await fetch
                 if is_end(got[0][0]):
                     break
-                fetch = asyncio.create_task(self._fetch(inp, limit))
+                fetch = asyncio.create_task(self._fetch(inp, limit, riding))
+                riding = []
                 items = [item for item, _ in got]
                 with self.spans.span("busy", batch_id=getattr(items[0], "batch_id", -1)):
                     outs_each = await self._process_items(items)
                 self._processed += len(items)
                 if sender is not None:
-                    await sender  # outputs leave in order; a failed put surfaces here
-                seqs = [seq for _, seq in got]
-                sender = asyncio.create_task(self._emit_each(outs_each, seqs, outs, inp))
+                    await sender  # a failed put surfaces here
+                    sender = None
+                puts = self._output_puts(outs_each, [seq for _, seq in got], outs, inp)
+                if fetch.done():
+                    riding = puts
+                elif puts:
+                    sender = asyncio.create_task(self._send(inp, puts))
+            if riding:
+                await self._send(inp, riding)
             if sender is not None:
                 await sender
         finally:
@@ -410,24 +421,47 @@ class StageActor:
                             f"({len(items)}), got {type(outs).__name__}")
         return outs
 
-    async def _emit_each(self, outs_each: list[Any], seqs: list[int], outs: list[QueueHandle],
-                         inp: QueueHandle) -> None:
+    def _output_puts(self, outs_each: list[Any], seqs: list[int], outs: list[QueueHandle],
+                     inp: QueueHandle) -> list[Any]:
+        """The puts (``QueueHandle.put_args``) of each item's outputs, in order, each tagged
+        with its input lease's origin; an input with no outputs is released instead
+        (nothing downstream will release it)."""
+        puts = []
         for out, seq in zip(outs_each, seqs, strict=True):
-            await self._emit_all(_as_list(out), outs, inp, seq)
+            items = _as_list(out)
+            parts = len(items) * len(outs)
+            if not parts:
+                self._release_input(inp, seq)
+                continue
+            origin = Origin(inp.name, self.lease_id, seq, parts)
+            for o in items:
+                entry = self._entry(o)
+                puts.extend(q.put_args(entry, origin) for q in outs)
+        return puts
+
+    async def _send(self, inp: QueueHandle, puts: list[Any]) -> None:
+        """``puts`` in their order, each waiting for room (backpressure); the graph's
+        edges share ``inp``'s queue actor."""
+        with self.spans.span("wait_output"):
+            for args in puts:
+                await inp.actor.put.remote(*args)
+
+    def _release_input(self, inp: QueueHandle, seq: int) -> None:
+        if self._release_at_once:
+            inp.release(self.lease_id, seq)
+        else:
+            self._released.append(seq)
 
     async def _emit_all(self, items: list[Any], outs: list[QueueHandle], inp: QueueHandle, seq: int) -> None:
         """Put the outputs derived from input lease ``seq``, each tagged with its origin
         (released at once when there are none: nothing downstream will release it)."""
         parts = len(items) * len(outs)
         if not parts:
-            if self._release_at_once:
-                inp.release(self.lease_id, seq)
-            else:
-                self._released.append(seq)
+            self._release_input(inp, seq)
             return
         origin = Origin(inp.name, self.lease_id, seq, parts)
         for o in items:
-            await self._emit(o, outs, origin, inp)
+            await self._emit(o, outs, origin)
 
     async def _consume_concurrently(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
         """Up to ``concurrency`` items in the core at once; outputs in completion order."""
@@ -463,16 +497,19 @@ class StageActor:
         self._processed += 1
         await self._emit_all(_as_list(out), outs, inp, seq)
 
-    async def _emit(self, item: Any, outs: list[QueueHandle], origin: Origin | None = None,
-                    inp: QueueHandle | None = None) -> None:
-        batch_id = getattr(item, "batch_id", -1)
-        with self.spans.span("transfer", batch_id=batch_id):
-            # Once into the object store for every output queue, unless small enough to ride inline.
+    def _entry(self, item: Any) -> Any:
+        """``item`` as it travels: itself when small enough to ride inline, else a
+        reference, put into the object store once for every output queue."""
+        with self.spans.span("transfer", batch_id=getattr(item, "batch_id", -1)):
             entry = item if fits_inline(item) else ray.put(item)
         self._emitted += 1
+        return entry
+
+    async def _emit(self, item: Any, outs: list[QueueHandle], origin: Origin | None = None) -> None:
+        entry = self._entry(item)
         for out in outs:
-            with self.spans.span("wait_output", batch_id=batch_id):
-                await out.put_entry(entry, origin, inp)
+            with self.spans.span("wait_output", batch_id=getattr(item, "batch_id", -1)):
+                await out.put_entry(entry, origin)
 
     def close_taps(self) -> None:
         if self._recorder is not None:
