@@ -141,6 +141,7 @@ class _Edge:
         self._drained = asyncio.Event()  # set while nothing is queued or leased
         self._drained.set()
         self._puts = 0
+        self._puts_with_lease = 0
         self._gets = 0
         self._put_wait_s = 0.0
         self._get_wait_s = 0.0
@@ -164,11 +165,13 @@ class _Edge:
         self._last_change = now
 
     async def put(self, wrapped: list[Any], origin: Origin | None = None, producer: str | None = None,
-                  number: int | None = None) -> float:
+                  number: int | None = None, with_lease: bool = False) -> float:
         """Enqueue ``[ref]``; returns the seconds the producer waited (for its earlier puts
         and for room). ``number``: the producer's count of puts to this edge before this
-        one; its puts enter in that order, whatever order their calls arrive in."""
+        one; its puts enter in that order, whatever order their calls arrive in.
+        ``with_lease``: it came in a ``put_and_lease`` call (counted)."""
         t0 = time.monotonic()
+        self._puts_with_lease += with_lease
         async with self._cond:
             if number is not None:
                 await self._cond.wait_for(lambda: self._next_put.get(producer, 0) == number)
@@ -306,6 +309,7 @@ class _Edge:
             "max_depth": self._max_depth,
             "mean_depth": self._depth_area / elapsed,
             "puts": self._puts,
+            "puts_with_lease": self._puts_with_lease,
             "gets": self._gets,
             "put_wait_s": self._put_wait_s,
             "get_wait_s": self._get_wait_s,
@@ -354,7 +358,7 @@ class QueueActor:
         ``edge``: the seconds the puts waited and the leased items (or ``END``)."""
         waited = 0.0
         for out, wrapped, origin, producer, number in puts:
-            waited += await self._edges[out].put(wrapped, origin, producer, number)
+            waited += await self._edges[out].put(wrapped, origin, producer, number, with_lease=True)
         return waited, await self._edges[edge].lease_ready(consumer, released, lost, limit)
 
     def release(self, edge: str, consumer: str, seq: int) -> None:

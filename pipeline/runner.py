@@ -243,8 +243,7 @@ def run_dataflow(
             STOP_SIGNALS.uninstall()
 
 
-async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: dict[str, str],
-                 async_mode: bool) -> Graph:
+async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: dict[str, str]) -> Graph:
     queues: dict[str, QueueHandle] = {}
     edges = start_queue_actor()  # every edge in one actor: releases travel upstream locally
     for producer, consumer in df.edges:
@@ -477,7 +476,7 @@ async def _run(
     try:
         try:
             STOP_SIGNALS.check()
-            graph = await _start(df, config, controller, taps, async_mode)  # tears down what it made if it fails
+            graph = await _start(df, config, controller, taps)  # tears down what it made if it fails
             graph.startup["ray_s"] = ray_s
             interrupts.running = True
         except BaseException as exc:

@@ -49,6 +49,16 @@ def test_at_most_one_controller_call_per_micro_batch(ray_cluster):
     assert result.controller["served"]["rollout:0"]["version"] == STEPS
 
 
+def test_a_stages_outputs_ride_with_its_next_lease_while_its_input_waits_queued(ray_cluster):
+    """The source runs ahead, so the rollout's next input is already leased when an item
+    ends: its outputs then go in the call that leases the item after (one call, not two)."""
+    result = run_fake_chain(async_execution=True, max_staleness=2, stage_s=0.02)
+    edge = result.queues["rollout->reward"]
+    assert edge["puts"] == STEPS * MICRO_BATCHES_PER_STEP
+    assert edge["puts_with_lease"] >= edge["puts"] // 2, edge
+    assert result.queues["source->rollout"]["puts_with_lease"] == 0  # the source leases nothing
+
+
 def test_lockstep_is_a_step_barrier_over_the_same_queues(ray_cluster):
     """Lock-step moves the micro-batches through the same queues as streaming (the
     driver carries none), and no micro-batch of step k is generated before the trainer
