@@ -164,7 +164,7 @@ def run_case(sc: Scenario, *, async_execution: bool, max_staleness: int, read_ah
         "ledger": result.controller["ledger"],
         "weight_updates_applied": cores["rollout"]["weight_updates"],
         "breakdown_ms_per_item": {s: break_down_stage(result, s, *edges[s]) for s in STAGES},
-        "queues": {k: {f: v[f] for f in ("max_depth", "mean_depth", "put_wait_s", "get_wait_s")}
+        "queues": {k: {f: v[f] for f in ("max_depth", "mean_depth", "put_wait_s", "get_wait_s", "puts", "puts_with_lease")}
                    for k, v in result.queues.items()},
     }
 
