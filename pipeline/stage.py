@@ -424,17 +424,12 @@ class StageActor:
     def _output_puts(self, outs_each: list[Any], seqs: list[int], outs: list[QueueHandle],
                      inp: QueueHandle) -> list[Any]:
         """The puts (``QueueHandle.put_args``) of each item's outputs, in order, each tagged
-        with its input lease's origin; an input with no outputs is released instead
-        (nothing downstream will release it)."""
+        with its input lease's origin (``_origin``)."""
         puts = []
         for out, seq in zip(outs_each, seqs, strict=True):
             items = _as_list(out)
-            parts = len(items) * len(outs)
-            if not parts:
-                self._release_input(inp, seq)
-                continue
-            origin = Origin(inp.name, self.lease_id, seq, parts)
-            for o in items:
+            origin = self._origin(inp, seq, len(items) * len(outs))
+            for o in items if origin is not None else ():
                 entry = self._entry(o)
                 puts.extend(q.put_args(entry, origin) for q in outs)
         return puts
@@ -446,21 +441,21 @@ class StageActor:
             for args in puts:
                 await inp.actor.put.remote(*args)
 
-    def _release_input(self, inp: QueueHandle, seq: int) -> None:
+    def _origin(self, inp: QueueHandle, seq: int, parts: int) -> Origin | None:
+        """The origin of ``parts`` outputs of input lease ``seq``; with none, the lease is
+        released instead (nothing downstream will release it) and None returned."""
+        if parts:
+            return Origin(inp.name, self.lease_id, seq, parts)
         if self._release_at_once:
             inp.release(self.lease_id, seq)
         else:
             self._released.append(seq)
+        return None
 
     async def _emit_all(self, items: list[Any], outs: list[QueueHandle], inp: QueueHandle, seq: int) -> None:
-        """Put the outputs derived from input lease ``seq``, each tagged with its origin
-        (released at once when there are none: nothing downstream will release it)."""
-        parts = len(items) * len(outs)
-        if not parts:
-            self._release_input(inp, seq)
-            return
-        origin = Origin(inp.name, self.lease_id, seq, parts)
-        for o in items:
+        """Put the outputs derived from input lease ``seq``, each tagged with its origin."""
+        origin = self._origin(inp, seq, len(items) * len(outs))
+        for o in items if origin is not None else ():
             await self._emit(o, outs, origin)
 
     async def _consume_concurrently(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
