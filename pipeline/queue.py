@@ -226,7 +226,7 @@ class _Edge:
             return END  # a call from a process that died, arriving late
         held = self._leases[consumer]
         for seq in released:
-            self._release(consumer, seq)
+            self.release(consumer, seq)
         for seq in lost:
             held.pop(seq, None)
         entry = await self._pop()
@@ -264,9 +264,10 @@ class _Edge:
                 continue
             lease.released_parts += 1
             if lease.released_parts >= n:
-                self._release(consumer, seq)
+                self.release(consumer, seq)
 
-    def _release(self, consumer: str, seq: int) -> None:
+    def release(self, consumer: str, seq: int) -> None:
+        """``consumer`` is done with lease ``seq``: released, and its origin upstream."""
         lease = self._leases.get(consumer, {}).pop(seq, None)
         if lease is not None and lease.origin is not None:
             self._release_upstream(lease.origin)
@@ -363,7 +364,7 @@ class QueueActor:
 
     def release(self, edge: str, consumer: str, seq: int) -> None:
         """``consumer`` is done with lease ``seq`` and emitted nothing for it."""
-        self._edges[edge]._release(consumer, seq)
+        self._edges[edge].release(consumer, seq)
 
     async def requeue(self, edge: str, consumer: str) -> int:
         return await self._edges[edge].requeue(consumer)

@@ -455,7 +455,7 @@ async def _teardown(graph: Graph) -> None:
             ray.kill(a, no_restart=True)
     # A killed actor cannot stop its children; whatever survives it is killed here.
     reap_processes(spawned)
-    for actor in {q.actor._actor_id: q.actor for q in graph.queues.values()}.values():
+    for actor in {q.actor for q in graph.queues.values()}:  # the edges share one
         ray.kill(actor, no_restart=True)
     ray.kill(graph.controller.actor, no_restart=True)
     if graph.placement_group is not None:

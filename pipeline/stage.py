@@ -452,12 +452,6 @@ class StageActor:
             self._released.append(seq)
         return None
 
-    async def _emit_all(self, items: list[Any], outs: list[QueueHandle], inp: QueueHandle, seq: int) -> None:
-        """Put the outputs derived from input lease ``seq``, each tagged with its origin."""
-        origin = self._origin(inp, seq, len(items) * len(outs))
-        for o in items if origin is not None else ():
-            await self._emit(o, outs, origin)
-
     async def _consume_concurrently(self, inp: QueueHandle, outs: list[QueueHandle]) -> None:
         """Up to ``concurrency`` items in the core at once; outputs in completion order."""
         pending: set[asyncio.Task[None]] = set()
@@ -490,7 +484,9 @@ class StageActor:
         with self.spans.span("busy", batch_id=getattr(item, "batch_id", -1)):
             out = await self.core.process(item)
         self._processed += 1
-        await self._emit_all(_as_list(out), outs, inp, seq)
+        puts = self._output_puts([out], [seq], outs, inp)
+        if puts:
+            await self._send(inp, puts)
 
     def _entry(self, item: Any) -> Any:
         """``item`` as it travels: itself when small enough to ride inline, else a
