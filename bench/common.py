@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.mps import existing_daemon
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 LABEL_MAX = 40
@@ -111,6 +113,9 @@ def describe_machine() -> dict[str, Any]:
         "cpu_model": _cpu_model(),
         "memory_gib": _mem_total_gib(),
         **describe_gpus(),
+        # An MPS daemon already serving this machine's CUDA processes (every GPU row then
+        # runs through it): its pipe directory, else None (pipeline/mps.py).
+        "mps_daemon": str(found) if (found := existing_daemon()) is not None else None,
         "load_average_1_5_15": load,
         "python": platform.python_version(),
         "platform": platform.platform(),

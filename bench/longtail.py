@@ -219,6 +219,7 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
         "system": f"conveyor-{name}", "overrides": overrides, "steps": summary["steps"], "mode": summary["mode"],
         "startup_s": times[0] - t0 if times else None, "startup": describe_startup_parts(summary),
         "startup_log": stage_log_timings(cfg.run_dir), "total_s": total, "warmup_steps": warmup,
+        "mps": summary.get("mps"),  # the row's GPU stages ran through an MPS daemon (placement.mps)
         "samples_trained": summary["samples"]["trained"], "samples_dropped": summary["samples"]["dropped"],
         "samples_per_s": compute_steady_rate(times, per_step, warmup),
         "completion_tokens_per_s": tokens / span if span > 0 else None,

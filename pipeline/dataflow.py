@@ -51,6 +51,9 @@ class Node:
     # sets it up again and its input queue delivers what it held again). 0: a death
     # stops the run.
     max_restarts: int = 0
+    # Environment variables of the replicas' processes (and of what they start), beside
+    # the run's own: e.g. the MPS daemon of GPU stages (``DataFlow.set_gpu_env``).
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class DataFlow:
@@ -92,6 +95,12 @@ class DataFlow:
         if queue_size is not None and input_from is not None:
             self.queue_sizes[f"{input_from}->{name}"] = queue_size
         return self
+
+    def set_gpu_env(self, env: dict[str, str]) -> None:
+        """Give ``env`` to every node whose replicas use a GPU."""
+        for node in self.nodes.values():
+            if node.gpu_bundles or node.num_gpus:
+                node.env.update(env)
 
     # ---------------------------------------------------------------- structure
     def consumers(self, name: str) -> list[str]:

@@ -52,6 +52,7 @@ from pipeline.metrics import (
     read_summary,
     write_summary,
 )
+from pipeline.mps import MPS_LOG_DIR, decide_mps, gpu_sharing
 from pipeline.placement import (
     RESERVE_FRACTION,
     PlacementPlan,
@@ -196,6 +197,9 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
     if split is not None:
         plan = dataclasses.replace(plan, split=split.mode, notes=[split.reason, *plan.notes])
     check_plan(cfg, plan)
+    mps, note = decide_mps(cfg.placement.mps, plan, cfg.placement.mode == "colocate", cfg.run.address)
+    if note:
+        plan = dataclasses.replace(plan, mps=mps, notes=[*plan.notes, note])
     if shape is not None and cfg.train.offload_optimizer:
         plan.notes.append(check_offload_host_memory(cfg, shape, "critic" in stages, detect_host_memory(cfg.run.address)))
     existing = len(list((cfg.run_dir / CHECKPOINTS_DIR).glob("step-*"))) if cfg.run.resume_from else 0
@@ -321,6 +325,7 @@ class Reporter:
         self.step_count = 0
         self.first_step: dict[str, Any] | None = None
         self.startup: dict[str, Any] = {}  # where the time to the first step went
+        self.mps = False  # the GPU stages run through an MPS daemon (set by the launch)
         self.last_step: dict[str, Any] | None = None
         self.syncs: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_SYNC_MARKERS)
         self.last_drain: dict[str, Any] = {}
@@ -539,23 +544,29 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
     df = build_dataflow(run_cfg, plan)
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, cfg.run.resume_from, cfg.run.overwrite)  # refuses to clobber a run
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # The config as asked, not as planned: a resumed run plans its placement again (the
-    # cluster may differ) and must not take a planned value for the user's own.
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    # And as it runs: Hub names resolved to paths, the plan's vLLM share and KV cache.
-    (run_dir / "resolved_config.yaml").write_text(yaml.safe_dump(to_dict(run_cfg), sort_keys=False))
-    cfg = run_cfg
-    taps = record_taps(cfg, df)
-    reporter = Reporter(cfg, run_dir)
-    reporter.launched = launched
-    # Read before this launch writes its own: the run's totals so far (a resume continues them).
-    reporter.previous_summary = read_summary(run_dir) if cfg.run.resume_from else None
-    reporter.evals = EvalLog(reporter.previous_summary)
-    try:
-        return _drive(cfg, df, plan, run_dir, taps, reporter, checks, resumes)
-    finally:
-        reporter.writer.finish()  # trackers closed on every exit (a no-op after a summary)
+    # Before the run writes anything: an MPS daemon that will not start under
+    # placement.mps: true stops the launch (exit 2) with no run in its directory (only
+    # logs/mps/, the daemon's log).
+    with gpu_sharing(plan.mps, cfg.placement.mps is True, run_dir / MPS_LOG_DIR) as gpu_env:
+        df.set_gpu_env(gpu_env)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # The config as asked, not as planned: a resumed run plans its placement again (the
+        # cluster may differ) and must not take a planned value for the user's own.
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        # And as it runs: Hub names resolved to paths, the plan's vLLM share and KV cache.
+        (run_dir / "resolved_config.yaml").write_text(yaml.safe_dump(to_dict(run_cfg), sort_keys=False))
+        cfg = run_cfg
+        taps = record_taps(cfg, df)
+        reporter = Reporter(cfg, run_dir)
+        reporter.launched = launched
+        reporter.mps = bool(gpu_env)
+        # Read before this launch writes its own: the run's totals so far (a resume continues them).
+        reporter.previous_summary = read_summary(run_dir) if cfg.run.resume_from else None
+        reporter.evals = EvalLog(reporter.previous_summary)
+        try:
+            return _drive(cfg, df, plan, run_dir, taps, reporter, checks, resumes)
+        finally:
+            reporter.writer.finish()  # trackers closed on every exit (a no-op after a summary)
 
 
 def _drive(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan, run_dir: Path, taps: dict[str, str],
@@ -765,6 +776,7 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         "reward_first": reporter.first_step.get("reward/mean") if reporter.first_step else None,
         "reward_last": reporter.last_step.get("reward/mean") if reporter.last_step else None,
         "admission": summarise_admission(result.reports),
+        "mps": reporter.mps,  # the GPU stages ran through an MPS daemon (placement.mps)
         "max_staleness": reporter.describe_staleness(result.controller),
         # Versions whose weights the controller gave up before worker 0 evaluated them.
         **({"eval": {**reporter.evals.summary(), "skipped": result.controller.get("evals", {}).get("skipped", [])}}

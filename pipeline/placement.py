@@ -65,6 +65,7 @@ class PlacementPlan:
     rollout_memory_fraction: float | None = None  # vLLM's gpu_memory_utilization
     notes: list[str] = field(default_factory=list)
     split: str | None = None  # one GPU, placement auto: "streaming" or "colocate" (pipeline/gpu_split.py)
+    mps: str | None = None  # "start" (a daemon of the run's own) or "existing" (pipeline/mps.py)
 
     @property
     def bundles(self) -> int:

@@ -267,6 +267,7 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
                 max_restarts=node.max_restarts,
                 max_task_retries=0,
                 **_gpu_options(node, r, pg),
+                **({"runtime_env": {"env_vars": node.env}} if node.env else {}),
             ).remote(name, r, node.node_class, node.kwargs, config, node.concurrency, tap, level,
                      df.downstream_of_restartable(name), window, df.debug)
             for r in range(node.replicas)

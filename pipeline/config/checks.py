@@ -165,7 +165,7 @@ def check_colocate(cfg: ConveyorConfig) -> None:
               f"own), got {ro.tensor_parallel_size}", ro.tensor_parallel_size != 1),
              *((f"placement.{f}: expected no gpus or num_gpus (colocate plans the GPUs itself)",
                 getattr(cfg.placement, f).gpus is not None or getattr(cfg.placement, f).num_gpus > 0)
-               for f in cfg.placement.__struct_fields__ if f != "mode")]
+               for f in cfg.placement.__struct_fields__ if f not in ("mode", "mps"))]
     for message, bad in wrong:
         if bad:
             raise ConfigError(f"{message} with placement: colocate")

@@ -43,6 +43,8 @@ def _render_error(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
         allowed = _enum_values(path)
         if allowed and allowed[-1] is int:  # a number or a word (``max_staleness``)
             return f"{path}: expected an integer >= 0 or one of {allowed[:-1]}, got {enum.group(1)}"
+        if allowed and allowed[-1] is bool:  # true, false or a word (``placement.mps``)
+            return f"{path}: expected true, false or one of {allowed[:-1]}, got {enum.group(1)}"
         return f"{path}: expected one of {allowed}, got {enum.group(1)}" if allowed else f"{path}: {reason}"
     if path and ", got" not in reason:
         found, value = _lookup(raw, path)
@@ -70,11 +72,12 @@ def _enum_values(path: str) -> list[Any] | None:
         if typing.get_origin(typ) is list:
             typ = typing.get_args(typ)[0]
     if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:
-        # ``NonNegInt | Literal["auto"]``: its words, then ``int`` to say a number is taken too.
+        # ``NonNegInt | Literal["auto"]``: its words, then ``int`` (``bool`` for ``bool |
+        # Literal[...]``) to say a number (true or false) is taken too.
         members = typing.get_args(typ)
         words = [a for t in members if typing.get_origin(t) is typing.Literal for a in typing.get_args(t)]
-        numeric = any(typing.get_origin(t) is not typing.Literal for t in members)
-        return ([*words, int] if numeric else words) or None
+        other = [t for t in members if typing.get_origin(t) is not typing.Literal]
+        return ([*words, bool if bool in other else int] if other else words) or None
     return list(typing.get_args(typ)) if typing.get_origin(typ) is typing.Literal else None
 
 

@@ -33,5 +33,5 @@ if ! python3 -c "import pipeline.transport" 2>/dev/null || [ "$(python3 -c 'impo
 fi
 python3 -c "import torch, vllm, ray, deepspeed; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '', '| vllm', vllm.__version__, 'ray', ray.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1 | tee "$log_dir/pytest.log"
 # Order: the quickstart run before the engine tests, whose process keeps GPU memory cached.
-[ $# -gt 0 ] || set -- tests/gpu/test_transport_gpu.py tests/gpu/test_pipeline_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_resume_gpu.py tests/gpu/test_engine_kill_gpu.py tests/gpu/test_stop_gpu.py tests/gpu/test_engines_gpu.py
+[ $# -gt 0 ] || set -- tests/gpu/test_transport_gpu.py tests/gpu/test_pipeline_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_resume_gpu.py tests/gpu/test_engine_kill_gpu.py tests/gpu/test_stop_gpu.py tests/gpu/test_mps_gpu.py tests/gpu/test_engines_gpu.py
 python3 -m pytest -v -p no:cacheprovider -rA "$@" 2>&1 | tee -a "$log_dir/pytest.log"

@@ -110,6 +110,24 @@ class FakeSink(FakeStage):
         return self.arrived
 
 
+class FakeEnvStage(FakeStage):
+    """Passes items on (or, ``terminal``, keeps them); its result is the values of
+    ``names`` in its process's environment."""
+
+    def __init__(self, names: tuple[str, ...], terminal: bool = False) -> None:
+        super().__init__()
+        self.names, self.terminal = names, terminal
+
+    async def process(self, item: FakeItem) -> FakeItem | None:
+        out = await super().process(item)
+        return None if self.terminal else out
+
+    def result(self) -> dict[str, str | None]:
+        import os
+
+        return {n: os.environ.get(n) for n in self.names}
+
+
 class FakeGatheringSink(FakeSink):
     """Terminal fake that takes up to ``max_gather`` queued items at once (as the
     trainer does): records each call's items; each call takes ``delay_s``."""

@@ -9,6 +9,7 @@ from pipeline.dataflow import DataFlow
 from pipeline.stage import StageError
 from tests.ray_local.fakes import (
     FakeBlockingSetupSink,
+    FakeEnvStage,
     FakeGatheringSink,
     FakeGroupSource,
     FakeOomStage,
@@ -35,6 +36,21 @@ def test_every_item_arrives_once_in_per_producer_order(ray_cluster):
     assert sorted(by_producer) == ["src0", "src1"]
     for seqs in by_producer.values():
         assert seqs == list(range(20))  # exactly once each, in the producer's order
+
+
+def test_a_nodes_env_reaches_its_process_beside_the_runs_own(ray_cluster):
+    """``Node.env`` (how GPU stages get the MPS daemon's variables) is merged into the
+    run's environment for that node's process only."""
+    df = DataFlow()
+    df.add_node("source", FakeSource, None, count=3)
+    df.add_node("other", FakeEnvStage, "source", names=("CONVEYOR_NODE_ENV",))
+    df.add_node("sink", FakeEnvStage, "other", names=("CONVEYOR_NODE_ENV", "PYTHONPATH"), terminal=True)
+    df.nodes["sink"].env["CONVEYOR_NODE_ENV"] = "mps-pipe"
+    result = df.run(async_execution=True)
+    got = result.result("sink")
+    assert got["CONVEYOR_NODE_ENV"] == "mps-pipe"
+    assert got["PYTHONPATH"]  # the run's runtime_env (pipeline/runner.py) still applies
+    assert result.result("other") == {"CONVEYOR_NODE_ENV": None}
 
 
 def test_slow_consumer_blocks_producer_within_bound(ray_cluster):

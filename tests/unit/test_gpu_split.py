@@ -16,10 +16,12 @@ others, with the 10% reserve on each side:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import pipeline.launch as launch
-from pipeline.config import decode_config
+from pipeline.config import ConfigError, decode_config
 from pipeline.gpu_split import choose_gpu_split, to_colocate
 from pipeline.memory.admission import ModelShape
 
@@ -317,3 +319,28 @@ def test_auto_resume_needs_resumable_checkpoints():
     with pytest.raises(ConfigError, match="run.auto_resume: resumes from the newest checkpoint, and "
                                           "train.resumable: false writes none"):
         job(run={"auto_resume": True}, train={"resumable": False})
+
+
+def test_placement_mps_is_decided_from_the_one_gpu_plan_before_any_actor_starts(monkeypatch):
+    """Streaming shares the GPU, so ``auto`` starts MPS where the driver's tool is found;
+    colocate takes turns and does not; ``true`` without the tool stops the launch (exit 2)
+    naming the key. (The decision's other cases: tests/unit/test_mps.py.)"""
+    from pipeline import mps
+
+    FakeGpu(monkeypatch, 40)
+    monkeypatch.delenv(mps.PIPE_ENV, raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(mps, "DEFAULT_PIPE_DIR", Path("/nonexistent/nvidia-mps"))
+    monkeypatch.setattr(mps.shutil, "which", lambda name: f"/usr/bin/{name}")
+    _, plan = launch.plan_run_placement(job(placement={"mps": "auto"}))
+    assert plan.split == "streaming" and plan.mps == "start"
+    assert "placement.mps: stages that share a GPU run their kernels side by side (NVIDIA MPS)" in plan.notes
+    assert launch.plan_run_placement(job())[1].mps is None  # the default, false
+    FakeGpu(monkeypatch, 24)  # the plan colocates (test_colocate_when_only_taking_turns_leaves_the_cache_room)
+    _, plan = launch.plan_run_placement(job(dataflow={"max_staleness": "auto"}, placement={"mps": "auto"}))
+    assert plan.split == "colocate" and plan.mps is None
+    assert any(n.startswith("placement.mps: not used: colocated stages take turns") for n in plan.notes), plan.notes
+    FakeGpu(monkeypatch, 40)
+    monkeypatch.setattr(mps.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="placement.mps: true, but nvidia-cuda-mps-control is not on PATH"):
+        launch.plan_run_placement(job(placement={"mps": True}))
