@@ -102,8 +102,8 @@ def decide_mps(setting: bool | str, plan: Any, colocated: bool, address: str | N
 
 class MpsDaemon:
     """A control daemon of the run's own. Its pipe and log directories are in a fresh
-    temporary directory (a short path: it holds UNIX sockets); the logs are copied to
-    ``keep_logs`` when it stops."""
+    temporary directory (a short path: it holds UNIX sockets); the logs are appended to
+    those in ``keep_logs`` when it stops."""
 
     def __init__(self, keep_logs: Path) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="conveyor-mps-"))
@@ -155,8 +155,12 @@ class MpsDaemon:
         self._remove()
 
     def _remove(self) -> None:
+        # Appended, not copied over: a resumed run's launches keep one log each in turn.
         with contextlib.suppress(OSError):
-            shutil.copytree(self.log_dir, self.keep_logs, dirs_exist_ok=True)
+            self.keep_logs.mkdir(parents=True, exist_ok=True)
+            for log_file in sorted(self.log_dir.iterdir()):
+                with (self.keep_logs / log_file.name).open("a") as kept:
+                    kept.write(log_file.read_text(errors="replace"))
         shutil.rmtree(self.root, ignore_errors=True)
 
 

@@ -113,6 +113,9 @@ def test_the_runs_daemon_serves_the_run_and_is_quit_after_it(fake_control, tmp_p
     assert not pipe.exists() and not Path(env[mps.LOG_ENV]).exists()
     assert (kept / "control.log").read_text() == "fake daemon started\n"  # the log kept in the run
     assert fake_control.read_text().split() == ["-d", "stdin:quit"]
+    with mps.gpu_sharing("start", False, kept):  # a resumed run's next launch
+        pass
+    assert (kept / "control.log").read_text() == "fake daemon started\n" * 2  # both launches' logs
 
 
 def test_a_daemon_that_fails_is_passed_over_under_auto_and_stops_a_forced_launch(fake_control, tmp_path,
