@@ -198,8 +198,7 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
         plan = dataclasses.replace(plan, split=split.mode, notes=[split.reason, *plan.notes])
     check_plan(cfg, plan)
     mps, note = decide_mps(cfg.placement.mps, plan, cfg.placement.mode == "colocate", cfg.run.address)
-    if note:
-        plan = dataclasses.replace(plan, mps=mps, notes=[*plan.notes, note])
+    plan = dataclasses.replace(plan, mps=mps, notes=[*plan.notes, *([note] if note else [])])
     if shape is not None and cfg.train.offload_optimizer:
         plan.notes.append(check_offload_host_memory(cfg, shape, "critic" in stages, detect_host_memory(cfg.run.address)))
     existing = len(list((cfg.run_dir / CHECKPOINTS_DIR).glob("step-*"))) if cfg.run.resume_from else 0

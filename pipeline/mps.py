@@ -59,10 +59,10 @@ cuda.cuDevicePrimaryCtxRelease(dev)
 
 
 def existing_daemon(environ: Mapping[str, str] = os.environ) -> Path | None:
-    """The pipe directory of an MPS daemon already serving this machine's processes."""
-    if environ.get(PIPE_ENV):
-        return Path(environ[PIPE_ENV])
-    return DEFAULT_PIPE_DIR if (DEFAULT_PIPE_DIR / "control").exists() else None
+    """The pipe directory of an MPS daemon already serving this machine's processes:
+    ``CUDA_MPS_PIPE_DIRECTORY``'s, else the default, where its control socket is."""
+    found = Path(environ[PIPE_ENV]) if environ.get(PIPE_ENV) else DEFAULT_PIPE_DIR
+    return found if (found / "control").exists() else None
 
 
 def shares_a_gpu(plan: Any) -> bool:
@@ -135,23 +135,28 @@ class MpsDaemon:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{CONTROL} made no control socket in {self.pipe_dir} in {READY_S:g} s")
             time.sleep(0.05)
+        # A session of its own, as the daemon's and quit's: Ctrl-C at the terminal is the
+        # launch's to handle (pipeline/signals.py), not a failure of MPS.
         probe = subprocess.run([sys.executable, "-c", PROBE], env=env, text=True, capture_output=True,
-                               timeout=PROBE_S, check=False)
+                               timeout=PROBE_S, check=False, start_new_session=True)
         if probe.returncode != 0:
             raise RuntimeError(f"a CUDA client could not connect through MPS: {probe.stderr.strip()[-300:]} "
                                f"(the daemon's log: {self.keep_logs})")
 
     def stop(self) -> None:
-        """Quit the daemon (it waits for its servers' clients to leave, at most ``QUIT_S``)."""
+        """Quit the daemon (it waits for its servers' clients to leave, at most ``QUIT_S``).
+        Where that fails, its pipe directory stays, so that a later quit can reach it."""
         try:
             done = subprocess.run([CONTROL], input="quit\n", env={**os.environ, **self.env}, text=True,
-                                  capture_output=True, timeout=QUIT_S, check=False)
-            if done.returncode != 0:
-                log.warning("mps_quit_failed", rc=done.returncode, output=(done.stderr or done.stdout).strip()[-300:])
-        except subprocess.TimeoutExpired:
-            log.warning("mps_quit_timed_out", seconds=QUIT_S, pipe_dir=str(self.pipe_dir),
-                        hint="a stage process may still hold the GPU")
-            return  # its socket and logs stay where a later quit can reach them
+                                  capture_output=True, timeout=QUIT_S, check=False, start_new_session=True)
+            failed = done.returncode != 0 and (self.pipe_dir / "control").exists()
+            why = f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-300:]}"
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            failed, why = True, str(exc)
+        if failed:
+            log.warning("mps_quit_failed", error=why, pipe_dir=str(self.pipe_dir),
+                        hint=f"CUDA_MPS_PIPE_DIRECTORY={self.pipe_dir} {CONTROL} <<< quit")
+            return
         self._remove()
 
     def _remove(self) -> None:
@@ -170,22 +175,27 @@ def gpu_sharing(action: str | None, forced: bool, log_dir: Path) -> Iterator[dic
     started before and stopped after when ``action`` is ``"start"``. A daemon that will
     not start stops the run under ``placement.mps: true`` and is passed over (a warning)
     under ``auto``."""
-    if action == "existing":
+    if action == "existing":  # a daemon the user runs, left as it is
         found = existing_daemon()
         yield {PIPE_ENV: str(found)} if found is not None else {}
         return
     if action != "start":
         yield {}
         return
-    daemon = MpsDaemon(log_dir)
+    daemon: MpsDaemon | None = None
+    failure = None
     try:
+        daemon = MpsDaemon(log_dir)
         daemon.start()
-    except RuntimeError as exc:
+    except (OSError, RuntimeError) as exc:
+        failure, daemon = str(exc), None
+    if failure is not None:
         if forced:
-            raise ConfigError(f"placement.mps: true, but MPS did not start: {exc}; set placement.mps: auto or false") from exc
-        log.warning("mps_not_started", error=str(exc), hint="stages that share a GPU take turns on it")
+            raise ConfigError(f"placement.mps: true, but MPS did not start: {failure}; set placement.mps: auto or false")
+        log.warning("mps_not_started", error=failure, hint="stages that share a GPU take turns on it")
         yield {}
         return
+    assert daemon is not None
     log.info("mps_started", pipe_dir=str(daemon.pipe_dir), logs=str(daemon.keep_logs))
     try:
         yield dict(daemon.env)

@@ -45,8 +45,9 @@ class PlacementConfig(msgspec.Struct, **_section()):
     mode: Literal["auto", "colocate"] = "auto"
     # NVIDIA MPS for stage processes that share a GPU, so that their kernels run side by
     # side instead of taking turns (``pipeline/mps.py``): true starts a daemon of the
-    # run's own (exit 2 where it cannot); auto does where two stage processes share a GPU
-    # outside colocate and the driver's nvidia-cuda-mps-control is found, else says why not.
+    # run's own (exit 2 where it cannot; none under colocate, whose stages take turns
+    # anyway); auto does where two stage processes share a GPU outside colocate and the
+    # driver's nvidia-cuda-mps-control is found, else says why not.
     mps: bool | Literal["auto"] = False
     source: PlacementEntry = PlacementEntry()
     rollout: PlacementEntry = PlacementEntry()

@@ -122,10 +122,14 @@ class FakeEnvStage(FakeStage):
         out = await super().process(item)
         return None if self.terminal else out
 
-    def result(self) -> dict[str, str | None]:
+    def result(self) -> dict[str, Any]:
         import os
+        import signal
 
-        return {n: os.environ.get(n) for n in self.names}
+        from pipeline.signals import blocked_signals
+
+        # The run's runtime_env set-up hook still ran (it gives workers SIGTERM back).
+        return {**{n: os.environ.get(n) for n in self.names}, "sigterm_blocked": signal.SIGTERM in blocked_signals()}
 
 
 class FakeGatheringSink(FakeSink):

@@ -49,8 +49,10 @@ def test_a_nodes_env_reaches_its_process_beside_the_runs_own(ray_cluster):
     result = df.run(async_execution=True)
     got = result.result("sink")
     assert got["CONVEYOR_NODE_ENV"] == "mps-pipe"
-    assert got["PYTHONPATH"]  # the run's runtime_env (pipeline/runner.py) still applies
-    assert result.result("other") == {"CONVEYOR_NODE_ENV": None}
+    # The run's runtime_env (pipeline/runner.py) still applies: its set-up hook unblocked
+    # SIGTERM, which the local cluster's processes were started with blocked.
+    assert got["sigterm_blocked"] is False and got["PYTHONPATH"]
+    assert result.result("other") == {"CONVEYOR_NODE_ENV": None, "sigterm_blocked": False}
 
 
 def test_slow_consumer_blocks_producer_within_bound(ray_cluster):

@@ -28,6 +28,7 @@ if [ "$1" = "-d" ]; then
   touch "$CUDA_MPS_PIPE_DIRECTORY/control"; echo "fake daemon started" > "$CUDA_MPS_LOG_DIRECTORY/control.log"; exit 0
 fi
 read cmd; echo "stdin:$cmd" >> "$FAKE_MPS_CALLS"
+[ -n "$FAKE_MPS_QUIT_FAIL" ] && { echo "fake: quit refused" >&2; exit 1; }
 [ "$cmd" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
 """
 
@@ -91,8 +92,13 @@ def test_auto_says_why_not_where_mps_cannot_start_and_true_stops_the_launch_nami
 
 
 def test_a_daemon_the_user_runs_is_used_as_it_is(tmp_path, monkeypatch) -> None:
-    action, note = mps.decide_mps("auto", SHARED, False, None, environ={mps.PIPE_ENV: "/srv/mps"}, **no_tool)
-    assert action == "existing" and "/srv/mps" in note
+    named = tmp_path / "srv-mps"
+    named.mkdir()
+    # CUDA_MPS_PIPE_DIRECTORY set but no daemon there: none is running.
+    assert mps.decide_mps("auto", SHARED, False, None, environ={mps.PIPE_ENV: str(named)}, **no_tool)[0] is None
+    (named / "control").touch()
+    action, note = mps.decide_mps("auto", SHARED, False, None, environ={mps.PIPE_ENV: str(named)}, **no_tool)
+    assert action == "existing" and str(named) in note
     default = tmp_path / "nvidia-mps"
     default.mkdir()
     (default / "control").touch()
@@ -156,4 +162,12 @@ def test_a_probe_that_hangs_is_given_up_and_the_daemon_quit(fake_control, tmp_pa
     monkeypatch.setattr(mps, "PROBE_S", 0.5)
     with mps.gpu_sharing("start", False, tmp_path / "logs") as env:
         assert env == {}
+    assert fake_control.read_text().split() == ["-d", "stdin:quit"]
+
+
+def test_a_daemon_that_refuses_to_quit_keeps_its_pipe_for_a_later_quit(fake_control, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FAKE_MPS_QUIT_FAIL", "1")
+    with mps.gpu_sharing("start", False, tmp_path / "logs") as env:
+        pipe = Path(env[mps.PIPE_ENV])
+    assert (pipe / "control").exists()  # still reachable: CUDA_MPS_PIPE_DIRECTORY=pipe ... quit
     assert fake_control.read_text().split() == ["-d", "stdin:quit"]
