@@ -182,20 +182,18 @@ def gpu_sharing(action: str | None, forced: bool, log_dir: Path) -> Iterator[dic
     if action != "start":
         yield {}
         return
-    daemon: MpsDaemon | None = None
-    failure = None
     try:
         daemon = MpsDaemon(log_dir)
         daemon.start()
+        failure = None
     except (OSError, RuntimeError) as exc:
-        failure, daemon = str(exc), None
+        failure = str(exc)  # handled below, outside this block: the run is not its consequence
     if failure is not None:
         if forced:
             raise ConfigError(f"placement.mps: true, but MPS did not start: {failure}; set placement.mps: auto or false")
         log.warning("mps_not_started", error=failure, hint="stages that share a GPU take turns on it")
         yield {}
         return
-    assert daemon is not None
     log.info("mps_started", pipe_dir=str(daemon.pipe_dir), logs=str(daemon.keep_logs))
     try:
         yield dict(daemon.env)
