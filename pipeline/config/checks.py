@@ -8,6 +8,7 @@ import re
 from pipeline.config.base import ConfigError
 from pipeline.config.data import DataConfig
 from pipeline.config.model import LoraConfig
+from pipeline.config.placement import PlacementEntry
 from pipeline.config.rollout import ENGINE_KWARGS_OWNED
 from pipeline.config.root import ConveyorConfig
 
@@ -164,8 +165,9 @@ def check_colocate(cfg: ConveyorConfig) -> None:
              (f"rollout.tensor_parallel_size: expected 1 (a tensor-parallel replica takes GPUs of its "
               f"own), got {ro.tensor_parallel_size}", ro.tensor_parallel_size != 1),
              *((f"placement.{f}: expected no gpus or num_gpus (colocate plans the GPUs itself)",
-                getattr(cfg.placement, f).gpus is not None or getattr(cfg.placement, f).num_gpus > 0)
-               for f in cfg.placement.__struct_fields__ if f not in ("mode", "mps"))]
+                entry.gpus is not None or entry.num_gpus > 0)
+               for f in cfg.placement.__struct_fields__
+               if isinstance(entry := getattr(cfg.placement, f), PlacementEntry))]
     for message, bad in wrong:
         if bad:
             raise ConfigError(f"{message} with placement: colocate")
