@@ -237,6 +237,9 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
            if rows and k in rows[-1]},
         "weight_sync_share": _mean([r.get("perf/weight_sync_share") for r in steady]),
         "staleness_mean": _mean([r.get("staleness/mean") for r in steady]),
+        "staleness_max": max((r.get("staleness/max", 0) for r in rows), default=None),
+        # Trained beyond their η (dataflow.late_samples: train); dropped instead under "drop".
+        "samples_late": sum(r.get("samples/late", 0) for r in rows),
         # vLLM's scheduler (in-process engine): preemptions mean the KV cache was short for what was in flight.
         "engine": [{k: r["engine"].get(k) for k in ("kv_usage_mean", "kv_usage_max", "preemptions", "mean_requests")}
                    for r in rollouts if r.get("engine")],
@@ -557,6 +560,8 @@ DEFINITIONS = {
     "bound": ("ratios' {row}_bound: the row's busiest stage and its busy share; {row}_rollout_of_alone and "
               "{row}_trainer_of_alone: its tokens per wall second over the engine alone's"),
     "time_to_threshold_s": "launch to the first step where the 5-step mean reward reaches the threshold",
+    "samples_late": ("samples trained staler than their step's bound η (dataflow.late_samples: train); "
+                     "samples_dropped counts those dropped instead (drop)"),
 }
 
 

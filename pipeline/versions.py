@@ -6,7 +6,9 @@ Invariants stated where they are enforced:
 - Staleness of a batch = trainer version at consumption − the oldest version that
   produced any of its tokens. ``is_too_stale`` is applied where data is consumed (the
   trainer), so nothing staler than ``max_staleness`` is ever trained on, whatever the
-  producers did.
+  producers did; unless ``dataflow.late_samples: train``, under which η bounds only how
+  far generation runs ahead (``required_serving_version``) and a late sample is trained
+  and counted.
 - ``required_serving_version`` is only an economy: it holds generation of step k's prompts
   until the rollout serves a version trainable at step k (with ``tail_slack``, at step
   k + slack), so samples are rarely produced only to be dropped. η = 0 in sync mode is

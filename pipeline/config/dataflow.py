@@ -39,6 +39,15 @@ class DataflowConfig(msgspec.Struct, **_section()):
     # 0: generation runs η steps ahead and any sample that arrives after its step (a long
     # one overtaken by shorter, later ones) is dropped as stale.
     tail_slack: NonNegInt = 0
+    # A sample that reaches the trainer staler than η (a long one, generated across more
+    # updates than η allows while shorter, later ones were trained): "drop" (nothing
+    # staler than η is trained on; the source replaces it, so long samples are the ones
+    # lost) or "train" (η then bounds how far generation runs ahead, not each sample's
+    # staleness, as in AReaL and Tinker: nothing generated is thrown away and long samples
+    # keep their share; the per-token behaviour log-probs and algorithm.off_policy correct
+    # for the lag). Each step reports the staleness it trained (staleness/max, /hist) and
+    # samples/late counts those trained beyond η.
+    late_samples: Literal["drop", "train"] = "drop"
     prompts_per_micro_batch: PosInt = 4
     queue_size: PosInt = 4  # default bound (micro-batches) of every edge
     queue_sizes: dict[str, PosInt] = {}  # per edge, "producer->consumer": bound

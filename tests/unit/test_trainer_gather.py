@@ -125,3 +125,15 @@ def test_gather_keeps_extras_that_only_some_micro_batches_report():
     unit = gather_micro_batches([a, b])
     assert unit.reward_extras["acc"][:2] == a.reward_extras["acc"] and all(x != x for x in unit.reward_extras["acc"][2:])
     assert all(x != x for x in unit.rollout_extras["turns"][:2]) and unit.rollout_extras["turns"][2:] == [2.0, 3.0]
+
+
+def test_a_late_micro_batch_is_trained_and_counted_under_late_samples_train():
+    """``dataflow.late_samples: train``: the micro-batch that ``drop`` loses above (version
+    5 after the step made version 6, η 0) is trained at its staleness and counted."""
+    stage = make_stage(TrainerStage, max_gather=8, step_samples=4, max_staleness=0)
+    stage.cfg = load_config(None, ["rollout.n=2", "dataflow.late_samples=train"])
+    stage._assign_advantages = lambda batches: batches
+    stage._drop = None  # nothing is dropped: a drop would fail
+    asyncio.run(stage.process_many([batch(1), batch(2), batch(3), batch(4, version=6)]))
+    assert stage.units == [[(1, 0), (2, 0)], [(3, 1), (4, 0)]]
+    assert stage._step_late == 2  # batch 3's two samples, in the step not yet applied
