@@ -44,7 +44,7 @@ STATES_DIR = "states"
 _TRAINING_FIELDS = ("model.path", "model.dtype", "model.tiny", "algorithm", "train.lr", "train.weight_decay",
                     "train.grad_clip", "train.zero_stage", "train.offload_optimizer", "train.prompts_per_step",
                     "train.threads", "train.chunk_size", "train.pass_tokens", "rollout.n", "rollout.temperature",
-                    "rollout.logprobs", "run.seed", "dataflow.max_staleness")
+                    "rollout.logprobs", "run.seed", "dataflow.max_staleness", "dataflow.late_samples")
 
 Out = Callable[[str], None]
 
@@ -137,16 +137,19 @@ def build_replay_plan(reader: RecordingReader, cfg: ConveyorConfig, *, stage: st
             raise ReplayError(f"step {step}: no StepRecord {reader.root / STEPS_DIR / f'{step:08d}.msgpack'}"
                               f"{_step_file_error(reader, step)} (recorded steps: {have})")
         records.append(by_step[step])
-    batches = _find_step_batches(reader, edge, records, cfg.initial_max_staleness)
+    batches = _find_step_batches(reader, edge, records, cfg.initial_max_staleness,
+                                 train_late=cfg.dataflow.late_samples == "train")
     return ReplayPlan(recording=reader.root, edge=edge, state_version=version, state_path=states[version],
                       from_step=from_step, records=records, batches=batches,
                       step_samples=cfg.train.prompts_per_step * cfg.rollout.n)
 
 
 def _find_step_batches(reader: RecordingReader, edge: str, records: list[StepRecord],
-                       max_staleness: int) -> dict[int, list[RolloutBatch]]:
+                       max_staleness: int, train_late: bool = False) -> dict[int, list[RolloutBatch]]:
     """Step -> its recorded micro-batches. Files are found by name (``*-b<id>.msgpack``)
-    and verified; ids not found by name fall back to one scan of the edge's items."""
+    and verified; ids not found by name fall back to one scan of the edge's items.
+    ``train_late`` (``dataflow.late_samples: train``): the trainer dropped nothing as
+    stale, so of several items with one id it trained the first."""
     wanted = {b for r in records for b in r.batch_ids}
     found: dict[int, list[RecordedItem]] = {b: [] for b in wanted}
     edge_dir = reader.manifest.get("edges", {}).get(edge)
@@ -173,7 +176,7 @@ def _find_step_batches(reader: RecordingReader, edge: str, records: list[StepRec
             # Of several items with one batch id, the trainer trained the first not too
             # stale at its version (step s runs at version s) and dropped the others.
             # Each item against its own bound (``max_staleness: auto`` raises it during a run).
-            fresh = [i for i in queues[bid] if not is_too_stale(
+            fresh = [i for i in queues[bid] if train_late or not is_too_stale(
                 record.step, i.header.policy_version,
                 batch_bound(getattr(i.value, "max_staleness", None), max_staleness))]
             fresh = fresh or queues[bid]
