@@ -290,7 +290,14 @@ def stage_log_timings(run_dir: Path, per_file: int = 40) -> dict[str, list[str]]
 def check_row_streamed(name: str, summary: dict[str, Any]) -> None:
     """A row meant to stream must have: on one GPU ``placement: auto`` runs a job whose
     streaming plan does not fit colocated and lock-step, and such a row would compare
-    lock-step with itself. ``RuntimeError`` naming the way out (``summary``: the launch's)."""
+    lock-step with itself. ``RuntimeError`` naming the way out (``summary``: the launch's).
+    A run stopped before its last step (a signal, the call's time limit) says so instead:
+    its summary has no mode to judge."""
+    if summary.get("status") == "interrupted":
+        raise RuntimeError(
+            f"the {name} row was stopped after {summary.get('steps')} steps "
+            f"({summary.get('signal') or 'no signal'}{', forced' if summary.get('forced') else ''}): "
+            "the call's time limit or a signal ended it before its last step; give it more time or fewer steps")
     if summary.get("mode") != "async":
         raise RuntimeError(
             f"the {name} row ran {summary.get('mode')!r}, not asynchronously: placement auto found that streaming does "

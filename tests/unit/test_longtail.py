@@ -287,6 +287,17 @@ def test_a_streaming_row_that_placement_auto_colocated_is_an_error():
         check_row_streamed("streaming", {"mode": "sync"})
 
 
+def test_a_streaming_row_stopped_by_its_time_limit_says_so_not_that_it_did_not_fit():
+    """A row whose run a signal stopped has no mode in its summary: the error names the
+    stop and its steps, not placement (the message a time-limited call once read)."""
+    from bench.common import check_row_streamed
+
+    stopped = {"status": "interrupted", "signal": "SIGTERM", "forced": True, "steps": 2}
+    with pytest.raises(RuntimeError, match=r"stopped after 2 steps \(SIGTERM, forced\)") as err:
+        check_row_streamed("streaming", stopped)
+    assert "placement" not in str(err.value)
+
+
 def test_each_row_is_written_as_it_ends_and_a_later_call_adds_its_rows(tmp_path, monkeypatch):
     """A call stopped by its time limit keeps the rows it finished (``status: partial``),
     and ``--add-to`` joins a later call's rows to them, refusing another job's result.
