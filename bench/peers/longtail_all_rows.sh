@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine, after tests/gpu/install-on-device.sh and with verl's wheels in
 # /root/wheels/verl: every row of `bench longtail` in one call (Conveyor streaming and
-# lock-step, each with and without MPS (placement.mps), TRL, verl, the engines alone), verl
+# lock-step, each with MPS (placement.mps: auto, the default) and without, TRL, verl, the engines alone), verl
 # in a site of its own without TRL
 # (bench/peers/verl_env_on_device.sh, CONVEYOR_VERL_SITE). Writes under OUT_DIR.
 #
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 out=${1:?usage: longtail_all_rows.sh OUT_DIR [SCALE] [STEPS] [SYSTEMS]}
 scale=${2:-0.25}
 steps=${3:-4}
-systems=${4:-streaming[placement.mps=true],lockstep[placement.mps=true],streaming,lockstep,trl,verl,engines}
+systems=${4:-streaming,lockstep,streaming[placement.mps=false],lockstep[placement.mps=false],trl,verl,engines}
 mkdir -p "$out"
 bash bench/peers/verl_env_on_device.sh
 CONVEYOR_VERL_SITE=/tmp/site-notrl:/tmp/verl-site python3 -m bench longtail --model qwen3_0.6b \

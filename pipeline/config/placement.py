@@ -47,8 +47,8 @@ class PlacementConfig(msgspec.Struct, **_section()):
     # side instead of taking turns (``pipeline/mps.py``): true starts a daemon of the
     # run's own (exit 2 where it cannot; none under colocate, whose stages take turns
     # anyway); auto does where two stage processes share a GPU outside colocate and the
-    # driver's nvidia-cuda-mps-control is found, else says why not.
-    mps: bool | Literal["auto"] = False
+    # driver's nvidia-cuda-mps-control is found, else says why not (the default).
+    mps: bool | Literal["auto"] = "auto"
     source: PlacementEntry = PlacementEntry()
     rollout: PlacementEntry = PlacementEntry()
     reward: PlacementEntry = PlacementEntry()

@@ -332,10 +332,10 @@ def test_placement_mps_is_decided_from_the_one_gpu_plan_before_any_actor_starts(
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(mps, "DEFAULT_PIPE_DIR", Path("/nonexistent/nvidia-mps"))
     monkeypatch.setattr(mps.shutil, "which", lambda name: f"/usr/bin/{name}")
-    _, plan = launch.plan_run_placement(job(placement={"mps": "auto"}))
+    _, plan = launch.plan_run_placement(job())  # the default, auto
     assert plan.split == "streaming" and plan.mps == "start"
     assert "placement.mps: stages that share a GPU run their kernels side by side (NVIDIA MPS)" in plan.notes
-    assert launch.plan_run_placement(job())[1].mps is None  # the default, false
+    assert launch.plan_run_placement(job(placement={"mps": False}))[1].mps is None
     FakeGpu(monkeypatch, 24)  # the plan colocates (test_colocate_when_only_taking_turns_leaves_the_cache_room)
     _, plan = launch.plan_run_placement(job(dataflow={"max_staleness": "auto"}, placement={"mps": "auto"}))
     assert plan.split == "colocate" and plan.mps is None
