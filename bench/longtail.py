@@ -243,12 +243,31 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
         # vLLM's scheduler (in-process engine): preemptions mean the KV cache was short for what was in flight.
         "engine": [{k: r["engine"].get(k) for k in ("kv_usage_mean", "kv_usage_max", "preemptions", "mean_requests")}
                    for r in rollouts if r.get("engine")],
+        # The rollout's KV admission: micro-batches deferred or split for want of reserved KV
+        # cache, and its seconds waiting (wait_memory, inside busy): whether admission, not
+        # the engine, held generation back.
+        "rollout_admission": [summarize_rollout_admission(r) for r in rollouts],
+        "rollout_seconds": summary["stages"].get("rollout", {}).get("seconds"),
         "tail": tails[0] if len(tails) == 1 else {"replicas": tails},
         "tail_share": _mean([t.get("tail_share") for t in tails]),
         "lengths": rollouts[0].get("completion_lengths") if len(rollouts) == 1 else
         [r.get("completion_lengths") for r in rollouts],
         **summarize_curve([(row["time"] - t0, row.get("reward/mean")) for row in rows]),
     }
+
+
+def summarize_rollout_admission(result: dict[str, Any]) -> dict[str, float]:
+    """One rollout replica's admission counters (``admission/<stage>/admitted``, ``deferred``,
+    ``splits``) and its KV budget and reserved bytes at the end, in GiB, from its result."""
+    out: dict[str, float] = {}
+    for key, value in result.items():
+        kind, _, name = key.partition("/")
+        field = name.rpartition("/")[2]
+        if kind == "admission" and field in ("admitted", "deferred", "splits"):
+            out[field] = value
+        elif kind == "memory" and field in ("budget_bytes", "used_bytes"):
+            out[field.replace("_bytes", "_gib")] = value / 2**30
+    return out
 
 
 def run_verl_row(job: Job, root: Path, warmup: int) -> dict[str, Any]:
@@ -545,6 +564,10 @@ DEFINITIONS = {
     "busy_share": "per stage, the union of its busy spans over the run's window",
     "padding_fraction": "the trainer's padded share of its token slots (actor/padding_fraction), where reported",
     "trainer_seconds": "the trainer stage's seconds by span kind (busy, wait_input, wait_memory inside busy, ...)",
+    "rollout_seconds": ("the rollout stage's seconds by span kind; its wait_memory is admission deferring micro-batches "
+                        "for KV cache (summed over micro-batches generating at once, so it may exceed the wall)"),
+    "rollout_admission": ("per rollout replica, admission's micro-batches admitted, deferred and split for want of "
+                          "KV cache (each sample reserves its prompt + max_tokens), and its KV budget in GiB"),
     "trainer_timing_s": ("the trainer's mean step after the warm-up: train (passes), update (optimizer), "
                          "weight_publish, and other (the step less those); passes a step, pass_tokens (computed) and "
                          "pass_s a pass, pass_tokens_per_s while passes ran"),

@@ -44,6 +44,10 @@ def test_every_sample_generates_exactly_its_prompts_scheduled_length(ray_cluster
     assert len(set(seen.values())) > 1  # the lengths differ from prompt to prompt
     assert row["lengths"] == summarize_length_counts(Counter(n for n in schedule.lengths(8) for _ in range(2)))
     assert row["tail"]["generating_s"] > 0 and 0 <= row["tail_share"] <= 1
+    # The rollout's admission account, from the replica's own counters.
+    [admission] = row["rollout_admission"]
+    assert admission["admitted"] >= 4 and admission["budget_gib"] > 0, admission
+    assert row["rollout_seconds"]["busy"] > 0
 
 
 @pytest.mark.slow
