@@ -132,6 +132,26 @@ def group_by_budget(prompts: list[Any], sampling: SamplingSettings) -> list[tupl
     return list(groups.values())
 
 
+def describe_kv_admission(shape: ModelShape, budget_bytes: int, seq_tokens: int, max_num_seqs: int | None,
+                          own_budgets: bool) -> tuple[int, str | None]:
+    """The most samples the rollout's KV admission lets generate at once when each reserves
+    ``seq_tokens`` (``data.max_prompt_len`` + ``rollout.max_tokens``) of a ``budget_bytes``
+    budget, and, where that is fewer than the ``max_num_seqs`` the engine was planned for
+    and prompts carry no generation budget of their own (``own_budgets``), why and what to
+    change. A sample reserves its whole length from its first token: a cap far above the
+    usual completion leaves most of the cache unused while generation waits."""
+    most = budget_bytes // max(1, estimate_kv_cache_bytes(shape, seq_tokens))
+    if own_budgets or max_num_seqs is None or most >= max_num_seqs:
+        return most, None
+    return most, (
+        f"KV admission lets at most {most} samples generate at once, of the {max_num_seqs} the engine was planned "
+        f"for: each reserves data.max_prompt_len + rollout.max_tokens = {seq_tokens} tokens of KV cache until it "
+        f"ends ({budget_bytes / 2**30:.1f} GiB budget). Lower rollout.max_tokens to what completions need, give "
+        "prompts their own budget (data.max_tokens_field), enlarge the cache (rollout.kv_cache_gib, "
+        "rollout.gpu_memory_utilization), or set rollout.memory.oom_protection=false to leave scheduling to vLLM "
+        "(it admits while blocks are free and preempts when they run out)")
+
+
 class Generate(Protocol):
     async def __call__(self, prompt_ids: list[list[int]], texts: list[str],
                        sampling: SamplingSettings) -> list[GenerationResult]: ...
@@ -159,6 +179,7 @@ class RolloutStage:
 
     def __init__(self) -> None:
         self.generated_samples = 0
+        self.kv_admission_seqs: int | None = None  # samples admission lets generate at once, at the cap
         self.generated_tokens = 0
         # Counters and the last update only: a long run applies one update per sync.
         self.applied_count, self.apply_s_total = 0, 0.0
@@ -224,6 +245,12 @@ class RolloutStage:
         pool = build_pool_reading(estimate_kv_cache_bytes(self.shape, tokens) if tokens
                                   else int(cfg.rollout.kv_cache_budget_gib * (1 << 30)))
         self.guard = MemoryGuard(ctx.name, cfg.rollout.memory, read=lambda: pool, spans=ctx.spans)
+        if self.guard.protected:
+            self.kv_admission_seqs, why = describe_kv_admission(
+                self.shape, self.guard.controller.budget_for(pool), cfg.data.max_prompt_len + cfg.rollout.max_tokens,
+                cfg.rollout.max_num_seqs, own_budgets=cfg.data.max_tokens_field is not None)
+            if why is not None:
+                ctx.log.warning("kv_admission_limits_generation", detail=why)
         self._version_changed = asyncio.Condition()
         self._idle = asyncio.Condition()  # notified when a generation ends
         self._applying = asyncio.Lock()  # shutdown waits for an update in progress; sleeps wait too
@@ -638,6 +665,7 @@ class RolloutStage:
                                              self.backend.host_memory_trimmed_bytes / 2**20}),
                 **({} if freed is None else {"sleep_freed_gib": {"min": freed[0] / 2**30, "max": freed[1] / 2**30}}),
                 **({} if engine is None else {"engine": engine}),
+                **({} if self.kv_admission_seqs is None else {"kv_admission_seqs": self.kv_admission_seqs}),
                 "occupancy": {"seconds_at": self.occupancy.seconds_at(), "peak": self.occupancy.peak},
                 "completion_lengths": summarize_length_counts(self.length_counts)}
 

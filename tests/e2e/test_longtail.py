@@ -47,6 +47,7 @@ def test_every_sample_generates_exactly_its_prompts_scheduled_length(ray_cluster
     # The rollout's admission account, from the replica's own counters.
     [admission] = row["rollout_admission"]
     assert admission["admitted"] >= 4 and admission["budget_gib"] > 0, admission
+    assert admission["kv_admission_seqs"] >= 8, admission  # at the cap, at least a step's samples fit
     assert row["rollout_seconds"]["busy"] > 0
 
 

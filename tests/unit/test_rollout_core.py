@@ -384,3 +384,22 @@ def test_the_rollout_start_up_counts_compile_apart_from_the_engine() -> None:
     asyncio.run(stage._start_backend(phases))
     assert list(phases) == ["engine", "compile", "warm_up"]
     assert phases["compile"] == 0.02 and phases["engine"] + phases["compile"] >= 0.05
+
+
+def test_kv_admission_at_the_cap_names_how_few_samples_generate_and_the_keys():
+    """Qwen3-0.6B's KV cache (112 KiB a token) at 20 GiB with a 16,384-token cap: about
+    ten samples at once where vLLM was planned for 512, and the warning names the keys;
+    none where the cap fits the plan or prompts carry their own budgets."""
+    from pipeline.memory.admission import ModelShape
+    from stages.rollout.stage import describe_kv_admission
+
+    qwen3 = ModelShape(num_layers=28, num_kv_heads=8, head_dim=128, hidden_size=1024, vocab_size=151_936,
+                       num_params=6 * 10**8, dtype_bytes=2, intermediate_size=3072, num_heads=16, qk_norm=True)
+    budget = int(0.85 * 20 * 2**30)
+    most, why = describe_kv_admission(qwen3, budget, 64 + 16_384, 512, own_budgets=False)
+    assert most == budget // (114_688 * 16_448) == 9
+    assert why is not None and "at most 9 samples" in why and "of the 512" in why
+    assert "rollout.max_tokens" in why and "rollout.memory.oom_protection=false" in why
+    assert describe_kv_admission(qwen3, budget, 64 + 16_384, 512, own_budgets=True) == (9, None)
+    most, why = describe_kv_admission(qwen3, budget, 64 + 512, 256, own_budgets=False)
+    assert most == 276 and why is None
