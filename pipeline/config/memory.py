@@ -29,7 +29,11 @@ class MemoryConfig(msgspec.Struct, **_section()):
     - ``rollout`` admits against the KV cache its engine preallocated (vLLM's blocks; a
       backend without one: ``kv_cache_gib``):
       ``budget_bytes`` of KV cache for the micro-batches one worker generates at once
-      (prompt + ``max_tokens`` per sample); unset, ``max_memory_ratio`` × the KV cache.
+      (prompt + ``max_tokens`` per sample, reserved from its first token to its end);
+      unset, ``max_memory_ratio`` × the KV cache. Where that, at ``rollout.max_tokens``,
+      lets fewer samples generate at once than vLLM was planned for, the rollout warns at
+      start (``kv_admission_limits_generation``) with the keys to change; with vLLM,
+      ``oom_protection: false`` leaves the scheduling to vLLM's own scheduler.
     Either way an item also waits while the machine's free memory cannot hold it;
     ``defer_timeout_s`` bounds that wait, then the stage stops with the numbers; an item
     the free memory cannot hold with nothing of the stage in flight is split, or waits at
