@@ -54,6 +54,14 @@ class RolloutConfig(msgspec.Struct, **_section()):
     top_k: int = -1
     max_tokens: PosInt = 512
     max_inflight: PosInt = 4  # micro-batches generating concurrently per worker
+    # KV admission (rollout.memory): what a sample reserves of the KV cache from its first
+    # token to its end. "cap": its prompt + max_tokens (its own budget where its prompt
+    # has one): the engine never runs short, and a cap far above the usual completion
+    # leaves most of the cache unused while generation waits. "observed": its prompt + the
+    # smaller of that budget and the 90th percentile of the completions this worker has
+    # generated (the budget until it has generated 64); a sample that grows past it is
+    # vLLM's to fit (it preempts and later recomputes a request when the cache runs out).
+    kv_reserve: Literal["cap", "observed"] = "cap"
     # The vLLM engine's KV cache in GiB (vLLM's kv_cache_memory_bytes). On CPU None is
     # 1.0. On a GPU None sizes it from gpu_memory_utilization, except under
     # ``placement: colocate`` or with rollout replicas sharing a GPU, where the plan sizes

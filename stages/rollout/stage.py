@@ -132,6 +132,16 @@ def group_by_budget(prompts: list[Any], sampling: SamplingSettings) -> list[tupl
     return list(groups.values())
 
 
+OBSERVED_RESERVE_AFTER = 64  # samples generated before rollout.kv_reserve "observed" reserves their p90
+
+
+def reserve_completion(budget: int, observed: int | None) -> int:
+    """Completion tokens a sample of generation budget ``budget`` reserves in KV admission
+    (``rollout.kv_reserve``): the budget, or the smaller of it and ``observed`` (the p90
+    of the completions generated so far, under "observed" once there are enough)."""
+    return budget if observed is None else min(budget, max(1, observed))
+
+
 def describe_kv_admission(shape: ModelShape, budget_bytes: int, seq_tokens: int, max_num_seqs: int | None,
                           own_budgets: bool) -> tuple[int, str | None]:
     """The most samples the rollout's KV admission lets generate at once when each reserves
@@ -148,8 +158,9 @@ def describe_kv_admission(shape: ModelShape, budget_bytes: int, seq_tokens: int,
         f"for: each reserves data.max_prompt_len + rollout.max_tokens = {seq_tokens} tokens of KV cache until it "
         f"ends ({budget_bytes / 2**30:.1f} GiB budget). Lower rollout.max_tokens to what completions need, give "
         "prompts their own budget (data.max_tokens_field), enlarge the cache (rollout.kv_cache_gib, "
-        "rollout.gpu_memory_utilization), or set rollout.memory.oom_protection=false to leave scheduling to vLLM "
-        "(it admits while blocks are free and preempts when they run out)")
+        "rollout.gpu_memory_utilization), reserve what completions have taken (rollout.kv_reserve=observed), or set "
+        "rollout.memory.oom_protection=false to leave scheduling to vLLM (it admits while blocks are free and "
+        "preempts when they run out)")
 
 
 class Generate(Protocol):
@@ -194,6 +205,7 @@ class RolloutStage:
         self.occupancy = OccupancyMeter()  # samples in flight in the engine over time
         self.max_staleness: int | None = None  # η as the controller last handed it (max_staleness: auto raises it)
         self.length_counts: Counter[int] = Counter()  # completion length -> samples
+        self.reserve_tokens: int | None = None  # rollout.kv_reserve "observed": completion tokens reserved
         # What a rebuilt engine loads again: (update, payload, fingerprint) of the weights
         # served now (the payload is held for it), None for the checkpoint, whose
         # fingerprint the engine read back at set-up.
@@ -245,7 +257,7 @@ class RolloutStage:
         pool = build_pool_reading(estimate_kv_cache_bytes(self.shape, tokens) if tokens
                                   else int(cfg.rollout.kv_cache_budget_gib * (1 << 30)))
         self.guard = MemoryGuard(ctx.name, cfg.rollout.memory, read=lambda: pool, spans=ctx.spans)
-        if self.guard.protected:
+        if self.guard.protected and cfg.rollout.kv_reserve == "cap":
             self.kv_admission_seqs, why = describe_kv_admission(
                 self.shape, self.guard.controller.budget_for(pool), cfg.data.max_prompt_len + cfg.rollout.max_tokens,
                 cfg.rollout.max_num_seqs, own_budgets=cfg.data.max_tokens_field is not None)
@@ -567,7 +579,8 @@ class RolloutStage:
 
         def estimate(piece: PromptBatch) -> int:
             tokens = sum(sum(expand_rollout_seq_lens([len(ids[piece.prompts[i].prompt_id]) for i in idx],
-                                                     sampling.n, sampling.max_tokens))
+                                                     sampling.n, reserve_completion(sampling.max_tokens,
+                                                                                    self.reserve_tokens)))
                          for sampling, idx in group_by_budget(piece.prompts, self.sampling))
             return estimate_kv_cache_bytes(self.shape, tokens)
 
@@ -610,6 +623,8 @@ class RolloutStage:
         self.generated_samples += batch.num_samples
         self.generated_tokens += batch.completion_tokens
         self.length_counts.update(int(n) for n in batch.completion_lens)
+        if self.cfg.rollout.kv_reserve == "observed" and self.generated_samples >= OBSERVED_RESERVE_AFTER:
+            self.reserve_tokens = summarize_length_counts(self.length_counts)["p90"]
         return batch
 
     async def _generate_prompts(self, prompt_ids: list[list[int]], texts: list[str], sampling: SamplingSettings,
@@ -666,6 +681,7 @@ class RolloutStage:
                 **({} if freed is None else {"sleep_freed_gib": {"min": freed[0] / 2**30, "max": freed[1] / 2**30}}),
                 **({} if engine is None else {"engine": engine}),
                 **({} if self.kv_admission_seqs is None else {"kv_admission_seqs": self.kv_admission_seqs}),
+                **({} if self.reserve_tokens is None else {"kv_reserve_tokens": self.reserve_tokens}),
                 "occupancy": {"seconds_at": self.occupancy.seconds_at(), "peak": self.occupancy.peak},
                 "completion_lengths": summarize_length_counts(self.length_counts)}
 

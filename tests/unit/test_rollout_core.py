@@ -400,6 +400,16 @@ def test_kv_admission_at_the_cap_names_how_few_samples_generate_and_the_keys():
     assert most == budget // (114_688 * 16_448) == 9
     assert why is not None and "at most 9 samples" in why and "of the 512" in why
     assert "rollout.max_tokens" in why and "rollout.memory.oom_protection=false" in why
+    assert "rollout.kv_reserve=observed" in why
     assert describe_kv_admission(qwen3, budget, 64 + 16_384, 512, own_budgets=True) == (9, None)
     most, why = describe_kv_admission(qwen3, budget, 64 + 512, 256, own_budgets=False)
     assert most == 276 and why is None
+
+
+def test_observed_kv_reserve_takes_the_smaller_of_a_samples_budget_and_the_p90():
+    from stages.rollout.stage import reserve_completion
+
+    assert reserve_completion(16_384, None) == 16_384  # "cap", or too few completions yet
+    assert reserve_completion(16_384, 3_558) == 3_558
+    assert reserve_completion(700, 3_558) == 700  # a prompt's own smaller budget stands
+    assert reserve_completion(700, 0) == 1
