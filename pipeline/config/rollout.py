@@ -61,7 +61,9 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # smaller of that budget and the 90th percentile of the completions this worker has
     # generated (the budget until it has generated 64); a sample that grows past it is
     # vLLM's to fit (it preempts and later recomputes a request when the cache runs out).
-    kv_reserve: Literal["cap", "observed"] = "cap"
+    # "none": nothing reserved; vLLM's scheduler alone admits requests while blocks are
+    # free and preempts when they run out, as peers run it (out-of-memory recovery stays on).
+    kv_reserve: Literal["cap", "observed", "none"] = "cap"
     # The vLLM engine's KV cache in GiB (vLLM's kv_cache_memory_bytes). On CPU None is
     # 1.0. On a GPU None sizes it from gpu_memory_utilization, except under
     # ``placement: colocate`` or with rollout replicas sharing a GPU, where the plan sizes

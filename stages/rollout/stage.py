@@ -158,9 +158,9 @@ def describe_kv_admission(shape: ModelShape, budget_bytes: int, seq_tokens: int,
         f"for: each reserves data.max_prompt_len + rollout.max_tokens = {seq_tokens} tokens of KV cache until it "
         f"ends ({budget_bytes / 2**30:.1f} GiB budget). Lower rollout.max_tokens to what completions need, give "
         "prompts their own budget (data.max_tokens_field), enlarge the cache (rollout.kv_cache_gib, "
-        "rollout.gpu_memory_utilization), reserve what completions have taken (rollout.kv_reserve=observed), or set "
-        "rollout.memory.oom_protection=false to leave scheduling to vLLM (it admits while blocks are free and "
-        "preempts when they run out)")
+        "rollout.gpu_memory_utilization), reserve what completions have taken (rollout.kv_reserve=observed), or "
+        "reserve nothing (rollout.kv_reserve=none): vLLM's scheduler then admits while blocks are free and preempts "
+        "when they run out")
 
 
 class Generate(Protocol):
@@ -578,6 +578,8 @@ class RolloutStage:
                for p in pb.prompts}
 
         def estimate(piece: PromptBatch) -> int:
+            if self.cfg.rollout.kv_reserve == "none":
+                return 0  # admitted at once: vLLM's scheduler fits what it can
             tokens = sum(sum(expand_rollout_seq_lens([len(ids[piece.prompts[i].prompt_id]) for i in idx],
                                                      sampling.n, reserve_completion(sampling.max_tokens,
                                                                                     self.reserve_tokens)))

@@ -79,6 +79,22 @@ def test_the_bench_runs_its_conveyor_rows_and_writes_its_json(ray_cluster, tmp_p
     assert doc["provenance"]["commit"] and doc["definitions"]["tail_share"]
 
 
+def test_reserving_no_kv_leaves_an_overfull_cache_to_vllm_and_every_sample_keeps_its_length(ray_cluster, tmp_path):
+    """``rollout.kv_reserve: none`` on a KV cache of about 2k tokens (a step wants some 14k):
+    admission defers nothing, vLLM's scheduler fills the cache and holds the rest waiting
+    (or preempts), and every sample still comes out at exactly its prompt's length."""
+    schedule = LengthSchedule(scale=SCALE)
+    job = prepare_job("tiny", 1, schedule, tmp_path / "job", on_gpu=False)
+    row = run_conveyor_row("lockstep", job, tmp_path, ("rollout.kv_cache_gib=0.004", "rollout.kv_reserve=none",
+                                                       "run.steps=1"))
+    [admission], [engine] = row["rollout_admission"], row["engine"]
+    assert admission["deferred"] == 0 and admission["admitted"] >= 32, admission
+    assert engine["kv_usage_max"] >= 0.99, engine  # the cache was full: vLLM held requests back
+    per_prompt = 8  # configs/longtail.yaml's rollout.n
+    assert row["lengths"] == summarize_length_counts(Counter(n for n in schedule.lengths(job.prompts)
+                                                             for _ in range(per_prompt)))
+
+
 def test_the_engines_alone_generate_and_train_each_prompts_length(tmp_path):
     from bench.longtail import run_engines_row
 
