@@ -190,7 +190,6 @@ class RolloutStage:
 
     def __init__(self) -> None:
         self.generated_samples = 0
-        self.kv_admission_seqs: int | None = None  # samples admission lets generate at once, at the cap
         self.generated_tokens = 0
         # Counters and the last update only: a long run applies one update per sync.
         self.applied_count, self.apply_s_total = 0, 0.0
@@ -206,6 +205,7 @@ class RolloutStage:
         self.max_staleness: int | None = None  # η as the controller last handed it (max_staleness: auto raises it)
         self.length_counts: Counter[int] = Counter()  # completion length -> samples
         self.reserve_tokens: int | None = None  # rollout.kv_reserve "observed": completion tokens reserved
+        self.kv_admission_seqs: int | None = None  # "cap": samples admission lets generate at once at the cap
         # What a rebuilt engine loads again: (update, payload, fingerprint) of the weights
         # served now (the payload is held for it), None for the checkpoint, whose
         # fingerprint the engine read back at set-up.

@@ -95,6 +95,17 @@ def test_reserving_no_kv_leaves_an_overfull_cache_to_vllm_and_every_sample_keeps
                                                              for _ in range(per_prompt)))
 
 
+def test_observed_kv_reserve_reserves_the_p90_of_what_the_worker_generated(ray_cluster, tmp_path):
+    """``rollout.kv_reserve: observed``: after a step (256 samples, past the 64 it waits
+    for) a sample reserves the p90 of the completions generated, which are the schedule's."""
+    schedule = LengthSchedule(scale=SCALE)
+    job = prepare_job("tiny", 1, schedule, tmp_path / "job", on_gpu=False)
+    row = run_conveyor_row("lockstep", job, tmp_path, ("rollout.kv_reserve=observed", "run.steps=1"))
+    [admission] = row["rollout_admission"]
+    assert admission["kv_reserve_tokens"] == row["lengths"]["p90"] < max(schedule.lengths(job.prompts)), admission
+    assert "kv_admission_seqs" not in admission  # the cap's account only under "cap"
+
+
 def test_the_engines_alone_generate_and_train_each_prompts_length(tmp_path):
     from bench.longtail import run_engines_row
 
