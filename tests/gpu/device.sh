@@ -10,7 +10,9 @@
 #                                                  this command), stopped after SECS; its output in
 #                                                  /root/job/log, its files under $JOB_OUT (/root/job/out)
 #   bash tests/gpu/device.sh poll SECS             wait up to SECS for the started job; copy its log
-#                                                  and the JSON/PNG/log files under $JOB_OUT to $OUT/job
+#                                                  to $OUT/job/log and the JSON/PNG/log files under
+#                                                  $JOB_OUT, paths kept, to $OUT/job/files.tgz (the
+#                                                  device tool returns at most 8 files a call)
 #
 # Every mode but copy installs vLLM, Ray and DeepSpeed first where they are missing
 # (tests/gpu/install-on-device.sh) and sets what the GPU tier sets: offline Hub, spawned
@@ -77,7 +79,8 @@ case "$mode" in
     echo "device.sh: job exit $(cat "$job/done" 2>/dev/null || echo 'running')"
     mkdir -p "$out/job"
     cp "$job/log" "$out/job/" 2>/dev/null
-    find "$job/out" -type f \( -name '*.json' -o -name '*.png' -o -name '*.log' \) -exec cp -t "$out/job/" {} + 2>/dev/null
+    (cd "$job/out" && find . -type f \( -name '*.json' -o -name '*.png' -o -name '*.log' \) -print0 \
+      | tar -czf "$out/job/files.tgz" --null -T -) 2>/dev/null
     grep -v '^\s*$' "$job/log" 2>/dev/null | tail -60
     [ -f "$job/done" ] && disk_report ;;
   *)
