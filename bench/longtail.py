@@ -256,12 +256,14 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
     }
 
 
-def summarize_rollout_admission(result: dict[str, Any]) -> dict[str, float]:
+def summarize_rollout_admission(result: dict[str, Any]) -> dict[str, Any]:
     """One rollout replica's admission counters (``admission/<stage>/admitted``, ``deferred``,
-    ``splits``), its KV budget and reserved bytes at the end, in GiB, and the most samples
-    it admits at once at the cap (``kv_admission_seqs``) or the completion tokens it
-    reserves a sample under ``rollout.kv_reserve: observed`` (``kv_reserve_tokens``)."""
-    out: dict[str, float] = {k: result[k] for k in ("kv_admission_seqs", "kv_reserve_tokens") if k in result}
+    ``splits``), its KV budget and reserved bytes at the end, in GiB, what a sample
+    reserved (``kv_reserve``, ``rollout.kv_reserve`` resolved), and the most samples it
+    admits at once at the cap (``kv_admission_seqs``) or the completion tokens it reserves
+    a sample under ``observed`` (``kv_reserve_tokens``)."""
+    out: dict[str, Any] = {k: result[k] for k in ("kv_reserve", "kv_admission_seqs", "kv_reserve_tokens")
+                           if k in result}
     for key, value in result.items():
         kind, _, name = key.partition("/")
         field = name.rpartition("/")[2]

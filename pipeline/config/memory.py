@@ -33,8 +33,8 @@ class MemoryConfig(msgspec.Struct, **_section()):
       unset, ``max_memory_ratio`` × the KV cache. Where that, at ``rollout.max_tokens``,
       lets fewer samples generate at once than vLLM was planned for, the rollout warns at
       start (``kv_admission_limits_generation``) with the keys to change;
-      ``rollout.kv_reserve`` chooses what a sample reserves (``none``: nothing, vLLM's
-      own scheduler fits what it can).
+      ``rollout.kv_reserve`` chooses what a sample reserves (``none``, the default on
+      vLLM: nothing, vLLM's own scheduler fits what it can).
     Either way an item also waits while the machine's free memory cannot hold it;
     ``defer_timeout_s`` bounds that wait, then the stage stops with the numbers; an item
     the free memory cannot hold with nothing of the stage in flight is split, or waits at

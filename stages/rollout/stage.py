@@ -257,7 +257,7 @@ class RolloutStage:
         pool = build_pool_reading(estimate_kv_cache_bytes(self.shape, tokens) if tokens
                                   else int(cfg.rollout.kv_cache_budget_gib * (1 << 30)))
         self.guard = MemoryGuard(ctx.name, cfg.rollout.memory, read=lambda: pool, spans=ctx.spans)
-        if self.guard.protected and cfg.rollout.kv_reserve == "cap":
+        if self.guard.protected and cfg.rollout.kv_reserve_policy == "cap":
             self.kv_admission_seqs, why = describe_kv_admission(
                 self.shape, self.guard.controller.budget_for(pool), cfg.data.max_prompt_len + cfg.rollout.max_tokens,
                 cfg.rollout.max_num_seqs, own_budgets=cfg.data.max_tokens_field is not None)
@@ -578,7 +578,7 @@ class RolloutStage:
                for p in pb.prompts}
 
         def estimate(piece: PromptBatch) -> int:
-            if self.cfg.rollout.kv_reserve == "none":
+            if self.cfg.rollout.kv_reserve_policy == "none":
                 return 0  # admitted at once: vLLM's scheduler fits what it can
             tokens = sum(sum(expand_rollout_seq_lens([len(ids[piece.prompts[i].prompt_id]) for i in idx],
                                                      sampling.n, reserve_completion(sampling.max_tokens,
@@ -625,7 +625,7 @@ class RolloutStage:
         self.generated_samples += batch.num_samples
         self.generated_tokens += batch.completion_tokens
         self.length_counts.update(int(n) for n in batch.completion_lens)
-        if self.cfg.rollout.kv_reserve == "observed" and self.generated_samples >= OBSERVED_RESERVE_AFTER:
+        if self.cfg.rollout.kv_reserve_policy == "observed" and self.generated_samples >= OBSERVED_RESERVE_AFTER:
             self.reserve_tokens = summarize_length_counts(self.length_counts)["p90"]
         return batch
 
@@ -682,6 +682,7 @@ class RolloutStage:
                                              self.backend.host_memory_trimmed_bytes / 2**20}),
                 **({} if freed is None else {"sleep_freed_gib": {"min": freed[0] / 2**30, "max": freed[1] / 2**30}}),
                 **({} if engine is None else {"engine": engine}),
+                "kv_reserve": self.cfg.rollout.kv_reserve_policy,
                 **({} if self.kv_admission_seqs is None else {"kv_admission_seqs": self.kv_admission_seqs}),
                 **({} if self.reserve_tokens is None else {"kv_reserve_tokens": self.reserve_tokens}),
                 "occupancy": {"seconds_at": self.occupancy.seconds_at(), "peak": self.occupancy.peak},

@@ -31,7 +31,7 @@ def test_every_sample_generates_exactly_its_prompts_scheduled_length(ray_cluster
     job.overrides = (*job.overrides, *small)
     job.prompts = 8
     job.prompts_path.write_text("".join(job.prompts_path.read_text().splitlines(keepends=True)[:8]))
-    row = run_conveyor_row("lockstep", job, tmp_path, ('record.edges=["reward->trainer"]',))
+    row = run_conveyor_row("lockstep", job, tmp_path, ('record.edges=["reward->trainer"]', "rollout.kv_reserve=cap"))
     batches = [item.value for item in RecordingReader(tmp_path / "lockstep" / "recording" / "trainer").items("reward->trainer")]
     assert sum(b.num_samples for b in batches) == 16
     seen = {}
@@ -47,7 +47,7 @@ def test_every_sample_generates_exactly_its_prompts_scheduled_length(ray_cluster
     # The rollout's admission account, from the replica's own counters.
     [admission] = row["rollout_admission"]
     assert admission["admitted"] >= 4 and admission["budget_gib"] > 0, admission
-    assert admission["kv_admission_seqs"] >= 8, admission  # at the cap, at least a step's samples fit
+    assert admission["kv_reserve"] == "cap" and admission["kv_admission_seqs"] >= 8, admission  # a step fits
     assert row["rollout_seconds"]["busy"] > 0
 
 
@@ -80,14 +80,15 @@ def test_the_bench_runs_its_conveyor_rows_and_writes_its_json(ray_cluster, tmp_p
 
 
 def test_reserving_no_kv_leaves_an_overfull_cache_to_vllm_and_every_sample_keeps_its_length(ray_cluster, tmp_path):
-    """``rollout.kv_reserve: none`` on a KV cache of about 2k tokens (a step wants some 14k):
-    admission defers nothing, vLLM's scheduler fills the cache and holds the rest waiting
-    (or preempts), and every sample still comes out at exactly its prompt's length."""
+    """``rollout.kv_reserve: auto`` (the default) on vLLM reserves nothing: on a KV cache of
+    about 2k tokens (a step wants some 14k) admission defers nothing, vLLM's scheduler fills
+    the cache and holds the rest waiting (or preempts), and every sample still comes out at
+    exactly its prompt's length."""
     schedule = LengthSchedule(scale=SCALE)
     job = prepare_job("tiny", 1, schedule, tmp_path / "job", on_gpu=False)
-    row = run_conveyor_row("lockstep", job, tmp_path, ("rollout.kv_cache_gib=0.004", "rollout.kv_reserve=none",
-                                                       "run.steps=1"))
+    row = run_conveyor_row("lockstep", job, tmp_path, ("rollout.kv_cache_gib=0.004", "run.steps=1"))
     [admission], [engine] = row["rollout_admission"], row["engine"]
+    assert admission["kv_reserve"] == "none", admission
     assert admission["deferred"] == 0 and admission["admitted"] >= 32, admission
     assert engine["kv_usage_max"] >= 0.99, engine  # the cache was full: vLLM held requests back
     per_prompt = 8  # configs/longtail.yaml's rollout.n

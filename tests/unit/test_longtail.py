@@ -292,12 +292,12 @@ def test_a_rows_rollout_admission_is_read_from_its_replicas_counters():
     the replica's stage name; its other status fields are left out."""
     from bench.longtail import summarize_rollout_admission
 
-    result = {"state": "generating", "samples": 512, "oom_protection": True,
+    result = {"state": "generating", "samples": 512, "oom_protection": True, "kv_reserve": "cap",
               "admission/rollout:1/admitted": 40.0, "admission/rollout:1/deferred": 7.0,
               "admission/rollout:1/splits": 3.0, "admission/rollout:1/calibration": 1.0,
               "memory/rollout:1/budget_bytes": 3 * 2**30, "memory/rollout:1/used_bytes": 2**29}
-    assert summarize_rollout_admission(result) == {"admitted": 40.0, "deferred": 7.0, "splits": 3.0,
-                                                   "budget_gib": 3.0, "used_gib": 0.5}
+    assert summarize_rollout_admission(result) == {"kv_reserve": "cap", "admitted": 40.0, "deferred": 7.0,
+                                                   "splits": 3.0, "budget_gib": 3.0, "used_gib": 0.5}
 
 
 def test_a_streaming_row_stopped_by_its_time_limit_says_so_not_that_it_did_not_fit():

@@ -412,3 +412,13 @@ def test_observed_kv_reserve_takes_the_smaller_of_a_samples_budget_and_the_p90()
     assert reserve_completion(16_384, 3_558) == 3_558
     assert reserve_completion(700, 3_558) == 700  # a prompt's own smaller budget stands
     assert reserve_completion(700, 0) == 1
+
+
+@pytest.mark.parametrize(("backend", "kv_reserve", "policy"), [
+    ("vllm", "auto", "none"),  # vLLM's paged cache schedules itself: nothing reserved
+    ("hf", "auto", "cap"),  # a cache that grows with what it is given: the whole budget
+    ("my_pkg.engine:Backend", "auto", "cap"),
+    ("vllm", "cap", "cap"), ("hf", "none", "none"), ("vllm", "observed", "observed"),
+])
+def test_kv_reserve_auto_leaves_vllms_cache_to_its_scheduler_and_reserves_elsewhere(backend, kv_reserve, policy):
+    assert RolloutConfig(backend=backend, kv_reserve=kv_reserve).kv_reserve_policy == policy
