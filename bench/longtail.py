@@ -240,8 +240,10 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
         "staleness_max": max((r.get("staleness/max", 0) for r in rows), default=None),
         # Trained beyond their η (dataflow.late_samples: train); dropped instead under "drop".
         "samples_late": sum(r.get("samples/late", 0) for r in rows),
-        # vLLM's scheduler (in-process engine): preemptions mean the KV cache was short for what was in flight.
-        "engine": [{k: r["engine"].get(k) for k in ("kv_usage_mean", "kv_usage_max", "preemptions", "mean_requests")}
+        # vLLM's scheduler (in-process engine): preemptions beyond the weight updates' recomputes
+        # mean the KV cache was short for what was in flight.
+        "engine": [{k: r["engine"].get(k) for k in ("kv_usage_mean", "kv_usage_max", "preemptions",
+                                                    "update_recomputes", "mean_requests")}
                    for r in rollouts if r.get("engine")],
         # The rollout's KV admission: micro-batches deferred or split for want of reserved KV
         # cache, and its seconds waiting (wait_memory, inside busy): whether admission, not

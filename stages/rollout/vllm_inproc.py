@@ -46,9 +46,11 @@ class SchedulerProbe:
     stepper thread: ``kv_usage_mean`` / ``kv_usage_max`` (the share of KV blocks in use) and
     ``preemptions`` (times a running request lost its blocks, to be recomputed: the cache was
     too small for what was in flight, or a weight update's pause dropped every block, which
-    recomputes each request in flight with the new weights). Reads ``scheduler.kv_cache_manager.usage``
-    and each live request's ``num_preemptions``; a vLLM without them is reported once in
-    ``unavailable`` and read no further. A request's count is added when it leaves."""
+    recomputes each request in flight with the new weights: those are also counted apart,
+    ``update_recomputes``, so the rest is what the cache was short). Reads
+    ``scheduler.kv_cache_manager.usage``, ``scheduler.running`` and each live request's
+    ``num_preemptions``; a vLLM without them is reported once in ``unavailable`` and read
+    no further. A request's count is added when it leaves."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -56,6 +58,7 @@ class SchedulerProbe:
         self.samples = 0
         self.usage_sum = self.usage_max = 0.0
         self.preempted_done = 0
+        self.update_recomputes = 0
         self._live: dict[str, int] = {}
 
     @classmethod
@@ -78,11 +81,22 @@ class SchedulerProbe:
         self.preempted_done += sum(n for rid, n in self._live.items() if rid not in live)
         self._live = live
 
+    def before_update_recompute(self) -> None:
+        """Just before a weight update's pause drops every block: the running requests,
+        which it preempts, are ``update_recomputes``."""
+        if self.unavailable:
+            return
+        try:
+            self.update_recomputes += len(self.scheduler.running)
+        except Exception as err:
+            self.unavailable = f"this vLLM's scheduler differs: {err!r}"
+
     def stats(self) -> dict[str, float]:
         if self.unavailable:
             return {}
         return {"kv_usage_mean": self.usage_sum / self.samples if self.samples else 0.0,
-                "kv_usage_max": self.usage_max, "preemptions": self.preempted_done + sum(self._live.values())}
+                "kv_usage_max": self.usage_max, "preemptions": self.preempted_done + sum(self._live.values()),
+                "update_recomputes": self.update_recomputes}
 
 
 class _Collector:
@@ -341,6 +355,7 @@ class InProcessEngine:
         def pause(engine: Any) -> None:
             self._paused = True
             if clear_cache:
+                self._probe.before_update_recompute()
                 engine.reset_prefix_cache(reset_running_requests=True)
 
         await self.call(pause)

@@ -264,7 +264,7 @@ def test_an_update_recomputes_the_requests_in_flight_unless_told_to_keep_their_k
 
     def preempted_by_an_update(recompute: bool, seed: int) -> int:
         backend.cfg = msgspec.structs.replace(cfg, recompute_on_update=recompute)
-        before = backend.engine_stats()["preemptions"]
+        before = backend.engine_stats()
 
         async def update_mid_generation():
             start = backend.tokens_generated
@@ -277,7 +277,11 @@ def test_an_update_recomputes_the_requests_in_flight_unless_told_to_keep_their_k
 
         results = loop.run_until_complete(update_mid_generation())
         assert any(len(set(c.token_versions)) == 2 for r in results for c in r.completions)  # some spanned it
-        return backend.engine_stats()["preemptions"] - before
+        after = backend.engine_stats()
+        recomputed = after["update_recomputes"] - before["update_recomputes"]
+        # The KV cache holds all of them here: every preemption is the update's recompute.
+        assert recomputed == after["preemptions"] - before["preemptions"], (before, after)
+        return recomputed
 
     try:
         assert preempted_by_an_update(True, seed=14) > 0

@@ -377,17 +377,19 @@ def test_the_scheduler_probe_counts_each_preemption_once_also_after_its_request_
 
     from stages.rollout.vllm_inproc import SchedulerProbe
 
-    fake = NS(kv_cache_manager=NS(usage=0.5), requests={"a": NS(num_preemptions=0), "b": NS(num_preemptions=1)})
+    fake = NS(kv_cache_manager=NS(usage=0.5), requests={"a": NS(num_preemptions=0), "b": NS(num_preemptions=1)},
+              running=["a"])
     probe = SchedulerProbe(fake)
     probe.observe()
+    probe.before_update_recompute()  # an update's pause preempts the one running request
     fake.kv_cache_manager.usage, fake.requests["a"].num_preemptions = 1.0, 2
     probe.observe()
-    assert probe.stats() == {"kv_usage_mean": 0.75, "kv_usage_max": 1.0, "preemptions": 3}
+    assert probe.stats() == {"kv_usage_mean": 0.75, "kv_usage_max": 1.0, "preemptions": 3, "update_recomputes": 1}
     del fake.requests["a"]  # finished: its 2 stay counted, not twice
     fake.kv_cache_manager.usage = 0.0
     probe.observe()
     probe.observe()
-    assert probe.stats() == {"kv_usage_mean": 0.375, "kv_usage_max": 1.0, "preemptions": 3}
+    assert probe.stats() == {"kv_usage_mean": 0.375, "kv_usage_max": 1.0, "preemptions": 3, "update_recomputes": 1}
     other = SchedulerProbe(NS(requests={}))  # another vLLM: no kv_cache_manager
     other.observe()
     assert other.stats() == {} and "differs" in other.unavailable
