@@ -64,8 +64,8 @@ class RolloutConfig(msgspec.Struct, **_section()):
     # "none": nothing reserved; vLLM's scheduler alone admits requests while blocks are
     # free and preempts when they run out, as peers run it (out-of-memory recovery stays on).
     # "auto": "none" on the vLLM backend, whose paged cache schedules itself; "cap" on any
-    # other, whose cache grows with what it is given (docs/performance/longtail.md: at
-    # long-tail lengths "none" kept 3.4x the requests in flight and generated 1.8x faster).
+    # other, whose cache grows with what it is given (docs/performance/longtail.md, "The KV
+    # cache left to vLLM's scheduler").
     kv_reserve: Literal["auto", "cap", "observed", "none"] = "auto"
     # The vLLM engine's KV cache in GiB (vLLM's kv_cache_memory_bytes). On CPU None is
     # 1.0. On a GPU None sizes it from gpu_memory_utilization, except under
