@@ -418,6 +418,7 @@ def compute_ratios(rows: dict[str, dict[str, Any]], reward: bool) -> dict[str, A
         **{f"{spec}_tail_share": r.get("tail_share") for spec, r in first.items()
            if r.get("status") == "ok" and spec != "engines"},
         **compute_bounds(first),
+        **compare_kv_budgets(first),
         "targets": {"streaming_over_lockstep": 2.5, "streaming_over_fastest_peer": 2.0},
     }
     if reward:
@@ -427,6 +428,31 @@ def compute_ratios(rows: dict[str, dict[str, Any]], reward: bool) -> dict[str, A
         out.update({f"{spec}_time_to_reward_{key}_s": t for spec, t in times.items()})
         out["streaming_time_to_reward_over_lockstep"] = ratio(times.get("streaming"), times.get("lockstep"))
         out["targets"]["streaming_time_to_reward_over_lockstep"] = 0.5
+    return out
+
+
+KV_BUDGET_SPREAD = 0.9  # rows whose KV budgets differ more than this did not generate alike
+
+
+def compare_kv_budgets(first: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each Conveyor row's rollout KV budget in GiB (``kv_budget_gib``, its replicas
+    summed: a share of the cache vLLM made) and, where the smallest is under
+    ``KV_BUDGET_SPREAD`` of the largest, ``kv_budget_warning``: vLLM sizes a cache the
+    plan leaves unsized from the memory it finds free at start-up, while the trainer
+    starts beside it, so rows of one job can get different caches, and a ratio between
+    them then measures that too."""
+    budgets = {spec: sum(a.get("budget_gib", 0.0) for a in row["rollout_admission"])
+               for spec, row in first.items()
+               if spec in MODES and row.get("status") == "ok" and row.get("rollout_admission")}
+    budgets = {spec: gib for spec, gib in budgets.items() if gib > 0}
+    if not budgets:
+        return {}
+    out: dict[str, Any] = {"kv_budget_gib": budgets}
+    low, high = min(budgets, key=budgets.__getitem__), max(budgets, key=budgets.__getitem__)
+    if budgets[low] < KV_BUDGET_SPREAD * budgets[high]:
+        out["kv_budget_warning"] = (
+            f"{low}'s rollout had a KV budget of {budgets[low]:.1f} GiB against {high}'s {budgets[high]:.1f} GiB: "
+            "the rows did not generate with the same cache; rollout.kv_cache_gib gives every row one size")
     return out
 
 
@@ -586,6 +612,8 @@ DEFINITIONS = {
     "engines": ("the engines row: vLLM alone on the job's requests a step at a time (by_step) and all at once "
                 "(all_at_once); the trainer engine alone in the job's micro-batches and with each step as one "
                 "micro-batch (one_per_step), with its passes and the GPU's kernel-busy share of a micro-batch"),
+    "kv_budget": ("ratios' kv_budget_gib: each Conveyor row's rollout KV budget (a share of vLLM's cache); "
+                  "kv_budget_warning where the rows' budgets differ by more than 10%"),
     "bound": ("ratios' {row}_bound: the row's busiest stage and its busy share; {row}_rollout_of_alone and "
               "{row}_trainer_of_alone: its tokens per wall second over the engine alone's"),
     "time_to_threshold_s": "launch to the first step where the 5-step mean reward reaches the threshold",

@@ -222,6 +222,22 @@ def test_rows_and_ratios():
     assert r["streaming_over_verl"] == 2.5
     assert r["streaming_time_to_reward_over_lockstep"] == 0.4 and r["lockstep_tail_share"] == 0.6
     assert not math.isnan(r["streaming_samples_per_s"])
+    assert "kv_budget_gib" not in r  # rows without an admission account
+
+
+def test_ratios_name_conveyor_rows_that_generated_with_different_kv_caches():
+    """A lock-step row whose vLLM made a smaller cache than the streaming row's: the ratios say so."""
+    rows = {"streaming": {"spec": "streaming", "status": "ok", "samples_per_s": 7.5,
+                          "rollout_admission": [{"budget_gib": 18.3}]},
+            "lockstep": {"spec": "lockstep", "status": "ok", "samples_per_s": 5.2,
+                         "rollout_admission": [{"budget_gib": 12.7}]},
+            "trl": {"spec": "trl", "status": "ok", "samples_per_s": 2.0}}
+    r = compute_ratios(rows, reward=False)
+    assert r["kv_budget_gib"] == {"streaming": 18.3, "lockstep": 12.7}
+    assert r["kv_budget_warning"].startswith("lockstep's rollout had a KV budget of 12.7 GiB against streaming's 18.3")
+    rows["lockstep"]["rollout_admission"] = [{"budget_gib": 9.0}, {"budget_gib": 8.5}]  # two replicas: summed
+    r = compute_ratios(rows, reward=False)
+    assert r["kv_budget_gib"]["lockstep"] == 17.5 and "kv_budget_warning" not in r
 
 
 def test_trls_prompts_are_found_by_the_token_ids_trl_makes_of_them():
