@@ -76,9 +76,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gpu_e2e: config overrides for every row's job, TRL's included (it follows "
                         "train.gradient_checkpointing and the trainer's pass size), e.g. "
                         "train.gradient_checkpointing=true")
+    p.add_argument("--kv-cache-gib", type=parse_kv_cache_gib, metavar="first|off|GIB",
+                   help="longtail: vLLM's KV cache in the Conveyor rows (not colocate's, nor a row that changes the "
+                        "GPU's split): 'first' (default on a GPU) the size the first finished row's vLLM made, so "
+                        "every row generates with one cache; a size in GiB; 'off' each row's plan")
     p.add_argument("--reward", action="store_true", help="longtail: the quickstart task with long-tail lengths, "
                                                          "reporting each row's wall time to reach a reward")
     return p
+
+
+def parse_kv_cache_gib(text: str) -> str | float:
+    """``--kv-cache-gib``: ``first``, ``off`` or a size in GiB > 0."""
+    if text in ("first", "off"):
+        return text
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = 0.0
+    if not gib > 0:
+        raise argparse.ArgumentTypeError(f"expected first, off or a size in GiB > 0, got {text!r}")
+    return gib
 
 
 def default_out_dir(quick: bool, results_dir: Path = RESULTS_DIR, cwd: Path | None = None) -> Path:
@@ -104,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 get_shape(args.model)
         except ValueError as exc:
             parser.error(f"--model: {exc}")
-    for flag in ("scale", "steps", "reward", "add_to", "join"):
+    for flag in ("scale", "steps", "reward", "add_to", "join", "kv_cache_gib"):
         if getattr(args, flag) not in (None, False) and args.name != "longtail":
             parser.error(f"--{flag.replace('_', '-')}: only longtail takes it, not {args.name}")
     if args.job is not None:
@@ -185,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra.update({k: v for k, v in (("scale", args.scale), ("steps", args.steps)) if v is not None})
                 extra.update({"reward": True} if args.reward else {})
                 extra.update({"add_to": args.add_to} if args.add_to else {})
+                extra.update({"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib is not None else {})
             payload = run(quick=args.quick, out_dir=args.out, **extra)
             ok = payload.get("status", "ok") in ("ok", "skipped")
             status = status or (0 if ok else 1)

@@ -28,6 +28,7 @@ JSON and PNG go through ``publish_result`` (commit, command line, machine).
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import tempfile
@@ -316,11 +317,52 @@ def _describe_engines(row: dict[str, Any]) -> str:
             f"{row['trainer_tokens_per_s_one_per_step']:.0f} a step as one")
 
 
+# Overrides that change how one GPU is split between vLLM and the trainer, or what vLLM's
+# own memory holds beside its cache: a row with one of them is measured with the cache its
+# plan gives it, never with another row's (``pin_kv_cache``).
+MEMORY_KEYS = ("rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.max_model_len",
+               "rollout.max_num_seqs", "rollout.num_workers", "rollout.tensor_parallel_size", "rollout.dtype",
+               "train.pass_tokens", "train.chunk_size", "train.logit_chunk_tokens", "train.gradient_checkpointing",
+               "train.offload_optimizer", "train.grad_accum_dtype", "placement.", "model.", "reference.", "critic.")
+
+
+def pin_kv_cache(name: str, extra: tuple[str, ...], rows: dict[str, dict[str, Any]], pin: str | float,
+                 on_gpu: bool) -> tuple[float, str] | None:
+    """The KV cache (GiB, and whose it is) a Conveyor row is given with ``--kv-cache-gib``
+    ``pin``: a number, that size; ``first`` (on a GPU), the cache the first finished
+    Conveyor row of this result made (``rows``, earlier calls' included), so every row
+    generates with one cache; ``off``, none. None for the colocate row (its cache is
+    the job's largest step), a row whose overrides set one of ``MEMORY_KEYS`` (it
+    measures another split of the GPU), and where there is nothing to pin to.
+
+    Why: where the plan leaves vLLM's cache unsized (a long tail's cache at the cap
+    would not fit), vLLM sizes it from its share by profiling the device's memory, and
+    what the trainer allocates beside it meanwhile is counted as vLLM's: rows of one
+    job have come out with caches 30% apart (docs/performance/longtail.md). A cache of
+    a size the first row's vLLM made within the same share fits where that one did."""
+    if name not in MODES or name == "colocate" or pin == "off":
+        return None
+    if any(e.split("=", 1)[0].startswith(MEMORY_KEYS) for e in extra):
+        return None
+    if isinstance(pin, float):
+        return pin, "--kv-cache-gib"
+    if not on_gpu:
+        return None
+    for label, row in rows.items():
+        made = row.get("rollout_admission") or []
+        if (row.get("spec") in MODES and row.get("spec") != "colocate" and row.get("status") == "ok"
+                and len(made) == 1 and made[0].get("budget_gib")):
+            return math.floor(made[0]["budget_gib"] * 100) / 100, label
+    return None
+
+
 def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Path, on_gpu: bool,
              warmup: int, rows: dict[str, dict[str, Any]] | None = None,
-             on_row: Callable[[dict[str, dict[str, Any]]], Any] | None = None) -> dict[str, dict[str, Any]]:
+             on_row: Callable[[dict[str, dict[str, Any]]], Any] | None = None,
+             kv_cache_gib: str | float = "first") -> dict[str, dict[str, Any]]:
     """Each row in order (a repeat labelled ``name#2``), after ``rows`` (an earlier call's);
-    a failure is a row with its error; ``on_row(rows)`` after each."""
+    a failure is a row with its error; ``on_row(rows)`` after each. ``kv_cache_gib``: the
+    Conveyor rows' vLLM cache (``pin_kv_cache``)."""
     from bench.longtail_trl import run_trl_isolated
     from bench.peers.verl_grpo import verl_version
 
@@ -347,7 +389,12 @@ def run_rows(job: Job, specs: tuple[tuple[str, tuple[str, ...]], ...], root: Pat
             if name == "colocate" and job.colocate_kv_gib and not any(e.startswith("rollout.kv_cache_gib=")
                                                                         for e in extra):
                 extra = (f"rollout.kv_cache_gib={job.colocate_kv_gib}", *extra)
-            row = _attempt(f"conveyor-{name}", run_conveyor_row, name, job, where, extra, warmup, describe=_describe)
+            pinned = pin_kv_cache(name, extra, rows, kv_cache_gib, on_gpu)
+            given = (f"rollout.kv_cache_gib={pinned[0]:g}",) if pinned else ()
+            row = _attempt(f"conveyor-{name}", run_conveyor_row, name, job, where, (*extra, *given), warmup,
+                           describe=_describe)
+            if pinned:
+                row["kv_cache_pinned"] = {"gib": pinned[0], "from": pinned[1]}
         row["label"], row["spec"] = label, name
         row["requested"] = f"{name}[{';'.join(extra)}]" if extra else name  # as --systems gave it
         rows[label] = row
@@ -452,7 +499,8 @@ def compare_kv_budgets(first: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if budgets[low] < KV_BUDGET_SPREAD * budgets[high]:
         out["kv_budget_warning"] = (
             f"{low}'s rollout had a KV budget of {budgets[low]:.1f} GiB against {high}'s {budgets[high]:.1f} GiB: "
-            "the rows did not generate with the same cache; rollout.kv_cache_gib gives every row one size")
+            "the rows did not generate with the same cache (a row that changes the GPU's split keeps its own; "
+            "otherwise --kv-cache-gib, 'first' by default, gives every row one size)")
     return out
 
 
@@ -485,11 +533,13 @@ def compute_bounds(first: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | None = None, scale: float | None = None,
-        steps: int | None = None, reward: bool = False, add_to: Path | None = None) -> dict[str, Any]:
+        steps: int | None = None, reward: bool = False, add_to: Path | None = None,
+        kv_cache_gib: str | float = "first") -> dict[str, Any]:
     """``model``: a shape of ``stages.models.shapes`` or ``tiny`` (default ``qwen3_0.6b``;
     ``tiny`` with ``quick`` or ``reward``, or on a CPU); ``scale``: the lengths' factor (default 1 on a
     GPU, 1/64 on a CPU); ``steps``: per row (default the config's; 3 with ``quick``); ``add_to``: an
-    earlier result of the same job on the same GPU model whose rows come first (``load_earlier``).
+    earlier result of the same job on the same GPU model whose rows come first (``load_earlier``);
+    ``kv_cache_gib``: the Conveyor rows' vLLM cache (``pin_kv_cache``: ``first``, ``off`` or GiB).
     The result is written after every row (``status: partial`` until the last), so a call
     stopped by its time limit keeps the rows it finished."""
     import torch
@@ -511,7 +561,8 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
     earlier = load_earlier(add_to, params, schedule.describe(count), describe_gpus()["gpu"]) if add_to else None
     prior = dict(earlier["runs"]) if earlier else {}
     parts = [*((earlier.get("parts") or [_part(earlier)]) if earlier else []),
-             {"systems": [f"{n}[{';'.join(e)}]" if e else n for n, e in specs], "commit": describe_source()["commit"],
+             {"systems": [f"{n}[{';'.join(e)}]" if e else n for n, e in specs], "kv_cache_gib": kv_cache_gib,
+              "commit": describe_source()["commit"],
               "utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())}]
     names = [r["spec"] for r in prior.values()] + [n for n, _ in specs]
     label = _result_label(model, reward, [] if systems is None else names, scale)
@@ -525,7 +576,8 @@ def run(quick: bool, out_dir: Path, systems: str | None = None, model: str | Non
 
     try:
         job = prepare_job(model, steps, schedule, root / "job", reward, on_gpu)
-        rows = run_rows(job, specs, root, on_gpu, warmup, prior, on_row=lambda rows: publish(rows, done=False))
+        rows = run_rows(job, specs, root, on_gpu, warmup, prior, on_row=lambda rows: publish(rows, done=False),
+                        kv_cache_gib=kv_cache_gib)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return publish(rows, done=True)

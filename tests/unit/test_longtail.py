@@ -386,6 +386,60 @@ def test_each_row_is_written_as_it_ends_and_a_later_call_adds_its_rows(tmp_path,
                add_to=first["result_path"])
 
 
+def test_conveyor_rows_generate_with_the_kv_cache_the_first_row_made(tmp_path, monkeypatch):
+    """On a GPU every later Conveyor row is given the cache the first finished one's vLLM
+    made (its replica's budget, rounded down), unless it changes the GPU's split or is
+    the colocate row; a size given pins the first row too; ``off`` pins none. The rows
+    are fakes (no launch): what is tested is what each row is handed."""
+    import bench.longtail as lt
+
+    given: list[tuple[str, tuple[str, ...]]] = []
+
+    def fake_row(name, job, root, extra=(), warmup=1):
+        given.append((name, tuple(extra)))
+        budget = 18.3061 if name == "streaming" and not extra else 12.7
+        return {"system": f"conveyor-{name}", "status": "ok", "samples_per_s": 1.0,
+                "rollout_admission": [{"budget_gib": budget}]}
+
+    monkeypatch.setattr(lt, "run_conveyor_row", fake_row)
+    job = lt.Job(lt.CONFIG, 2, LengthSchedule(scale=1 / 64), "tiny", 64, tmp_path / "p.jsonl", colocate_kv_gib=3.5)
+    specs = (("streaming", ()), ("lockstep", ()), ("streaming", ("train.pass_tokens=8192",)),
+             ("colocate", ()), ("streaming", ("rollout.recompute_on_update=false",)))
+    rows = lt.run_rows(job, specs, tmp_path, on_gpu=True, warmup=1)
+    assert given == [("streaming", ()), ("lockstep", ("rollout.kv_cache_gib=18.3",)),
+                     ("streaming", ("train.pass_tokens=8192",)), ("colocate", ("rollout.kv_cache_gib=3.5",)),
+                     ("streaming", ("rollout.recompute_on_update=false", "rollout.kv_cache_gib=18.3"))]
+    assert rows["lockstep"]["kv_cache_pinned"] == {"gib": 18.3, "from": "streaming"}
+    assert "kv_cache_pinned" not in rows["streaming#2"] and rows["streaming#3"]["requested"] == (
+        "streaming[rollout.recompute_on_update=false]")  # as --systems gave it
+
+    # An earlier call's row is the first row; a size given pins every row; off pins none.
+    given.clear()
+    lt.run_rows(job, (("lockstep", ()),), tmp_path, on_gpu=True, warmup=1, rows={"streaming": rows["streaming"]})
+    assert given == [("lockstep", ("rollout.kv_cache_gib=18.3",))]
+    given.clear()
+    lt.run_rows(job, (("streaming", ()), ("lockstep", ())), tmp_path, on_gpu=True, warmup=1, kv_cache_gib=20.0)
+    assert given == [("streaming", ("rollout.kv_cache_gib=20",)), ("lockstep", ("rollout.kv_cache_gib=20",))]
+    given.clear()
+    lt.run_rows(job, (("streaming", ()), ("lockstep", ())), tmp_path, on_gpu=True, warmup=1, kv_cache_gib="off")
+    assert given == [("streaming", ()), ("lockstep", ())]
+    # On a CPU the cache is the config's in every row already: nothing to pin.
+    given.clear()
+    lt.run_rows(job, (("streaming", ()), ("lockstep", ())), tmp_path, on_gpu=False, warmup=1)
+    assert given == [("streaming", ()), ("lockstep", ())]
+
+
+def test_the_kv_cache_flag_takes_first_off_or_a_positive_size():
+    from bench.__main__ import main, parse_kv_cache_gib
+
+    assert [parse_kv_cache_gib(t) for t in ("first", "off", "18.3")] == ["first", "off", 18.3]
+    for bad in ("0", "-2", "big"):
+        with pytest.raises(SystemExit):
+            main(["longtail", "--kv-cache-gib", bad])
+    with pytest.raises(SystemExit):
+        main(["gpu_e2e", "--kv-cache-gib", "18"])  # only longtail takes it
+
+
 def test_the_scheduler_probe_counts_each_preemption_once_also_after_its_request_left():
     """On a fake scheduler (named as such): KV usage is averaged over the steps observed;
     a request's preemptions count once, whether it is still running or has finished."""
