@@ -228,6 +228,7 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
         **compute_stage_rates(steady, per_step),
         **compute_wall_rates(rows, per_step, warmup),
         "busy_share": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
+        "bound": summary.get("bound"),  # the run's own reading: its bound, why, the keys to try
         # The trainer stage's seconds by span kind (busy; inside it wait_memory: admission
         # waiting for GPU memory) and its step in parts: where a trainer-bound row's time goes.
         "trainer_seconds": summary["stages"].get("trainer", {}).get("seconds"),
@@ -523,7 +524,9 @@ def compute_bounds(first: dict[str, dict[str, Any]]) -> dict[str, Any]:
         busy = row.get("busy_share") or {}
         if busy:
             stage = max(busy, key=busy.__getitem__)
-            out[f"{spec}_bound"] = {"stage": stage, "busy_share": busy[stage]}
+            told = row.get("bound") or {}
+            out[f"{spec}_bound"] = {"stage": stage, "busy_share": busy[stage],
+                                    **{k: told[k] for k in ("why", "change") if k in told}}
         if alone:
             for part, key in (("rollout", "rollout_tokens_per_s_all_at_once"),
                               ("trainer", "trainer_tokens_per_s_micro_batches")):

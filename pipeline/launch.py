@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from pipeline.bound import diagnose_bound
 from pipeline.checkpoint import CHECKPOINTS_DIR, find_latest_checkpoint, prepare_run_dir, reconcile_prompt_ids
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
@@ -597,7 +598,9 @@ def _drive(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan, run_dir: Path
         raise
     finally:
         reporter.close(ended)
-    return finish_run(cfg, run_dir, result, reporter, checks, resumes)
+    # The trainer streams beside vLLM on a GPU: their memory split is what the bound may name.
+    beside = plan.share_a_gpu("rollout", "trainer") and cfg.placement.mode != "colocate"
+    return finish_run(cfg, run_dir, result, reporter, checks, resumes, trainer_beside_rollout=beside)
 
 
 def describe_startup(runner: dict[str, Any], preflight_s: float, first_step_s: float) -> dict[str, Any]:
@@ -716,7 +719,8 @@ def summarise_faults(result: RunResult, resumes: list[dict[str, Any]] | None = N
 
 
 def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: Reporter,
-               checks: PreflightReport | None = None, resumes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               checks: PreflightReport | None = None, resumes: list[dict[str, Any]] | None = None,
+               trainer_beside_rollout: bool = False) -> dict[str, Any]:
     df = build_dataflow(cfg)
     # Timeline rows in pipeline order; replica r > 0 of a node records as "<node>:<r>".
     order = [n if r == 0 else f"{n}:{r}" for n in df.topological_order() for r in range(df.nodes[n].replicas)]
@@ -781,12 +785,17 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
         **({"eval": {**reporter.evals.summary(), "skipped": result.controller.get("evals", {}).get("skipped", [])}}
            if cfg.eval.enabled else {}),
     }
+    # What bounded the run and the key that moves it (pipeline/bound.py), from what it measured.
+    bound = diagnose_bound(summary["stages"], [r or {} for r in summary["rollout"]], cfg, trainer_beside_rollout,
+                           (reporter.last_step or {}).get("memory/trainer_alloc_retries", 0.0))
+    summary["bound"] = bound.to_dict()
     write_summary(run_dir, add_run_totals(summary, reporter))
     if cfg.eval.enabled:
         plot_evals(read_metrics(run_dir), run_dir / EVAL_PICTURE)
     reporter.writer.finish(summary, [run_dir / SUMMARY_FILE, run_dir / "timeline.png", run_dir / EVAL_PICTURE])
     if agg:
         print(format_summary_table(agg))
+        log.info(bound.describe())
     log.info("done", wall_s=round(result.wall_s, 1), steps=summary["steps"],
              reward_first=summary["reward_first"], reward_last=summary["reward_last"],
              **({"eval_last": (reporter.evals.last or {}).get("eval/reward_mean")} if cfg.eval.enabled else {}),

@@ -73,6 +73,11 @@ class PlacementPlan:
         used = [g for s in self.stages.values() for g in s.gpus]
         return max(used) + 1 if used else 0
 
+    def share_a_gpu(self, stage: str, other: str) -> bool:
+        """``stage`` and ``other`` have a GPU index in common (at once, or colocated in turns)."""
+        a, b = self.stages.get(stage), self.stages.get(other)
+        return bool(a and b and set(a.gpus) & set(b.gpus))
+
     def describe(self) -> list[str]:
         """One line per stage (``rollout -> [0] (share 0.33)``), then the notes."""
         lines = []

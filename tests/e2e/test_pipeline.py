@@ -131,6 +131,12 @@ def test_run_outputs_are_written(streaming_run):
     trainer = summary["stages"]["trainer"]
     assert trainer["seconds"]["busy"] == pytest.approx(trainer["busy_s"], abs=1e-3) and trainer["busy_s"] > 0
     assert trainer["seconds"]["wait_input"] > 0
+    # What bounded the run: its busiest pipeline stage, why and the keys to try (pipeline/bound.py).
+    busy = {k: v["busy_ratio"] for k, v in summary["stages"].items() if k in ("rollout", "reward", "reference",
+                                                                                "trainer")}
+    bound = summary["bound"]
+    assert bound["busy_share"] == pytest.approx(max(busy.values())), (bound, busy)
+    assert bound["stage"] in (None, max(busy, key=busy.__getitem__)) and bound["why"], bound
     # status.json (what `conveyor status` reads) says the run ended, not "running".
     assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
     # Each stage's own output (and its engine's) is in its log file, not on the console.

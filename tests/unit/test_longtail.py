@@ -508,14 +508,17 @@ def test_each_row_names_its_bound_and_its_share_of_the_engines_alone():
         {"engine_core": "in_process", "by_step": {"tokens_per_s": 8000.0}, "all_at_once": {"tokens_per_s": 20000.0}},
         {"micro_batches": {"tokens_per_s": 15000.0}, "one_per_step": {"tokens_per_s": 45000.0}}), "spec": "engines"}
     rows = {"streaming": {"spec": "streaming", "status": "ok", "busy_share": {"rollout": 0.6, "trainer": 0.99},
-                          "rollout_tokens_per_wall_s": 5000.0, "trainer_tokens_per_wall_s": 12000.0},
+                          "rollout_tokens_per_wall_s": 5000.0, "trainer_tokens_per_wall_s": 12000.0,
+                          "bound": {"stage": "trainer", "busy_share": 0.99, "why": "the trainer ran at its rate",
+                                    "change": ["train.num_ranks"]}},
             "lockstep": {"spec": "lockstep", "status": "ok", "busy_share": {"rollout": 0.95, "trainer": 0.7},
                          "rollout_tokens_per_wall_s": None, "trainer_tokens_per_wall_s": 3000.0},
             "trl": {"spec": "trl", "status": "ok", "samples_per_s": 3.0},
             "engines": engines}
     assert parse_systems("engines[train.pass_tokens=8192]") == (("engines", ("train.pass_tokens=8192",)),)
     got = compute_bounds(rows)
-    assert got["streaming_bound"] == {"stage": "trainer", "busy_share": 0.99}
+    assert got["streaming_bound"] == {"stage": "trainer", "busy_share": 0.99, "why": "the trainer ran at its rate",
+                                      "change": ["train.num_ranks"]}  # the run's own reading, where it has one
     assert got["lockstep_bound"] == {"stage": "rollout", "busy_share": 0.95}
     assert got["streaming_rollout_of_alone"] == 0.25 and got["streaming_trainer_of_alone"] == 0.8
     assert got["lockstep_rollout_of_alone"] is None and got["lockstep_trainer_of_alone"] == 0.2
