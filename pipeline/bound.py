@@ -18,9 +18,10 @@ the stage's busy seconds; ``MIN_SHARE``, ``FULL``, ``SLACK``):
 - rollout bound: admission deferred micro-batches for KV memory (``wait_memory``) ->
   ``rollout.kv_reserve=none`` (or a larger cache); the staleness limit held generation
   (``wait_version``) -> ``dataflow.max_staleness``; the cache full and preempting
-  beyond the updates' recomputes -> on a GPU shared with the trainer, a smaller trainer
+  beyond the updates' recomputes or mostly in use -> on a GPU shared with the trainer, a smaller trainer
   pass (``train.pass_tokens``, ``train.gradient_checkpointing``) where the trainer had
-  slack, else more GPUs; on its own GPU ``rollout.gpu_memory_utilization`` or
+  slack, else more GPUs; on its own GPU (or a CPU) a larger cache
+  (``rollout.kv_cache_gib`` where set, else ``rollout.gpu_memory_utilization``) or
   ``rollout.num_workers``; the cache mostly unused -> streaming for a lock-step run,
   and more in flight (``rollout.max_inflight``) where the requests were at the job's
   limit (``AT_LIMIT`` of ``job_sequences``); else the engine's own rate
@@ -143,7 +144,7 @@ def _rollout_bound(share: float, seconds: dict[str, float], engine: dict[str, fl
     if engine is None:
         return Bound("rollout", share, "generation set the pace (vLLM's scheduler was not read)",
                      ["rollout.num_workers"])
-    if engine["kv_usage_max"] >= FULL and engine["short"] > 0:
+    if engine["kv_usage_max"] >= FULL and (engine["short"] > 0 or engine["kv_usage_mean"] >= LOW_USE):
         why = f"{cache}, {engine['short']:.0f} preemptions beyond the weight updates' recomputes"
         if shares_gpu and trainer_busy < SLACK:
             return Bound("rollout", share, f"{why}: the cache was short, while the trainer beside it on the GPU "
@@ -155,8 +156,8 @@ def _rollout_bound(share: float, seconds: dict[str, float], engine: dict[str, fl
             return Bound("rollout", share, f"{why}, and the trainer beside it busy {trainer_busy:.0%}: both engines "
                                            f"are near what one GPU gives them (a smaller trainer pass would slow "
                                            f"the trainer as much)", ["a GPU more (the rollout on its own)"])
-        return Bound("rollout", share, f"{why}: the cache was short",
-                     ["rollout.gpu_memory_utilization", "rollout.num_workers"])
+        size = "rollout.kv_cache_gib" if cfg.rollout.kv_cache_gib is not None else "rollout.gpu_memory_utilization"
+        return Bound("rollout", share, f"{why}: the cache was short", [size, "rollout.num_workers"])
     lockstep = not cfg.dataflow.async_execution
     limit = job_sequences(cfg, lockstep) * engine["replicas"]
     requests = f"{engine['mean_requests']:.0f} requests in flight on average of the {limit} it may have"

@@ -91,6 +91,8 @@ def test_reserving_no_kv_leaves_an_overfull_cache_to_vllm_and_every_sample_keeps
     assert admission["kv_reserve"] == "none", admission
     assert admission["deferred"] == 0 and admission["admitted"] >= 32, admission
     assert engine["kv_usage_max"] >= 0.99, engine  # the cache was full: vLLM held requests back
+    # The run's own reading of it (pipeline/bound.py): generation bound by the cache it was given.
+    assert row["bound"]["stage"] == "rollout" and row["bound"]["change"][0] == "rollout.kv_cache_gib", row["bound"]
     per_prompt = 8  # configs/longtail.yaml's rollout.n
     assert row["lengths"] == summarize_length_counts(Counter(n for n in schedule.lengths(job.prompts)
                                                              for _ in range(per_prompt)))

@@ -53,12 +53,15 @@ def test_a_full_cache_beside_an_idle_trainer_asks_for_a_smaller_trainer_pass():
     bound = diagnose_bound(stages(0.99, 0.5), [engine(0.8, 1.0, 500, updates=100)], cfg, shares_gpu=True)
     assert bound.change == [f"train.pass_tokens={cfg.train.pass_tokens // 2}", "train.gradient_checkpointing=true"]
     assert "400 preemptions beyond the weight updates'" in bound.why
-    # Only the updates' recomputes: the cache was not short.
-    bound = diagnose_bound(stages(0.99, 0.5), [engine(0.8, 1.0, 100, updates=100)], cfg, shares_gpu=True)
+    # Full once, mostly unused and preempting only for the updates: the cache was not short.
+    bound = diagnose_bound(stages(0.99, 0.5), [engine(0.3, 1.0, 100, updates=100)], cfg, shares_gpu=True)
     assert bound.change == ["rollout.num_workers"]
-    # On a GPU of its own the cache is vLLM's share to raise.
+    # On a GPU of its own the cache is vLLM's share to raise, or the size the user gave it.
     bound = diagnose_bound(stages(0.99, 0.5), [engine(0.8, 1.0, 500)], cfg, shares_gpu=False)
     assert bound.change == ["rollout.gpu_memory_utilization", "rollout.num_workers"]
+    sized = load_config(LONGTAIL, ["rollout.kv_cache_gib=2"])
+    bound = diagnose_bound(stages(0.99, 0.5), [engine(0.8, 1.0, 0)], sized, shares_gpu=False)
+    assert bound.change == ["rollout.kv_cache_gib", "rollout.num_workers"]
 
 
 def test_a_rollout_with_cache_to_spare_asks_for_more_in_flight_only_at_its_limit_or_streaming():
