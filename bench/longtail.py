@@ -262,12 +262,13 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
 
 def summarize_rollout_admission(result: dict[str, Any]) -> dict[str, Any]:
     """One rollout replica's admission counters (``admission/<stage>/admitted``, ``deferred``,
-    ``splits``), its KV budget and reserved bytes at the end, in GiB, what a sample
+    ``splits``), the KV cache its engine made (``kv_cache_gib``), its admission budget (a
+    share of that cache) and reserved bytes at the end, in GiB, what a sample
     reserved (``kv_reserve``, ``rollout.kv_reserve`` resolved), and the most samples it
     admits at once at the cap (``kv_admission_seqs``) or the completion tokens it reserves
     a sample under ``observed`` (``kv_reserve_tokens``)."""
-    out: dict[str, Any] = {k: result[k] for k in ("kv_reserve", "kv_admission_seqs", "kv_reserve_tokens")
-                           if k in result}
+    out: dict[str, Any] = {k: result[k] for k in ("kv_reserve", "kv_cache_gib", "kv_admission_seqs",
+                                                  "kv_reserve_tokens") if k in result}
     for key, value in result.items():
         kind, _, name = key.partition("/")
         field = name.rpartition("/")[2]
@@ -334,7 +335,8 @@ def pin_kv_cache(name: str, extra: tuple[str, ...], rows: dict[str, dict[str, An
     Conveyor row of this result made (``rows``, earlier calls' included), so every row
     generates with one cache; ``off``, none. None for the colocate row (its cache is
     the job's largest step), a row whose overrides set one of ``MEMORY_KEYS`` (it
-    measures another split of the GPU), and where there is nothing to pin to.
+    measures another split of the GPU), and where there is nothing to pin to (the rows
+    of a result made before the rollout reported its cache, ``kv_cache_gib``).
 
     Why: where the plan leaves vLLM's cache unsized (a long tail's cache at the cap
     would not fit), vLLM sizes it from its share by profiling the device's memory, and
@@ -352,8 +354,8 @@ def pin_kv_cache(name: str, extra: tuple[str, ...], rows: dict[str, dict[str, An
     for label, row in rows.items():
         made = row.get("rollout_admission") or []
         if (row.get("spec") in MODES and row.get("spec") != "colocate" and row.get("status") == "ok"
-                and len(made) == 1 and made[0].get("budget_gib")):
-            return math.floor(made[0]["budget_gib"] * 100) / 100, label
+                and len(made) == 1 and made[0].get("kv_cache_gib")):
+            return math.floor(made[0]["kv_cache_gib"] * 100) / 100, label
     return None
 
 

@@ -16,6 +16,6 @@ scale=${2:-0.25}
 steps=${3:-4}
 systems=${4:-streaming,lockstep,streaming[placement.mps=false],lockstep[placement.mps=false],trl,verl,engines}
 mkdir -p "$out"
-bash bench/peers/verl_env_on_device.sh
+case ",$systems," in *,verl,*|*,verl\[*) bash bench/peers/verl_env_on_device.sh ;; esac  # only for its row
 CONVEYOR_VERL_SITE=/tmp/site-notrl:/tmp/verl-site python3 -m bench longtail --model qwen3_0.6b \
   --scale "$scale" --steps "$steps" --systems "$systems" --out "$out"

@@ -254,8 +254,9 @@ class RolloutStage:
         # Admission's KV budget: the cache the engine made (vLLM reports its blocks), else
         # rollout.kv_cache_gib (1 GiB unset).
         tokens = getattr(self.backend, "kv_cache_tokens", lambda: None)()
-        pool = build_pool_reading(estimate_kv_cache_bytes(self.shape, tokens) if tokens
-                                  else int(cfg.rollout.kv_cache_budget_gib * (1 << 30)))
+        self.kv_cache_bytes = (estimate_kv_cache_bytes(self.shape, tokens) if tokens
+                               else int(cfg.rollout.kv_cache_budget_gib * (1 << 30)))
+        pool = build_pool_reading(self.kv_cache_bytes)
         self.guard = MemoryGuard(ctx.name, cfg.rollout.memory, read=lambda: pool, spans=ctx.spans)
         if self.guard.protected and cfg.rollout.kv_reserve_policy == "cap":
             self.kv_admission_seqs, why = describe_kv_admission(
@@ -683,6 +684,7 @@ class RolloutStage:
                 **({} if freed is None else {"sleep_freed_gib": {"min": freed[0] / 2**30, "max": freed[1] / 2**30}}),
                 **({} if engine is None else {"engine": engine}),
                 "kv_reserve": self.cfg.rollout.kv_reserve_policy,
+                "kv_cache_gib": self.kv_cache_bytes / 2**30,  # the cache the engine made (its blocks)
                 **({} if self.kv_admission_seqs is None else {"kv_admission_seqs": self.kv_admission_seqs}),
                 **({} if self.reserve_tokens is None else {"kv_reserve_tokens": self.reserve_tokens}),
                 "occupancy": {"seconds_at": self.occupancy.seconds_at(), "peak": self.occupancy.peak},

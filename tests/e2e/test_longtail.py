@@ -90,6 +90,9 @@ def test_reserving_no_kv_leaves_an_overfull_cache_to_vllm_and_every_sample_keeps
     [admission], [engine] = row["rollout_admission"], row["engine"]
     assert admission["kv_reserve"] == "none", admission
     assert admission["deferred"] == 0 and admission["admitted"] >= 32, admission
+    # The cache the engine made, as the rollout reports it (what `--kv-cache-gib first` pins).
+    assert admission["kv_cache_gib"] == pytest.approx(0.004, rel=0.25), admission
+    assert admission["kv_cache_gib"] > admission["budget_gib"], admission  # the budget is a share of it
     assert engine["kv_usage_max"] >= 0.99, engine  # the cache was full: vLLM held requests back
     # The run's own reading of it (pipeline/bound.py): generation bound by the cache it was given.
     assert row["bound"]["stage"] == "rollout" and row["bound"]["change"][0] == "rollout.kv_cache_gib", row["bound"]

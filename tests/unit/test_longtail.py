@@ -308,11 +308,12 @@ def test_a_rows_rollout_admission_is_read_from_its_replicas_counters():
     the replica's stage name; its other status fields are left out."""
     from bench.longtail import summarize_rollout_admission
 
-    result = {"state": "generating", "samples": 512, "oom_protection": True, "kv_reserve": "cap",
+    result = {"state": "generating", "samples": 512, "oom_protection": True, "kv_reserve": "cap", "kv_cache_gib": 3.5,
               "admission/rollout:1/admitted": 40.0, "admission/rollout:1/deferred": 7.0,
               "admission/rollout:1/splits": 3.0, "admission/rollout:1/calibration": 1.0,
               "memory/rollout:1/budget_bytes": 3 * 2**30, "memory/rollout:1/used_bytes": 2**29}
-    assert summarize_rollout_admission(result) == {"kv_reserve": "cap", "admitted": 40.0, "deferred": 7.0,
+    assert summarize_rollout_admission(result) == {"kv_reserve": "cap", "kv_cache_gib": 3.5, "admitted": 40.0,
+                                                   "deferred": 7.0,
                                                    "splits": 3.0, "budget_gib": 3.0, "used_gib": 0.5}
 
 
@@ -388,7 +389,7 @@ def test_each_row_is_written_as_it_ends_and_a_later_call_adds_its_rows(tmp_path,
 
 def test_conveyor_rows_generate_with_the_kv_cache_the_first_row_made(tmp_path, monkeypatch):
     """On a GPU every later Conveyor row is given the cache the first finished one's vLLM
-    made (its replica's budget, rounded down), unless it changes the GPU's split or is
+    made (its replica's cache, not its admission budget; rounded down), unless it changes the GPU's split or is
     the colocate row; a size given pins the first row too; ``off`` pins none. The rows
     are fakes (no launch): what is tested is what each row is handed."""
     import bench.longtail as lt
@@ -397,26 +398,31 @@ def test_conveyor_rows_generate_with_the_kv_cache_the_first_row_made(tmp_path, m
 
     def fake_row(name, job, root, extra=(), warmup=1):
         given.append((name, tuple(extra)))
-        budget = 18.3061 if name == "streaming" and not extra else 12.7
+        cache = 21.5361 if name == "streaming" and not extra else 15.0
         return {"system": f"conveyor-{name}", "status": "ok", "samples_per_s": 1.0,
-                "rollout_admission": [{"budget_gib": budget}]}
+                "rollout_admission": [{"kv_cache_gib": cache, "budget_gib": 0.85 * cache}]}
 
     monkeypatch.setattr(lt, "run_conveyor_row", fake_row)
     job = lt.Job(lt.CONFIG, 2, LengthSchedule(scale=1 / 64), "tiny", 64, tmp_path / "p.jsonl", colocate_kv_gib=3.5)
     specs = (("streaming", ()), ("lockstep", ()), ("streaming", ("train.pass_tokens=8192",)),
              ("colocate", ()), ("streaming", ("rollout.recompute_on_update=false",)))
     rows = lt.run_rows(job, specs, tmp_path, on_gpu=True, warmup=1)
-    assert given == [("streaming", ()), ("lockstep", ("rollout.kv_cache_gib=18.3",)),
+    assert given == [("streaming", ()), ("lockstep", ("rollout.kv_cache_gib=21.53",)),
                      ("streaming", ("train.pass_tokens=8192",)), ("colocate", ("rollout.kv_cache_gib=3.5",)),
-                     ("streaming", ("rollout.recompute_on_update=false", "rollout.kv_cache_gib=18.3"))]
-    assert rows["lockstep"]["kv_cache_pinned"] == {"gib": 18.3, "from": "streaming"}
+                     ("streaming", ("rollout.recompute_on_update=false", "rollout.kv_cache_gib=21.53"))]
+    assert rows["lockstep"]["kv_cache_pinned"] == {"gib": 21.53, "from": "streaming"}
     assert "kv_cache_pinned" not in rows["streaming#2"] and rows["streaming#3"]["requested"] == (
         "streaming[rollout.recompute_on_update=false]")  # as --systems gave it
 
     # An earlier call's row is the first row; a size given pins every row; off pins none.
     given.clear()
     lt.run_rows(job, (("lockstep", ()),), tmp_path, on_gpu=True, warmup=1, rows={"streaming": rows["streaming"]})
-    assert given == [("lockstep", ("rollout.kv_cache_gib=18.3",))]
+    assert given == [("lockstep", ("rollout.kv_cache_gib=21.53",))]
+    # A row of a result made before rollouts reported their cache: nothing to pin to.
+    given.clear()
+    older = {**rows["streaming"], "rollout_admission": [{"budget_gib": 18.3}]}
+    lt.run_rows(job, (("lockstep", ()),), tmp_path, on_gpu=True, warmup=1, rows={"streaming": older})
+    assert given == [("lockstep", ())]
     given.clear()
     lt.run_rows(job, (("streaming", ()), ("lockstep", ())), tmp_path, on_gpu=True, warmup=1, kv_cache_gib=20.0)
     assert given == [("streaming", ("rollout.kv_cache_gib=20",)), ("lockstep", ("rollout.kv_cache_gib=20",))]
