@@ -54,6 +54,9 @@ class Node:
     # Environment variables of the replicas' processes (and of what they start), beside
     # the run's own: e.g. the MPS daemon of GPU stages (``DataFlow.set_gpu_env``).
     env: dict[str, str] = field(default_factory=dict)
+    # Nodes whose set-ups end before this one's begins (``setup_waves``): e.g. a GPU stage
+    # beside a vLLM engine that sizes its KV cache from the device's free memory.
+    setup_after: tuple[str, ...] = ()
 
 
 class DataFlow:
@@ -103,6 +106,24 @@ class DataFlow:
                 node.env.update(env)
 
     # ---------------------------------------------------------------- structure
+    def setup_waves(self) -> list[list[str]]:
+        """The nodes in the order their set-ups run: each wave's together, after every
+        node a node names in ``setup_after`` (in an earlier wave); a name that is no node,
+        or a loop of them, raises ``GraphError``."""
+        for node in self.nodes.values():
+            unknown = [n for n in node.setup_after if n not in self.nodes or n == node.name]
+            if unknown:
+                raise GraphError(f"node {node.name!r}: setup_after {unknown} names no other node")
+        waves: list[list[str]] = []
+        done: set[str] = set()
+        while len(done) < len(self.nodes):
+            wave = [n for n, node in self.nodes.items() if n not in done and set(node.setup_after) <= done]
+            if not wave:
+                raise GraphError(f"dataflow: setup_after loops among {sorted(set(self.nodes) - done)}")
+            waves.append(wave)
+            done.update(wave)
+        return waves
+
     def consumers(self, name: str) -> list[str]:
         return [n.name for n in self.nodes.values() if n.input_from == name]
 

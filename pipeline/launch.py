@@ -66,6 +66,7 @@ from pipeline.placement import (
     detect_host_memory,
     detect_nodes,
     engines_per_gpu,
+    order_setups,
     plan_max_num_seqs,
     plan_placement,
     size_job_kv_cache,
@@ -143,7 +144,9 @@ def build_dataflow(cfg: ConveyorConfig, plan: PlacementPlan | None = None) -> Da
     df.validate()
     check_eval_node(cfg, df)
     if plan is not None:
+        after, _ = order_setups(cfg, plan)
         for name, node in df.nodes.items():
+            node.setup_after = after.get(name, ())
             placed = plan.stages.get(name)
             if placed is not None:
                 node.num_gpus = placed.num_gpus
@@ -237,7 +240,11 @@ def plan_run_placement(cfg: ConveyorConfig) -> tuple[ConveyorConfig, PlacementPl
             plan.notes.append(f"{where}: vLLM's weights, KV cache and {RESERVE_FRACTION:.0%} reserve need "
                               f"{startup:g} of the GPU, more than its share {share:g}: it may run "
                               f"out of memory; lower rollout.kv_cache_gib or rollout.max_inflight")
-    return msgspec.structs.replace(cfg, rollout=rollout), plan
+    run_cfg = msgspec.structs.replace(cfg, rollout=rollout)
+    _, why = order_setups(run_cfg, plan)
+    if why:
+        plan.notes.append(why)
+    return run_cfg, plan
 
 
 def _nearest_existing(path: Path) -> Path:

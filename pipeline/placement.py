@@ -478,6 +478,34 @@ def size_job_kv_cache(cfg: ConveyorConfig, shape: ModelShape, engines_sharing: i
     return kv, seq_tokens, note
 
 
+def order_setups(cfg: ConveyorConfig, plan: PlacementPlan) -> tuple[dict[str, tuple[str, ...]], str | None]:
+    """The stages whose set-up waits for the rollout's (``Node.setup_after``) and the
+    plan's note saying why; none where vLLM is given its cache's size.
+
+    A vLLM engine without ``kv_cache_memory_bytes`` (``rollout.kv_cache_gib`` unset after
+    the plan: streaming on one GPU where the job's cache does not fit, or a share the
+    user chose) sizes its cache from its share less what it measures itself using while
+    it loads and profiles, and it measures that as the device's free memory falling (vLLM
+    0.26 to 0.32): whatever a stage beside it on its GPU allocates meanwhile (the
+    trainer's model, optimizer, compiled blocks) is counted as vLLM's and taken from its
+    cache. Rows of one job came out with caches 30% apart so. The stages that share a
+    rollout GPU (trainer, reference, critic, reward model) therefore set up once the
+    rollout's engines are up: the cache is then what vLLM's share gives, every launch.
+    It costs their set-up time at launch (they no longer overlap vLLM's start), so it
+    applies only where vLLM profiles; a cache of a given size (``rollout.kv_cache_gib``)
+    starts them together."""
+    ro = plan.stages.get("rollout")
+    if cfg.rollout.backend != "vllm" or cfg.rollout.kv_cache_gib is not None or ro is None or not ro.gpus:
+        return {}, None
+    mates = [name for name, placed in plan.stages.items() if name != "rollout" and set(placed.gpus) & set(ro.gpus)]
+    if not mates:
+        return {}, None
+    return {name: ("rollout",) for name in mates}, (
+        f"{', '.join(mates)} set up after the rollout: vLLM sizes its KV cache from the GPU's free memory while "
+        f"it starts, which their allocations would take from it; rollout.kv_cache_gib gives it a size and "
+        f"starts them together")
+
+
 def colocated_startup_fraction(shape: ModelShape, kv_bytes: int, gpu_bytes: int) -> float:
     """The share of the GPU a colocated engine with a KV cache of ``kv_bytes`` needs
     awake: its weights, that cache and ``RESERVE_FRACTION`` of the GPU (the CUDA

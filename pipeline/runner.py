@@ -277,10 +277,17 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
     pids = await _await_stages(graph, [(actors[n][r].process_id.remote(), n) for n, r in keys], "starting")
     graph.processes = dict(zip(keys, pids, strict=True))
     started = time.monotonic()
-    timings = await _await_stages(graph, [(actors[n][r].setup.remote(controller), n) for n, r in keys], "setting_up",
-                                  probes=[(f"{n}:{r}", actors[n][r]) for n, r in keys])
+    timings: dict[tuple[str, int], Any] = {}
+    for wave in df.setup_waves():  # one wave unless a node sets up after others (Node.setup_after)
+        now = [(n, r) for n, r in keys if n in wave]
+        later = sorted({n for n, _ in keys if n not in wave and n not in {m for m, _ in timings}})
+        if later:
+            log.info("setting_up_first", stages=sorted(wave), then=later)
+        done = await _await_stages(graph, [(actors[n][r].setup.remote(controller), n) for n, r in now], "setting_up",
+                                   probes=[(f"{n}:{r}", actors[n][r]) for n, r in now])
+        timings.update(zip(now, done, strict=True))
     graph.startup = {"actors_s": round(started - began, 2), "setup_s": round(time.monotonic() - started, 2),
-                     "stages": {f"{n}:{r}": t for (n, r), t in zip(keys, timings, strict=True)}}
+                     "stages": {f"{n}:{r}": timings[(n, r)] for n, r in keys}}
     for key, (host, pid) in graph.processes.items():
         graph.spawned[key] = _children(host, pid)
     return graph

@@ -257,6 +257,11 @@ class RolloutStage:
         self.kv_cache_bytes = (estimate_kv_cache_bytes(self.shape, tokens) if tokens
                                else int(cfg.rollout.kv_cache_budget_gib * (1 << 30)))
         pool = build_pool_reading(self.kv_cache_bytes)
+        if tokens and cfg.rollout.kv_cache_gib is None:
+            # An engine rebuilt after a death gets the cache this one made: sized by
+            # profiling, it would measure a GPU whose memory the trainer beside it uses.
+            rebuilt = msgspec.structs.replace(cfg.rollout, kv_cache_gib=self.kv_cache_bytes / (1 << 30))
+            self._new_backend = lambda: build_backend(cfg.rollout.backend, model_path, rebuilt, dtype)
         self.guard = MemoryGuard(ctx.name, cfg.rollout.memory, read=lambda: pool, spans=ctx.spans)
         if self.guard.protected and cfg.rollout.kv_reserve_policy == "cap":
             self.kv_admission_seqs, why = describe_kv_admission(

@@ -110,6 +110,26 @@ class FakeSink(FakeStage):
         return self.arrived
 
 
+class FakeTimedSetupStage(FakeStage):
+    """Passes items on; its set-up takes ``setup_s`` and its result is when that began
+    and ended (wall clock, seconds)."""
+
+    async def setup(self, ctx) -> None:
+        self.began = time.time()
+        await super().setup(ctx)
+        self.ended = time.time()
+
+    def result(self) -> dict[str, float]:
+        return {"began": self.began, "ended": self.ended}
+
+
+class FakeTimedSetupSink(FakeSink, FakeTimedSetupStage):
+    """``FakeSink`` whose result is its set-up's times (``FakeTimedSetupStage``)."""
+
+    def result(self) -> dict[str, float]:
+        return FakeTimedSetupStage.result(self)
+
+
 class FakeEnvStage(FakeStage):
     """Passes items on (or, ``terminal``, keeps them); its result is the values of
     ``names`` in its process's environment."""
@@ -472,17 +492,22 @@ class FakeDyingBackend:
     engine serves the checkpoint (fingerprint ``CHECKPOINT``, read at construction); an
     update serves ``fake_fingerprint(data)``; a payload in ``GONE`` is refused with
     ``WeightSyncError`` before anything loads (a ``cuda_ipc`` ring slot rewritten since);
-    with ``START_GATE`` set, ``start`` waits for it.
-    Every engine built in this process is kept in ``built``, its calls in ``events``."""
+    with ``START_GATE`` set, ``start`` waits for it. With ``CACHE_TOKENS`` set, an engine
+    built without a cache size (``rollout.kv_cache_gib``) reports that many tokens of KV
+    cache, as vLLM does of the cache it sized itself; one given a size reports that size.
+    Every engine built in this process is kept in ``built``, its calls in ``events``, the
+    cache size it was given in ``kv_cache_gib``."""
 
     GENERATE_S = 0.3
     CHECKPOINT = (1.0, 1.0)
     DIE_AT: tuple[int, ...] = ()
     GONE: frozenset[bytes] = frozenset()
     START_GATE: asyncio.Event | None = None
+    CACHE_TOKENS: int | None = None
     built: ClassVar[list[FakeDyingBackend]] = []
 
     def __init__(self, model_path: Any, rollout_cfg: Any, dtype: str) -> None:
+        self.kv_cache_gib = rollout_cfg.kv_cache_gib
         self.version = 0
         self.live = FakeDyingBackend.CHECKPOINT
         index = len(FakeDyingBackend.built)
@@ -494,6 +519,9 @@ class FakeDyingBackend:
 
     def kill(self) -> None:
         self.dead.set()
+
+    def kv_cache_tokens(self) -> int | None:
+        return self.CACHE_TOKENS
 
     def _check(self) -> None:
         from stages.rollout.base import EngineDied

@@ -17,6 +17,8 @@ from tests.ray_local.fakes import (
     FakeSink,
     FakeSource,
     FakeStage,
+    FakeTimedSetupSink,
+    FakeTimedSetupStage,
     FakeWatchedStage,
 )
 
@@ -53,6 +55,21 @@ def test_a_nodes_env_reaches_its_process_beside_the_runs_own(ray_cluster):
     # SIGTERM, which the local cluster's processes were started with blocked.
     assert got["sigterm_blocked"] is False and got["PYTHONPATH"]
     assert result.result("other") == {"CONVEYOR_NODE_ENV": None, "sigterm_blocked": False}
+
+
+def test_a_node_sets_up_after_the_nodes_it_names(ray_cluster, capfd):
+    """``Node.setup_after`` (the trainer beside a vLLM that sizes its cache from the GPU's
+    free memory): its set-up begins once theirs have ended; the others set up together."""
+    df = DataFlow()
+    df.add_node("source", FakeSource, None, count=3)
+    df.add_node("engine", FakeTimedSetupStage, "source", setup_s=1.0)
+    df.add_node("beside", FakeTimedSetupStage, "engine", setup_s=0.2)
+    df.add_node("sink", FakeTimedSetupSink, "beside", setup_s=0.2)
+    df.nodes["beside"].setup_after = ("engine",)
+    result = df.run(async_execution=True)
+    engine, beside, sink = (result.result(n) for n in ("engine", "beside", "sink"))
+    assert beside["began"] >= engine["ended"] > sink["ended"]  # the sink did not wait
+    assert "setting_up_first" in capfd.readouterr().out
 
 
 def test_slow_consumer_blocks_producer_within_bound(ray_cluster):

@@ -35,6 +35,7 @@ def fresh_fakes(monkeypatch):
     monkeypatch.setattr(FakeDyingBackend, "CHECKPOINT", (1.0, 1.0))
     monkeypatch.setattr(FakeDyingBackend, "GONE", frozenset())
     monkeypatch.setattr(FakeDyingBackend, "START_GATE", None)
+    monkeypatch.setattr(FakeDyingBackend, "CACHE_TOKENS", None)
 
 
 def batch(batch_id: int, step: int = 2) -> PromptBatch:
@@ -89,6 +90,32 @@ def test_a_dead_engine_is_rebuilt_on_the_served_version_and_what_was_in_flight_g
         assert set(out.token_versions.ravel()) == {1}
     assert status["engine_restarts"] == 1 and status["reissued_batches"] == 3
     assert status["samples"] == 5 * 4  # batches 0..4, 4 samples each: none of the dead engine's counted
+
+
+def test_a_rebuilt_engine_gets_the_kv_cache_the_first_one_sized_for_itself(ray_cluster, monkeypatch):
+    """The first engine sized its cache itself (no ``rollout.kv_cache_gib``; on a GPU, by
+    profiling the device's free memory); the one rebuilt beside a running trainer is given
+    that size instead of profiling again. A cache the user sized stays the user's."""
+    from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes
+
+    monkeypatch.setattr(FakeDyingBackend, "CACHE_TOKENS", 4096)
+
+    async def scenario(rollout=None):
+        stage, _ = await started_stage(rollout)
+        stage.backend.kill()
+        await stage.process(batch(1))
+        result = stage.result()
+        await stage.shutdown()
+        return stage.shape, result
+
+    shape, result = asyncio.run(scenario())
+    first, rebuilt = FakeDyingBackend.built
+    made = estimate_kv_cache_bytes(shape, 4096) / 2**30
+    assert isinstance(shape, ModelShape) and first.kv_cache_gib is None
+    assert rebuilt.kv_cache_gib == pytest.approx(made) == result["kv_cache_gib"]
+    FakeDyingBackend.built.clear()
+    asyncio.run(scenario({"kv_cache_gib": 0.25}))
+    assert [b.kv_cache_gib for b in FakeDyingBackend.built] == [0.25, 0.25]
 
 
 def test_an_engine_dead_during_an_update_is_rebuilt_and_the_update_lands(ray_cluster):

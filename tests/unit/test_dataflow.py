@@ -75,3 +75,17 @@ def test_import_object_errors_name_the_path():
     with pytest.raises(ImportError, match="has no attribute 'nope'"):
         import_object("json:nope")
     assert import_object("json:dumps").__name__ == "dumps"
+
+
+def test_setups_run_in_waves_after_the_nodes_each_names():
+    df = chain("source", "rollout", "reward", "trainer")
+    assert df.setup_waves() == [["source", "rollout", "reward", "trainer"]]
+    df.nodes["trainer"].setup_after = ("rollout",)
+    df.nodes["reward"].setup_after = ("trainer",)
+    assert df.setup_waves() == [["source", "rollout"], ["trainer"], ["reward"]]
+    df.nodes["rollout"].setup_after = ("reward",)
+    with pytest.raises(GraphError, match=r"setup_after loops among \['reward', 'rollout', 'trainer'\]"):
+        df.setup_waves()
+    df.nodes["rollout"].setup_after = ("rolout",)
+    with pytest.raises(GraphError, match=r"node 'rollout': setup_after \['rolout'\] names no other node"):
+        df.setup_waves()

@@ -344,3 +344,24 @@ def test_placement_mps_is_decided_from_the_one_gpu_plan_before_any_actor_starts(
     monkeypatch.setattr(mps.shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match="placement.mps: true, but nvidia-cuda-mps-control is not on PATH"):
         launch.plan_run_placement(job(placement={"mps": True}))
+
+
+def test_stages_beside_a_vllm_that_profiles_its_cache_set_up_after_it(monkeypatch):
+    """Where the plan gives vLLM no cache size (the job's cache at 16,384 tokens a sample,
+    256 x 16,448 x 64 KiB x 1.25 = 321 GiB, fits no GPU), vLLM measures its cache from the
+    device's free memory while it starts: the trainer and the reference beside it set up
+    once the rollout is up. Where it is sized (the plan's or the user's), all start at once."""
+    FakeGpu(monkeypatch, 80)
+    cfg, plan = launch.plan_run_placement(job(rollout={"max_tokens": 16384}))
+    assert plan.split == "streaming" and cfg.rollout.kv_cache_gib is None
+    df = launch.build_dataflow(cfg, plan)
+    assert {n: node.setup_after for n, node in df.nodes.items() if node.setup_after} == {
+        "reference": ("rollout",), "trainer": ("rollout",)}
+    assert df.setup_waves() == [["source", "rollout", "reward"], ["reference", "trainer"]]
+    assert ("reference, trainer set up after the rollout: vLLM sizes its KV cache from the GPU's free memory while "
+            "it starts") in plan.notes[-1] and "rollout.kv_cache_gib" in plan.notes[-1]
+    for sized in (job(), job(rollout={"max_tokens": 16384, "kv_cache_gib": 20.0})):
+        cfg, plan = launch.plan_run_placement(sized)
+        df = launch.build_dataflow(cfg, plan)
+        assert cfg.rollout.kv_cache_gib is not None and len(df.setup_waves()) == 1
+        assert not any("set up after the rollout" in n for n in plan.notes)
