@@ -341,7 +341,7 @@ def pin_kv_cache(name: str, extra: tuple[str, ...], rows: dict[str, dict[str, An
     Why: where the plan leaves vLLM's cache unsized (a long tail's cache at the cap
     would not fit), vLLM sizes it from its share by profiling the device's memory, and
     what the trainer allocates beside it meanwhile is counted as vLLM's: rows of one
-    job have come out with caches 30% apart (docs/performance/longtail.md). A cache of
+    job have come out with different caches (docs/performance/longtail.md). A cache of
     a size the first row's vLLM made within the same share fits where that one did."""
     if name not in MODES or name == "colocate" or pin == "off":
         return None

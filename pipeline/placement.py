@@ -488,7 +488,7 @@ def order_setups(cfg: ConveyorConfig, plan: PlacementPlan) -> tuple[dict[str, tu
     it loads and profiles, and it measures that as the device's free memory falling (vLLM
     0.26 to 0.32): whatever a stage beside it on its GPU allocates meanwhile (the
     trainer's model, optimizer, compiled blocks) is counted as vLLM's and taken from its
-    cache. Rows of one job came out with caches 30% apart so. The stages that share a
+    cache (docs/performance/longtail.md). The stages that share a
     rollout GPU (trainer, reference, critic, reward model) therefore set up once the
     rollout's engines are up: the cache is then what vLLM's share gives, every launch.
     It costs their set-up time at launch (they no longer overlap vLLM's start), so it
