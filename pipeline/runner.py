@@ -278,11 +278,11 @@ async def _start(df: DataFlow, config: Any, controller: ControllerClient, taps: 
     graph.processes = dict(zip(keys, pids, strict=True))
     started = time.monotonic()
     timings: dict[tuple[str, int], Any] = {}
-    for wave in df.setup_waves():  # one wave unless a node sets up after others (Node.setup_after)
+    waves = df.setup_waves()  # one wave unless a node sets up after others (Node.setup_after)
+    for i, wave in enumerate(waves):
+        if i + 1 < len(waves):
+            log.info("setting_up_first", stages=wave, then=[n for later in waves[i + 1:] for n in later])
         now = [(n, r) for n, r in keys if n in wave]
-        later = sorted({n for n, _ in keys if n not in wave and n not in {m for m, _ in timings}})
-        if later:
-            log.info("setting_up_first", stages=sorted(wave), then=later)
         done = await _await_stages(graph, [(actors[n][r].setup.remote(controller), n) for n, r in now], "setting_up",
                                    probes=[(f"{n}:{r}", actors[n][r]) for n, r in now])
         timings.update(zip(now, done, strict=True))
