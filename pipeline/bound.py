@@ -1,6 +1,8 @@
 """What bounded a run, from what it measured, and the key that moves that bound (pure).
 
-At the end of a run (``summary.json``'s ``bound``, one console line) ``diagnose_bound``
+After the first steps (``BoundWindow``: ``summary.json``'s ``bound_early``, one console
+line, ``status.json``) and at the end of a run (``summary.json``'s ``bound``, one console
+line) ``diagnose_bound``
 reads the stages' busy shares and seconds by span kind, each rollout replica's vLLM
 scheduler (KV cache use, preemptions beyond the weight updates' recomputes, requests in
 flight), its KV admission and the trainer's allocator, and names:
@@ -36,10 +38,12 @@ the stage's busy seconds; ``MIN_SHARE``, ``FULL``, ``SLACK``):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeline.placement import job_sequences
+from pipeline.staleness import WARMUP_STEPS, WINDOW_STEPS
 
 MIN_BUSY = 0.5  # below this busy share no stage sets the pace
 MIN_SHARE = 0.1  # a wait under this share of a stage's busy time is not what bounds it
@@ -48,6 +52,8 @@ SLACK = 0.8  # a stage busy under this share had time to spare
 LOW_USE = 0.6  # KV cache use at most this share: the cache was mostly unused
 AT_LIMIT = 0.75  # requests in flight on average, of the most the job lets a worker have: at its limit
 PIPELINE_STAGES = ("rollout", "reward", "reference", "critic", "trainer")
+# A rollout's vLLM scheduler figures it reads (``engine`` of a rollout's status and result).
+SCHEDULER_FIGURES = ("kv_usage_mean", "kv_usage_max", "preemptions", "update_recomputes", "mean_requests")
 
 
 @dataclass(frozen=True)
@@ -185,3 +191,36 @@ def _trainer_bound(share: float, seconds: dict[str, float], engine: dict[str, fl
                      ["rollout.kv_cache_gib", "train.pass_tokens"])
     return Bound("trainer", share, "the trainer ran at its rate",
                  ["train.num_ranks", "train.compile=on", "model.lora.enabled=true"])
+
+
+class BoundWindow:
+    """The stages' time over the run's first steps after its warm-up, summed from each
+    step's aggregates (``pipeline.profiler.aggregate_spans``): the window the driver
+    reads a bound from early, steps ``WARMUP_STEPS + 1`` to ``WARMUP_STEPS +
+    WINDOW_STEPS`` (those of ``max_staleness: auto``), so a long run says what bounds it
+    after a few steps rather than at its end."""
+
+    def __init__(self, warmup: int = WARMUP_STEPS, steps: int = WINDOW_STEPS) -> None:
+        self.first, self.last = warmup + 1, warmup + steps
+        self._window_s = 0.0
+        self._busy: dict[str, float] = {}
+        self._seconds: dict[str, dict[str, float]] = {}
+
+    def add(self, step: int, aggregates: Mapping[str, Any]) -> bool:
+        """Step ``step`` (1 for the run's first) with its stages' ``StageTimes``; True at
+        the window's last step."""
+        if not self.first <= step <= self.last or not aggregates:
+            return False
+        self._window_s += next(iter(aggregates.values())).window_s
+        for name, t in aggregates.items():
+            self._busy[name] = self._busy.get(name, 0.0) + t.busy_ratio * t.window_s
+            into = self._seconds.setdefault(name, {})
+            for kind, secs in t.seconds.items():
+                into[kind] = into.get(kind, 0.0) + secs
+        return step == self.last
+
+    def stages(self) -> dict[str, dict[str, Any]]:
+        """``diagnose_bound``'s ``stages`` over the window: busy ratio and seconds by kind."""
+        window = self._window_s or 1.0
+        return {name: {"busy_ratio": busy / window, "seconds": dict(self._seconds[name])}
+                for name, busy in self._busy.items()}

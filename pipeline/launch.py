@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from pipeline.bound import diagnose_bound
+from pipeline.bound import BoundWindow, diagnose_bound
 from pipeline.checkpoint import CHECKPOINTS_DIR, find_latest_checkpoint, prepare_run_dir, reconcile_prompt_ids
 from pipeline.config import ConfigError, ConveyorConfig, to_dict
 from pipeline.dataflow import DataFlow
@@ -348,6 +348,10 @@ class Reporter:
         self.restarts: dict[str, int] = {}
         self._object_store = _ObjectStoreGauge()
         self.staleness = AutoStaleness(cfg.dataflow.max_staleness_cap) if cfg.auto_staleness else None
+        # What bounds the run, read after its first steps (pipeline/bound.py).
+        self.trainer_beside_rollout = False  # set by the launch from its plan
+        self._bound_window = BoundWindow()
+        self.bound_early: dict[str, Any] | None = None
         # Visible to ``conveyor status`` while actors are still starting.
         self._write_status({"trainer_version": 0, "served": {}, "status": {},
                             "ledger": {"in_flight": 0}}, {}, state="starting")
@@ -388,6 +392,8 @@ class Reporter:
                 await self.staleness.after_step(graph.controller, int(step["step"]),
                                                 self.staleness.measure(step, self._recent, (self._last_step_end, end)),
                                                 int(drain["max_staleness"]["current"]))
+            if self._bound_window.add(self.step_count + 1, agg):
+                self._read_bound_early(graph.stage_status, metrics)
             self._last_step_end = end
             self._recent = [sp for sp in self._recent if sp.end > end]
             # The row's time is the step's end (the trainer's clock), not this tick's.
@@ -406,6 +412,15 @@ class Reporter:
             self.writer.log_eval(result.version, result.metrics, at=result.time)
             self.evals.add(result)
         self._write_status({**drain, "status": graph.stage_status}, queues)
+
+    def _read_bound_early(self, stage_status: dict[str, dict[str, Any]], metrics: dict[str, Any]) -> None:
+        """The bound over the first steps after the warm-up (``BoundWindow``), logged once."""
+        window = self._bound_window
+        rollouts = [st for name, st in stage_status.items() if name.split(":")[0] == "rollout"]
+        bound = diagnose_bound(window.stages(), rollouts, self.cfg, self.trainer_beside_rollout,
+                               metrics.get("memory/trainer_alloc_retries", 0.0))
+        self.bound_early = {"steps": [window.first, window.last], **bound.to_dict()}
+        log.info(f"{bound.describe()} (steps {window.first} to {window.last})")
 
     def _write_status(self, drain: dict[str, Any], queues: dict[str, Any], state: str = "running") -> None:
         self._last_status = (drain, queues)
@@ -428,6 +443,7 @@ class Reporter:
             "restarts": self.restarts,
             "object_store_used_bytes": self._object_store.read(),
             "max_staleness": self.describe_staleness(drain),
+            "bound": self.bound_early,
         }
         tmp = self.run_dir / "status.json.tmp"
         tmp.write_text(json.dumps(status, default=str))
@@ -566,6 +582,7 @@ def _launch_once(cfg: ConveyorConfig, resumes: list[dict[str, Any]]) -> dict[str
         taps = record_taps(cfg, df)
         reporter = Reporter(cfg, run_dir)
         reporter.launched = launched
+        reporter.trainer_beside_rollout = plan.share_a_gpu("rollout", "trainer") and cfg.placement.mode != "colocate"
         reporter.mps = bool(gpu_env)
         # Read before this launch writes its own: the run's totals so far (a resume continues them).
         reporter.previous_summary = read_summary(run_dir) if cfg.run.resume_from else None
@@ -605,9 +622,7 @@ def _drive(cfg: ConveyorConfig, df: DataFlow, plan: PlacementPlan, run_dir: Path
         raise
     finally:
         reporter.close(ended)
-    # The trainer streams beside vLLM on a GPU: their memory split is what the bound may name.
-    beside = plan.share_a_gpu("rollout", "trainer") and cfg.placement.mode != "colocate"
-    return finish_run(cfg, run_dir, result, reporter, checks, resumes, trainer_beside_rollout=beside)
+    return finish_run(cfg, run_dir, result, reporter, checks, resumes)
 
 
 def describe_startup(runner: dict[str, Any], preflight_s: float, first_step_s: float) -> dict[str, Any]:
@@ -726,8 +741,7 @@ def summarise_faults(result: RunResult, resumes: list[dict[str, Any]] | None = N
 
 
 def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: Reporter,
-               checks: PreflightReport | None = None, resumes: list[dict[str, Any]] | None = None,
-               trainer_beside_rollout: bool = False) -> dict[str, Any]:
+               checks: PreflightReport | None = None, resumes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     df = build_dataflow(cfg)
     # Timeline rows in pipeline order; replica r > 0 of a node records as "<node>:<r>".
     order = [n if r == 0 else f"{n}:{r}" for n in df.topological_order() for r in range(df.nodes[n].replicas)]
@@ -793,9 +807,10 @@ def finish_run(cfg: ConveyorConfig, run_dir: Path, result: RunResult, reporter: 
            if cfg.eval.enabled else {}),
     }
     # What bounded the run and the key that moves it (pipeline/bound.py), from what it measured.
-    bound = diagnose_bound(summary["stages"], [r or {} for r in summary["rollout"]], cfg, trainer_beside_rollout,
+    bound = diagnose_bound(summary["stages"], [r or {} for r in summary["rollout"]], cfg, reporter.trainer_beside_rollout,
                            (reporter.last_step or {}).get("memory/trainer_alloc_retries", 0.0))
     summary["bound"] = bound.to_dict()
+    summary["bound_early"] = reporter.bound_early  # the same read after the first steps (None in a short run)
     write_summary(run_dir, add_run_totals(summary, reporter))
     if cfg.eval.enabled:
         plot_evals(read_metrics(run_dir), run_dir / EVAL_PICTURE)

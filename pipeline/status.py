@@ -110,7 +110,18 @@ def render_live(status: dict[str, Any]) -> Group:
         queues.add_column(col)
     for name, q in status.get("queues", {}).items():
         queues.add_row(name, str(q["depth"]), str(q["bound"]), f"{q['put_wait_s']:.1f}", f"{q['get_wait_s']:.1f}")
-    return Group(head, *describe_live_staleness(status.get("max_staleness")), stages, workers, queues)
+    return Group(head, *describe_live_staleness(status.get("max_staleness")), *describe_live_bound(status.get("bound")),
+                 stages, workers, queues)
+
+
+def describe_live_bound(bound: dict[str, Any] | None) -> list[str]:
+    """What bounded the run's first steps after its warm-up (``pipeline/bound.py``)."""
+    if not bound:
+        return []
+    first, last = bound["steps"]
+    head = (f"bound over steps {first} to {last}: {bound['stage']} ({bound['busy_share']:.0%} busy)"
+            if bound["stage"] else f"bound over steps {first} to {last}: no stage")
+    return [f"{head}: {bound['why']}" + (f"; try {', '.join(bound['change'])}" if bound["change"] else "")]
 
 
 def describe_live_staleness(board: dict[str, Any] | None) -> list[str]:

@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
+from pipeline.bound import SCHEDULER_FIGURES
 from pipeline.controller import resolve_payload
 from pipeline.memory.admission import ModelShape, estimate_kv_cache_bytes, expand_rollout_seq_lens
 from pipeline.memory.guard import MemoryGuard, build_pool_reading
@@ -673,22 +674,25 @@ class RolloutStage:
     def status(self) -> dict[str, Any]:
         colocate = ({"asleep": self.asleep, "sleeps": self.sleeps, "sleep_s_total": self.sleep_s_total,
                      "wake_s_total": self.wake_s_total} if self.colocated else {})
+        engine = getattr(self.backend, "engine_stats", lambda: None)()  # vLLM's in-process engine core
+        # Its scheduler's figures so far: what the driver's early bound reads (pipeline/bound.py).
+        scheduler = {k: engine[k] for k in SCHEDULER_FIGURES if k in engine} if engine else {}
         return {"state": "asleep" if self.asleep else "generating", "policy_version": self.backend.version,
                 "samples": self.generated_samples, "tokens": self.generated_tokens,
                 "engine_restarts": self.restarts.count, "reissued_batches": self.reissued_batches,
+                "kv_reserve": self.cfg.rollout.kv_reserve_policy, **({"engine": scheduler} if scheduler else {}),
                 **self.guard.status(), **colocate}
 
     def result(self) -> dict[str, Any]:
         trims = getattr(self.backend, "host_memory_trims", None)  # vLLM backend's (rollout.host_memory_trim_s)
         freed = getattr(self.backend, "sleep_freed_bytes", None)  # vLLM backend's, on a GPU
-        engine = getattr(self.backend, "engine_stats", lambda: None)()  # vLLM's in-process engine core
+        engine = getattr(self.backend, "engine_stats", lambda: None)()  # vLLM's in-process engine core: all of it
         return {**self.status(), "weight_updates": {"count": self.applied_count, "apply_s_total": self.apply_s_total,
                                                     "last": self.last_applied},
                 **({} if trims is None else {"host_memory_trims": trims, "host_memory_trimmed_mib":
                                              self.backend.host_memory_trimmed_bytes / 2**20}),
                 **({} if freed is None else {"sleep_freed_gib": {"min": freed[0] / 2**30, "max": freed[1] / 2**30}}),
                 **({} if engine is None else {"engine": engine}),
-                "kv_reserve": self.cfg.rollout.kv_reserve_policy,
                 "kv_cache_gib": self.kv_cache_bytes / 2**30,  # the cache the engine made (its blocks)
                 **({} if self.kv_admission_seqs is None else {"kv_admission_seqs": self.kv_admission_seqs}),
                 **({} if self.reserve_tokens is None else {"kv_reserve_tokens": self.reserve_tokens}),

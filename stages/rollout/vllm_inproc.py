@@ -92,10 +92,12 @@ class SchedulerProbe:
             self.unavailable = f"this vLLM's scheduler differs: {err!r}"
 
     def stats(self) -> dict[str, float]:
+        """The figures so far; safe to read from another thread while the stepper runs
+        (the live requests' dict is copied in one step, not iterated while it changes)."""
         if self.unavailable:
             return {}
         return {"kv_usage_mean": self.usage_sum / self.samples if self.samples else 0.0,
-                "kv_usage_max": self.usage_max, "preemptions": self.preempted_done + sum(self._live.values()),
+                "kv_usage_max": self.usage_max, "preemptions": self.preempted_done + sum(self._live.copy().values()),
                 "update_recomputes": self.update_recomputes}
 
 

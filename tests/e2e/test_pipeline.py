@@ -137,8 +137,12 @@ def test_run_outputs_are_written(streaming_run):
     bound = summary["bound"]
     assert bound["busy_share"] == pytest.approx(max(busy.values())), (bound, busy)
     assert bound["stage"] in (None, max(busy, key=busy.__getitem__)) and bound["why"], bound
+    # The same read after the first steps past the warm-up, in the summary and status.json.
+    early = summary["bound_early"]
+    assert early["steps"] == [3, 6] and early["why"] and early["stage"] in (None, *busy), early
     # status.json (what `conveyor status` reads) says the run ended, not "running".
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["bound"] == early
     # Each stage's own output (and its engine's) is in its log file, not on the console.
     logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
     assert {"source.log", "rollout.log", "reward.log", "reference.log", "trainer.log"} <= set(logs), sorted(logs)

@@ -110,3 +110,35 @@ def test_ties_go_to_the_rollout_and_an_idle_run_names_no_stage():
     assert (reward.stage, reward.change) == ("reward", ["reward.signature=batched"])
     # A backend without vLLM's scheduler: the rollout bound, its engine unread.
     assert diagnose_bound(stages(0.99, 0.5), [{}], cfg, shares_gpu=False).change == ["rollout.num_workers"]
+
+
+def test_the_early_window_sums_the_steps_after_the_warm_up_and_is_read_once():
+    """Steps 3 to 6 (warm-up 2, window 4), each a 10-s window: the rollout busy 10 s of
+    each, the trainer 2 s of the first two and 8 s of the last two (0.5 over the window);
+    the trainer's waits add up by kind. Steps outside the window count for nothing."""
+    from types import SimpleNamespace as NS
+
+    from pipeline.bound import BoundWindow
+
+    def step(trainer_busy: float) -> dict:
+        return {"rollout": NS(window_s=10.0, busy_ratio=1.0, seconds={"busy": 10.0, "wait_version": 1.0}),
+                "trainer": NS(window_s=10.0, busy_ratio=trainer_busy / 10, seconds={"busy": trainer_busy,
+                                                                                     "wait_input": 10 - trainer_busy})}
+
+    window = BoundWindow()
+    assert [window.add(i, step(b)) for i, b in enumerate((9, 9, 2, 2, 8, 8, 9), start=1)] == [
+        False, False, False, False, False, True, False]
+    got = window.stages()
+    assert got["rollout"] == {"busy_ratio": 1.0, "seconds": {"busy": 40.0, "wait_version": 4.0}}
+    assert got["trainer"]["busy_ratio"] == pytest.approx(0.5) and got["trainer"]["seconds"]["wait_input"] == 20.0
+    bound = diagnose_bound(got, [engine(0.5, 0.7)], load_config(LONGTAIL), shares_gpu=True)
+    assert bound.stage == "rollout" and bound.busy_share == 1.0
+
+
+def test_the_live_status_shows_the_early_bound():
+    from pipeline.status import describe_live_bound
+
+    assert describe_live_bound(None) == []
+    line = describe_live_bound({"steps": [3, 6], "stage": "trainer", "busy_share": 0.97,
+                                "why": "the trainer ran at its rate", "change": ["train.num_ranks"]})
+    assert line == ["bound over steps 3 to 6: trainer (97% busy): the trainer ran at its rate; try train.num_ranks"]
