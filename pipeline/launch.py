@@ -364,7 +364,9 @@ class Reporter:
         self.syncs.extend(drain["syncs"])
         # Only spans that can still overlap a future step window are kept here (the graph
         # keeps a bounded history for the trace), so a tick costs O(new spans).
-        self._recent.extend(await graph.collect_telemetry())
+        spans = await graph.collect_telemetry()
+        self._recent.extend(spans)
+        self._bound_window.add_spans(spans)
         queues = await graph.queue_stats() if drain["steps"] else {}
         if self._last_step_end is None and self._recent:
             self._last_step_end = min(s.start for s in self._recent)
@@ -392,8 +394,9 @@ class Reporter:
                 await self.staleness.after_step(graph.controller, int(step["step"]),
                                                 self.staleness.measure(step, self._recent, (self._last_step_end, end)),
                                                 int(drain["max_staleness"]["current"]))
-            if self._bound_window.add(self.step_count + 1, agg):
-                self._read_bound_early(graph.stage_status, metrics)
+            rollouts = [st for name, st in graph.stage_status.items() if name.split(":")[0] == "rollout"]
+            if self._bound_window.step_ended(self.step_count + 1, end, rollouts):
+                self._read_bound_early(metrics)
             self._last_step_end = end
             self._recent = [sp for sp in self._recent if sp.end > end]
             # The row's time is the step's end (the trainer's clock), not this tick's.
@@ -413,11 +416,10 @@ class Reporter:
             self.evals.add(result)
         self._write_status({**drain, "status": graph.stage_status}, queues)
 
-    def _read_bound_early(self, stage_status: dict[str, dict[str, Any]], metrics: dict[str, Any]) -> None:
+    def _read_bound_early(self, metrics: dict[str, Any]) -> None:
         """The bound over the first steps after the warm-up (``BoundWindow``), logged once."""
         window = self._bound_window
-        rollouts = [st for name, st in stage_status.items() if name.split(":")[0] == "rollout"]
-        bound = diagnose_bound(window.stages(), rollouts, self.cfg, self.trainer_beside_rollout,
+        bound = diagnose_bound(window.stages(), window.rollouts(), self.cfg, self.trainer_beside_rollout,
                                metrics.get("memory/trainer_alloc_retries", 0.0))
         self.bound_early = {"steps": [window.first, window.last], **bound.to_dict()}
         log.info(f"{bound.describe()} (steps {window.first} to {window.last})")

@@ -677,10 +677,12 @@ class RolloutStage:
         engine = getattr(self.backend, "engine_stats", lambda: None)()  # vLLM's in-process engine core
         # Its scheduler's figures so far: what the driver's early bound reads (pipeline/bound.py).
         scheduler = {k: engine[k] for k in SCHEDULER_FIGURES if k in engine} if engine else {}
+        levels = self.occupancy.seconds_at(time.time())  # since its first hand-over: the engine empty at 0
         return {"state": "asleep" if self.asleep else "generating", "policy_version": self.backend.version,
                 "samples": self.generated_samples, "tokens": self.generated_tokens,
                 "engine_restarts": self.restarts.count, "reissued_batches": self.reissued_batches,
                 "kv_reserve": self.cfg.rollout.kv_reserve_policy, **({"engine": scheduler} if scheduler else {}),
+                "engine_seconds": {"idle": levels.get(0, 0.0), "total": sum(levels.values())},
                 **self.guard.status(), **colocate}
 
     def result(self) -> dict[str, Any]:

@@ -112,27 +112,39 @@ def test_ties_go_to_the_rollout_and_an_idle_run_names_no_stage():
     assert diagnose_bound(stages(0.99, 0.5), [{}], cfg, shares_gpu=False).change == ["rollout.num_workers"]
 
 
-def test_the_early_window_sums_the_steps_after_the_warm_up_and_is_read_once():
-    """Steps 3 to 6 (warm-up 2, window 4), each a 10-s window: the rollout busy 10 s of
-    each, the trainer 2 s of the first two and 8 s of the last two (0.5 over the window);
-    the trainer's waits add up by kind. Steps outside the window count for nothing."""
-    from types import SimpleNamespace as NS
-
+def test_the_early_window_is_steps_3_to_6_read_two_steps_later_with_spans_that_ended_late():
+    """Steps end every 10 s (step 2 at t=20, step 6 at t=60). A rollout micro-batch busy
+    from t=15 to t=70 (waiting for weights 25..45) is reported when it ends, after step 6:
+    read at step 8 it counts, clipped to the window, as the whole window busy; a span
+    reported after the read counts for nothing. The engine's idle seconds are those
+    gained over the window."""
     from pipeline.bound import BoundWindow
+    from pipeline.types import Span
 
-    def step(trainer_busy: float) -> dict:
-        return {"rollout": NS(window_s=10.0, busy_ratio=1.0, seconds={"busy": 10.0, "wait_version": 1.0}),
-                "trainer": NS(window_s=10.0, busy_ratio=trainer_busy / 10, seconds={"busy": trainer_busy,
-                                                                                     "wait_input": 10 - trainer_busy})}
+    def span(stage, kind, start, end, batch):
+        return Span(stage=stage, kind=kind, start=start, end=end, batch_id=batch)
 
     window = BoundWindow()
-    assert [window.add(i, step(b)) for i, b in enumerate((9, 9, 2, 2, 8, 8, 9), start=1)] == [
-        False, False, False, False, False, True, False]
+    engine = {2: (5.0, 10.0), 6: (25.0, 50.0)}  # cumulative (idle, total) at those steps' ends
+    read = []
+    for step in range(1, 10):
+        if step == 7:
+            window.add_spans([span("rollout", "busy", 15.0, 70.0, 1), span("rollout", "wait_version", 25.0, 45.0, 1),
+                              span("trainer", "busy", 30.0, 50.0, 2), span("trainer", "busy", 5.0, 12.0, 0)])
+        if step == 9:
+            window.add_spans([span("trainer", "busy", 20.0, 60.0, 3)])  # after the read: not counted
+        idle, total = engine.get(step, (0.0, 0.0))
+        status = {"engine_seconds": {"idle": idle, "total": total}, "kv_reserve": "none"}
+        read.append(window.step_ended(step, 10.0 * step, [status]))
+    assert read == [False] * 7 + [True, False] and window.window == [20.0, 60.0]
     got = window.stages()
-    assert got["rollout"] == {"busy_ratio": 1.0, "seconds": {"busy": 40.0, "wait_version": 4.0}}
-    assert got["trainer"]["busy_ratio"] == pytest.approx(0.5) and got["trainer"]["seconds"]["wait_input"] == 20.0
-    bound = diagnose_bound(got, [engine(0.5, 0.7)], load_config(LONGTAIL), shares_gpu=True)
-    assert bound.stage == "rollout" and bound.busy_share == 1.0
+    assert got["rollout"]["busy_ratio"] == 1.0 and got["rollout"]["seconds"]["wait_version"] == 20.0
+    assert got["trainer"]["busy_ratio"] == 0.5  # 30..50 of 20..60; the span before the window is out
+    assert window.rollouts() == [{"engine_seconds": {"idle": 20.0, "total": 40.0}, "kv_reserve": "none"}]
+    bound = diagnose_bound(got, window.rollouts(), load_config(LONGTAIL), shares_gpu=True)
+    assert bound.stage == "rollout" and bound.change[0] == "dataflow.max_staleness=auto"
+    assert bound.why.startswith("vLLM had nothing in flight 50% of the time; micro-batches waited for newer weights "
+                                "(the staleness limit) 50% of the time")
 
 
 def test_the_live_status_shows_the_early_bound():
