@@ -147,6 +147,7 @@ def run_conveyor(mode: str, steps: int, root: Path, extra: tuple[str, ...] = (),
         "gpu_util": _mean([r.get("perf/gpu_util") for r in rows[WARMUP_STEPS:]]),
         "busy_ratio": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
         "bound": summary.get("bound"),  # the run's own reading: its bound, why, the keys to try
+        "bound_early": summary.get("bound_early"),  # the same over steps 3 to 6 (None in a shorter run)
         "weight_transport": summary["trainer"].get("weight_transport"),
         "weight_publish_s": summary["trainer"].get("weight_publish_s"),
         "gpu_free_gib_while_training": _mean([r.get("colocate/gpu_free_gib") for r in rows[WARMUP_STEPS:]]),

@@ -229,6 +229,7 @@ def run_conveyor_row(name: str, job: Job, root: Path, extra: tuple[str, ...] = (
         **compute_wall_rates(rows, per_step, warmup),
         "busy_share": {k: v["busy_ratio"] for k, v in summary["stages"].items()},
         "bound": summary.get("bound"),  # the run's own reading: its bound, why, the keys to try
+        "bound_early": summary.get("bound_early"),  # the same over steps 3 to 6 (None in a shorter run)
         # The trainer stage's seconds by span kind (busy; inside it wait_memory: admission
         # waiting for GPU memory) and its step in parts: where a trainer-bound row's time goes.
         "trainer_seconds": summary["stages"].get("trainer", {}).get("seconds"),
